@@ -1,0 +1,11 @@
+"""Doctest namespace: docstring examples may use ``jnp`` and ``np`` without importing them."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _doctest_names(doctest_namespace):
+    doctest_namespace["jnp"] = jnp
+    doctest_namespace["np"] = np

@@ -1,0 +1,58 @@
+"""The project's promises outside the math: README commands and quickstart, CI, layering, Colab."""
+
+import json
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _fenced_blocks(text, language):
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_opens_with_the_two_commands_and_ci_runs_them():
+    readme = (ROOT / "README.md").read_text()
+    first = _fenced_blocks(readme, "bash")[0].strip().splitlines()
+    assert len(first) == 2
+    assert "benchmarks/" in first[0] or "posenc-bench" in first[0]
+    assert "pytest" in first[1]
+    assert readme.index("```bash") < readme.index("## "), "the commands must come before any section"
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "README.md" in ci and "python3 -m venv" in ci
+
+
+def test_readme_quickstart_runs():
+    readme = (ROOT / "README.md").read_text()
+    (quickstart,) = _fenced_blocks(readme, "python")
+    result = subprocess.run([sys.executable, "-c", quickstart], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert lines[0] == "(2, 16, 8, 64) bfloat16"
+    assert float(lines[1]) == 0.0
+
+
+def test_functional_layer_imports_no_flax():
+    code = "import sys, posenc_jax.functional, posenc_jax.reference; print(sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax', 'orbax')))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_colab_runs_on_cpu():
+    notebook = json.loads((ROOT / "colabs" / "quickstart.ipynb").read_text())
+    source = "\n".join("".join(cell["source"]) for cell in notebook["cells"] if cell["cell_type"] == "code")
+    source = "import matplotlib\nmatplotlib.use('Agg')\n" + source
+    result = subprocess.run([sys.executable, "-c", source], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert "(2, 64, 8, 64) bfloat16" in result.stdout
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
+def test_benchmark_scripts_have_a_working_help(script):
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
