@@ -12,7 +12,9 @@ design in this order:
 5. ``out = weights · v`` plus every ``values(weights, query_positions, key_positions)`` term.
 
 An encoding is any object with some of the methods ``rotate``, ``logits`` and
-``values``; it may declare the hooks it fills in a ``hooks`` class attribute.
+``values`` (a hook may return None to add nothing); it may declare the hooks it
+fills in a ``hooks`` class attribute, and a ``score_scale(head_dim)`` method when
+its method prescribes the content-score scale (DeBERTa's ``1/√(3H)``).
 Logits terms are added to the *already scaled* scores: a term bilinear in q
 (Shaw, Transformer-XL) applies its own scale, a bias (T5, ALiBi) is added as is.
 
@@ -23,7 +25,9 @@ head n // (N / K)), H head dim.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +36,7 @@ import numpy as np
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
 from posenc_jax.functional.positions import check_positions
 
-__all__ = ["dot_product_attention", "softmax_weights"]
+__all__ = ["SharedBias", "dot_product_attention", "softmax_weights"]
 
 _ATTENTION_HOOKS = ("rotate", "logits", "values")
 
@@ -61,6 +65,25 @@ def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return unnormalized / jnp.where(total > 0, total, 1.0)
 
 
+@dataclasses.dataclass(frozen=True)
+class SharedBias:
+    """A bias computed once per forward and added by every layer (a ``logits`` hook).
+
+    T5 and the other Toeplitz biases depend only on positions, so a model
+    computes ``bias = T5Bias(table).bias(q_pos, k_pos)`` once and passes
+    ``SharedBias(bias)`` to each layer's attention.
+
+    Args:
+      bias: float array broadcastable to ``[B, N, T, S]``.
+    """
+
+    bias: jax.Array
+    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+
+    def logits(self, q, k, query_positions, key_positions):
+        return self.bias
+
+
 def _hooks_of(encoding) -> tuple[Callable | None, Callable | None, Callable | None]:
     declared = getattr(encoding, "hooks", None)
     found = tuple(getattr(encoding, name, None) for name in _ATTENTION_HOOKS)
@@ -76,6 +99,12 @@ def _hooks_of(encoding) -> tuple[Callable | None, Callable | None, Callable | No
             f"to dot_product_attention must define at least one"
         )
     return found
+
+
+def _as_scores(term: jax.Array, ndim: int) -> jax.Array:
+    """A logits term as float32, left-padded to the rank of the [B, N, T, S] scores."""
+    term = term.astype(jnp.float32)
+    return term.reshape((1,) * (ndim - term.ndim) + term.shape) if term.ndim < ndim else term
 
 
 def _check_shapes(query, key, value):
@@ -146,7 +175,7 @@ def dot_product_attention(
       query_segment_ids, key_segment_ids: integer ``[B, T]`` / ``[B, S]``; a query
         attends only to keys of the same segment (packed sequences).
       mask: extra boolean mask broadcastable to ``[B, N, T, S]``, True = attend.
-      scale: score scale, default ``1/√H``.
+      scale: score scale; default ``1/√H``, or the scale an encoding prescribes.
       dropout_rate: dropout on the attention weights (needs ``dropout_rng``).
       dropout_rng: PRNG key for dropout.
       return_weights: also return the ``[B, N, T, S]`` float32 weights.
@@ -200,7 +229,14 @@ def dot_product_attention(
             query, key = rotate(query, key, query_positions, key_positions)
 
     if scale is None:
-        scale = 1.0 / np.sqrt(head_dim)
+        prescribed = {
+            float(encoding.score_scale(head_dim)) for encoding in encodings if hasattr(encoding, "score_scale")
+        }
+        if len(prescribed) > 1:
+            raise ValueError(
+                f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly"
+            )
+        scale = prescribed.pop() if prescribed else 1.0 / np.sqrt(head_dim)
     if groups == 1:
         scores = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
     else:
@@ -209,8 +245,9 @@ def dot_product_attention(
         scores = scores.reshape(batch, num_heads, q_len, k_len)
     scores = scores * jnp.float32(scale)
     for _, logits, _ in hooks:
-        if logits is not None:
-            scores = scores + logits(query, key, query_positions, key_positions).astype(jnp.float32)
+        term = None if logits is None else logits(query, key, query_positions, key_positions)
+        if term is not None:
+            scores = scores + _as_scores(term, scores.ndim)
 
     full_mask = combine_masks(
         causal_mask(query_positions, key_positions) if causal else None,
@@ -237,8 +274,9 @@ def dot_product_attention(
         out = jnp.einsum("BKGTS,BSKH->BTKGH", grouped_w, value, preferred_element_type=jnp.float32)
         out = out.reshape(batch, q_len, num_heads, value.shape[3])
     for _, _, values in hooks:
-        if values is not None:
-            out = out + values(weights_used, query_positions, key_positions).astype(jnp.float32)
+        term = None if values is None else values(weights_used, query_positions, key_positions)
+        if term is not None:
+            out = out + term.astype(jnp.float32)
     out = out.astype(query.dtype)
 
     if unbatched:

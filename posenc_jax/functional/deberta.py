@@ -1,0 +1,185 @@
+"""DeBERTa disentangled attention: content-to-position and position-to-content (He et al. 2021).
+
+``logits[t, s] = scale · [ q_t·k_s + q_t·K_r[δ(t, s)] + k_s·Q_r[δ(t, s)] ]``,
+``scale = 1/√(H · (1 + number of position terms))`` (``1/√(3H)`` with both).
+
+``K_r`` and ``Q_r`` (``[2·span, N, H]``) are the shared relative embeddings
+projected by the key and query projections. The slot follows DeBERTa's
+reference code: the relative position is query minus key (i - j),
+optionally log-bucketed (DeBERTa-v2 ``make_log_bucket_position``), and
+``δ = clip(rel + span, 0, 2·span - 1)``. The position-to-content term uses the
+key-to-query distance negated, which for DeBERTa's odd bucketing is the same
+slot. The content term is the attention's own score; this hook adds the
+other two and prescribes the ``score_scale`` for all three.
+
+Fast path: ``q · K_rᵀ`` (``[B, N, T, 2·span]``) and ``k · Q_rᵀ``
+(``[B, N, S, 2·span]``), each gathered to ``[B, N, T, S]``; no ``[T, S, H]`` tensor.
+
+Reference: He, Liu, Gao and Chen, "DeBERTa: Decoding-enhanced BERT with
+Disentangled Attention", ICLR 2021, arXiv:2006.03654.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.relative import gather_relative, gather_relative_transposed, relative_positions
+
+__all__ = ["DeBERTa", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
+
+_TERMS = ("c2p", "p2c")
+
+
+def deberta_log_bucket(relative_position, *, bucket_size: int, max_position: int):
+    """DeBERTa-v2's ``make_log_bucket_position``: exact within ±bucket_size/2, log-spaced beyond.
+
+    ``sign(r) · (ceil(log(|r| / mid) / log((max_position - 1) / mid) · (mid - 1)) + mid)``
+    for ``|r| > mid = bucket_size // 2``, and ``r`` itself otherwise; in float32 as the
+    reference computes it.
+
+    Example:
+      >>> deberta_log_bucket(jnp.array([-300, -5, 0, 5, 300]), bucket_size=256, max_position=512)
+      Array([-207,   -5,    0,    5,  207], dtype=int32)
+    """
+    if not isinstance(bucket_size, (int, np.integer)) or bucket_size < 4:
+        raise ValueError(f"bucket_size must be an integer >= 4, got {bucket_size!r}")
+    mid = bucket_size // 2
+    if not isinstance(max_position, (int, np.integer)) or max_position - 1 <= mid:
+        raise ValueError(f"max_position must be an integer > bucket_size // 2 + 1 = {mid + 1}, got {max_position!r}")
+    rel = jnp.asarray(relative_position, jnp.int32)
+    sign = jnp.sign(rel)
+    abs_pos = jnp.where((rel < mid) & (rel > -mid), mid - 1, jnp.abs(rel))
+    log_pos = (
+        jnp.ceil(
+            jnp.log(abs_pos.astype(jnp.float32) / jnp.float32(mid))
+            / jnp.float32(math.log((max_position - 1) / mid))
+            * jnp.float32(mid - 1)
+        ).astype(jnp.int32)
+        + mid
+    )
+    return jnp.where(abs_pos <= mid, rel, log_pos * sign)
+
+
+def deberta_relative_index(
+    query_positions, key_positions, *, span: int, position_buckets: int = 0, max_relative_positions: int = 512
+):
+    """DeBERTa's slot ``clip(bucket(query_pos - key_pos) + span, 0, 2·span - 1)``, ``[B|1, T, S]``."""
+    if not isinstance(span, (int, np.integer)) or span < 1:
+        raise ValueError(f"span must be an integer >= 1, got {span!r}")
+    rel = -relative_positions(query_positions, key_positions)  # query minus key
+    if position_buckets > 0:
+        rel = deberta_log_bucket(rel, bucket_size=position_buckets, max_position=max_relative_positions)
+    return jnp.clip(rel + span, 0, 2 * span - 1)
+
+
+def deberta_logits(
+    q,
+    k,
+    query_positions,
+    key_positions,
+    *,
+    pos_query,
+    pos_key,
+    span: int,
+    position_buckets: int = 0,
+    max_relative_positions: int = 512,
+    terms: tuple[str, ...] = _TERMS,
+    scale: float | None = None,
+):
+    """DeBERTa's c2p and p2c terms, ``[B, N, T, S]`` float32, already scaled.
+
+    Args:
+      q: ``[B, T, N, H]``; k: ``[B, S, K, H]`` (N a multiple of K).
+      query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
+      pos_query: ``Q_r`` ``[2·span, N, H]`` (relative embeddings through the query projection).
+      pos_key: ``K_r`` ``[2·span, N, H]`` (through the key projection).
+      span: attention span (``position_buckets`` if > 0, else ``max_relative_positions``, in DeBERTa-v2).
+      position_buckets: log-bucket size; 0 for raw clipped distances.
+      max_relative_positions: the log buckets' reach.
+      terms: any of ``"c2p"``, ``"p2c"``.
+      scale: default ``1/√(H · (1 + len(terms)))``.
+
+    Example:
+      >>> q = jnp.ones((1, 3, 2, 4)); r = jnp.ones((8, 2, 4))
+      >>> deberta_logits(q, q, jnp.arange(3), jnp.arange(3), pos_query=r, pos_key=r, span=4).shape
+      (1, 2, 3, 3)
+    """
+    terms = _check_terms(terms)
+    head_dim, num_heads = q.shape[-1], q.shape[-2]
+    for name, table in (("pos_query", pos_query), ("pos_key", pos_key)):
+        if tuple(np.shape(table)) != (2 * span, num_heads, head_dim):
+            raise ValueError(
+                f"{name} must have shape [2*span={2 * span}, N={num_heads}, H={head_dim}], got {np.shape(table)}; "
+                f"its length must match the span"
+            )
+    if scale is None:
+        scale = _score_scale(head_dim, terms)
+    index = deberta_relative_index(
+        query_positions, key_positions, span=span, position_buckets=position_buckets,
+        max_relative_positions=max_relative_positions,
+    )
+    out = jnp.zeros((), jnp.float32)
+    if "c2p" in terms:
+        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)
+        out = gather_relative(c2p, index)
+    if "p2c" in terms:
+        keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+        p2c = jnp.einsum("BSNH,RNH->BNSR", keys, pos_query, preferred_element_type=jnp.float32)
+        p2c = gather_relative_transposed(p2c, index)
+        out = p2c if "c2p" not in terms else out + p2c
+    return out * jnp.float32(scale)
+
+
+def _check_terms(terms):
+    terms = tuple(terms)
+    if not terms or any(t not in _TERMS for t in terms):
+        raise ValueError(f"terms must be a non-empty subset of {_TERMS}, got {terms!r}")
+    return terms
+
+
+def _score_scale(head_dim: int, terms) -> float:
+    return 1.0 / math.sqrt(head_dim * (1 + len(terms)))
+
+
+@dataclasses.dataclass(frozen=True)
+class DeBERTa:
+    """DeBERTa disentangled attention as a ``logits`` hook that also sets the score scale.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> rel = jnp.zeros((8, 2, 8))
+      >>> deb = DeBERTa(pos_query=rel, pos_key=rel, span=4)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, encodings=[deb]).shape
+      (1, 4, 2, 8)
+    """
+
+    pos_query: jax.Array
+    pos_key: jax.Array
+    span: int
+    position_buckets: int = 0
+    max_relative_positions: int = 512
+    terms: tuple[str, ...] = _TERMS
+    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+
+    def __post_init__(self):
+        _check_terms(self.terms)
+        if not isinstance(self.span, (int, np.integer)) or self.span < 1:
+            raise ValueError(f"span must be an integer >= 1, got {self.span!r}")
+
+    def score_scale(self, head_dim: int) -> float:
+        """``1/√(H · (1 + number of position terms))``, for the content score too."""
+        return _score_scale(head_dim, self.terms)
+
+    def logits(self, q, k, query_positions, key_positions):
+        return deberta_logits(
+            q, k, query_positions, key_positions, pos_query=self.pos_query, pos_key=self.pos_key,
+            span=self.span, position_buckets=self.position_buckets,
+            max_relative_positions=self.max_relative_positions, terms=self.terms,
+        )

@@ -1,0 +1,132 @@
+"""Relative positions and the gather/scatter patterns every relative encoding shares.
+
+Convention: the relative distance of query t and key s is ``key_pos[s] - query_pos[t]``
+(j - i), as in T5's reference code. A key in the past has a negative distance.
+
+Positions are explicit arrays, so they may have offsets and gaps; the distance
+matrix is then not Toeplitz in the array indices. The memory-lean patterns here
+hold for any positions and never build a ``[T, S, H]`` tensor:
+
+* a table indexed by clipped distance (``[..., 2k+1]`` values per query row) is
+  expanded to ``[..., T, S]`` by a gather (:func:`gather_relative`);
+* attention weights are summed into ``[..., T, 2k+1]`` buckets by a scatter-add
+  (:func:`bucket_relative`), the transpose of that gather.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.positions import check_positions
+
+__all__ = [
+    "bucket_relative",
+    "check_max_distance",
+    "clipped_relative_index",
+    "expand_relative_bias",
+    "gather_relative",
+    "gather_relative_transposed",
+    "relative_positions",
+]
+
+
+def relative_positions(query_positions, key_positions) -> jax.Array:
+    """``rel[b, t, s] = key_pos[b, s] - query_pos[b, t]`` (j - i), int32 ``[B|1, T, S]``.
+
+    Example:
+      >>> relative_positions(jnp.arange(3), jnp.arange(4))[0]
+      Array([[ 0,  1,  2,  3],
+             [-1,  0,  1,  2],
+             [-2, -1,  0,  1]], dtype=int32)
+    """
+    q = check_positions(query_positions, "query_positions")
+    k = check_positions(key_positions, "key_positions")
+    q = q if q.ndim == 2 else q[None]
+    k = k if k.ndim == 2 else k[None]
+    return k[:, None, :] - q[:, :, None]
+
+
+def check_max_distance(max_distance, name: str = "max_distance") -> int:
+    """Validates a clip distance k >= 1 and returns it as an int."""
+    if not isinstance(max_distance, (int, np.integer)) or isinstance(max_distance, bool) or max_distance < 1:
+        raise ValueError(
+            f"{name} must be an integer >= 1 (distances are clipped to [-{name}, {name}]), got {max_distance!r}"
+        )
+    return int(max_distance)
+
+
+def clipped_relative_index(query_positions, key_positions, max_distance: int, *, sign: int = 1) -> jax.Array:
+    """``clip(sign · (key_pos - query_pos), -k, k) + k``, int32 ``[B|1, T, S]`` in ``[0, 2k]``.
+
+    ``sign=-1`` gives the query-minus-key convention (i - j) of Transformer-XL and DeBERTa.
+    """
+    k = check_max_distance(max_distance)
+    rel = relative_positions(query_positions, key_positions)
+    return jnp.clip(sign * rel, -k, k) + k
+
+
+def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
+    """Expands per-distance scores to ``[B, N, T, S]``: ``out[b,n,t,s] = x[b,n,t,index[b,t,s]]``.
+
+    Args:
+      per_distance: ``[B, N, T, R]`` values for each query and each of R relative slots.
+      index: int ``[B|1, T, S]`` slot of every (query, key) pair.
+    """
+    return jnp.take_along_axis(per_distance, index[:, None, :, :], axis=-1, mode="clip")
+
+
+def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax.Array:
+    """``out[b,n,t,s] = x[b,n,s,index[b,t,s]]`` for key-side values ``x`` ``[B, N, S, R]``."""
+    return jnp.take_along_axis(jnp.swapaxes(per_distance, -1, -2), index[:, None, :, :], axis=-2, mode="clip")
+
+
+def bucket_relative(weights: jax.Array, index: jax.Array, num_slots: int, *, block_elements: int = 1 << 20) -> jax.Array:
+    """Sums attention weights by relative slot: ``out[b,n,t,r] = Σ_{s: index[b,t,s]=r} w[b,n,t,s]``.
+
+    The transpose of :func:`gather_relative`: ``[B, N, T, S]`` weights become
+    ``[B, N, T, R]`` without a ``[T, S, R]`` one-hot. Rows are processed in blocks
+    of about ``block_elements`` weights, so the scatter's temporaries stay a
+    small fraction of one ``[T, S]`` array.
+
+    Args:
+      weights: ``[B, N, T, S]`` attention weights.
+      index: int ``[B|1, T, S]`` slot of every (query, key) pair, in ``[0, R)``.
+      num_slots: R.
+      block_elements: scatter temporaries budget, in elements.
+    """
+    batch, heads, q_len, k_len = weights.shape
+    rows = int(max(1, min(q_len, block_elements // max(1, batch * heads * k_len))))
+    num_blocks = -(-q_len // rows)
+
+    def block_sum(start):
+        w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)  # [B, N, rows, S]
+        idx = jax.lax.dynamic_slice_in_dim(index, start, rows, axis=1)  # [B|1, rows, S]
+        flat_row = jnp.arange(batch * heads * rows, dtype=jnp.int32).reshape(batch, heads, rows, 1)
+        segment = (flat_row * num_slots + idx[:, None]).reshape(-1)
+        summed = jax.ops.segment_sum(w.reshape(-1), segment, num_segments=batch * heads * rows * num_slots)
+        return summed.reshape(batch, heads, rows, num_slots)
+
+    if num_blocks == 1:
+        return block_sum(0)
+
+    def body(block, out):
+        # The last block is shifted back to stay in bounds; its overlap rewrites equal values.
+        start = jnp.minimum(block * rows, q_len - rows)
+        return jax.lax.dynamic_update_slice_in_dim(out, block_sum(start), start, axis=2)
+
+    out = jnp.zeros((batch, heads, q_len, num_slots), weights.dtype)
+    return jax.lax.fori_loop(0, num_blocks, body, out)
+
+
+def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions, max_distance: int) -> jax.Array:
+    """Expands per-distance biases ``[N, 2k+1]`` to ``[B|1, N, T, S]``.
+
+    ``bias[b, n, t, s] = per_distance[n, clip(key_pos - query_pos, -k, k) + k]``:
+    the Toeplitz pattern of T5 and learned clipped biases, computed once from
+    ``2k+1`` distinct values and expanded by a gather, for any positions.
+    """
+    index = clipped_relative_index(query_positions, key_positions, max_distance)  # [B|1, T, S]
+    bias = jnp.take(per_distance.astype(jnp.float32), index, axis=1, mode="clip")  # [N, B|1, T, S]
+    return jnp.moveaxis(bias, 0, 1)

@@ -1,0 +1,111 @@
+"""Functional (sinusoidal) relative encoding: a fixed sinusoid of the distance as R.
+
+``logits[t, s] = scale · q_t · PE(key_pos[s] - query_pos[t])`` where ``PE`` is the
+parameter-free sinusoidal table of seed 002 evaluated at the relative distance
+(seed 003's functional relative encoding, used as Shaw's R without parameters).
+
+Computed without any ``[T, S, H]`` tensor, exactly, for any positions: with
+``α = query_pos · ω`` and ``β = key_pos · ω``, ``sin(β - α)`` and ``cos(β - α)``
+expand into products of per-query and per-key sines and cosines, so
+``g_t · PE(β - α)`` becomes one ``[T, H] × [H, S]`` contraction of rotated query
+features with the keys' sinusoids. Transformer-XL's position term uses the same
+identity with the other sign (query minus key).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
+
+__all__ = ["SinusoidalRelative", "sinusoidal_relative_logits"]
+
+
+def _batched(x):
+    return x if x.ndim == 3 else x[None]
+
+
+def sinusoidal_relative_logits(
+    g: jax.Array,
+    query_positions,
+    key_positions,
+    *,
+    sign: int = 1,
+    layout: Literal["interleaved", "half"] = "interleaved",
+    base: float = 10000.0,
+) -> jax.Array:
+    """``out[b, n, t, s] = g[b, t, n] · PE(sign · (key_pos[s] - query_pos[t]))``, ``[B, N, T, S]``.
+
+    ``PE(d)`` is the sinusoidal encoding of width D at distance d: sines and
+    cosines of ``d · base**(-2i/D)``, interleaved (``[sin, cos, sin, cos, ...]``,
+    seed 002) or concatenated (``[sin..., cos...]``, Transformer-XL).
+
+    Args:
+      g: ``[B, T, N, D]`` per-query coefficients (D even).
+      query_positions, key_positions: integer ``[T]``/``[B, T]`` and ``[S]``/``[B, S]``.
+      sign: +1 for key minus query (j - i), -1 for query minus key (i - j).
+      layout: where the sines and cosines sit in D.
+      base: wavelength base.
+
+    Returns:
+      ``[B, N, T, S]`` float32; no ``[T, S, D]`` tensor is formed.
+
+    Example:
+      >>> g = jnp.ones((1, 3, 2, 8))
+      >>> sinusoidal_relative_logits(g, jnp.arange(3), jnp.arange(5)).shape
+      (1, 2, 3, 5)
+    """
+    if sign not in (1, -1):
+        raise ValueError(f"sign must be +1 (key - query) or -1 (query - key), got {sign!r}")
+    if layout not in ("interleaved", "half"):
+        raise ValueError(f"layout must be 'interleaved' or 'half', got {layout!r}")
+    dim = g.shape[-1]
+    if dim % 2:
+        raise ValueError(f"the sinusoid width must be even, got {dim}")
+    freq = inverse_frequencies(dim, base=base)
+    alpha = _batched(position_angles(check_positions(query_positions, "query_positions"), freq))  # [B|1, T, F]
+    beta = _batched(position_angles(check_positions(key_positions, "key_positions"), freq))  # [B|1, S, F]
+    g = g.astype(jnp.float32)
+    if layout == "interleaved":
+        g_sin, g_cos = g[..., 0::2], g[..., 1::2]
+    else:
+        g_sin, g_cos = g[..., : dim // 2], g[..., dim // 2 :]
+    g_sin = sign * g_sin  # sin(sign·x) = sign·sin(x); cos is even.
+    cos_a, sin_a = jnp.cos(alpha)[:, :, None, :], jnp.sin(alpha)[:, :, None, :]  # [B|1, T, 1, F]
+    # g·PE(β-α) = Σ_f sin β_f (g_sin cos α_f + g_cos sin α_f) + cos β_f (g_cos cos α_f - g_sin sin α_f)
+    coef_sin = g_sin * cos_a + g_cos * sin_a  # [B, T, N, F]
+    coef_cos = g_cos * cos_a - g_sin * sin_a
+    coef = jnp.concatenate([coef_sin, coef_cos], axis=-1)  # [B, T, N, 2F]
+    key_features = jnp.concatenate([jnp.sin(beta), jnp.cos(beta)], axis=-1)  # [B|1, S, 2F]
+    key_features = jnp.broadcast_to(key_features, (coef.shape[0],) + key_features.shape[1:])
+    return jnp.einsum("BTNF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class SinusoidalRelative:
+    """Parameter-free functional relative encoding as a ``logits`` hook (seed 003).
+
+    ``logits[t, s] = scale · q_t · PE(key_pos[s] - query_pos[t])`` with ``PE`` the
+    interleaved sinusoidal table of width H; ``scale`` defaults to ``1/√H``.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 5, 2, 8)); pos = jnp.arange(5)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[SinusoidalRelative()]).shape
+      (1, 5, 2, 8)
+    """
+
+    base: float = 10000.0
+    scale: float | None = None
+    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+
+    def logits(self, q, k, query_positions, key_positions):
+        scale = 1.0 / np.sqrt(q.shape[-1]) if self.scale is None else self.scale
+        term = sinusoidal_relative_logits(q, query_positions, key_positions, base=self.base)
+        return term * jnp.float32(scale)

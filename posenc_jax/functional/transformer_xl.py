@@ -1,0 +1,150 @@
+"""Transformer-XL / XLNet relative attention (Dai et al. 2019, appendix B).
+
+``logits[t, s] = scale · [ q_t·k_s + q_t·W_R R_{t-s} + u·k_s + v·W_R R_{t-s} ]``
+
+(a) content, (b) content-position, (c) global content bias u, (d) global
+position bias v. ``R_d`` is the sinusoidal encoding of the distance
+``d = query_pos - key_pos`` (i - j, Transformer-XL's sign) in Transformer-XL's
+concatenated layout ``[sin..., cos...]``, projected per head by ``W_R``
+(``[D, N, H]``). Term (a) is the attention's own score; this hook adds (b)-(d).
+
+Fast path: (b) + (d) is ``((q_t + v) W_Rᵀ) · R_{t-s}``, evaluated with the
+sinusoid product identity of :mod:`posenc_jax.functional.sinusoidal_relative`,
+exact for any positions (caches, memory segments, gaps) and with no
+``[T, S, H]`` tensor. :func:`rel_shift` is the paper's pad-reshape-slice
+shift, for code that computes position scores against a ``[S]`` ladder of
+distances as the original implementation does.
+
+Reference: Dai et al., "Transformer-XL: Attentive Language Models beyond a
+Fixed-Length Context", ACL 2019, arXiv:1901.02860; Yang et al., "XLNet", 2019,
+arXiv:1906.08237.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.sinusoidal_relative import sinusoidal_relative_logits
+
+__all__ = ["TransformerXL", "rel_shift", "transformer_xl_logits"]
+
+
+def rel_shift(x: jax.Array) -> jax.Array:
+    """Transformer-XL's relative shift: pad one zero column, reshape, drop a row, reshape.
+
+    Input ``x[..., t, c]`` holds scores against distance ``S - 1 - c`` (the ladder
+    ``S-1, ..., 1, 0``) for queries that are the last T of S consecutive keys.
+    Output ``y[..., t, s]`` holds the score at distance ``(S - T + t) - s``, the
+    query-minus-key distance of query t and key s. Entries with ``s > S - T + t``
+    (future keys) are filler and must be masked, as in the paper.
+
+    Args:
+      x: ``[..., T, S]`` with ``T <= S``.
+
+    Returns:
+      ``[..., T, S]``.
+    """
+    *lead, q_len, k_len = x.shape
+    if q_len > k_len:
+        raise ValueError(f"rel_shift needs T <= S (queries are the last T keys), got T={q_len}, S={k_len}")
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, 0), (1, 0)])  # [..., T, S+1]
+    padded = padded.reshape(*lead, k_len + 1, q_len)
+    return padded[..., 1:, :].reshape(*lead, q_len, k_len)
+
+
+def _check_params(q, position_projection, content_bias, position_bias):
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    if np.ndim(position_projection) != 3 or tuple(np.shape(position_projection)[1:]) != (num_heads, head_dim):
+        raise ValueError(
+            f"position_projection W_R must have shape [D, N={num_heads}, H={head_dim}], got {np.shape(position_projection)}"
+        )
+    if np.shape(position_projection)[0] % 2:
+        raise ValueError(f"the relative sinusoid width D must be even, got {np.shape(position_projection)[0]}")
+    for name, bias in (("content_bias u", content_bias), ("position_bias v", position_bias)):
+        if tuple(np.shape(bias)) != (num_heads, head_dim):
+            raise ValueError(f"{name} must have shape [N={num_heads}, H={head_dim}], got {np.shape(bias)}")
+
+
+def transformer_xl_logits(
+    q,
+    k,
+    query_positions,
+    key_positions,
+    *,
+    position_projection,
+    content_bias,
+    position_bias,
+    scale: float | None = None,
+    base: float = 10000.0,
+):
+    """Terms (b) + (c) + (d) of Transformer-XL attention, ``[B, N, T, S]`` float32.
+
+    Args:
+      q: ``[B, T, N, H]`` queries; k: ``[B, S, K, H]`` keys (N a multiple of K).
+      query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``; keys
+        may be longer than queries (memory from earlier segments).
+      position_projection: ``W_R`` ``[D, N, H]`` projecting the width-D sinusoid per head.
+      content_bias: ``u`` ``[N, H]``; position_bias: ``v`` ``[N, H]``.
+      scale: default ``1/√H`` (the paper scales all four terms together).
+      base: sinusoid base.
+
+    Example:
+      >>> q = jnp.ones((1, 3, 2, 4)); k = jnp.ones((1, 5, 2, 4))
+      >>> out = transformer_xl_logits(q, k, jnp.arange(2, 5), jnp.arange(5),
+      ...     position_projection=jnp.ones((6, 2, 4)), content_bias=jnp.ones((2, 4)),
+      ...     position_bias=jnp.ones((2, 4)))
+      >>> out.shape
+      (1, 2, 3, 5)
+    """
+    _check_params(q, position_projection, content_bias, position_bias)
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    if scale is None:
+        scale = 1.0 / np.sqrt(head_dim)
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    content = jnp.einsum("NH,BSNH->BNS", content_bias, keys, preferred_element_type=jnp.float32)[:, :, None, :]
+    shifted_q = q.astype(jnp.float32) + jnp.asarray(position_bias, jnp.float32)[None, None]
+    g = jnp.einsum("BTNH,DNH->BTND", shifted_q, position_projection, preferred_element_type=jnp.float32)
+    position = sinusoidal_relative_logits(g, query_positions, key_positions, sign=-1, layout="half", base=base)
+    return (content + position) * jnp.float32(scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerXL:
+    """Transformer-XL relative attention terms as a ``logits`` hook.
+
+    Holds ``W_R`` ``[D, N, H]``, ``u`` and ``v`` ``[N, H]`` (parameters of the
+    caller's module).
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> xl = TransformerXL(jnp.zeros((16, 2, 8)), jnp.zeros((2, 8)), jnp.zeros((2, 8)))
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[xl], causal=True).shape
+      (1, 4, 2, 8)
+    """
+
+    position_projection: jax.Array
+    content_bias: jax.Array
+    position_bias: jax.Array
+    scale: float | None = None
+    base: float = 10000.0
+    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+
+    def logits(self, q, k, query_positions, key_positions):
+        return transformer_xl_logits(
+            q,
+            k,
+            query_positions,
+            key_positions,
+            position_projection=self.position_projection,
+            content_bias=self.content_bias,
+            position_bias=self.position_bias,
+            scale=self.scale,
+            base=self.base,
+        )
