@@ -149,3 +149,12 @@ def test_absolute_encodings_are_rejected_by_attention():
     q = jnp.ones((1, 3, 1, 4))
     with pytest.raises(ValueError, match="Sinusoidal fills the hooks \\['embed'\\]"):
         dot_product_attention(q, q, q, query_positions=jnp.arange(3), key_positions=jnp.arange(3), encodings=[Sinusoidal()])
+
+
+def test_embed_positions_must_fit_the_tokens():
+    x = jnp.zeros((2, 5, 8))
+    for enc in (Sinusoidal(), LearnedAbsolute(jnp.zeros((16, 8))), NoPE()):
+        with pytest.raises(ValueError, match=r"positions of shape \(1,\) do not fit x of shape \(2, 5, 8\)"):
+            enc.embed(x, jnp.arange(1))
+    with pytest.raises(ValueError, match=r"positions of shape \(2, 5\) do not fit x of shape \(5, 8\)"):
+        Sinusoidal().embed(jnp.zeros((5, 8)), jnp.zeros((2, 5), jnp.int32))

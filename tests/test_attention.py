@@ -191,3 +191,40 @@ def test_unbatched_inputs(rng):
     out = dot_product_attention(q, k, v)
     chex.assert_shape(out, (5, 2, 4))
     np.testing.assert_allclose(out, dot_product_attention(q[None], k[None], v[None])[0], atol=1e-7)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MinusInfinityBias:
+    def logits(self, q, k, query_positions, key_positions):
+        return jnp.full((1, 1, q.shape[1], k.shape[1]), -jnp.inf)
+
+
+def test_more_bad_input_is_refused_not_silently_wrong(rng):
+    q = _normal(rng, (1, 3, 2, 4))
+    pos = jnp.arange(3)
+    with pytest.raises(ValueError, match="mask must be boolean"):
+        dot_product_attention(q, q, q, mask=jnp.zeros((1, 1, 3, 3)))
+    with pytest.raises(ValueError, match=r"key_mask must have shape \[1, 3\] \(or \[1, 3\]\), got \(1,\)"):
+        dot_product_attention(q, q, q, key_mask=jnp.array([False]))
+    with pytest.raises(ValueError, match=r"query_segment_ids must have shape \[1, 3\]"):
+        dot_product_attention(q, q, q, query_segment_ids=jnp.zeros((1, 1), jnp.int32), key_segment_ids=jnp.zeros((1, 3), jnp.int32))
+    for rate in (1.0, -0.1):
+        with pytest.raises(ValueError, match=f"dropout_rate must be in \\[0, 1\\), got {rate}"):
+            dot_product_attention(q, q, q, dropout_rate=rate, dropout_rng=jax.random.key(0))
+    with pytest.raises(ValueError, match="pass both query_positions and key_positions"):
+        dot_product_attention(q, q, q, key_positions=pos)
+    with pytest.raises(ValueError, match="must fit in int32.*got 4294967299"):
+        dot_product_attention(q, q, q, query_positions=np.array([0, 1, 2**32 + 3]), key_positions=pos, causal=True)
+
+    class Declared:
+        hooks = frozenset({"rotate"})
+
+    with pytest.raises(ValueError, match="declares the hooks \\['rotate'\\] but has no such methods"):
+        dot_product_attention(q, q, q, query_positions=pos, key_positions=pos, encodings=[Declared()])
+
+
+def test_minus_infinity_bias_gives_no_nan(rng):
+    q = _normal(rng, (1, 3, 2, 4))
+    pos = jnp.arange(3)
+    out = dot_product_attention(q, q, q, query_positions=pos, key_positions=pos, encodings=[_MinusInfinityBias()], causal=True)
+    assert np.isfinite(np.asarray(out)).all()

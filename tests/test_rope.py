@@ -216,6 +216,13 @@ def test_bad_input_names_the_value():
         apply_rope(jnp.ones((1, 4, 2, 64)), jnp.arange(4.0))
     with pytest.raises(ValueError, match="positions have length 5 but x has T = 4"):
         apply_rope(jnp.ones((1, 4, 2, 64)), jnp.arange(5))
+    with pytest.raises(ValueError, match="inverse_frequency must have shape \\[2\\]"):
+        apply_rope_qk(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)), jnp.arange(4), jnp.arange(4),
+                      rotary_dim=4, inverse_frequency=np.ones(4))
+    with pytest.raises(ValueError, match="more batch axes than x"):
+        apply_rope(jnp.ones((4, 2, 8)), jnp.zeros((3, 4), jnp.int32))
+    with pytest.raises(ValueError, match="inverse_frequency must be finite"):
+        apply_rope(jnp.ones((1, 4, 2, 8)), jnp.arange(4), inverse_frequency=np.array([1.0, np.nan, 0.1, 0.01]))
     with pytest.raises(ValueError, match="layout must be one of .*got 'neox'"):
         RoPE(layout="neox")
     with pytest.raises(ValueError, match="rotary_dim must be an even integer >= 2 for RoPE, got 7"):

@@ -103,6 +103,18 @@ def learned_position_embedding(table: jax.Array, positions) -> jax.Array:
     return jnp.take(table, positions, axis=0)
 
 
+def _check_embed_positions(x: jax.Array, positions) -> jax.Array:
+    positions = check_positions(positions)
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape [..., T, D], got {x.shape}")
+    if positions.shape[-1] != x.shape[-2] or positions.ndim > x.ndim - 1:
+        raise ValueError(
+            f"positions of shape {positions.shape} do not fit x of shape {x.shape}: "
+            f"expected [T] or [B, T] with T = {x.shape[-2]}"
+        )
+    return positions
+
+
 def _add_encoding(x: jax.Array, pe: jax.Array) -> jax.Array:
     """``x + pe`` in float32, cast back to ``x.dtype``; ``pe`` [..., T, D] left-padded to x's rank."""
     if pe.ndim < x.ndim:
@@ -125,6 +137,7 @@ class Sinusoidal:
 
     def embed(self, x: jax.Array, positions) -> jax.Array:
         """Adds the encoding to ``x`` ``[..., T, D]``; the sum is in ``x``'s dtype."""
+        positions = _check_embed_positions(x, positions)
         return _add_encoding(x, sinusoidal_encoding(positions, x.shape[-1], base=self.base))
 
 
@@ -149,6 +162,7 @@ class LearnedAbsolute:
             raise ValueError(
                 f"learned table width {self.table.shape[-1]} does not match the embedding width {x.shape[-1]}"
             )
+        positions = _check_embed_positions(x, positions)
         return _add_encoding(x, learned_position_embedding(self.table, positions))
 
 
@@ -169,5 +183,5 @@ class NoPE:
     hooks: ClassVar[frozenset[str]] = frozenset()
 
     def embed(self, x: jax.Array, positions) -> jax.Array:
-        check_positions(positions)
+        _check_embed_positions(x, positions)
         return x

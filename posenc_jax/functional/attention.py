@@ -58,7 +58,8 @@ def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     if mask is None:
         return jax.nn.softmax(scores, axis=-1)
     # finfo.min rather than -inf keeps (s - max) finite on fully masked rows.
-    masked = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    # finfo.min also replaces -inf terms, so a row of -inf scores cannot produce NaN.
+    masked = jnp.where(mask, jnp.maximum(scores, jnp.finfo(jnp.float32).min), jnp.finfo(jnp.float32).min)
     shifted = masked - jax.lax.stop_gradient(masked.max(axis=-1, keepdims=True))
     unnormalized = jnp.where(mask, jnp.exp(shifted), 0.0)
     total = unnormalized.sum(axis=-1, keepdims=True)
@@ -93,6 +94,9 @@ def _hooks_of(encoding) -> tuple[Callable | None, Callable | None, Callable | No
             f"attention; apply it to the token embeddings (e.g. .embed(x, positions)) instead of "
             f"passing it to dot_product_attention"
         )
+    missing = sorted(set(declared or ()) & set(_ATTENTION_HOOKS) - {n for n, f in zip(_ATTENTION_HOOKS, found) if f})
+    if missing:
+        raise ValueError(f"{type(encoding).__name__} declares the hooks {missing} but has no such methods")
     if declared is None and not any(found):
         raise ValueError(
             f"{encoding!r} has none of the attention hooks {_ATTENTION_HOOKS}; an encoding passed "
@@ -126,6 +130,12 @@ def _check_shapes(query, key, value):
             f"number of query heads N={num_heads} must be a multiple of key/value heads "
             f"K={num_kv_heads} for grouped-query attention"
         )
+
+
+def _check_per_token(array, length: int, batch: int, name: str):
+    shape = np.shape(array)
+    if len(shape) != 2 or shape[1] != length or shape[0] not in (1, batch):
+        raise ValueError(f"{name} must have shape [{batch}, {length}] (or [1, {length}]), got {shape}")
 
 
 def _check_position_shape(positions, length: int, batch: int, name: str):
@@ -212,6 +222,8 @@ def dot_product_attention(
             "query_positions and key_positions are required with causal=True or encodings; "
             f"for a plain sequence pass jnp.arange({q_len}) and jnp.arange({k_len})"
         )
+    if (query_positions is None) != (key_positions is None):
+        raise ValueError("pass both query_positions and key_positions (for self-attention, the same array twice)")
     if query_positions is not None:
         same = key_positions is query_positions
         query_positions = check_positions(query_positions, "query_positions")
@@ -223,6 +235,18 @@ def dot_product_attention(
         raise ValueError(
             "pass both query_segment_ids and key_segment_ids (for self-attention, the same array twice)"
         )
+    if query_segment_ids is not None:
+        _check_per_token(query_segment_ids, q_len, batch, "query_segment_ids")
+        _check_per_token(key_segment_ids, k_len, batch, "key_segment_ids")
+    if key_mask is not None:
+        _check_per_token(key_mask, k_len, batch, "key_mask")
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        raise ValueError(
+            f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; "
+            f"an additive float bias belongs in an encoding's logits hook (e.g. SharedBias)"
+        )
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
 
     for rotate, _, _ in hooks:
         if rotate is not None:
@@ -253,7 +277,7 @@ def dot_product_attention(
         causal_mask(query_positions, key_positions) if causal else None,
         key_padding_mask(key_mask) if key_mask is not None else None,
         segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
-        None if mask is None else jnp.asarray(mask, jnp.bool_),
+        None if mask is None else jnp.asarray(mask),
     )
     weights = normalizer(scores, full_mask).astype(jnp.float32)
 

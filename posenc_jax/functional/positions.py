@@ -59,6 +59,19 @@ def check_positions(positions, name: str = "positions") -> jax.Array:
         )
     if np.ndim(positions) == 0:
         raise ValueError(f"{name} must have at least one axis [T], got a scalar")
+    if dtype.itemsize > 4 or dtype == np.uint32:
+        # Wider than int32: values must fit, or the cast would wrap silently.
+        try:
+            values = np.asarray(positions)
+        except jax.errors.TracerArrayConversionError:
+            raise ValueError(
+                f"{name} of dtype {dtype} cannot be range-checked under jit; pass int32 positions "
+                f"({name}.astype(jnp.int32))"
+            ) from None
+        limit = np.iinfo(np.int32)
+        if values.size and (values.min() < limit.min or values.max() > limit.max):
+            bad = values.max() if values.max() > limit.max else values.min()
+            raise ValueError(f"{name} must fit in int32 (|position| < 2**31), got {bad}")
     return jnp.asarray(positions, jnp.int32)
 
 
@@ -95,7 +108,9 @@ def position_angles(positions, inverse_frequency) -> jax.Array:
     modulo 2π exactly: each frequency becomes a 32-bit fixed-point fraction of
     a turn per 8-bit digit of the position, the digits' products wrap in uint32
     arithmetic (which is exact modulo one turn), and only the final phase is
-    converted to float32. The error is below 1e-6 rad for any |position| < 2**31.
+    converted to float32. The error is below ~1e-6 rad for any |position| < 2**31
+    and frequencies up to 1 rad per position (the sinusoidal and RoPE ladders);
+    larger frequencies add float64 rounding of ``freq / 2π`` times the position.
     A traced ``inverse_frequency`` (learned or computed inside jit) falls back
     to the plain float32 product.
 
@@ -114,10 +129,14 @@ def position_angles(positions, inverse_frequency) -> jax.Array:
     try:
         freq = np.asarray(inverse_frequency, np.float64)
     except jax.errors.TracerArrayConversionError:
+        if inverse_frequency.ndim != 1:
+            raise ValueError(f"inverse_frequency must have shape [F], got shape {inverse_frequency.shape}") from None
         freq = inverse_frequency.astype(jnp.float32)
         return positions.astype(jnp.float32)[..., None] * freq.reshape((1,) * positions.ndim + freq.shape)
     if freq.ndim != 1:
         raise ValueError(f"inverse_frequency must have shape [F], got shape {freq.shape}")
+    if not np.isfinite(freq).all():
+        raise ValueError(f"inverse_frequency must be finite, got {freq}")
     turns_per_position = freq / (2.0 * math.pi)
     # digit_turns[k, f]: the phase (in 2**-32 turns) contributed by one unit of digit k.
     digit_turns = np.stack(

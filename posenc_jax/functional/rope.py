@@ -94,6 +94,16 @@ def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, layout: Layout) -> jax
     return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
 
 
+def _frequencies(inverse_frequency, rotary_dim: int, base: float):
+    if inverse_frequency is None:
+        return rope_inverse_frequencies(rotary_dim, base=base)
+    if np.shape(inverse_frequency) != (rotary_dim // 2,):
+        raise ValueError(
+            f"inverse_frequency must have shape [{rotary_dim // 2}] (rotary_dim / 2), got {np.shape(inverse_frequency)}"
+        )
+    return inverse_frequency
+
+
 def _check_layout(layout: str) -> None:
     if layout not in _LAYOUTS:
         raise ValueError(f"layout must be one of {_LAYOUTS}, got {layout!r}")
@@ -101,6 +111,10 @@ def _check_layout(layout: str) -> None:
 
 def _check_positions_fit(x: jax.Array, positions: jax.Array, name: str) -> None:
     # positions [..., T] must broadcast against x's leading axes [..., T].
+    if positions.ndim > x.ndim - 2:
+        raise ValueError(
+            f"positions of shape {positions.shape} have more batch axes than {name} of shape {x.shape}"
+        )
     if positions.shape[-1] != x.shape[-3]:
         raise ValueError(
             f"positions have length {positions.shape[-1]} but {name} has T = {x.shape[-3]} "
@@ -160,13 +174,7 @@ def apply_rope(
     rotary_dim = _check_head(x, rotary_dim, "x")
     positions = check_positions(positions)
     _check_positions_fit(x, positions, "x")
-    if inverse_frequency is None:
-        inverse_frequency = rope_inverse_frequencies(rotary_dim, base=base)
-    elif np.shape(inverse_frequency) != (rotary_dim // 2,):
-        raise ValueError(
-            f"inverse_frequency must have shape [{rotary_dim // 2}] (rotary_dim / 2), "
-            f"got {np.shape(inverse_frequency)}"
-        )
+    inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
     cos, sin = rope_tables(positions, inverse_frequency)
     return _rotate(x, cos, sin, layout)
 
@@ -196,6 +204,7 @@ def apply_rope_qk(
     """
     _check_layout(layout)
     rotary_dim = _check_head(q, rotary_dim, "q")
+    _check_head(k, rotary_dim, "k")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must share the head dim, got q {q.shape} and k {k.shape}")
     same_positions = query_positions is key_positions
@@ -203,8 +212,7 @@ def apply_rope_qk(
     key_positions = query_positions if same_positions else check_positions(key_positions, "key_positions")
     _check_positions_fit(q, query_positions, "q")
     _check_positions_fit(k, key_positions, "k")
-    if inverse_frequency is None:
-        inverse_frequency = rope_inverse_frequencies(rotary_dim, base=base)
+    inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
     q_cos, q_sin = rope_tables(query_positions, inverse_frequency)
     k_cos, k_sin = (q_cos, q_sin) if same_positions else rope_tables(key_positions, inverse_frequency)
     return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)

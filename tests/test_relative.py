@@ -1,0 +1,293 @@
+"""Relative encodings: fast paths against the seed-pseudocode references, any positions."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax.functional import (
+    ClippedRelativeBias,
+    DeBERTa,
+    SharedBias,
+    Shaw,
+    SinusoidalRelative,
+    T5Bias,
+    TransformerXL,
+    bucket_relative,
+    clipped_relative_index,
+    deberta_log_bucket,
+    dot_product_attention,
+    rel_shift,
+    t5_relative_bucket,
+)
+from posenc_jax.reference import relative as ref
+
+B, T, S, N, H = 2, 5, 7, 2, 8
+
+POSITIONS = {
+    # queries are the last T of S keys, as with a cache or Transformer-XL memory
+    "arange": (np.arange(S - T, S), np.arange(S)),
+    "offset": (np.arange(S - T, S) + 1000, np.arange(S) + 1000),
+    "gaps": (np.array([3, 9, 10, 22, 40]), np.array([0, 3, 4, 9, 10, 22, 40])),
+    "batched": (np.array([[2, 3, 4, 5, 6], [10, 11, 30, 31, 32]]), np.array([[0, 1, 2, 3, 4, 5, 6], [0, 5, 10, 11, 12, 30, 32]])),
+}
+
+
+def _normal(rng, shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+def _rows(positions, b):
+    positions = np.asarray(positions)
+    return positions[b] if positions.ndim == 2 else positions
+
+
+def _causal(qp, kp):
+    return np.asarray(kp)[None, :] <= np.asarray(qp)[:, None]
+
+
+def _reference_attention(q, k, v, qp, kp, causal, extra_logits, scale=None):
+    """softmax(scale·qk + extra) v per (batch, head), float64; extra_logits(b, qp_b, kp_b) -> [N, T, S]."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    scale = 1 / np.sqrt(H) if scale is None else scale
+    out = np.zeros(q.shape)
+    for b in range(q.shape[0]):
+        qb, kb = _rows(qp, b), _rows(kp, b)
+        logits = np.einsum("iNH,jNH->Nij", q[b], k[b]) * scale + extra_logits(b, qb, kb)
+        mask = _causal(qb, kb)[None] if causal else np.ones(logits.shape, bool)
+        attn = ref._softmax(logits, mask)
+        out[b] = np.einsum("Nij,jNH->iNH", attn, v[b])
+    return out
+
+
+def _attend(encoding, q, k, v, qp, kp, causal, jit):
+    fn = lambda q, k, v, qp, kp: dot_product_attention(
+        q, k, v, query_positions=qp, key_positions=kp, encodings=[encoding], causal=causal)
+    out = (jax.jit(fn) if jit else fn)(q, k, v, jnp.asarray(qp), jnp.asarray(kp))
+    chex.assert_shape(out, q.shape)
+    return out
+
+
+@pytest.fixture
+def qkv(rng):
+    return _normal(rng, (B, T, N, H)), _normal(rng, (B, S, N, H)), _normal(rng, (B, S, N, H))
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+def test_shaw_matches_seed_pseudocode(rng, qkv, positions, causal, per_head):
+    q, k, v = qkv
+    k_clip = 2
+    shape = (N, 2 * k_clip + 1, H) if per_head else (2 * k_clip + 1, H)
+    P_K, P_V = _normal(rng, shape), _normal(rng, shape)
+    qp, kp = POSITIONS[positions]
+    out = _attend(Shaw(k_clip, P_K, P_V), q, k, v, qp, kp, causal, jit=causal)
+    want = np.zeros(q.shape)
+    for b in range(B):
+        qb, kb = _rows(qp, b), _rows(kp, b)
+        for n in range(N):
+            pk = np.asarray(P_K[n] if per_head else P_K)
+            pv = np.asarray(P_V[n] if per_head else P_V)
+            mask = _causal(qb, kb)[None] if causal else None
+            want[b, :, n] = ref.shaw_attention(q[b, :, n][None], k[b, :, n][None], v[b, :, n][None], pk, pv, qb, kb, k_clip, mask)[0]
+    np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+def test_shaw_value_term_alone_and_key_term_alone(rng, qkv):
+    q, k, v = qkv
+    qp, kp = POSITIONS["gaps"]
+    P = _normal(rng, (7, H))
+    for key_table, value_table in ((P, None), (None, P)):
+        out = _attend(Shaw(3, key_table, value_table), q, k, v, qp, kp, False, jit=False)
+        want = np.stack([np.stack([ref.shaw_attention(q[b, :, n][None], k[b, :, n][None], v[b, :, n][None],
+                                                      key_table, value_table, qp, kp, 3)[0] for n in range(N)], 1) for b in range(B)])
+        np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_functional_relative_matches_materialised_sinusoid(qkv, positions, causal):
+    q, k, v = qkv
+    qp, kp = POSITIONS[positions]
+    out = _attend(SinusoidalRelative(), q, k, v, qp, kp, causal, jit=causal)
+    extra = lambda b, qb, kb: np.stack([ref.functional_relative_logits(np.asarray(q[b, :, n])[None], qb, kb)[0] for n in range(N)])
+    np.testing.assert_allclose(out, _reference_attention(q, k, v, qp, kp, causal, extra), atol=2e-5)
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_transformer_xl_matches_four_term_reference(rng, qkv, positions, causal):
+    q, k, v = qkv
+    D = 12
+    W_R, u, vb = _normal(rng, (D, N, H)), _normal(rng, (N, H)), _normal(rng, (N, H))
+    qp, kp = POSITIONS[positions]
+    out = _attend(TransformerXL(W_R, u, vb), q, k, v, qp, kp, causal, jit=causal)
+    want = np.zeros(q.shape)
+    for b in range(B):
+        qb, kb = _rows(qp, b), _rows(kp, b)
+        logits = ref.transformer_xl_logits(q[b], k[b], W_R, u, vb, qb, kb)
+        mask = _causal(qb, kb)[None] if causal else np.ones(logits.shape, bool)
+        want[b] = np.einsum("Nij,jNH->iNH", ref._softmax(logits, mask), np.asarray(v[b], np.float64))
+    np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+def test_rel_shift_is_transformer_xl_pad_reshape_slice(rng):
+    # Scores against the distance ladder S-1, ..., 0 for the last T of S consecutive keys,
+    # shifted, equal the scores at distance (S - T + t) - s wherever the key is not in the future.
+    q, W_R, vb = _normal(rng, (T, N, H)), _normal(rng, (12, N, H)), _normal(rng, (N, H))
+    ladder = ref.sinusoid(np.arange(S - 1, -1, -1), 12, layout="half")  # [S, D]
+    R = np.einsum("cD,DNH->NcH", ladder, np.asarray(W_R, np.float64))
+    raw = np.einsum("iNH,NcH->Nic", np.asarray(q, np.float64) + np.asarray(vb, np.float64), R)  # [N, T, S]
+    shifted = np.asarray(rel_shift(jnp.asarray(raw)))
+    for t in range(T):
+        for s in range(S - T + t + 1):
+            dist = (S - T + t) - s
+            want = np.einsum("NH,NH->N", np.asarray(q[t], np.float64) + np.asarray(vb, np.float64),
+                             np.einsum("D,DNH->NH", ref.sinusoid(dist, 12, layout="half"), np.asarray(W_R, np.float64)))
+            np.testing.assert_allclose(shifted[:, t, s], want, atol=1e-5)
+    with pytest.raises(ValueError, match="rel_shift needs T <= S"):
+        rel_shift(jnp.zeros((4, 3)))
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 20), (4, 4), (64, 1000)])
+def test_t5_buckets_match_reference(bidirectional, num_buckets, max_distance):
+    rel = np.arange(-3000, 3001)
+    got = np.asarray(t5_relative_bucket(jnp.asarray(rel), bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance))
+    want = ref.t5_relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
+    np.testing.assert_array_equal(got, want)
+    assert got.min() >= 0 and got.max() == num_buckets - 1
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_t5_bias_matches_reference(rng, qkv, positions, causal):
+    q, k, v = qkv
+    table = _normal(rng, (16, N))
+    qp, kp = POSITIONS[positions]
+    enc = T5Bias(table, bidirectional=not causal, max_distance=20)
+    out = _attend(enc, q, k, v, qp, kp, causal, jit=causal)
+    extra = lambda b, qb, kb: ref.t5_bias(table, qb, kb, not causal, 20)
+    np.testing.assert_allclose(out, _reference_attention(q, k, v, qp, kp, causal, extra), atol=2e-5)
+    # Computed once and shared: the same result through SharedBias.
+    shared = _attend(SharedBias(enc.bias(jnp.asarray(qp), jnp.asarray(kp))), q, k, v, qp, kp, causal, jit=False)
+    np.testing.assert_allclose(shared, out, atol=1e-6)
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_clipped_bias_matches_seed_003(rng, qkv, positions, causal):
+    q, k, v = qkv
+    table = _normal(rng, (7, N))
+    qp, kp = POSITIONS[positions]
+    out = _attend(ClippedRelativeBias(table, 3), q, k, v, qp, kp, causal, jit=causal)
+    extra = lambda b, qb, kb: ref.clipped_relative_bias(table, qb, kb, 3)
+    np.testing.assert_allclose(out, _reference_attention(q, k, v, qp, kp, causal, extra), atol=2e-5)
+
+
+def test_deberta_log_buckets_match_reference():
+    rel = np.arange(-5000, 5001)
+    for bucket_size, max_position in ((256, 512), (16, 64), (32, 1024)):
+        got = np.asarray(deberta_log_bucket(jnp.asarray(rel), bucket_size=bucket_size, max_position=max_position))
+        np.testing.assert_array_equal(got, ref.deberta_log_bucket_position(rel, bucket_size, max_position))
+        np.testing.assert_array_equal(got, -got[::-1])  # odd: p2c may reuse c2p's slot
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("buckets", [0, 8], ids=["clipped", "log-buckets"])
+def test_deberta_matches_reference(rng, qkv, positions, causal, buckets):
+    q, k, v = qkv
+    span = 4 if buckets == 0 else buckets
+    pos_query, pos_key = _normal(rng, (2 * span, N, H)), _normal(rng, (2 * span, N, H))
+    qp, kp = POSITIONS[positions]
+    enc = DeBERTa(pos_query, pos_key, span, position_buckets=buckets, max_relative_positions=24)
+    out = _attend(enc, q, k, v, qp, kp, causal, jit=causal)
+    extra = lambda b, qb, kb: ref.deberta_c2p_p2c(q[b], k[b], pos_query, pos_key, qb, kb, span, buckets, 24)
+    want = _reference_attention(q, k, v, qp, kp, causal, extra, scale=1 / np.sqrt(3 * H))
+    np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+def test_grouped_query_heads_with_relative_terms(rng):
+    q = _normal(rng, (1, T, 4, H))
+    k, v = _normal(rng, (1, S, 2, H)), _normal(rng, (1, S, 2, H))
+    qp, kp = jnp.arange(S - T, S), jnp.arange(S)
+    encs = [
+        DeBERTa(_normal(rng, (8, 4, H)), _normal(rng, (8, 4, H)), 4),
+        TransformerXL(_normal(rng, (6, 4, H)), _normal(rng, (4, H)), _normal(rng, (4, H))),
+        Shaw(2, _normal(rng, (5, H)), _normal(rng, (5, H))),
+    ]
+    for enc in encs:
+        grouped = dot_product_attention(q, k, v, query_positions=qp, key_positions=kp, encodings=[enc])
+        repeated = dot_product_attention(q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2), query_positions=qp, key_positions=kp, encodings=[enc])
+        np.testing.assert_allclose(grouped, repeated, atol=1e-5)
+
+
+def test_bucket_relative_is_the_transpose_of_the_gather(rng):
+    w = jnp.asarray(rng.random((2, 3, 37, 11)), jnp.float32)
+    qp, kp = jnp.asarray(rng.integers(0, 30, (2, 37))), jnp.asarray(rng.integers(0, 30, (2, 11)))
+    idx = clipped_relative_index(qp, kp, 4)
+    want = np.zeros((2, 3, 37, 9))
+    for b in range(2):
+        for t in range(37):
+            for s in range(11):
+                want[b, :, t, int(idx[b, t, s])] += np.asarray(w[b, :, t, s])
+    for block in (1 << 20, 40, 11):  # one block; several with an overlapping last block
+        np.testing.assert_allclose(bucket_relative(w, idx, 9, block_elements=block), want, atol=1e-6)
+
+
+def test_gradients_are_finite(rng, qkv):
+    q, k, v = qkv
+    qp, kp = jnp.asarray(POSITIONS["gaps"][0]), jnp.asarray(POSITIONS["gaps"][1])
+
+    def loss(params):
+        encs = [
+            Shaw(2, params["pk"], params["pv"]),
+            TransformerXL(params["wr"], params["u"], params["v"]),
+            T5Bias(params["t5"], max_distance=16),
+            ClippedRelativeBias(params["clip"], 3),
+            DeBERTa(params["dq"], params["dk"], 4),
+            SinusoidalRelative(),
+        ]
+        total = 0.0
+        for enc in encs:
+            out = dot_product_attention(q, k, v, query_positions=qp, key_positions=kp, encodings=[enc], causal=True)
+            total = total + (out**2).sum()
+        return total
+
+    params = {
+        "pk": _normal(rng, (5, H)), "pv": _normal(rng, (5, H)), "wr": _normal(rng, (6, N, H)),
+        "u": _normal(rng, (N, H)), "v": _normal(rng, (N, H)), "t5": _normal(rng, (8, N)),
+        "clip": _normal(rng, (7, N)), "dq": _normal(rng, (8, N, H)), "dk": _normal(rng, (8, N, H)),
+    }
+    grads = jax.grad(loss)(params)
+    for name, g in grads.items():
+        assert np.isfinite(g).all(), name
+        assert np.abs(np.asarray(g)).sum() > 0, name
+
+
+def test_bad_input_names_the_value():
+    with pytest.raises(ValueError, match="max_distance must be an integer >= 1.*got 0"):
+        Shaw(0, jnp.zeros((1, 8)))
+    with pytest.raises(ValueError, match="key table has 5 relative rows but max_distance=3 needs 2\\*3\\+1 = 7"):
+        Shaw(3, jnp.zeros((5, 8)))
+    with pytest.raises(ValueError, match="table has 6 rows but max_distance=2 needs 2\\*2\\+1 = 5"):
+        ClippedRelativeBias(jnp.zeros((6, 2)), 2)
+    with pytest.raises(ValueError, match="max_distance must be an integer >= 1.*got -1"):
+        ClippedRelativeBias(jnp.zeros((6, 2)), -1)
+    with pytest.raises(ValueError, match="num_buckets must be an integer >= 2, got 1"):
+        T5Bias(jnp.zeros((1, 2)), bidirectional=False)
+    with pytest.raises(ValueError, match="max_distance must be an integer >= num_buckets=32.*got 16"):
+        T5Bias(jnp.zeros((32, 2)), max_distance=16)
+    with pytest.raises(ValueError, match="pos_query must have shape \\[2\\*span=8, N=2, H=8\\]"):
+        dot_product_attention(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
+                              query_positions=jnp.arange(3), key_positions=jnp.arange(3),
+                              encodings=[DeBERTa(jnp.zeros((6, 2, 8)), jnp.zeros((8, 2, 8)), 4)])
+    with pytest.raises(ValueError, match="position_projection W_R must have shape \\[D, N=2, H=8\\]"):
+        dot_product_attention(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
+                              query_positions=jnp.arange(3), key_positions=jnp.arange(3),
+                              encodings=[TransformerXL(jnp.zeros((6, 2, 4)), jnp.zeros((2, 8)), jnp.zeros((2, 8)))])
+    with pytest.raises(ValueError, match="Shaw needs a key_table, a value_table or both"):
+        Shaw(2)
