@@ -56,3 +56,14 @@ def test_colab_runs_on_cpu():
 def test_benchmark_scripts_have_a_working_help(script):
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_relative_memory_benchmark_small_run():
+    script = ROOT / "benchmarks" / "relative_memory.py"
+    result = subprocess.run([sys.executable, str(script), "--length", "256", "--time-length", "64", "--repeats", "1"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(tuple("0123456789")) and "x " in line]
+    assert len(rows) == 6, result.stdout
+    for row in rows:
+        assert float(row.split()[-1]) < 1e-4, row  # fast path agrees with the materialising reference

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import (
+    deberta_logits,
+    shaw_value_term,
     ClippedRelativeBias,
     DeBERTa,
     SharedBias,
@@ -30,6 +32,7 @@ POSITIONS = {
     "arange": (np.arange(S - T, S), np.arange(S)),
     "offset": (np.arange(S - T, S) + 1000, np.arange(S) + 1000),
     "gaps": (np.array([3, 9, 10, 22, 40]), np.array([0, 3, 4, 9, 10, 22, 40])),
+    "far": (np.array([0, 700, 1500, 3000, 9000]), np.array([0, 5, 690, 1490, 2000, 5000, 12000])),
     "batched": (np.array([[2, 3, 4, 5, 6], [10, 11, 30, 31, 32]]), np.array([[0, 1, 2, 3, 4, 5, 6], [0, 5, 10, 11, 12, 30, 32]])),
 }
 
@@ -291,3 +294,18 @@ def test_bad_input_names_the_value():
                               encodings=[TransformerXL(jnp.zeros((6, 2, 4)), jnp.zeros((2, 8)), jnp.zeros((2, 8)))])
     with pytest.raises(ValueError, match="Shaw needs a key_table, a value_table or both"):
         Shaw(2)
+
+
+def test_blockwise_paths_equal_one_block(rng):
+    # Long rows are processed in blocks of query rows (with an overlapping last block);
+    # force several blocks and compare with a single one.
+    q, k = _normal(rng, (2, 23, N, H)), _normal(rng, (2, 19, N, H))
+    qp, kp = jnp.asarray(rng.integers(0, 60, (2, 23))), jnp.asarray(rng.integers(0, 60, (2, 19)))
+    r = _normal(rng, (8, N, H))
+    one = deberta_logits(q, k, qp, kp, pos_query=r, pos_key=r, span=4)
+    for block in (N * 19 * 5, N * 19):
+        np.testing.assert_allclose(deberta_logits(q, k, qp, kp, pos_query=r, pos_key=r, span=4, block_elements=block), one, atol=1e-6)
+    w = jax.nn.softmax(_normal(rng, (2, N, 23, 19)), axis=-1)
+    table = _normal(rng, (7, H))
+    one = shaw_value_term(w, table, qp, kp, max_distance=3)
+    np.testing.assert_allclose(shaw_value_term(w, table, qp, kp, max_distance=3, block_elements=19 * 2 * N * 3), one, atol=1e-6)

@@ -13,7 +13,9 @@ slot. The content term is the attention's own score; this hook adds the
 other two and prescribes the ``score_scale`` for all three.
 
 Fast path: ``q · K_rᵀ`` (``[B, N, T, 2·span]``) and ``k · Q_rᵀ``
-(``[B, N, S, 2·span]``), each gathered to ``[B, N, T, S]``; no ``[T, S, H]`` tensor.
+(``[B, N, S, 2·span]``), each gathered to ``[B, N, T, S]``, one block of query
+rows at a time so that only their sum is ever stored whole; no ``[T, S, H]``
+tensor.
 
 Reference: He, Liu, Gao and Chen, "DeBERTa: Decoding-enhanced BERT with
 Disentangled Attention", ICLR 2021, arXiv:2006.03654.
@@ -29,7 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.relative import gather_relative, gather_relative_transposed, relative_positions
+from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.relative import (
+    by_query_blocks,
+    gather_relative,
+    gather_relative_transposed,
+    relative_positions,
+)
 
 __all__ = ["DeBERTa", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
 
@@ -66,16 +74,35 @@ def deberta_log_bucket(relative_position, *, bucket_size: int, max_position: int
     return jnp.where(abs_pos <= mid, rel, log_pos * sign)
 
 
+def _saturation_distance(span: int, position_buckets: int, max_relative_positions: int) -> int:
+    """A distance D past which DeBERTa's slot no longer changes (0 or 2·span - 1)."""
+    if position_buckets <= 0:
+        return span
+    mid = position_buckets // 2
+    # Smallest |r| whose log bucket reaches ±span, plus margin; checked by the caller.
+    growth = math.log(max_relative_positions - 1) - math.log(mid)
+    return int(math.ceil(mid * math.exp(growth * mid / (mid - 1)))) + 2 + span
+
+
 def deberta_relative_index(
     query_positions, key_positions, *, span: int, position_buckets: int = 0, max_relative_positions: int = 512
 ):
-    """DeBERTa's slot ``clip(bucket(query_pos - key_pos) + span, 0, 2·span - 1)``, ``[B|1, T, S]``."""
+    """DeBERTa's slot ``clip(bucket(query_pos - key_pos) + span, 0, 2·span - 1)``, ``[B|1, T, S]``.
+
+    The slot saturates beyond a static distance D, so it is tabulated once for
+    ``|query_pos - key_pos| <= D`` at trace time and looked up; the logarithms
+    are never evaluated per (query, key) pair.
+    """
     if not isinstance(span, (int, np.integer)) or span < 1:
         raise ValueError(f"span must be an integer >= 1, got {span!r}")
-    rel = -relative_positions(query_positions, key_positions)  # query minus key
-    if position_buckets > 0:
-        rel = deberta_log_bucket(rel, bucket_size=position_buckets, max_position=max_relative_positions)
-    return jnp.clip(rel + span, 0, 2 * span - 1)
+    reach = _saturation_distance(span, position_buckets, max_relative_positions)
+    with jax.ensure_compile_time_eval():
+        rel = jnp.arange(-reach, reach + 1)
+        if position_buckets > 0:
+            rel = deberta_log_bucket(rel, bucket_size=position_buckets, max_position=max_relative_positions)
+        slots = jnp.clip(rel + span, 0, 2 * span - 1)
+    query_minus_key = -relative_positions(query_positions, key_positions)
+    return jnp.take(slots, jnp.clip(query_minus_key, -reach, reach) + reach, mode="clip")
 
 
 def deberta_logits(
@@ -91,6 +118,7 @@ def deberta_logits(
     max_relative_positions: int = 512,
     terms: tuple[str, ...] = _TERMS,
     scale: float | None = None,
+    block_elements: int = 1 << 20,
 ):
     """DeBERTa's c2p and p2c terms, ``[B, N, T, S]`` float32, already scaled.
 
@@ -104,6 +132,7 @@ def deberta_logits(
       max_relative_positions: the log buckets' reach.
       terms: any of ``"c2p"``, ``"p2c"``.
       scale: default ``1/√(H · (1 + len(terms)))``.
+      block_elements: about how many scores each block of query rows holds.
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); r = jnp.ones((8, 2, 4))
@@ -120,20 +149,33 @@ def deberta_logits(
             )
     if scale is None:
         scale = _score_scale(head_dim, terms)
-    index = deberta_relative_index(
-        query_positions, key_positions, span=span, position_buckets=position_buckets,
-        max_relative_positions=max_relative_positions,
-    )
-    out = jnp.zeros((), jnp.float32)
+    query_positions = check_positions(query_positions, "query_positions")
+    query_positions = query_positions if query_positions.ndim == 2 else query_positions[None]
+    c2p = p2c = None
     if "c2p" in terms:
-        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)
-        out = gather_relative(c2p, index)
+        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)  # [B, N, T, 2span]
     if "p2c" in terms:
         keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
-        p2c = jnp.einsum("BSNH,RNH->BNSR", keys, pos_query, preferred_element_type=jnp.float32)
-        p2c = gather_relative_transposed(p2c, index)
-        out = p2c if "c2p" not in terms else out + p2c
-    return out * jnp.float32(scale)
+        p2c = jnp.einsum("BSNH,RNH->BNSR", keys, pos_query, preferred_element_type=jnp.float32)  # [B, N, S, 2span]
+
+    def block(start, rows):
+        # Both gathers for a block of query rows; the [T, S] slots and the two
+        # gathered terms are never stored whole, only their scaled sum.
+        block_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
+        index = deberta_relative_index(
+            block_positions, key_positions, span=span, position_buckets=position_buckets,
+            max_relative_positions=max_relative_positions,
+        )
+        total = 0.0
+        if c2p is not None:
+            total = total + gather_relative(jax.lax.dynamic_slice_in_dim(c2p, start, rows, axis=2), index)
+        if p2c is not None:
+            total = total + gather_relative_transposed(p2c, index)
+        return total * jnp.float32(scale)
+
+    batch = max(q.shape[0], query_positions.shape[0])
+    out_shape = (batch, num_heads, q.shape[1], k.shape[1])
+    return by_query_blocks(block, out_shape, jnp.float32, block_elements=block_elements)
 
 
 def _check_terms(terms):

@@ -23,6 +23,7 @@ from posenc_jax.functional.positions import check_positions
 
 __all__ = [
     "bucket_relative",
+    "by_query_blocks",
     "check_max_distance",
     "clipped_relative_index",
     "expand_relative_bias",
@@ -82,7 +83,29 @@ def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax
     return jnp.take_along_axis(jnp.swapaxes(per_distance, -1, -2), index[:, None, :, :], axis=-2, mode="clip")
 
 
-def bucket_relative(weights: jax.Array, index: jax.Array, num_slots: int, *, block_elements: int = 1 << 20) -> jax.Array:
+def by_query_blocks(block_fn, out_shape, dtype, *, block_elements: int = 1 << 20) -> jax.Array:
+    """Builds a ``[B, N, T, X]`` array from blocks of query rows, ``block_fn(start, rows)``.
+
+    ``block_fn`` returns rows ``start .. start + rows - 1`` as ``[B, N, rows, X]``;
+    ``rows`` is static and chosen so a block holds about ``block_elements``
+    values. The blocks are written in place into one output buffer, so no
+    intermediate as large as the output is stored. The last block is shifted
+    back to stay in bounds; its overlap rewrites equal values.
+    """
+    batch, heads, q_len, width = out_shape
+    rows = int(max(1, min(q_len, block_elements // max(1, batch * heads * width))))
+    num_blocks = -(-q_len // rows)
+    if num_blocks == 1:
+        return block_fn(0, q_len).astype(dtype)
+
+    def body(block, out):
+        start = jnp.minimum(block * rows, q_len - rows)
+        return jax.lax.dynamic_update_slice_in_dim(out, block_fn(start, rows).astype(dtype), start, axis=2)
+
+    return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype))
+
+
+def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements: int = 1 << 20) -> jax.Array:
     """Sums attention weights by relative slot: ``out[b,n,t,r] = Σ_{s: index[b,t,s]=r} w[b,n,t,s]``.
 
     The transpose of :func:`gather_relative`: ``[B, N, T, S]`` weights become
@@ -92,32 +115,31 @@ def bucket_relative(weights: jax.Array, index: jax.Array, num_slots: int, *, blo
 
     Args:
       weights: ``[B, N, T, S]`` attention weights.
-      index: int ``[B|1, T, S]`` slot of every (query, key) pair, in ``[0, R)``.
+      index: int ``[B|1, T, S]`` slot of every (query, key) pair, in ``[0, R)``; or a
+        function ``(start, rows) -> [B|1, rows, S]`` giving the slots of query rows
+        ``start .. start + rows - 1``, so that the full index is never stored.
       num_slots: R.
       block_elements: scatter temporaries budget, in elements.
     """
     batch, heads, q_len, k_len = weights.shape
-    rows = int(max(1, min(q_len, block_elements // max(1, batch * heads * k_len))))
-    num_blocks = -(-q_len // rows)
+    if callable(index):
+        index_rows = index
+    else:
+        index_rows = lambda start, rows: jax.lax.dynamic_slice_in_dim(index, start, rows, axis=1)
 
-    def block_sum(start):
+    def block_sum(start, rows):
         w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)  # [B, N, rows, S]
-        idx = jax.lax.dynamic_slice_in_dim(index, start, rows, axis=1)  # [B|1, rows, S]
+        idx = index_rows(start, rows)  # [B|1, rows, S]
         flat_row = jnp.arange(batch * heads * rows, dtype=jnp.int32).reshape(batch, heads, rows, 1)
         segment = (flat_row * num_slots + idx[:, None]).reshape(-1)
         summed = jax.ops.segment_sum(w.reshape(-1), segment, num_segments=batch * heads * rows * num_slots)
         return summed.reshape(batch, heads, rows, num_slots)
 
-    if num_blocks == 1:
-        return block_sum(0)
-
-    def body(block, out):
-        # The last block is shifted back to stay in bounds; its overlap rewrites equal values.
-        start = jnp.minimum(block * rows, q_len - rows)
-        return jax.lax.dynamic_update_slice_in_dim(out, block_sum(start), start, axis=2)
-
-    out = jnp.zeros((batch, heads, q_len, num_slots), weights.dtype)
-    return jax.lax.fori_loop(0, num_blocks, body, out)
+    # The block size is set by the [rows, S] weights, not by the [rows, R] output.
+    block_rows_elements = block_elements * num_slots // max(1, k_len)
+    return by_query_blocks(
+        block_sum, (batch, heads, q_len, num_slots), weights.dtype, block_elements=max(1, block_rows_elements)
+    )
 
 
 def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions, max_distance: int) -> jax.Array:

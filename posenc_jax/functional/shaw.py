@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.positions import check_positions
 from posenc_jax.functional.relative import (
     bucket_relative,
     check_max_distance,
@@ -73,7 +74,7 @@ def shaw_key_logits(q, table, query_positions, key_positions, *, max_distance: i
     return gather_relative(per_distance, index) * jnp.float32(scale)
 
 
-def shaw_value_term(weights, table, query_positions, key_positions, *, max_distance: int):
+def shaw_value_term(weights, table, query_positions, key_positions, *, max_distance: int, block_elements: int = 1 << 20):
     """Shaw's value term ``Σ_s w[t, s] · P_V[clip(key_pos[s] - query_pos[t], -k, k) + k]``.
 
     Args:
@@ -81,14 +82,21 @@ def shaw_value_term(weights, table, query_positions, key_positions, *, max_dista
       table: ``[2k+1, H]`` or ``[N, 2k+1, H]`` value-side relative vectors ``P_V``.
       query_positions, key_positions: integer position arrays.
       max_distance: the clip distance k >= 1.
+      block_elements: about how many weights each block of query rows holds.
 
     Returns:
       ``[B, T, N, H]`` float32 term to add to the attention output.
     """
     k = check_max_distance(max_distance)
     _check_table(table, k, None, "value table")
-    index = clipped_relative_index(query_positions, key_positions, k)
-    buckets = bucket_relative(weights.astype(jnp.float32), index, 2 * k + 1)  # [B, N, T, 2k+1]
+    query_positions = check_positions(query_positions, "query_positions")
+    query_positions = query_positions if query_positions.ndim == 2 else query_positions[None]
+
+    def index_rows(start, rows):  # slots of a block of query rows, never the whole [T, S] index
+        block = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
+        return clipped_relative_index(block, key_positions, k)
+
+    buckets = bucket_relative(weights.astype(jnp.float32), index_rows, 2 * k + 1, block_elements=block_elements)  # [B, N, T, 2k+1]
     spec = "BNTR,RH->BTNH" if np.ndim(table) == 2 else "BNTR,NRH->BTNH"
     return jnp.einsum(spec, buckets, table, preferred_element_type=jnp.float32)
 

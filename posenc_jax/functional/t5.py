@@ -109,8 +109,10 @@ def t5_bias(
     if np.ndim(table) != 2:
         raise ValueError(f"table must have shape [num_buckets, N], got {np.shape(table)}")
     num_buckets = np.shape(table)[0]
-    distances = jnp.arange(-max_distance, max_distance + 1)
-    buckets = t5_relative_bucket(distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    # Static: evaluated once at trace time, so the logs are never fused into the [T, S] expansion.
+    with jax.ensure_compile_time_eval():
+        distances = jnp.arange(-max_distance, max_distance + 1)
+        buckets = t5_relative_bucket(distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
     per_distance = jnp.take(jnp.asarray(table, jnp.float32), buckets, axis=0).T  # [N, 2M+1]
     return expand_relative_bias(per_distance, query_positions, key_positions, max_distance)
 
