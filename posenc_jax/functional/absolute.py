@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.parameter_free import ParameterFree
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
 
 __all__ = [
@@ -123,7 +124,7 @@ def _add_encoding(x: jax.Array, pe: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sinusoidal:
+class Sinusoidal(ParameterFree):
     """Sinusoidal absolute encoding as an ``embed`` hook: ``x + P[positions]``.
 
     Example:
@@ -167,7 +168,7 @@ class LearnedAbsolute:
 
 
 @dataclasses.dataclass(frozen=True)
-class NoPE:
+class NoPE(ParameterFree):
     """No positional encoding, as an explicit choice (Kazemnejad et al. 2023, arXiv:2305.19466).
 
     It fills no hook that changes anything: ``embed`` is the identity and the

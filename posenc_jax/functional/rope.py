@@ -27,9 +27,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.parameter_free import ParameterFree
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
 
-__all__ = ["RoPE", "apply_rope", "apply_rope_qk", "rope_inverse_frequencies", "rope_tables"]
+__all__ = [
+    "AxialRoPE",
+    "RoPE",
+    "apply_rope",
+    "apply_rope_2d",
+    "apply_rope_qk",
+    "rope_inverse_frequencies",
+    "rope_tables",
+]
 
 Layout = Literal["interleaved", "half"]
 _LAYOUTS = ("interleaved", "half")
@@ -137,6 +146,7 @@ def apply_rope(
     rotary_dim: int | None = None,
     layout: Layout = "interleaved",
     inverse_frequency=None,
+    attention_factor: float = 1.0,
 ) -> jax.Array:
     """Applies RoPE to queries or keys: ``x'[2i:2i+2] = R(p θ_i) x[2i:2i+2]``.
 
@@ -158,6 +168,8 @@ def apply_rope(
         (GPT-NeoX / Llama).
       inverse_frequency: optional ``[rotary_dim / 2]`` frequencies replacing
         ``base ** (-2i/R)``, for the RoPE scalings.
+      attention_factor: multiplies the rotated features (a scaling's attention
+        factor, e.g. YaRN's; scores then scale by its square).
 
     Returns:
       Rotated array, same shape and dtype as ``x``; the rotation is done in float32.
@@ -176,7 +188,7 @@ def apply_rope(
     _check_positions_fit(x, positions, "x")
     inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
     cos, sin = rope_tables(positions, inverse_frequency)
-    return _rotate(x, cos, sin, layout)
+    return _rotate(x, cos * attention_factor, sin * attention_factor, layout)
 
 
 def apply_rope_qk(
@@ -189,6 +201,7 @@ def apply_rope_qk(
     rotary_dim: int | None = None,
     layout: Layout = "interleaved",
     inverse_frequency=None,
+    attention_factor: float = 1.0,
 ) -> tuple[jax.Array, jax.Array]:
     """Rotates queries ``[..., T, N, H]`` and keys ``[..., S, K, H]`` in one pass.
 
@@ -215,12 +228,18 @@ def apply_rope_qk(
     inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
     q_cos, q_sin = rope_tables(query_positions, inverse_frequency)
     k_cos, k_sin = (q_cos, q_sin) if same_positions else rope_tables(key_positions, inverse_frequency)
+    if attention_factor != 1.0:
+        q_cos, q_sin, k_cos, k_sin = (t * attention_factor for t in (q_cos, q_sin, k_cos, k_sin))
     return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)
 
 
 @dataclasses.dataclass(frozen=True)
-class RoPE:
+class RoPE(ParameterFree):
     """RoPE as a ``rotate`` hook of :func:`posenc_jax.functional.dot_product_attention`.
+
+    ``scaling`` takes a RoPE scaling from :mod:`posenc_jax.functional.rope_scaling`
+    (linear / PI, NTK, dynamic NTK, YaRN, Llama 3, LongRoPE); its frequencies and
+    attention factor are computed for the static key length of each call.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -234,6 +253,7 @@ class RoPE:
     base: float = 10000.0
     rotary_dim: int | None = None
     layout: Layout = "interleaved"
+    scaling: object | None = None
     hooks: ClassVar[frozenset[str]] = frozenset({"rotate"})
 
     def __post_init__(self):
@@ -242,8 +262,23 @@ class RoPE:
             rope_inverse_frequencies(self.rotary_dim, base=self.base)
         elif not self.base > 1.0:
             raise ValueError(f"base must be a number > 1, got {self.base!r}")
+        if self.scaling is not None and not (
+            hasattr(self.scaling, "inverse_frequencies") and hasattr(self.scaling, "attention_factor")
+        ):
+            raise ValueError(f"scaling must be a RoPE scaling (e.g. YaRNScaling), got {self.scaling!r}")
+
+    def frequencies(self, head_dim: int, length: int | None = None) -> tuple[np.ndarray, float]:
+        """The ``[R / 2]`` inverse frequencies and the attention factor for ``length`` keys."""
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        if self.scaling is None:
+            return rope_inverse_frequencies(rotary_dim, base=self.base), 1.0
+        return (
+            np.asarray(self.scaling.inverse_frequencies(rotary_dim, self.base, length), np.float64),
+            float(self.scaling.attention_factor(length)),
+        )
 
     def rotate(self, q, k, query_positions, key_positions):
+        freq, factor = self.frequencies(q.shape[-1], length=k.shape[-3])
         return apply_rope_qk(
             q,
             k,
@@ -252,4 +287,71 @@ class RoPE:
             base=self.base,
             rotary_dim=self.rotary_dim,
             layout=self.layout,
+            inverse_frequency=freq,
+            attention_factor=factor,
+        )
+
+
+def apply_rope_2d(
+    x: jax.Array, positions, *, base: float = 10000.0, layout: Layout = "interleaved"
+) -> jax.Array:
+    """Axial 2-D RoPE for image patches: the first half of each head by x, the second by y.
+
+    ``positions[..., t, :] = (x, y)`` (column, row) of patch t. Each half of the head
+    is a 1-D RoPE of width H/2 with its own frequency ladder, so on a one-row image
+    (y = 0) the result is 1-D RoPE on the first half and the identity on the second.
+
+    Args:
+      x: ``[..., T, N, H]`` with H divisible by 4.
+      positions: integer ``[T, 2]`` or ``[B, T, 2]``.
+
+    Example:
+      >>> xy = jnp.stack(jnp.meshgrid(jnp.arange(4), jnp.arange(3)), -1).reshape(12, 2)
+      >>> apply_rope_2d(jnp.ones((1, 12, 2, 16)), xy).shape
+      (1, 12, 2, 16)
+    """
+    head_dim = x.shape[-1]
+    if head_dim % 4:
+        raise ValueError(f"head_dim must be divisible by 4 for axial 2-D RoPE (two even halves), got {head_dim}")
+    positions = check_positions(positions)
+    if positions.ndim < 2 or positions.shape[-1] != 2:
+        raise ValueError(f"2-D positions must have shape [T, 2] or [B, T, 2] (x, y), got {positions.shape}")
+    half = head_dim // 2
+    first = apply_rope(x[..., :half], positions[..., 0], base=base, layout=layout)
+    second = apply_rope(x[..., half:], positions[..., 1], base=base, layout=layout)
+    return jnp.concatenate([first, second], axis=-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class AxialRoPE(ParameterFree):
+    """Axial 2-D RoPE as a ``rotate`` hook, for row-major flattened patch grids.
+
+    The attention's positions stay 1-D: patch index ``p`` of a grid ``grid_width``
+    wide is at ``(x, y) = (p % grid_width, p // grid_width)``.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 12, 2, 16)); pos = jnp.arange(12)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[AxialRoPE(grid_width=4)]).shape
+      (1, 12, 2, 16)
+    """
+
+    grid_width: int
+    base: float = 10000.0
+    layout: Layout = "interleaved"
+    hooks: ClassVar[frozenset[str]] = frozenset({"rotate"})
+
+    def __post_init__(self):
+        _check_layout(self.layout)
+        if not isinstance(self.grid_width, (int, np.integer)) or self.grid_width < 1:
+            raise ValueError(f"grid_width must be an integer >= 1, got {self.grid_width!r}")
+
+    def rotate(self, q, k, query_positions, key_positions):
+        def xy(p):
+            return jnp.stack([p % self.grid_width, p // self.grid_width], axis=-1)
+
+        return (
+            apply_rope_2d(q, xy(query_positions), base=self.base, layout=self.layout),
+            apply_rope_2d(k, xy(key_positions), base=self.base, layout=self.layout),
         )

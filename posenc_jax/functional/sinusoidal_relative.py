@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.parameter_free import ParameterFree
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
 
 __all__ = ["SinusoidalRelative", "sinusoidal_relative_logits"]
@@ -87,7 +88,7 @@ def sinusoidal_relative_logits(
 
 
 @dataclasses.dataclass(frozen=True)
-class SinusoidalRelative:
+class SinusoidalRelative(ParameterFree):
     """Parameter-free functional relative encoding as a ``logits`` hook (seed 003).
 
     ``logits[t, s] = scale · q_t · PE(key_pos[s] - query_pos[t])`` with ``PE`` the

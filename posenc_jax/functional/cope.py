@@ -1,0 +1,90 @@
+"""CoPE: contextual position encoding (Golovneva et al. 2024).
+
+Positions are counted by the context instead of by tokens: with gates
+``g[t, s] = σ(q_t · k_s / √H)`` on the keys a query may see (causal), the position
+of key s for query t is ``p[t, s] = Σ_{s' >= s} g[t, s']``, a fractional count of
+"relevant" keys between s and t. It is clipped to ``P - 1`` and its embedding is
+interpolated from learned integer embeddings ``e[0..P-1]``; the term added to the
+scores is ``q_t · e[p[t, s]]``, computed as ``z = q · eᵀ`` (``[B, N, T, P]``) and two
+gathers, never as ``[T, S, H]``.
+
+Keys must be in position order (as in any causal sequence or cache); the gates
+see only the causal mask by position, so other masks (padding, segments) should
+also be expressed through positions. Causal only.
+
+Reference: Golovneva et al., "Contextual Position Encoding: Learning to Count
+What's Important", 2024, arXiv:2405.18719.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.masks import causal_mask
+
+__all__ = ["CoPE", "cope_logits"]
+
+
+def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: float | None = None):
+    """CoPE's logits term ``q_t · e[p[t, s]]``, ``[B, N, T, S]`` float32.
+
+    Args:
+      q: ``[B, T, N, H]``; k: ``[B, S, K, H]`` (N a multiple of K).
+      query_positions, key_positions: integer positions (for the causal gates).
+      embeddings: ``[P, H]`` shared or ``[N, P, H]`` per-head position embeddings.
+      scale: gate logit scale, default ``1/√H`` (the scores' own scale).
+
+    Example:
+      >>> q = jnp.ones((1, 5, 2, 4))
+      >>> cope_logits(q, q, jnp.arange(5), jnp.arange(5), jnp.zeros((8, 4))).shape
+      (1, 2, 5, 5)
+    """
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    if np.ndim(embeddings) not in (2, 3) or np.shape(embeddings)[-1] != head_dim or (
+        np.ndim(embeddings) == 3 and np.shape(embeddings)[0] != num_heads
+    ):
+        raise ValueError(
+            f"CoPE embeddings must have shape [P, H={head_dim}] or [N={num_heads}, P, H], got {np.shape(embeddings)}"
+        )
+    num_positions = np.shape(embeddings)[-2]
+    if scale is None:
+        scale = 1.0 / np.sqrt(head_dim)
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    logits = jnp.einsum("BTNH,BSNH->BNTS", q, keys, preferred_element_type=jnp.float32) * jnp.float32(scale)
+    visible = causal_mask(query_positions, key_positions)  # [B|1, 1, T, S]
+    gates = jnp.where(visible, jax.nn.sigmoid(logits), 0.0)
+    counts = jnp.flip(jnp.cumsum(jnp.flip(gates, -1), axis=-1), -1)  # Σ over keys s' >= s
+    counts = jnp.minimum(counts, num_positions - 1)
+    spec = "BTNH,PH->BNTP" if np.ndim(embeddings) == 2 else "BTNH,NPH->BNTP"
+    per_position = jnp.einsum(spec, q, embeddings, preferred_element_type=jnp.float32)  # [B, N, T, P]
+    lower = jnp.floor(counts)
+    weight = counts - lower
+    lower = lower.astype(jnp.int32)
+    upper = jnp.minimum(lower + 1, num_positions - 1)
+    at_lower = jnp.take_along_axis(per_position, lower, axis=-1)
+    at_upper = jnp.take_along_axis(per_position, upper, axis=-1)
+    return at_lower * (1.0 - weight) + at_upper * weight
+
+
+@dataclasses.dataclass(frozen=True)
+class CoPE:
+    """CoPE as a ``logits`` hook; ``embeddings`` ``[P, H]`` or ``[N, P, H]`` is a parameter.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 5, 2, 4)); pos = jnp.arange(5)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[CoPE(jnp.zeros((8, 4)))], causal=True).shape
+      (1, 5, 2, 4)
+    """
+
+    embeddings: jax.Array
+    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+
+    def logits(self, q, k, query_positions, key_positions):
+        return cope_logits(q, k, query_positions, key_positions, self.embeddings)

@@ -1,0 +1,120 @@
+"""FIRE: functional interpolation for relative positions (Li et al. 2023).
+
+``logits[n, t, s] += f_θ( ψ(i - j) / ψ(max(L, i)) )[n]`` with ``i = query_pos[t]``,
+``j = key_pos[s]``, ``ψ(x) = log(c·x + 1)``, a learned threshold ``L > 0`` and
+``f_θ`` a small MLP (one hidden ReLU layer, one output per head). Dividing by
+``ψ(max(L, i))`` maps every distance seen by query i into ``[0, 1]``, so a longer
+sequence interpolates rather than extrapolates. Causal: future keys (``j > i``)
+get distance 0 and are expected to be masked.
+
+The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
+activations are never stored whole.
+
+Reference: Li et al., "Functional Interpolation for Relative Positions Improves
+Long Context Transformers", ICLR 2024, arXiv:2310.04418.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.relative import by_query_blocks
+
+__all__ = ["Fire", "fire_bias", "fire_init"]
+
+
+def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.1, threshold: float = 512.0) -> dict:
+    """FIRE parameters whose bias starts monotone non-increasing in distance.
+
+    ``w1 > 0`` with kinks ``-b1/w1`` inside ``[0, 1]`` and ``w2 < 0``, so
+    ``f(x) = Σ_h w2[h, n] relu(w1[h] x + b1[h]) + b2[n]`` never increases with x
+    (like ALiBi and Kerple at the start); training may change that.
+    """
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+    if not isinstance(hidden, (int, np.integer)) or hidden < 1:
+        raise ValueError(f"hidden must be an integer >= 1, got {hidden!r}")
+    if not (c > 0 and threshold > 0):
+        raise ValueError(f"c and threshold must be > 0, got c={c}, threshold={threshold}")
+    k1, k2, k3 = jax.random.split(key, 3)
+    w1 = jax.random.uniform(k1, (hidden,), minval=0.5, maxval=2.0)
+    b1 = -w1 * jax.random.uniform(k2, (hidden,))
+    w2 = -jax.random.uniform(k3, (hidden, num_heads)) / np.sqrt(hidden)
+    return {
+        "w1": w1, "b1": b1, "w2": w2, "b2": jnp.zeros((num_heads,)),
+        "c": jnp.asarray(c, jnp.float32), "threshold": jnp.asarray(threshold, jnp.float32),
+    }
+
+
+def fire_bias(params: dict, query_positions, key_positions, *, block_elements: int = 1 << 18) -> jax.Array:
+    """FIRE bias ``[B|1, N, T, S]`` float32 from ``params`` (see :func:`fire_init`).
+
+    Args:
+      params: ``w1`` ``[hidden]``, ``b1`` ``[hidden]``, ``w2`` ``[hidden, N]``, ``b2`` ``[N]``,
+        and positive scalars ``c`` and ``threshold`` (L).
+      query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
+      block_elements: about how many (query, key) pairs each block of rows holds.
+
+    Example:
+      >>> params = fire_init(jax.random.key(0), 4)
+      >>> fire_bias(params, jnp.arange(5), jnp.arange(5)).shape
+      (1, 4, 5, 5)
+    """
+    missing = {"w1", "b1", "w2", "b2", "c", "threshold"} - set(params)
+    if missing:
+        raise ValueError(f"FIRE params are missing {sorted(missing)}")
+    hidden, num_heads = np.shape(params["w2"])
+    q = check_positions(query_positions, "query_positions")
+    k = check_positions(key_positions, "key_positions")
+    q = q if q.ndim == 2 else q[None]
+    k = k if k.ndim == 2 else k[None]
+    c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
+    threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
+    psi = lambda x: jnp.log1p(c * x)
+    w1 = jnp.asarray(params["w1"], jnp.float32).reshape(1, 1, 1, hidden)
+    b1 = jnp.asarray(params["b1"], jnp.float32).reshape(1, 1, 1, hidden)
+    w2 = jnp.asarray(params["w2"], jnp.float32)
+    b2 = jnp.asarray(params["b2"], jnp.float32).reshape(1, num_heads, 1, 1)
+    batch = max(q.shape[0], k.shape[0])
+
+    def block(start, rows):
+        qb = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1).astype(jnp.float32)  # [B|1, rows]
+        distance = jnp.maximum(qb[:, :, None] - k[:, None, :].astype(jnp.float32), 0.0)  # [B, rows, S]
+        x = psi(distance) / psi(jnp.maximum(threshold, qb))[:, :, None]
+        h = jax.nn.relu(x[..., None] * w1 + b1)  # [B, rows, S, hidden]
+        out = jnp.einsum("BTSh,hN->BNTS", h, w2) + b2
+        return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))
+
+    return by_query_blocks(
+        block, (batch, num_heads, q.shape[1], k.shape[1]), jnp.float32, block_elements=max(1, block_elements * num_heads)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Fire:
+    """FIRE as a ``logits`` hook; ``params`` as made by :func:`fire_init`.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> fire = Fire(fire_init(jax.random.key(0), 2))
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[fire], causal=True).shape
+      (1, 4, 2, 8)
+    """
+
+    params: dict
+    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+
+    def bias(self, query_positions, key_positions):
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        return fire_bias(self.params, query_positions, key_positions)
+
+    def logits(self, q, k, query_positions, key_positions):
+        return self.bias(query_positions, key_positions)

@@ -1,0 +1,113 @@
+"""xPos: RoPE with an exponential decay of the scores with distance (Sun et al. 2022).
+
+Each rotation pair i gets a decay base ``ζ_i = (2i/R + γ) / (1 + γ)`` in (0, 1);
+queries are scaled by ``ζ_i ** ((m - c) / scale_base)`` and keys by
+``ζ_i ** (-(n - c) / scale_base)`` after RoPE, so the score of query m and key n
+carries ``ζ_i ** ((m - n) / scale_base)``: it depends on positions only through
+``n - m`` and decays for past keys. The centre ``c`` (the midpoint of the query
+positions) cancels in every score and keeps the scale factors near 1, so they stay
+finite for long sequences (up to about ``70 · scale_base`` on each side of c in
+float32). Layout of pairs as in :mod:`posenc_jax.functional.rope`.
+
+Reference: Sun et al., "A Length-Extrapolatable Transformer", ACL 2023,
+arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.parameter_free import ParameterFree
+from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.rope import Layout, _check_head, _check_layout, _rotate, rope_inverse_frequencies, rope_tables
+
+__all__ = ["XPos", "apply_xpos_qk", "xpos_decay_bases"]
+
+
+def xpos_decay_bases(rotary_dim: int, *, gamma: float = 0.4) -> np.ndarray:
+    """``ζ_i = (2i/R + γ) / (1 + γ)`` for ``i < R/2``, float64."""
+    rope_inverse_frequencies(rotary_dim)  # validates rotary_dim
+    if not gamma > 0:
+        raise ValueError(f"gamma must be > 0, got {gamma!r}")
+    return (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim + gamma) / (1 + gamma)
+
+
+def apply_xpos_qk(
+    q,
+    k,
+    query_positions,
+    key_positions,
+    *,
+    base: float = 10000.0,
+    scale_base: float = 512.0,
+    gamma: float = 0.4,
+    layout: Layout = "interleaved",
+):
+    """Rotates and scales queries ``[..., T, N, H]`` and keys ``[..., S, K, H]`` as xPos does.
+
+    Example:
+      >>> q = jnp.ones((1, 6, 2, 8))
+      >>> [a.shape for a in apply_xpos_qk(q, q, jnp.arange(6), jnp.arange(6))]
+      [(1, 6, 2, 8), (1, 6, 2, 8)]
+    """
+    _check_layout(layout)
+    rotary_dim = _check_head(q, None, "q")
+    _check_head(k, rotary_dim, "k")
+    if not scale_base > 0:
+        raise ValueError(f"scale_base must be > 0, got {scale_base!r}")
+    query_positions = check_positions(query_positions, "query_positions")
+    key_positions = check_positions(key_positions, "key_positions")
+    freq = rope_inverse_frequencies(rotary_dim, base=base)
+    log_zeta = jnp.asarray(np.log(xpos_decay_bases(rotary_dim, gamma=gamma)), jnp.float32)
+    q_batched = query_positions if query_positions.ndim == 2 else query_positions[None]
+    centre = (q_batched.min(axis=-1, keepdims=True) + q_batched.max(axis=-1, keepdims=True)) // 2  # [B|1, 1]
+
+    def tables(positions, sign):
+        cos, sin = rope_tables(positions, freq)
+        batched = positions if positions.ndim == 2 else positions[None]
+        offset = (batched - centre).astype(jnp.float32)[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
+        scale = jnp.exp(sign * offset * log_zeta.reshape(1, 1, -1))
+        if positions.ndim == 1 and centre.shape[0] == 1:
+            scale = scale[0]
+        else:
+            cos, sin = jnp.broadcast_to(cos, scale.shape), jnp.broadcast_to(sin, scale.shape)
+        return cos * scale, sin * scale
+
+    q_cos, q_sin = tables(query_positions, 1.0)
+    k_cos, k_sin = tables(key_positions, -1.0)
+    return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)
+
+
+@dataclasses.dataclass(frozen=True)
+class XPos(ParameterFree):
+    """xPos as a ``rotate`` hook (causal use, as in the paper).
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 6, 2, 8)); pos = jnp.arange(6)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[XPos()], causal=True).shape
+      (1, 6, 2, 8)
+    """
+
+    base: float = 10000.0
+    scale_base: float = 512.0
+    gamma: float = 0.4
+    layout: Layout = "interleaved"
+    hooks: ClassVar[frozenset[str]] = frozenset({"rotate"})
+
+    def __post_init__(self):
+        _check_layout(self.layout)
+        if not self.scale_base > 0 or not self.gamma > 0:
+            raise ValueError(f"scale_base and gamma must be > 0, got {self.scale_base}, {self.gamma}")
+
+    def rotate(self, q, k, query_positions, key_positions):
+        return apply_xpos_qk(
+            q, k, query_positions, key_positions, base=self.base, scale_base=self.scale_base,
+            gamma=self.gamma, layout=self.layout,
+        )

@@ -1,0 +1,349 @@
+"""ALiBi, Kerple, FIRE, RoPE scalings, xPos, axial RoPE, CoPE, randomized positions, the registry."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax.functional import (
+    ALiBi,
+    AxialRoPE,
+    CoPE,
+    DynamicNTKScaling,
+    FireConfig,
+    Kerple,
+    KerpleConfig,
+    LinearScaling,
+    Llama3Scaling,
+    LongRoPEScaling,
+    NTKScaling,
+    RandomizedPositions,
+    RoPE,
+    XPos,
+    YaRNScaling,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    apply_rope_2d,
+    apply_xpos_qk,
+    dot_product_attention,
+    encoding_config,
+    encoding_names,
+    fire_bias,
+    kerple_bias,
+    randomized_positions,
+    rope_inverse_frequencies,
+)
+from posenc_jax.reference import beyond_seeds as ref
+from posenc_jax.reference import su_rope
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+# ---------------------------------------------------------------- ALiBi
+
+
+@pytest.mark.parametrize("num_heads", range(1, 65))
+def test_alibi_slopes_match_get_slopes(num_heads):
+    np.testing.assert_allclose(alibi_slopes(num_heads), ref.alibi_get_slopes(num_heads), rtol=1e-15)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_alibi_bias_is_linear_in_distance_with_the_slopes(bidirectional):
+    qp, kp = jnp.array([3, 7, 8, 20]), jnp.array([0, 1, 5, 8, 9, 30])
+    bias = np.asarray(alibi_bias(12, qp, kp, bidirectional=bidirectional))[0]
+    rel = np.asarray(kp)[None, :] - np.asarray(qp)[:, None]
+    dist = -np.abs(rel) if bidirectional else rel
+    np.testing.assert_allclose(bias, np.asarray(ref.alibi_get_slopes(12))[:, None, None] * dist[None], rtol=1e-6)
+    # Along any row, equal steps in key position give equal steps in bias (linear in j - i).
+    row = np.asarray(alibi_bias(12, jnp.array([50]), jnp.arange(0, 50, 7)))[0, :, 0]
+    np.testing.assert_allclose(np.diff(row, 2, axis=-1), 0.0, atol=1e-5)
+
+
+def test_alibi_in_attention_equals_explicit_bias(rng):
+    q, k, v = (_normal(rng, (2, 6, 5, 8)) for _ in range(3))
+    pos = jnp.arange(6) + 40
+    out = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[ALiBi()], causal=True)
+    bias = np.asarray(ref.alibi_get_slopes(5))[:, None, None] * (np.arange(6)[None, :] - np.arange(6)[:, None])[None]
+    logits = np.einsum("BTNH,BSNH->BNTS", np.asarray(q, np.float64), np.asarray(k, np.float64)) / np.sqrt(8) + bias
+    logits = np.where(np.tril(np.ones((6, 6), bool)), logits, -np.inf)
+    w = np.exp(logits - logits.max(-1, keepdims=True))
+    w /= w.sum(-1, keepdims=True)
+    np.testing.assert_allclose(out, np.einsum("BNTS,BSNH->BTNH", w, np.asarray(v, np.float64)), atol=1e-5)
+
+
+# ---------------------------------------------------------------- Kerple and FIRE
+
+
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_kerple_formula_and_monotone_at_init(variant):
+    cfg = KerpleConfig(variant=variant)
+    params = cfg.init(jax.random.key(1), num_heads=4, head_dim=8, model_dim=32)
+    enc = cfg.build(params)
+    pos = jnp.arange(200)
+    bias = np.asarray(enc.bias(pos, pos))[0]
+    d = np.abs(np.arange(200)[None, :] - np.arange(200)[:, None]).astype(np.float64)
+    r1, r2 = (np.asarray(params[n], np.float64)[:, None, None] for n in ("r1", "r2"))
+    want = -r1 * np.log1p(r2 * d) if variant == "log" else -r1 * d**r2
+    np.testing.assert_allclose(bias, want, rtol=1e-5, atol=1e-5)
+    row = bias[:, 199, ::-1]  # distance 0, 1, 2, ... from the last query
+    assert np.all(np.diff(row, axis=-1) < 0)
+
+
+def test_fire_matches_formula_is_monotone_at_init_and_blockwise_consistent():
+    cfg = FireConfig()
+    params = cfg.init(jax.random.key(2), num_heads=3, head_dim=8, model_dim=24)
+    qp, kp = jnp.array([0, 5, 100, 600, 2000]), jnp.arange(0, 2001, 97)
+    got = np.asarray(fire_bias(params, qp, kp))[0]
+    np.testing.assert_allclose(got, ref.fire_bias(params, qp, kp), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(fire_bias(params, qp, kp, block_elements=7))[0], got, atol=1e-6)
+    pos = jnp.arange(300)
+    bias = np.asarray(cfg.build(params).bias(pos, pos))[0]
+    row = bias[:, 299, ::-1]  # distance 0, 1, 2, ... from the last query
+    assert np.all(np.diff(row, axis=-1) <= 1e-7)
+    assert row[:, 0].min() > row[:, -1].max()  # it does decrease
+
+
+# ---------------------------------------------------------------- RoPE scalings
+
+
+def test_position_interpolation_at_p_equals_plain_rope_at_p_over_s(rng):
+    x = _normal(rng, (1, 8, 2, 32))
+    positions = np.arange(8) * 1000 + 3
+    s = 4.0
+    got = apply_rope(x, jnp.asarray(positions), inverse_frequency=LinearScaling(s).inverse_frequencies(32, 10000.0))
+    np.testing.assert_allclose(got, su_rope(np.asarray(x), positions / s), atol=3e-5)
+
+
+def test_yarn_is_plain_rope_for_high_frequencies_and_pi_for_low():
+    R, base, s, L = 128, 10000.0, 8.0, 4096
+    yarn = YaRNScaling(factor=s, original_context=L)
+    freq = yarn.inverse_frequencies(R, base)
+    plain = rope_inverse_frequencies(R, base=base)
+    keep = yarn.extrapolation_weight(R, base)
+    rotations = L * plain / (2 * np.pi)  # turns over the original context
+    assert np.all(keep[rotations > 32] == 1.0) and np.all(keep[rotations < 1] == 0.0)
+    assert (keep == 1).sum() > 5 and (keep == 0).sum() > 5
+    np.testing.assert_allclose(freq[keep == 1], plain[keep == 1], rtol=1e-15)
+    np.testing.assert_allclose(freq[keep == 0], plain[keep == 0] / s, rtol=1e-15)
+    want, mscale = ref.yarn_inverse_frequencies(R, base, s, L)
+    np.testing.assert_allclose(freq, want, rtol=1e-15)
+    assert yarn.attention_factor() == pytest.approx(0.1 * np.log(s) + 1) == pytest.approx(mscale)
+
+
+def test_yarn_attention_factor_scales_scores_by_its_square(rng):
+    q, k = _normal(rng, (1, 5, 1, 16)), _normal(rng, (1, 5, 1, 16))
+    pos = jnp.arange(5)
+    yarn = YaRNScaling(factor=4.0, original_context=64)
+    rq, rk = RoPE(scaling=yarn).rotate(q, k, pos, pos)
+    freq = yarn.inverse_frequencies(16, 10000.0)
+    pq, pk = apply_rope(q, pos, inverse_frequency=freq), apply_rope(k, pos, inverse_frequency=freq)
+    np.testing.assert_allclose((rq * rk).sum(-1), (pq * pk).sum(-1) * yarn.attention_factor() ** 2, rtol=1e-5)
+
+
+def test_ntk_keeps_the_highest_frequency_and_divides_the_lowest_by_s():
+    plain = rope_inverse_frequencies(64)
+    ntk = NTKScaling(factor=8.0).inverse_frequencies(64, 10000.0)
+    assert ntk[0] == plain[0]
+    assert ntk[-1] == pytest.approx(plain[-1] / 8.0, rel=1e-12)
+    assert np.all(ntk <= plain)
+
+
+def test_dynamic_ntk_is_plain_rope_below_the_original_context():
+    dyn = DynamicNTKScaling(factor=4.0, original_context=512)
+    plain = rope_inverse_frequencies(64)
+    for length in (1, 100, 512):
+        np.testing.assert_array_equal(dyn.inverse_frequencies(64, 10000.0, length), plain)
+    longer = dyn.inverse_frequencies(64, 10000.0, 2048)
+    assert np.all(longer[1:] < plain[1:])
+    # At length = s · L_orig the base grows by (s·s - (s - 1)) ** (R / (R - 2)).
+    np.testing.assert_allclose(longer, rope_inverse_frequencies(64, base=10000.0 * 13.0 ** (64 / 62)), rtol=1e-12)
+
+
+def test_llama3_matches_reference_and_its_bands():
+    cfg = Llama3Scaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_context=8192)
+    got = cfg.inverse_frequencies(128, 500000.0)
+    np.testing.assert_allclose(got, ref.llama3_inverse_frequencies(128, 500000.0, 8.0, 1.0, 4.0, 8192), rtol=1e-14)
+    plain = rope_inverse_frequencies(128, base=500000.0)
+    wavelength = 2 * np.pi / plain
+    np.testing.assert_array_equal(got[wavelength < 8192 / 4], plain[wavelength < 8192 / 4])
+    np.testing.assert_allclose(got[wavelength > 8192], plain[wavelength > 8192] / 8, rtol=1e-15)
+
+
+def test_longrope_switches_lists_at_the_original_context():
+    short, long = tuple(np.linspace(1, 2, 8)), tuple(np.linspace(1, 16, 8))
+    cfg = LongRoPEScaling(short, long, original_context=4096, max_context=131072)
+    plain = rope_inverse_frequencies(16)
+    np.testing.assert_allclose(cfg.inverse_frequencies(16, 10000.0, 4096), plain / np.array(short))
+    np.testing.assert_allclose(cfg.inverse_frequencies(16, 10000.0, 4097), plain / np.array(long))
+    assert cfg.attention_factor() == pytest.approx(np.sqrt(1 + np.log(32) / np.log(4096)))
+
+
+# ---------------------------------------------------------------- xPos, axial RoPE
+
+
+def test_xpos_matches_reference_and_depends_only_on_offsets(rng):
+    q, k = _normal(rng, (1, 10, 2, 16)), _normal(rng, (1, 10, 2, 16))
+    pos = jnp.arange(10) + 300
+    rq, rk = apply_xpos_qk(q, k, pos, pos)
+    centre = (300 + 309) // 2
+    for n in range(2):
+        wq, wk = ref.xpos_qk(q[0, :, n], k[0, :, n], np.asarray(pos), np.asarray(pos), centre)
+        np.testing.assert_allclose(rq[0, :, n], wq, atol=2e-5)
+        np.testing.assert_allclose(rk[0, :, n], wk, atol=2e-5)
+
+    def scores(p):
+        a, b = apply_xpos_qk(q, k, p, p)
+        return np.einsum("BTNH,BSNH->BNTS", np.asarray(a, np.float64), np.asarray(b, np.float64))
+
+    base = scores(jnp.arange(10))
+    for shift in (7, 5000, 100_000):
+        np.testing.assert_allclose(scores(jnp.arange(10) + shift), base, atol=1e-4)
+    # Long sequences stay finite thanks to the centre.
+    a, b = apply_xpos_qk(q, k, jnp.arange(10) + 10**7, jnp.arange(10) + 10**7)
+    assert np.isfinite(np.asarray(a)).all() and np.isfinite(np.asarray(b)).all()
+    # The decay: for features in one rotation pair i only, the xPos score is the RoPE score
+    # times ζ_i ** ((m - n) / 512), smaller the farther back the key.
+    zeta = (np.arange(0, 16, 2) / 16 + 0.4) / 1.4
+    for i in (0, 5):
+        single = np.zeros((1, 64, 1, 16), np.float32)
+        single[..., 2 * i], single[..., 2 * i + 1] = 1.0, 0.5
+        single = jnp.asarray(single)
+        a, b = apply_xpos_qk(single, single, jnp.arange(64), jnp.arange(64))
+        ra, rb = apply_rope(single, jnp.arange(64)), apply_rope(single, jnp.arange(64))
+        xpos_row = np.einsum("H,SH->S", np.asarray(a[0, -1, 0], np.float64), np.asarray(b[0, :, 0], np.float64))
+        rope_row = np.einsum("H,SH->S", np.asarray(ra[0, -1, 0], np.float64), np.asarray(rb[0, :, 0], np.float64))
+        np.testing.assert_allclose(xpos_row, rope_row * zeta[i] ** ((63 - np.arange(64)) / 512), rtol=1e-4, atol=1e-6)
+
+
+def test_axial_rope_on_one_row_is_1d_rope_on_the_first_half(rng):
+    x = _normal(rng, (2, 6, 3, 32))
+    xy = jnp.stack([jnp.arange(6), jnp.zeros(6, jnp.int32)], -1)
+    got = apply_rope_2d(x, xy)
+    np.testing.assert_allclose(got[..., :16], apply_rope(x[..., :16], jnp.arange(6)), atol=1e-6)
+    np.testing.assert_array_equal(got[..., 16:], x[..., 16:])
+    # The hook decodes row-major flat positions into (x, y).
+    pos = jnp.arange(12)
+    q = _normal(rng, (1, 12, 2, 16))
+    rq, _ = AxialRoPE(grid_width=4).rotate(q, q, pos, pos)
+    grid = jnp.stack([pos % 4, pos // 4], -1)
+    np.testing.assert_allclose(rq, apply_rope_2d(q, grid), atol=1e-6)
+
+
+# ---------------------------------------------------------------- CoPE
+
+
+def test_cope_matches_authors_module(rng):
+    q, k, v = (_normal(rng, (2, 7, 3, 8)) for _ in range(3))
+    emb = _normal(rng, (5, 8))
+    pos = jnp.arange(7) + 11
+    out = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[CoPE(emb)], causal=True)
+    q64, k64, v64 = (np.asarray(a, np.float64) for a in (q, k, v))
+    mask = np.tril(np.ones((7, 7), bool))
+    want = np.zeros(q.shape)
+    for b in range(2):
+        for n in range(3):
+            logits = q64[b, :, n] @ k64[b, :, n].T / np.sqrt(8)
+            with np.errstate(divide="ignore"):
+                logits = logits + np.log(mask)
+            logits = logits + ref.cope(q64[b, :, n][None], logits[None], np.asarray(emb, np.float64).T, 5)[0]
+            w = np.exp(logits - logits.max(-1, keepdims=True))
+            w /= w.sum(-1, keepdims=True)
+            want[b, :, n] = w @ v64[b, :, n]
+    np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+# ---------------------------------------------------------------- randomized positions
+
+
+def test_randomized_positions_sorted_unique_in_range():
+    for seed in range(5):
+        p = np.asarray(randomized_positions(jax.random.key(seed), 40, 2048, batch_size=8))
+        assert p.shape == (8, 40)
+        assert np.all(np.diff(p, axis=-1) > 0) and p.min() >= 0 and p.max() < 2048
+        assert len({tuple(row) for row in p}) == 8  # independent per example
+    shared = RandomizedPositions(2048)(jax.random.key(0), 40, train=True, batch_size=4)
+    assert np.all(np.asarray(shared) == np.asarray(shared)[0])
+    np.testing.assert_array_equal(RandomizedPositions(64)(jax.random.key(0), 10, train=False), np.arange(10))
+    tight = np.asarray(randomized_positions(jax.random.key(0), 16, 16))
+    np.testing.assert_array_equal(tight, np.arange(16))
+    draws = np.stack([np.asarray(randomized_positions(jax.random.key(s), 4, 100)) for s in range(300)])
+    assert draws.max() > 90 and draws.min() < 10  # draws cover the range, not just its start
+
+
+# ---------------------------------------------------------------- every registered encoding
+
+
+_SETTINGS = {
+    "rope-pi": dict(factor=2.0),
+    "rope-ntk": dict(factor=2.0),
+    "rope-dynamic-ntk": dict(factor=2.0, original_context=4),
+    "rope-yarn": dict(factor=2.0, original_context=4),
+    "rope-llama3": dict(factor=2.0, original_context=4),
+    "rope-longrope": dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
+    "rope-2d": dict(grid_width=3),
+    "learned": dict(max_positions=16),
+    "shaw": dict(max_distance=3),
+    "deberta": dict(span=4),
+    "clipped-bias": dict(max_distance=3),
+    "t5": dict(num_buckets=8, max_distance=16, bidirectional=False),
+    "cope": dict(num_positions=6),
+}
+
+
+def _run(name, x_or_q, k, v, pos):
+    cfg = encoding_config(name, **_SETTINGS.get(name, {}))
+    params = cfg.init(jax.random.key(0), num_heads=4, head_dim=8, model_dim=32)
+
+    def forward(params, q, k, v, pos):
+        enc = cfg.build(params)
+        if hasattr(enc, "embed"):
+            return enc.embed(q.reshape(*q.shape[:2], 32), pos)
+        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[enc], causal=True)
+
+    return forward, params
+
+
+@pytest.mark.parametrize("name", encoding_names())
+def test_every_encoding_jit_vmap_gradients_bfloat16(rng, name):
+    q, k, v = (_normal(rng, (2, 6, 4, 8)) for _ in range(3))
+    pos = jnp.arange(6) + 2
+    forward, params = _run(name, q, k, v, pos)
+    eager = forward(params, q, k, v, pos)
+    jitted = jax.jit(forward)(params, q, k, v, pos)
+    np.testing.assert_allclose(jitted, eager, atol=1e-5)
+    mapped = jax.vmap(forward, in_axes=(None, 0, 0, 0, None))(params, q[:, None], k[:, None], v[:, None], pos)
+    np.testing.assert_allclose(mapped[:, 0], eager, atol=1e-5)
+    grads = jax.grad(lambda p, q: (forward(p, q, k, v, pos) ** 2).sum(), argnums=(0, 1))(params, q)
+    for leaf in jax.tree_util.tree_leaves(grads):
+        assert np.isfinite(np.asarray(leaf)).all()
+    half = forward(params, q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos)
+    chex.assert_type(half, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(half, np.float32), np.asarray(eager), atol=0.1)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_names_the_value():
+    with pytest.raises(ValueError, match="scaling factor must be a number >= 1.*got 0.5"):
+        LinearScaling(0.5)
+    with pytest.raises(ValueError, match="scaling factor must be a number >= 1.*got 0.9"):
+        encoding_config("rope-yarn", factor=0.9, original_context=512)
+    with pytest.raises(ValueError, match="unknown encoding 'rope-yarnn'; known encodings: alibi, .*rope-yarn"):
+        encoding_config("rope-yarnn")
+    with pytest.raises(ValueError, match="head_dim must be divisible by 4 for axial 2-D RoPE.*got 18"):
+        apply_rope_2d(jnp.ones((1, 4, 1, 18)), jnp.zeros((4, 2), jnp.int32))
+    with pytest.raises(ValueError, match="max_length=10 is smaller than the sequence length 16"):
+        randomized_positions(jax.random.key(0), 16, 10)
+    with pytest.raises(ValueError, match="max_length=10 is smaller than the sequence length 16"):
+        RandomizedPositions(10)(jax.random.key(0), 16, train=False)
+    with pytest.raises(ValueError, match="Kerple r2 must be in \\(0, 2.0\\]"):
+        Kerple(jnp.ones(2), jnp.full(2, 3.0), variant="power")
+    with pytest.raises(ValueError, match="num_heads must be an integer >= 1 for ALiBi slopes, got 0"):
+        alibi_slopes(0)
+    with pytest.raises(ValueError, match="bad settings \\{'bogus': 1\\} for encoding 't5'"):
+        encoding_config("t5", bogus=1)
