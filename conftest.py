@@ -9,3 +9,10 @@ import pytest
 def _doctest_names(doctest_namespace):
     doctest_namespace["jnp"] = jnp
     doctest_namespace["np"] = np
+
+
+@pytest.fixture(autouse=True)
+def _doctest_flax_names(doctest_namespace):
+    from flax import nnx
+
+    doctest_namespace["nnx"] = nnx

@@ -1,5 +1,7 @@
 """Relative encodings: fast paths against the seed-pseudocode references, any positions."""
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -309,3 +311,41 @@ def test_blockwise_paths_equal_one_block(rng):
     table = _normal(rng, (7, H))
     one = shaw_value_term(w, table, qp, kp, max_distance=3)
     np.testing.assert_allclose(shaw_value_term(w, table, qp, kp, max_distance=3, block_elements=19 * 2 * N * 3), one, atol=1e-6)
+
+
+def test_by_query_blocks_places_every_block_at_its_start():
+    from posenc_jax.functional import by_query_blocks
+
+    def block(start, rows):  # values that depend on where the block starts
+        return (start + jnp.arange(rows, dtype=jnp.float32)).reshape(1, 1, rows, 1)
+
+    for q_len, budget in ((10, 4), (10, 3), (7, 7), (9, 1)):
+        out = by_query_blocks(block, (1, 1, q_len, 1), jnp.float32, block_elements=budget)
+        np.testing.assert_array_equal(out[0, 0, :, 0], np.arange(q_len))
+
+
+def test_deberta_slots_saturate_where_claimed():
+    from posenc_jax.functional.deberta import _saturation_distance
+
+    for span, buckets, max_pos in ((4, 0, 512), (256, 256, 512), (8, 8, 24), (4, 4, 4096), (32, 32, 1024), (16, 16, 17)):
+        reach = _saturation_distance(span, buckets, max_pos)
+        assert reach <= max(max_pos, span) + 1
+        rel = np.arange(-3 * reach - 100, 3 * reach + 101)
+        bucketed = ref.deberta_log_bucket_position(rel, buckets, max_pos) if buckets else rel
+        slot = np.clip(bucketed + span, 0, 2 * span - 1)
+        assert np.all(slot[rel >= reach] == 2 * span - 1) and np.all(slot[rel <= -reach] == 0)
+    with pytest.raises(ValueError, match="span=300 != position_buckets=256"):
+        DeBERTa(jnp.zeros((600, 1, 4)), jnp.zeros((600, 1, 4)), 300, position_buckets=256)
+
+
+def test_explicit_scale_reaches_terms_that_share_it(rng, qkv):
+    q, k, v = qkv
+    qp, kp = POSITIONS["arange"]
+    table = _normal(rng, (5, H))
+    for enc in (Shaw(2, table, None), SinusoidalRelative()):
+        scaled = dot_product_attention(q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc], scale=0.1)
+        explicit = dot_product_attention(q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp),
+                                         encodings=[dataclasses.replace(enc, scale=0.1)], scale=0.1)
+        np.testing.assert_allclose(scaled, explicit, atol=1e-6)
+        default = dot_product_attention(q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc])
+        assert np.abs(np.asarray(scaled) - np.asarray(default)).max() > 1e-3

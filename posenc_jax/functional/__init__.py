@@ -26,6 +26,7 @@ from posenc_jax.functional.positions import check_positions, inverse_frequencies
 from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
 from posenc_jax.functional.relative import (
     bucket_relative,
+    by_query_blocks,
     clipped_relative_index,
     expand_relative_bias,
     gather_relative,
@@ -111,6 +112,7 @@ __all__ = [
     "apply_rope_qk",
     "apply_xpos_qk",
     "bucket_relative",
+    "by_query_blocks",
     "causal_mask",
     "check_positions",
     "clipped_relative_bias",

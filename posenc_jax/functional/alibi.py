@@ -93,9 +93,9 @@ class ALiBi(ParameterFree):
     shares_bias: ClassVar[bool] = True
     hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
-    def bias(self, num_heads: int, query_positions, key_positions):
+    def bias(self, query_positions, key_positions, num_heads: int):
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
         return alibi_bias(num_heads, query_positions, key_positions, bidirectional=self.bidirectional)
 
     def logits(self, q, k, query_positions, key_positions):
-        return self.bias(q.shape[-2], query_positions, key_positions)
+        return self.bias(query_positions, key_positions, q.shape[-2])

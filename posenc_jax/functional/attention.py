@@ -186,6 +186,9 @@ def dot_product_attention(
         attends only to keys of the same segment (packed sequences).
       mask: extra boolean mask broadcastable to ``[B, N, T, S]``, True = attend.
       scale: score scale; default ``1/√H``, or the scale an encoding prescribes.
+        An explicit scale also applies to encodings whose terms share it (those
+        with a ``scale`` field left at None: Shaw, Transformer-XL, DeBERTa, CoPE,
+        the functional relative encoding).
       dropout_rate: dropout on the attention weights (needs ``dropout_rng``).
       dropout_rng: PRNG key for dropout.
       return_weights: also return the ``[B, N, T, S]`` float32 weights.
@@ -215,6 +218,15 @@ def dot_product_attention(
     k_len, num_kv_heads = key.shape[1], key.shape[2]
     groups = num_heads // num_kv_heads
 
+    if scale is not None:
+        # Terms that share the score scale (Shaw, Transformer-XL, DeBERTa, CoPE, functional
+        # relative: a `scale` field left at None) follow an explicit scale too.
+        encodings = [
+            dataclasses.replace(e, scale=scale)
+            if dataclasses.is_dataclass(e) and "scale" in {f.name for f in dataclasses.fields(e)} and e.scale is None
+            else e
+            for e in encodings
+        ]
     hooks = [_hooks_of(encoding) for encoding in encodings]
     needs_positions = causal or bool(hooks)
     if needs_positions and (query_positions is None or key_positions is None):

@@ -84,7 +84,8 @@ class CoPE:
     """
 
     embeddings: jax.Array
+    scale: float | None = None
     hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
     def logits(self, q, k, query_positions, key_positions):
-        return cope_logits(q, k, query_positions, key_positions, self.embeddings)
+        return cope_logits(q, k, query_positions, key_positions, self.embeddings, scale=self.scale)

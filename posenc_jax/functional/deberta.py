@@ -75,13 +75,15 @@ def deberta_log_bucket(relative_position, *, bucket_size: int, max_position: int
 
 
 def _saturation_distance(span: int, position_buckets: int, max_relative_positions: int) -> int:
-    """A distance D past which DeBERTa's slot no longer changes (0 or 2·span - 1)."""
+    """A distance D from which DeBERTa's slot no longer changes (0 or 2·span - 1).
+
+    Raw distances saturate at ±span. Log buckets (with span = position_buckets)
+    reach ``span - 1`` at ``|r| = max_relative_positions - 1`` and pass ``span`` just
+    beyond it, so every slot is settled from ``|r| = max_relative_positions``.
+    """
     if position_buckets <= 0:
         return span
-    mid = position_buckets // 2
-    # Smallest |r| whose log bucket reaches ±span, plus margin; checked by the caller.
-    growth = math.log(max_relative_positions - 1) - math.log(mid)
-    return int(math.ceil(mid * math.exp(growth * mid / (mid - 1)))) + 2 + span
+    return max(max_relative_positions, span) + 1
 
 
 def deberta_relative_index(
@@ -93,8 +95,7 @@ def deberta_relative_index(
     ``|query_pos - key_pos| <= D`` at trace time and looked up; the logarithms
     are never evaluated per (query, key) pair.
     """
-    if not isinstance(span, (int, np.integer)) or span < 1:
-        raise ValueError(f"span must be an integer >= 1, got {span!r}")
+    _check_span(span, position_buckets)
     reach = _saturation_distance(span, position_buckets, max_relative_positions)
     with jax.ensure_compile_time_eval():
         rel = jnp.arange(-reach, reach + 1)
@@ -178,6 +179,16 @@ def deberta_logits(
     return by_query_blocks(block, out_shape, jnp.float32, block_elements=block_elements)
 
 
+def _check_span(span, position_buckets):
+    if not isinstance(span, (int, np.integer)) or span < 1:
+        raise ValueError(f"span must be an integer >= 1, got {span!r}")
+    if position_buckets > 0 and span != position_buckets:
+        raise ValueError(
+            f"with log buckets DeBERTa's span is the bucket count (att_span = position_buckets): "
+            f"span={span} != position_buckets={position_buckets}"
+        )
+
+
 def _check_terms(terms):
     terms = tuple(terms)
     if not terms or any(t not in _TERMS for t in terms):
@@ -208,20 +219,20 @@ class DeBERTa:
     position_buckets: int = 0
     max_relative_positions: int = 512
     terms: tuple[str, ...] = _TERMS
+    scale: float | None = None
     hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
     def __post_init__(self):
         _check_terms(self.terms)
-        if not isinstance(self.span, (int, np.integer)) or self.span < 1:
-            raise ValueError(f"span must be an integer >= 1, got {self.span!r}")
+        _check_span(self.span, self.position_buckets)
 
     def score_scale(self, head_dim: int) -> float:
         """``1/√(H · (1 + number of position terms))``, for the content score too."""
-        return _score_scale(head_dim, self.terms)
+        return _score_scale(head_dim, self.terms) if self.scale is None else self.scale
 
     def logits(self, q, k, query_positions, key_positions):
         return deberta_logits(
             q, k, query_positions, key_positions, pos_query=self.pos_query, pos_key=self.pos_key,
             span=self.span, position_buckets=self.position_buckets,
-            max_relative_positions=self.max_relative_positions, terms=self.terms,
+            max_relative_positions=self.max_relative_positions, terms=self.terms, scale=self.scale,
         )

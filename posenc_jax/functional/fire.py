@@ -112,8 +112,8 @@ class Fire:
     params: dict
     hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
-    def bias(self, query_positions, key_positions):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+    def bias(self, query_positions, key_positions, num_heads: int | None = None):
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
         return fire_bias(self.params, query_positions, key_positions)
 
     def logits(self, q, k, query_positions, key_positions):

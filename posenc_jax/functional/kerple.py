@@ -86,8 +86,8 @@ class Kerple:
         _check_concrete_positive("r1", self.r1)
         _check_concrete_positive("r2", self.r2, 2.0 if self.variant == "power" else None)
 
-    def bias(self, query_positions, key_positions):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+    def bias(self, query_positions, key_positions, num_heads: int | None = None):
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
         return kerple_bias(self.r1, self.r2, query_positions, key_positions, variant=self.variant)
 
     def logits(self, q, k, query_positions, key_positions):

@@ -67,8 +67,8 @@ class ClippedRelativeBias:
     def __post_init__(self):
         _check_table(self.table, check_max_distance(self.max_distance))
 
-    def bias(self, query_positions, key_positions):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+    def bias(self, query_positions, key_positions, num_heads: int | None = None):
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
         return clipped_relative_bias(self.table, query_positions, key_positions, max_distance=self.max_distance)
 
     def logits(self, q, k, query_positions, key_positions):

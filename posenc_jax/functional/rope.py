@@ -267,6 +267,11 @@ class RoPE(ParameterFree):
         ):
             raise ValueError(f"scaling must be a RoPE scaling (e.g. YaRNScaling), got {self.scaling!r}")
 
+    @property
+    def decodable(self) -> bool:
+        """False when the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
+        return not getattr(self.scaling, "length_dependent", False)
+
     def frequencies(self, head_dim: int, length: int | None = None) -> tuple[np.ndarray, float]:
         """The ``[R / 2]`` inverse frequencies and the attention factor for ``length`` keys."""
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim

@@ -5,7 +5,8 @@ Each scaling is a frozen dataclass with a registered ``name`` and two methods,
 computed on the host so the phases stay exact) and ``attention_factor(length)``
 (multiplies both rotated q and k, so scores scale by its square; 1 for most).
 ``length`` is the static number of keys of the current call; only dynamic NTK and
-LongRoPE read it. Pass one as ``RoPE(scaling=...)``.
+LongRoPE read it (``length_dependent``), so they cannot be used with a KV cache,
+whose keys were rotated at other lengths. Pass one as ``RoPE(scaling=...)``.
 
 With ``θ_i = base ** (-2i / R)`` and scale factor ``s >= 1``:
 
@@ -102,6 +103,7 @@ class DynamicNTKScaling:
     factor: float
     original_context: int
     name: ClassVar[str] = "dynamic-ntk"
+    length_dependent: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_factor(self.factor)
@@ -197,6 +199,7 @@ class LongRoPEScaling:
     original_context: int
     max_context: int
     name: ClassVar[str] = "longrope"
+    length_dependent: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_context(self.original_context)

@@ -139,8 +139,8 @@ class T5Bias:
             raise ValueError(f"table must have shape [num_buckets, N], got {np.shape(self.table)}")
         _check_bucket_config(np.shape(self.table)[0], self.max_distance, self.bidirectional)
 
-    def bias(self, query_positions, key_positions):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+    def bias(self, query_positions, key_positions, num_heads: int | None = None):
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
         return t5_bias(
             self.table, query_positions, key_positions, bidirectional=self.bidirectional, max_distance=self.max_distance
         )

@@ -5,9 +5,9 @@ queries are scaled by ``ζ_i ** ((m - c) / scale_base)`` and keys by
 ``ζ_i ** (-(n - c) / scale_base)`` after RoPE, so the score of query m and key n
 carries ``ζ_i ** ((m - n) / scale_base)``: it depends on positions only through
 ``n - m`` and decays for past keys. The centre ``c`` (the midpoint of the query
-positions) cancels in every score and keeps the scale factors near 1, so they stay
-finite for long sequences (up to about ``70 · scale_base`` on each side of c in
-float32). Layout of pairs as in :mod:`posenc_jax.functional.rope`.
+positions) cancels in every score and keeps the scale factors near 1; each factor
+is clamped to ``e^±60``, so far from the centre (about ``60 / |ln ζ_i| · scale_base``
+positions) the decay saturates instead of overflowing. Layout of pairs as in :mod:`posenc_jax.functional.rope`.
 
 Reference: Sun et al., "A Length-Extrapolatable Transformer", ACL 2023,
 arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
@@ -71,7 +71,8 @@ def apply_xpos_qk(
         cos, sin = rope_tables(positions, freq)
         batched = positions if positions.ndim == 2 else positions[None]
         offset = (batched - centre).astype(jnp.float32)[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
-        scale = jnp.exp(sign * offset * log_zeta.reshape(1, 1, -1))
+        # Clamped in log space so far-away (e.g. empty cache) slots stay finite.
+        scale = jnp.exp(jnp.clip(sign * offset * log_zeta.reshape(1, 1, -1), -60.0, 60.0))
         if positions.ndim == 1 and centre.shape[0] == 1:
             scale = scale[0]
         else:

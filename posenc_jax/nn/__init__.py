@@ -1,0 +1,7 @@
+"""Flax NNX modules: parameter-holding wrappers around :mod:`posenc_jax.functional`."""
+
+from posenc_jax.nn.attention import KVCache, MultiHeadAttention
+from posenc_jax.nn.encoding import PositionEncoding, resolve_config
+from posenc_jax.nn.transformer import Block, Transformer
+
+__all__ = ["Block", "KVCache", "MultiHeadAttention", "PositionEncoding", "Transformer", "resolve_config"]

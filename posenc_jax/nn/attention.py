@@ -1,0 +1,186 @@
+"""Multi-head attention with any positional encoding, as a Flax NNX module.
+
+A thin parameter-holding wrapper: projections ``W_Q``, ``W_K``, ``W_V``, ``W_O``
+and the per-layer encodings' parameters; the computation is
+:func:`posenc_jax.functional.dot_product_attention`.
+
+Decoding uses an explicit :class:`KVCache` (a pytree of arrays, positions
+included), so a step compiles once and runs for any position.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posenc_jax.functional.attention import dot_product_attention, softmax_weights
+from posenc_jax.nn.encoding import PositionEncoding
+
+__all__ = ["KVCache", "MultiHeadAttention"]
+
+# Empty cache slots sit at this position: after every real query, so the causal
+# mask (and every encoding's notion of "future") hides them.
+EMPTY_POSITION = 2**30
+
+
+class KVCache(NamedTuple):
+    """Keys and values decoded so far: ``key``/``value`` ``[B, L, K, H]``, ``positions`` ``[B, L]``,
+    ``length`` (int32 scalar): the slots ``0..length-1`` are filled."""
+
+    key: jax.Array
+    value: jax.Array
+    positions: jax.Array
+    length: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, max_length: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
+        shape = (batch, max_length, num_kv_heads, head_dim)
+        return cls(
+            jnp.zeros(shape, dtype),
+            jnp.zeros(shape, dtype),
+            jnp.full((batch, max_length), EMPTY_POSITION, jnp.int32),
+            jnp.zeros((), jnp.int32),
+        )
+
+    def append(self, key: jax.Array, value: jax.Array, positions: jax.Array) -> "KVCache":
+        """Writes ``[B, T, K, H]`` keys/values at positions ``[B, T]`` into the next T slots."""
+        update = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), self.length, axis=1)
+        return KVCache(
+            update(self.key, key), update(self.value, value), update(self.positions, positions), self.length + key.shape[1]
+        )
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head (grouped-query) attention composing any encodings.
+
+    Args:
+      model_dim: D, the width of the input and output.
+      num_heads: N query heads.
+      num_kv_heads: K key/value heads (default N); N must be a multiple of K.
+      head_dim: H (default D / N).
+      encodings: registered names or configs of the encodings this layer owns
+        (e.g. ``["rope", "alibi"]``); biases shared across layers are passed per
+        call instead (``shared``).
+      normalizer: the ``normalize`` hook (softmax by default).
+      dropout_rate: dropout on the attention weights.
+      use_bias: biases in the projections.
+      rngs: ``nnx.Rngs`` with ``params`` (and ``dropout`` when training with dropout).
+
+    Example:
+      >>> mha = MultiHeadAttention(64, 4, encodings=["rope"], rngs=nnx.Rngs(0))
+      >>> x = jnp.ones((2, 10, 64))
+      >>> mha(x, jnp.arange(10), causal=True).shape
+      (2, 10, 64)
+    """
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_heads: int,
+        *,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        encodings: Sequence = (),
+        normalizer: Callable = softmax_weights,
+        dropout_rate: float = 0.0,
+        use_bias: bool = False,
+        rngs: nnx.Rngs,
+    ):
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if head_dim is None:
+            if model_dim % num_heads:
+                raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}; pass head_dim")
+            head_dim = model_dim // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.normalizer = normalizer
+        self.dropout_rate = dropout_rate
+        self.query = nnx.Linear(model_dim, num_heads * head_dim, use_bias=use_bias, rngs=rngs)
+        self.key = nnx.Linear(model_dim, num_kv_heads * head_dim, use_bias=use_bias, rngs=rngs)
+        self.value = nnx.Linear(model_dim, num_kv_heads * head_dim, use_bias=use_bias, rngs=rngs)
+        self.out = nnx.Linear(num_heads * head_dim, model_dim, use_bias=use_bias, rngs=rngs)
+        self.encodings = nnx.List(
+            [PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs) for e in encodings]
+        )
+        for module in self.encodings:
+            if module.is_absolute:
+                raise ValueError(
+                    f"{type(module()).__name__} acts on token embeddings; give it to the Transformer, not the attention"
+                )
+        self.dropout_rngs = rngs if dropout_rate > 0 else None
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        causal: bool,
+        shared: Sequence = (),
+        key_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        deterministic: bool = True,
+    ):
+        """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
+
+        Args:
+          causal: mask keys after each query (by position).
+          shared: extra encoding hooks for this call (a bias computed once per
+            forward, e.g. ``SharedBias``).
+          key_mask: ``[B, T]`` booleans, True for real tokens.
+          segment_ids: ``[B, T]`` ids of packed sequences.
+          cache: a :class:`KVCache` to append to and attend over (causal decoding);
+            the call then returns ``(output, new_cache)``.
+          deterministic: no dropout.
+
+        Returns:
+          ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
+        """
+        batch, length, _ = x.shape
+        q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
+        k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        v = self.value(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        query_positions = positions
+        key_positions = positions
+        new_cache = None
+        if cache is not None:
+            if not causal:
+                raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
+            if key_mask is not None or segment_ids is not None:
+                raise ValueError("decoding with a cache takes neither key_mask nor segment_ids; positions say it all")
+            positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+            new_cache = cache.append(k, v, positions)
+            k, v = new_cache.key, new_cache.value
+            query_positions, key_positions = positions, new_cache.positions
+        encodings = [module() for module in self.encodings] + list(shared)
+        if cache is not None:
+            for encoding in encodings:
+                if not getattr(encoding, "decodable", True):
+                    raise ValueError(
+                        f"{encoding!r} recomputes its frequencies from the sequence length, so keys cached at "
+                        f"one length do not match queries at another; run the full sequence instead of a KV "
+                        f"cache, or use a fixed scaling (e.g. rope-yarn)"
+                    )
+        use_dropout = self.dropout_rate > 0 and not deterministic
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            encodings=encodings,
+            normalizer=self.normalizer,
+            causal=causal,
+            key_mask=key_mask,
+            query_segment_ids=segment_ids,
+            key_segment_ids=segment_ids,
+            dropout_rate=self.dropout_rate if use_dropout else 0.0,
+            dropout_rng=self.dropout_rngs.dropout() if use_dropout else None,
+        )
+        out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
+        return out if cache is None else (out, new_cache)

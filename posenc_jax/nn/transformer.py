@@ -1,0 +1,187 @@
+"""A small pre-LN Transformer with any positional encoding (encoder or causal decoder).
+
+The model the benchmarks and Colabs train. Encodings are given by name or config
+and placed where they act:
+
+* absolute ones (sinusoidal, learned, NoPE) add to the token embeddings;
+* biases that depend only on positions (T5, ALiBi, Kerple, FIRE, the clipped
+  bias; ``shares_bias``) have one set of parameters for the whole model and are
+  computed once per forward, then added by every layer;
+* the rest (RoPE family, xPos, Shaw, Transformer-XL, DeBERTa, CoPE, ...) live in
+  each layer's attention with their own parameters.
+
+Positions are explicit: ``model(tokens, positions)``. Decoding: ``init_cache`` then
+``decode(tokens, positions, cache)`` for the prompt and for each new token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from posenc_jax.functional.attention import SharedBias, softmax_weights
+from posenc_jax.nn.attention import KVCache, MultiHeadAttention
+from posenc_jax.nn.encoding import PositionEncoding, resolve_config
+
+__all__ = ["Block", "Transformer"]
+
+
+class Block(nnx.Module):
+    """Pre-LN block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``."""
+
+    def __init__(
+        self,
+        model_dim: int,
+        num_heads: int,
+        mlp_dim: int,
+        *,
+        num_kv_heads: int | None,
+        encodings: Sequence,
+        normalizer: Callable,
+        dropout_rate: float,
+        rngs: nnx.Rngs,
+    ):
+        self.attention_norm = nnx.LayerNorm(model_dim, rngs=rngs)
+        self.attention = MultiHeadAttention(
+            model_dim, num_heads, num_kv_heads=num_kv_heads, encodings=encodings, normalizer=normalizer,
+            dropout_rate=dropout_rate, rngs=rngs,
+        )
+        self.mlp_norm = nnx.LayerNorm(model_dim, rngs=rngs)
+        self.mlp_in = nnx.Linear(model_dim, mlp_dim, rngs=rngs)
+        self.mlp_out = nnx.Linear(mlp_dim, model_dim, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+    def __call__(self, x, positions, *, causal, shared, key_mask, segment_ids, cache, deterministic):
+        attended = self.attention(
+            self.attention_norm(x), positions, causal=causal, shared=shared, key_mask=key_mask,
+            segment_ids=segment_ids, cache=cache, deterministic=deterministic,
+        )
+        if cache is not None:
+            attended, cache = attended
+        x = x + self.dropout(attended, deterministic=deterministic)
+        h = self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+        x = x + self.dropout(h, deterministic=deterministic)
+        return x, cache
+
+
+class Transformer(nnx.Module):
+    """Token embedding, N pre-LN blocks, final LayerNorm and an output projection.
+
+    Args:
+      vocab_size: tokens.
+      model_dim, num_layers, num_heads, mlp_dim: sizes.
+      encoding: a registered name, a config, or a list of them (hybrids such as
+        ``["rope", "alibi"]``).
+      causal: a causal decoder (True) or a bidirectional encoder (False).
+      num_kv_heads: grouped-query attention (default: num_heads).
+      normalizer: the attention ``normalize`` hook.
+      dropout_rate: dropout on embeddings, residual branches and attention weights.
+      rngs: ``nnx.Rngs``.
+
+    Example:
+      >>> model = Transformer(vocab_size=16, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64,
+      ...                     encoding="rope", causal=True, rngs=nnx.Rngs(0))
+      >>> model(jnp.zeros((2, 7), jnp.int32), jnp.arange(7)).shape
+      (2, 7, 16)
+    """
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        model_dim: int,
+        num_layers: int,
+        num_heads: int,
+        mlp_dim: int,
+        encoding="rope",
+        causal: bool = True,
+        num_kv_heads: int | None = None,
+        normalizer: Callable = softmax_weights,
+        dropout_rate: float = 0.0,
+        rngs: nnx.Rngs,
+    ):
+        configs = [resolve_config(e) for e in ([encoding] if isinstance(encoding, str) or hasattr(encoding, "build") else encoding)]
+        if model_dim % num_heads:
+            raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
+        head_dim = model_dim // num_heads
+        sizes = dict(num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
+        self.causal = causal
+        self.num_heads = num_heads
+        self.embed = nnx.Embed(vocab_size, model_dim, rngs=rngs)
+        absolute, shared, per_layer = [], [], []
+        for config in configs:
+            probe = config.build(config.init(jax.random.key(0), **sizes))
+            if hasattr(probe, "embed"):
+                absolute.append(config)
+            elif getattr(config, "shares_bias", False):
+                shared.append(config)
+            else:
+                per_layer.append(config)
+        self.absolute = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in absolute])
+        self.shared = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in shared])
+        self.blocks = nnx.List(
+            [
+                Block(model_dim, num_heads, mlp_dim, num_kv_heads=num_kv_heads, encodings=per_layer,
+                      normalizer=normalizer, dropout_rate=dropout_rate, rngs=rngs)
+                for _ in range(num_layers)
+            ]
+        )
+        self.final_norm = nnx.LayerNorm(model_dim, rngs=rngs)
+        self.head = nnx.Linear(model_dim, vocab_size, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+
+    def _run(self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions):
+        x = self.embed(tokens)
+        for module in self.absolute:
+            x = module().embed(x, positions)
+        x = self.dropout(x, deterministic=deterministic)
+        # Position-only biases: computed once for this forward, added by every layer.
+        shared = [
+            SharedBias(module().bias(positions, key_positions, num_heads=self.num_heads)) for module in self.shared
+        ]
+        new_caches = []
+        for i, block in enumerate(self.blocks):
+            x, cache = block(
+                x, positions, causal=self.causal, shared=shared, key_mask=key_mask, segment_ids=segment_ids,
+                cache=None if caches is None else caches[i], deterministic=deterministic,
+            )
+            new_caches.append(cache)
+        logits = self.head(self.final_norm(x))
+        return logits, new_caches
+
+    def __call__(self, tokens, positions, *, key_mask=None, segment_ids=None, deterministic: bool = True):
+        """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``."""
+        logits, _ = self._run(
+            tokens, positions, key_mask=key_mask, segment_ids=segment_ids, caches=None,
+            deterministic=deterministic, key_positions=positions,
+        )
+        return logits
+
+    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> list[KVCache]:
+        """Empty per-layer caches of ``max_length`` slots, for :meth:`decode`."""
+        if not self.causal:
+            raise ValueError("this Transformer is a bidirectional encoder; only a causal decoder can decode step by step")
+        attention = self.blocks[0].attention
+        return [
+            KVCache.empty(batch, max_length, attention.num_kv_heads, attention.head_dim, dtype) for _ in self.blocks
+        ]
+
+    def decode(self, tokens, positions, caches: list[KVCache]):
+        """Runs ``tokens`` ``[B, t]`` at ``positions`` ``[B, t]`` against the caches and appends to them.
+
+        Use it for the prompt (t = prompt length) and then one token at a time; each
+        call returns ``(logits [B, t, vocab], new_caches)``. The logits equal those of
+        the full forward pass over the whole sequence.
+        """
+        if not self.causal:
+            raise ValueError("this Transformer is a bidirectional encoder; only a causal decoder can decode step by step")
+        positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape)
+        # Keys' positions after this call's append, for the shared biases.
+        key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, positions, caches[0].length, axis=1)
+        return self._run(
+            tokens, positions, key_mask=None, segment_ids=None, caches=caches, deterministic=True,
+            key_positions=key_positions,
+        )

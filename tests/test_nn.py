@@ -1,0 +1,172 @@
+"""NNX modules: shapes, decoding with a KV cache, packing, causality, every encoding in a model."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posenc_jax.functional import T5Config, encoding_names
+from posenc_jax.nn import KVCache, MultiHeadAttention, PositionEncoding, Transformer
+
+VOCAB, D, LAYERS, HEADS = 32, 32, 2, 4
+
+# Settings that make each encoding meaningful at these tiny sizes.
+SETTINGS = {
+    "rope-pi": dict(factor=2.0),
+    "rope-ntk": dict(factor=2.0),
+    "rope-dynamic-ntk": dict(factor=2.0, original_context=4),
+    "rope-yarn": dict(factor=2.0, original_context=4),
+    "rope-llama3": dict(factor=2.0, original_context=4),
+    "rope-longrope": dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
+    "rope-2d": dict(grid_width=3),
+    "learned": dict(max_positions=32),
+    "shaw": dict(max_distance=3),
+    "deberta": dict(span=4),
+    "clipped-bias": dict(max_distance=3),
+    "t5": dict(num_buckets=8, max_distance=16, bidirectional=False),
+    "cope": dict(num_positions=6),
+}
+
+
+def _config(name):
+    from posenc_jax.functional import encoding_config
+
+    return encoding_config(name, **SETTINGS.get(name, {}))
+
+
+def _model(encoding, causal=True, seed=0, **kwargs):
+    return Transformer(vocab_size=VOCAB, model_dim=D, num_layers=LAYERS, num_heads=HEADS, mlp_dim=64,
+                       encoding=encoding, causal=causal, rngs=nnx.Rngs(seed), **kwargs)
+
+
+def _tokens(rng, batch, length):
+    return jnp.asarray(rng.integers(0, VOCAB, (batch, length)), jnp.int32)
+
+
+def test_attention_and_model_shapes_with_and_without_jit():
+    mha = MultiHeadAttention(D, HEADS, num_kv_heads=2, encodings=["rope", "alibi"], rngs=nnx.Rngs(0))
+    x = jnp.ones((2, 9, D))
+    for fn in (lambda m, x: m(x, jnp.arange(9), causal=True), nnx.jit(lambda m, x: m(x, jnp.arange(9), causal=True))):
+        chex.assert_shape(fn(mha, x), (2, 9, D))
+    model = _model(["sinusoidal", "t5"])
+    tokens = jnp.zeros((3, 11), jnp.int32)
+    for fn in (lambda m, t: m(t, jnp.arange(11)), nnx.jit(lambda m, t: m(t, jnp.arange(11)))):
+        out = fn(model, tokens)
+        chex.assert_shape(out, (3, 11, VOCAB))
+        chex.assert_tree_all_finite(out)
+
+
+def test_position_encoding_module_holds_parameters():
+    enc = PositionEncoding(T5Config(num_buckets=16), num_heads=HEADS, head_dim=8, model_dim=D, rngs=nnx.Rngs(0))
+    params = nnx.state(enc, nnx.Param)
+    chex.assert_shape(params["table"][...], (16, HEADS))
+    assert PositionEncoding("rope", num_heads=HEADS, head_dim=8, model_dim=D, rngs=nnx.Rngs(0)).param_names == ()
+    with pytest.raises(ValueError, match="unknown encoding 'ropee'"):
+        PositionEncoding("ropee", num_heads=HEADS, head_dim=8, model_dim=D, rngs=nnx.Rngs(0))
+
+
+# Dynamic NTK and LongRoPE pick frequencies from the current length: no KV cache.
+LENGTH_DEPENDENT = ("rope-dynamic-ntk", "rope-longrope")
+DECODABLE = [n for n in encoding_names() if n not in LENGTH_DEPENDENT]
+
+
+@pytest.mark.parametrize("name", DECODABLE)
+def test_prefill_then_decode_equals_full_forward(rng, name):
+    model = _model(_config(name))
+    tokens = _tokens(rng, 2, 9)
+    positions = jnp.broadcast_to(jnp.arange(9) + 3, (2, 9))  # offset positions
+    full = model(tokens, positions)
+
+    @nnx.jit
+    def step(model, tokens, positions, caches):
+        return model.decode(tokens, positions, caches)
+
+    caches = model.init_cache(2, 12)
+    logits, caches = model.decode(tokens[:, :5], positions[:, :5], caches)  # prefill
+    outputs = [logits]
+    for t in range(5, 9):
+        logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+        outputs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", LENGTH_DEPENDENT)
+def test_length_dependent_scalings_refuse_a_cache(rng, name):
+    model = _model(_config(name))
+    with pytest.raises(ValueError, match="recomputes its frequencies from the sequence length"):
+        model.decode(_tokens(rng, 1, 3), jnp.arange(3)[None], model.init_cache(1, 8))
+
+
+def test_decode_step_compiles_once(rng):
+    model = _model("rope")
+
+    @nnx.jit
+    @chex.assert_max_traces(n=1)
+    def step(model, tokens, positions, caches):
+        return model.decode(tokens, positions, caches)
+
+    caches = model.init_cache(1, 16)
+    for t in range(6):
+        _, caches = step(model, _tokens(rng, 1, 1), jnp.full((1, 1), t), caches)
+    assert int(caches[0].length) == 6
+
+
+def test_encoder_cannot_decode():
+    model = _model("alibi", causal=False)
+    with pytest.raises(ValueError, match="bidirectional encoder; only a causal decoder can decode"):
+        model.init_cache(1, 8)
+
+
+@pytest.mark.parametrize("name", ["rope", "t5", "alibi", "learned", "shaw", "transformer-xl", "cope"])
+def test_packed_rows_equal_separate_sequences(rng, name):
+    model = _model(_config(name))
+    lengths = (4, 7, 3)
+    seqs = [_tokens(rng, 1, n) for n in lengths]
+    packed = model(
+        jnp.concatenate(seqs, axis=1),
+        jnp.asarray(np.concatenate([np.arange(n) for n in lengths]))[None],
+        segment_ids=jnp.asarray(np.repeat(np.arange(1, 4), lengths))[None],
+    )
+    start = 0
+    for seq, n in zip(seqs, lengths):
+        np.testing.assert_allclose(packed[:, start : start + n], model(seq, jnp.arange(n)), atol=2e-5)
+        start += n
+
+
+@pytest.mark.parametrize("name", ["rope", "t5", "alibi", "sinusoidal", "cope", "fire", "transformer-xl"])
+def test_causality_through_gradients(name):
+    model = _model(_config(name))
+    T = 10
+    tokens = jnp.arange(T, dtype=jnp.int32)[None]  # distinct tokens: one embedding row per position
+    for t in (0, 4, 9):
+        grads = nnx.grad(lambda m: m(tokens, jnp.arange(T))[0, t].sum())(model)
+        row_norms = np.abs(np.asarray(grads.embed.embedding[...])).sum(-1)[:T]
+        assert np.all(row_norms[t + 1 :] == 0.0), (t, row_norms)
+        assert row_norms[t] > 0
+
+
+@pytest.mark.parametrize("name", encoding_names())
+def test_every_encoding_trains_a_step_with_finite_gradients(rng, name):
+    model = _model(_config(name), dropout_rate=0.1)
+    tokens = _tokens(rng, 2, 6)
+
+    def loss(model):
+        logits = model(tokens, jnp.arange(6), deterministic=False)
+        return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+    value, grads = nnx.value_and_grad(loss)(model)
+    assert np.isfinite(float(value))
+    for leaf in jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)):
+        assert np.isfinite(np.asarray(leaf)).all()
+
+
+def test_shared_bias_is_one_table_for_all_layers():
+    model = _model("t5")
+    params = nnx.state(model, nnx.Param)
+    tables = [path for path, _ in jax.tree_util.tree_leaves_with_path(params) if "table" in jax.tree_util.keystr(path)]
+    assert len(tables) == 1
+    shaw = _model(_config("shaw"))
+    key_tables = [p for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(shaw, nnx.Param)) if "key_table" in jax.tree_util.keystr(p)]
+    assert len(key_tables) == LAYERS
