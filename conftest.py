@@ -16,3 +16,10 @@ def _doctest_flax_names(doctest_namespace):
     from flax import nnx
 
     doctest_namespace["nnx"] = nnx
+
+
+@pytest.fixture(autouse=True)
+def _doctest_jax(doctest_namespace):
+    import jax
+
+    doctest_namespace["jax"] = jax

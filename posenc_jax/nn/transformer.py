@@ -29,6 +29,11 @@ from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 __all__ = ["Block", "Transformer"]
 
 
+def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
+    # Without dropout no "dropout" RNG stream is needed (e.g. under the Linen bridge).
+    return nnx.Dropout(rate, rngs=rngs) if rate > 0 else nnx.Dropout(0.0)
+
+
 class Block(nnx.Module):
     """Pre-LN block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``."""
 
@@ -52,7 +57,7 @@ class Block(nnx.Module):
         self.mlp_norm = nnx.LayerNorm(model_dim, rngs=rngs)
         self.mlp_in = nnx.Linear(model_dim, mlp_dim, rngs=rngs)
         self.mlp_out = nnx.Linear(mlp_dim, model_dim, rngs=rngs)
-        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+        self.dropout = _dropout(dropout_rate, rngs)
 
     def __call__(self, x, positions, *, causal, shared, key_mask, segment_ids, cache, deterministic):
         attended = self.attention(
@@ -131,7 +136,7 @@ class Transformer(nnx.Module):
         )
         self.final_norm = nnx.LayerNorm(model_dim, rngs=rngs)
         self.head = nnx.Linear(model_dim, vocab_size, rngs=rngs)
-        self.dropout = nnx.Dropout(dropout_rate, rngs=rngs)
+        self.dropout = _dropout(dropout_rate, rngs)
 
     def _run(self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions):
         x = self.embed(tokens)
