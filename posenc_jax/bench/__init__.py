@@ -1,0 +1,1 @@
+"""Benchmarks: the length-extrapolation runner, its report, and the ``posenc-bench`` command."""

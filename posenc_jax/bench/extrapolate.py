@@ -1,0 +1,341 @@
+"""The length-extrapolation benchmark: train short, test long, for each encoding.
+
+For every (task, encoding, seed) cell: build a small Transformer with the encoding,
+train it on lengths up to ``train_length`` (checkpointing with orbax as it goes),
+then evaluate at every evaluation length, appending one row per length to
+``results.jsonl`` as soon as it is measured. Re-running the same command skips
+finished rows and resumes interrupted training from the last checkpoint; the data
+of step k depends only on (seed, k), so a resumed run ends with the same results.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import platform
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from posenc_jax.checkpoint import Checkpointer
+from posenc_jax.functional.registry import encoding_config, encoding_names
+from posenc_jax.nn import Transformer
+from posenc_jax.tasks import TextTask, make_task, task_names
+from posenc_jax.training import (
+    data_parallel_mesh,
+    make_optimizer,
+    replicate,
+    shard_batch,
+    train_step,
+    warmup_cosine_adamw,
+)
+
+__all__ = ["PRESETS", "Preset", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Everything that defines a run. Algorithmic tasks train on lengths 1..train_length and
+    evaluate at ``eval_lengths``; the text task trains at ``text_context`` characters and
+    evaluates at ``text_context`` times each of ``text_multiples``."""
+
+    name: str
+    encodings: tuple[str, ...]
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+    model_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_dim: int = 256
+    dropout_rate: float = 0.0
+    steps: int = 1000
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    warmup_fraction: float = 0.06
+    weight_decay: float = 0.05
+    train_length: int = 10
+    eval_lengths: tuple[int, ...] = (2, 4, 6, 8, 10, 12, 14, 16, 18, 20)
+    eval_examples: int = 128
+    text_context: int = 64
+    text_multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
+    text_eval_windows: int = 16
+    checkpoint_every: int = 200
+    # RoPE scalings applied at evaluation only to the RoPE model of the text task (extra rows).
+    eval_only_scalings: tuple[str, ...] = ("pi", "ntk", "yarn")
+
+    def validate(self) -> None:
+        unknown = [e for e in self.encodings if e not in encoding_names()]
+        if unknown:
+            raise ValueError(f"unknown encodings {unknown}; known encodings: {', '.join(encoding_names())}")
+        unknown = [t for t in self.tasks if t not in task_names()]
+        if unknown:
+            raise ValueError(f"unknown tasks {unknown}; known tasks: {', '.join(task_names())}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
+        if self.train_length < 1 or self.text_context < 2:
+            raise ValueError(f"train_length must be >= 1 and text_context >= 2, got {self.train_length}, {self.text_context}")
+        if not self.eval_lengths or max(self.eval_lengths) <= self.train_length:
+            raise ValueError(
+                f"eval lengths {self.eval_lengths} must reach beyond the training length {self.train_length}; "
+                f"an extrapolation benchmark tests longer than it trains"
+            )
+        if min(self.eval_lengths) < 1 or not self.text_multiples or max(self.text_multiples) <= 1:
+            raise ValueError(f"eval lengths must be >= 1 and text multiples must include one > 1, got "
+                             f"{self.eval_lengths}, {self.text_multiples}")
+        if self.model_dim % self.num_heads:
+            raise ValueError(f"model_dim={self.model_dim} is not divisible by num_heads={self.num_heads}")
+        if not self.seeds:
+            raise ValueError("need at least one seed")
+
+
+_CPU_ENCODINGS = ("nope", "sinusoidal", "learned", "rope", "t5", "alibi")
+_ALGO_TASKS = ("counting_copy", "copy", "duplicate", "reverse", "reverse_string", "missing_duplicate", "parity", "bucket_sort")
+
+PRESETS = {
+    "smoke": Preset(
+        name="smoke", encodings=("nope", "rope", "alibi"), tasks=("counting_copy", "text"), seeds=(0,),
+        model_dim=32, num_layers=1, num_heads=2, mlp_dim=64, steps=30, batch_size=16, train_length=4,
+        eval_lengths=(2, 4, 6, 8), eval_examples=16, text_context=16, text_multiples=(1, 2, 4),
+        text_eval_windows=4, checkpoint_every=10,
+    ),
+    "cpu": Preset(
+        name="cpu", encodings=_CPU_ENCODINGS, tasks=("counting_copy", "text"), seeds=(0, 1), steps=700,
+    ),
+    "cpu-full": Preset(
+        name="cpu-full", encodings=tuple(n for n in encoding_names() if n not in ("rope-2d",)),
+        tasks=(*_ALGO_TASKS, "probe", "probe_boundary", "text"), seeds=(0, 1), steps=700,
+    ),
+    # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,
+    # 6% warmup, dropout 0.1, train <= 20, test 21-40, 3 seeds. For a GPU or TPU.
+    "paper": Preset(
+        name="paper", encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
+        tasks=("counting_copy", "copy", "duplicate", "reverse"), seeds=(0, 1, 2), model_dim=768, num_layers=12,
+        num_heads=12, mlp_dim=3072, dropout_rate=0.1, steps=40_000, batch_size=64, learning_rate=3e-5,
+        weight_decay=0.05, train_length=20, eval_lengths=tuple(range(1, 41)), eval_examples=256,
+        checkpoint_every=2000,
+    ),
+}
+
+
+def _encoding_for(name: str, preset: Preset, max_tokens: int):
+    """The encoding config as this benchmark uses it (tables sized for the longest evaluation)."""
+    if name == "learned":
+        return encoding_config("learned", max_positions=max_tokens)
+    if name == "cope":
+        return encoding_config("cope", num_positions=max(16, 2 * preset.train_length))
+    if name in ("rope-pi", "rope-ntk", "rope-yarn", "rope-dynamic-ntk"):
+        factor = float(max_tokens) / max(1, preset.train_length)
+        settings = {"factor": max(1.0, factor)}
+        if name in ("rope-yarn", "rope-dynamic-ntk"):
+            settings["original_context"] = preset.train_length
+        return encoding_config(name, **settings)
+    return encoding_config(name)
+
+
+def _lengths(task, preset: Preset):
+    if isinstance(task, TextTask):
+        return [preset.text_context * m for m in preset.text_multiples], preset.text_context
+    return list(preset.eval_lengths), preset.train_length
+
+
+def _done(results_path: pathlib.Path) -> set:
+    if not results_path.exists():
+        return set()
+    done = set()
+    for line in results_path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            done.add((row["task"], row["encoding"], row["seed"], row["length"]))
+    return done
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                              cwd=pathlib.Path(__file__).parent).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _versions() -> dict:
+    import flax
+    import optax
+    import orbax.checkpoint
+
+    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+            "orbax-checkpoint": orbax.checkpoint.__version__, "numpy": np.__version__, "python": platform.python_version()}
+
+
+def _train_batch(task, preset: Preset, seed: int, step: int, max_tokens: int) -> dict:
+    rng = np.random.default_rng([seed, step])
+    if isinstance(task, TextTask):
+        return task.batch(rng, [preset.text_context] * preset.batch_size)
+    lengths = rng.integers(1, preset.train_length + 1, preset.batch_size)
+    return task.batch(rng, lengths, pad_to=max_tokens)
+
+
+def _eval_batches(task, preset: Preset, seed: int, length: int, max_tokens: int):
+    rng = np.random.default_rng([seed, 1_000_003, length])
+    if isinstance(task, TextTask):
+        for start in range(0, preset.text_eval_windows, 4):
+            yield task.batch(rng, [length] * min(4, preset.text_eval_windows - start), split="test")
+        return
+    # One padded shape for every length: one compilation (padding is masked or causally unseen).
+    for start in range(0, preset.eval_examples, 64):
+        yield task.batch(rng, [length] * min(64, preset.eval_examples - start), pad_to=max_tokens)
+
+
+@nnx.jit
+def _predict(model, batch):
+    logits = model(batch["inputs"], batch["positions"], key_mask=batch.get("key_mask"))
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target_log_probs = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+    return logits.argmax(-1), target_log_probs
+
+
+def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progress: bool = True, log=print) -> dict:
+    """Runs (or resumes) every cell of ``preset``, writing into ``out``; returns the run record."""
+    preset.validate()
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    done = _done(results_path)
+    record = {
+        "preset": dataclasses.asdict(preset), "corpus": corpus, "versions": _versions(),
+        "device": {"platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind,
+                   "count": jax.local_device_count()},
+        "git_commit": _git_commit(), "cells": [],
+    }
+    run_json = out / "run.json"
+    if run_json.exists():
+        previous = json.loads(run_json.read_text())
+        record["cells"] = previous.get("cells", [])
+    mesh = data_parallel_mesh()
+    use_mesh = jax.local_device_count() > 1 and preset.batch_size % jax.local_device_count() == 0
+    tasks = {name: make_task(name, corpus=corpus, max_length=max(preset.eval_lengths) + 2) for name in preset.tasks}
+    for task_name, task in tasks.items():
+        if isinstance(task, TextTask):
+            record["text_corpus"] = task.corpus_description
+        eval_lengths, train_length = _lengths(task, preset)
+        max_tokens = task.max_tokens(max(eval_lengths))
+        for encoding_name in preset.encodings:
+            for seed in preset.seeds:
+                todo = [n for n in eval_lengths if (task_name, encoding_name, seed, n) not in done]
+                scaled = _eval_only_rows(task, encoding_name, preset)
+                scaled_todo = [(name, n) for name in scaled for n in eval_lengths
+                               if (task_name, name, seed, n) not in done]
+                if not todo and not scaled_todo:
+                    continue
+                timings = _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, todo,
+                                    scaled_todo, train_length, max_tokens, mesh if use_mesh else None, progress, log)
+                record["cells"].append(timings)
+                run_json.write_text(json.dumps(record, indent=1))
+    run_json.write_text(json.dumps(record, indent=1))
+    return record
+
+
+def _eval_only_rows(task, encoding_name: str, preset: Preset) -> list[str]:
+    if not isinstance(task, TextTask) or encoding_name != "rope":
+        return []
+    return [f"rope+{method}@eval" for method in preset.eval_only_scalings]
+
+
+def _scaled_rope(row_name: str, length: int, train_length: int):
+    """The scaling of an eval-only row at one evaluation length: factor length / train_length."""
+    method = row_name.split("+")[1].split("@")[0]
+    factor = max(1.0, length / train_length)
+    settings = {"factor": factor}
+    if method == "yarn":
+        settings["original_context"] = train_length
+    return encoding_config(f"rope-{method}", **settings)
+
+
+def _model(task, preset: Preset, config, seed: int) -> Transformer:
+    return Transformer(
+        vocab_size=task.vocab_size, model_dim=preset.model_dim, num_layers=preset.num_layers,
+        num_heads=preset.num_heads, mlp_dim=preset.mlp_dim, encoding=config, causal=task.kind == "decoder",
+        dropout_rate=preset.dropout_rate, rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+    )
+
+
+def _evaluate(model, task, preset: Preset, seed: int, length: int, max_tokens: int) -> float:
+    scores = []
+    for batch in _eval_batches(task, preset, seed, length, max_tokens):
+        predictions, target_log_probs = _predict(model, {k: jnp.asarray(v) for k, v in batch.items()})
+        if isinstance(task, TextTask):
+            scores.append(task.score(np.asarray(target_log_probs), batch))
+        else:
+            scores.append(task.score(np.asarray(predictions), batch))
+    return float(np.concatenate(scores).mean())
+
+
+def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, todo, scaled_todo, train_length,
+              max_tokens, mesh, progress, log):
+    config = _encoding_for(encoding_name, preset, max_tokens)
+    model = _model(task, preset, config, seed)
+    tx = warmup_cosine_adamw(learning_rate=preset.learning_rate, total_steps=preset.steps,
+                             warmup_steps=max(0, int(preset.warmup_fraction * preset.steps)),
+                             weight_decay=preset.weight_decay)
+    optimizer = make_optimizer(model, tx)
+    if mesh is not None:
+        replicate(model, mesh)
+        replicate(optimizer, mesh)
+    ckpt = Checkpointer(out / "checkpoints" / task_name / encoding_name / f"seed{seed}", max_to_keep=1)
+    start_step = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
+    timings = {"task": task_name, "encoding": encoding_name, "seed": seed, "resumed_from_step": start_step}
+    train_tokens = task.max_tokens(preset.text_context if isinstance(task, TextTask) else train_length)
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=preset.steps, initial=start_step, desc=f"{task_name} / {encoding_name} / seed {seed}",
+                   leave=False, dynamic_ncols=True)
+    compile_seconds, train_seconds = 0.0, 0.0
+    loss = float("nan")
+    for step in range(start_step, preset.steps):
+        batch = {k: jnp.asarray(v) for k, v in _train_batch(task, preset, seed, step, train_tokens).items()}
+        if mesh is not None:
+            batch = shard_batch(batch, mesh)
+        began = time.perf_counter()
+        loss = float(train_step(model, optimizer, batch))
+        elapsed = time.perf_counter() - began
+        if step == start_step:
+            compile_seconds = elapsed
+        else:
+            train_seconds += elapsed
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}")
+        if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.steps:
+            ckpt.save(step + 1, model, optimizer)
+    if bar is not None:
+        bar.close()
+    ckpt.close()
+    timings.update(compile_seconds=compile_seconds, train_seconds=train_seconds, final_loss=loss)
+
+    began = time.perf_counter()
+
+    def write(name, length, value):
+        row = {"task": task_name, "encoding": name, "seed": seed, "length": int(length), "metric": task.metric,
+               "value": value, "train_length": int(train_length), "in_distribution": bool(length <= train_length),
+               "preset": preset.name}
+        with results_path.open("a") as results:
+            results.write(json.dumps(row) + "\n")
+
+    for length in todo:
+        write(encoding_name, length, _evaluate(model, task, preset, seed, length, max_tokens))
+    trained = nnx.state(model, nnx.Param)
+    for name, length in scaled_todo:
+        scaled = _model(task, preset, _scaled_rope(name, length, train_length), seed)
+        nnx.update(scaled, trained)  # the RoPE model's weights, other frequencies
+        write(name, length, _evaluate(scaled, task, preset, seed, length, max_tokens))
+    timings["eval_seconds"] = time.perf_counter() - began
+    log(f"{task_name:14s} {encoding_name:12s} seed {seed}: loss {loss:.3f}, "
+        f"compile {compile_seconds:.1f}s, train {train_seconds:.1f}s, eval {timings['eval_seconds']:.1f}s")
+    return timings

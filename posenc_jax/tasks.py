@@ -1,0 +1,342 @@
+"""Length-generalisation tasks, generated on the fly from a seed (no download).
+
+Every task makes batches ``{"inputs", "targets", "weights", "positions", "key_mask"}``
+of token ids for a Transformer, and says how to score a prediction:
+
+* **decoder tasks** (after Kazemnejad et al. 2023, arXiv:2305.19466): the sequence
+  is ``x SEP y EOS``; the causal model is trained on ``y EOS`` and scored by
+  exact match. Teacher-forced argmax over ``y`` is exactly greedy decoding's exact
+  match (if every next token is right given the true prefix, greedy never leaves
+  it), so one forward pass scores it.
+  ``counting_copy`` (one token repeated n times, copy it), ``copy``, ``duplicate``
+  (``y = x x``), ``reverse``.
+* **encoder tasks** (after Ruoss et al. 2023, arXiv:2305.16843): ``x`` followed by
+  blank tokens; a bidirectional model writes the answer on the blanks and is
+  scored by per-token accuracy. ``reverse_string``, ``missing_duplicate``,
+  ``parity``, ``bucket_sort``.
+* **probe** (seed 004): n identical tokens, the answer at each position is its
+  index; optionally wrapped in boundary tokens ``[CLS] ... [SEP]``.
+* **text**: character-level language modelling on real text, scored in bits per
+  character. The default corpus is a fixed selection of the running Python's own
+  standard-library sources (see :func:`stdlib_corpus`); any text file or folder
+  works.
+
+The length of an example is the length of ``x`` (for ``text``: the context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+import sysconfig
+from typing import ClassVar
+
+import numpy as np
+
+__all__ = [
+    "DecoderTask",
+    "EncoderTask",
+    "ProbeTask",
+    "TASKS",
+    "TextTask",
+    "make_task",
+    "stdlib_corpus",
+    "task_names",
+]
+
+NUM_SYMBOLS = 10
+SEP, BLANK, PAD, EOS = NUM_SYMBOLS, NUM_SYMBOLS + 1, NUM_SYMBOLS + 2, NUM_SYMBOLS + 3
+ALGO_VOCAB = NUM_SYMBOLS + 4
+
+
+def _pad(rows, length, value):
+    out = np.full((len(rows), length), value, np.int32)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = row
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderTask:
+    """``x SEP y EOS`` with ``y = f(x)``, causal, exact match over ``y EOS``.
+
+    The end token is part of the answer: knowing when to stop is what makes
+    counting copy hard.
+    """
+
+    name: str
+    kind: ClassVar[str] = "decoder"
+    metric: ClassVar[str] = "exact_match"
+    higher_is_better: ClassVar[bool] = True
+
+    @property
+    def vocab_size(self) -> int:
+        return ALGO_VOCAB
+
+    def _example(self, rng: np.random.Generator, n: int):
+        if self.name == "counting_copy":
+            x = np.full(n, rng.integers(NUM_SYMBOLS))
+            return x, x
+        x = rng.integers(0, NUM_SYMBOLS, n)
+        if self.name == "copy":
+            return x, x
+        if self.name == "duplicate":
+            return x, np.concatenate([x, x])
+        if self.name == "reverse":
+            return x, x[::-1]
+        raise ValueError(f"unknown decoder task {self.name!r}")
+
+    def max_tokens(self, n: int) -> int:
+        """Model input length for an example of length n (``x SEP y EOS`` less the last token)."""
+        return n + 1 + (2 * n if self.name == "duplicate" else n)
+
+    def batch(self, rng: np.random.Generator, lengths, *, pad_to: int | None = None) -> dict:
+        """A batch with one example of each length in ``lengths``, padded to the longest
+        (or to ``pad_to`` input tokens, for a fixed shape)."""
+        seqs, weights = [], []
+        for n in lengths:
+            x, y = self._example(rng, int(n))
+            seqs.append(np.concatenate([x, [SEP], y, [EOS]]))
+            weights.append(np.concatenate([np.zeros(len(x)), np.ones(len(y) + 1)]))
+        total = max(len(s) for s in seqs) if pad_to is None else pad_to + 1
+        tokens = _pad(seqs, total, PAD)
+        w = np.zeros((len(seqs), total - 1), np.float32)
+        for i, row in enumerate(weights):
+            w[i, : len(row)] = row  # weight on predicting each y token from its prefix
+        return {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": w,
+            "positions": np.arange(total - 1, dtype=np.int32),
+        }
+
+    def score(self, predictions: np.ndarray, batch: dict) -> np.ndarray:
+        """Exact match per example: every weighted target predicted."""
+        w = batch["weights"] > 0
+        correct = (predictions == batch["targets"]) | ~w
+        return correct.all(axis=-1).astype(np.float64)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncoderTask:
+    """``x`` then blanks; the answer is read from the blanks; per-token accuracy."""
+
+    name: str
+    kind: ClassVar[str] = "encoder"
+    metric: ClassVar[str] = "accuracy"
+    higher_is_better: ClassVar[bool] = True
+
+    @property
+    def vocab_size(self) -> int:
+        return ALGO_VOCAB
+
+    def _example(self, rng: np.random.Generator, n: int):
+        if self.name == "reverse_string":
+            x = rng.integers(0, NUM_SYMBOLS, n)
+            return x, x[::-1]
+        if self.name == "bucket_sort":
+            x = rng.integers(0, NUM_SYMBOLS, n)
+            return x, np.sort(x)
+        if self.name == "parity":
+            x = rng.integers(0, 2, n)
+            return x, np.array([x.sum() % 2])
+        if self.name == "missing_duplicate":
+            # A binary string w w (length n, rounded up to even) with one token hidden; say which.
+            half = max(1, (n + 1) // 2)
+            w = rng.integers(0, 2, half)
+            x = np.concatenate([w, w])
+            hidden = rng.integers(len(x))
+            answer = x[hidden]
+            x = x.copy()
+            x[hidden] = 2  # a marker symbol outside the binary alphabet
+            return x, np.array([answer])
+        raise ValueError(f"unknown encoder task {self.name!r}")
+
+    def max_tokens(self, n: int) -> int:
+        """Model input length for an example of length n (x and its answer blanks)."""
+        if self.name in ("parity", "missing_duplicate"):
+            return n + 2
+        return 2 * n
+
+    def batch(self, rng: np.random.Generator, lengths, *, pad_to: int | None = None) -> dict:
+        seqs, weights, targets = [], [], []
+        for n in lengths:
+            x, y = self._example(rng, int(n))
+            seqs.append(np.concatenate([x, np.full(len(y), BLANK)]))
+            targets.append(np.concatenate([np.full(len(x), PAD), y]))
+            weights.append(np.concatenate([np.zeros(len(x)), np.ones(len(y))]))
+        total = max(len(s) for s in seqs) if pad_to is None else pad_to
+        key_mask = np.zeros((len(seqs), total), bool)
+        for i, s in enumerate(seqs):
+            key_mask[i, : len(s)] = True
+        w = np.zeros((len(seqs), total), np.float32)
+        for i, row in enumerate(weights):
+            w[i, : len(row)] = row
+        return {
+            "inputs": _pad(seqs, total, PAD),
+            "targets": _pad(targets, total, PAD),
+            "weights": w,
+            "positions": np.arange(total, dtype=np.int32),
+            "key_mask": key_mask,
+        }
+
+    def score(self, predictions: np.ndarray, batch: dict) -> np.ndarray:
+        """Per-token accuracy on the blanks, per example."""
+        w = batch["weights"]
+        return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProbeTask:
+    """Seed 004's probe: n identical tokens, the target at position i is i (optionally [CLS] ... [SEP])."""
+
+    name: str
+    boundary: bool = False
+    max_length: int = 256
+    kind: ClassVar[str] = "encoder"
+    metric: ClassVar[str] = "accuracy"
+    higher_is_better: ClassVar[bool] = True
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.max_length + 3, ALGO_VOCAB)
+
+    def max_tokens(self, n: int) -> int:
+        return n + (2 if self.boundary else 0)
+
+    def batch(self, rng: np.random.Generator, lengths, *, pad_to: int | None = None) -> dict:
+        total = self.max_tokens(max(lengths)) if pad_to is None else pad_to
+        inputs = np.full((len(lengths), total), PAD, np.int32)
+        targets = np.zeros((len(lengths), total), np.int32)
+        weights = np.zeros((len(lengths), total), np.float32)
+        key_mask = np.zeros((len(lengths), total), bool)
+        for i, n in enumerate(lengths):
+            start = 1 if self.boundary else 0
+            inputs[i, start : start + n] = 0
+            if self.boundary:
+                inputs[i, 0], inputs[i, n + 1] = SEP, BLANK  # [CLS], [SEP]
+            targets[i, start : start + n] = np.arange(n) + ALGO_VOCAB  # classes above the symbols
+            weights[i, start : start + n] = 1.0
+            key_mask[i, : n + (2 if self.boundary else 0)] = True
+        return {"inputs": inputs, "targets": targets, "weights": weights,
+                "positions": np.arange(total, dtype=np.int32), "key_mask": key_mask}
+
+    def score(self, predictions, batch):
+        w = batch["weights"]
+        return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
+
+
+def stdlib_corpus(fraction_test: float = 0.1) -> tuple[str, str, list[str]]:
+    """The default text corpus: this Python's standard-library ``.py`` files.
+
+    The selection is fixed and documented: every ``*.py`` file directly in the
+    standard-library directory (``sysconfig.get_paths()["stdlib"]``, no
+    sub-packages), sorted by name; a file goes to the test split when the first
+    byte of the SHA-256 of its name is below ``256 · fraction_test``. Returns
+    ``(train_text, test_text, test_file_names)``. The texts are concatenated
+    files, one blank line apart, restricted to ASCII (others become ``?``).
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.glob("*.py") if p.is_file())
+    if not files:
+        raise ValueError(f"no standard-library sources found in {root}; pass --corpus PATH")
+    train, test, test_names = [], [], []
+    for path in files:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if hashlib.sha256(path.name.encode()).digest()[0] < 256 * fraction_test:
+            test.append(text)
+            test_names.append(path.name)
+        else:
+            train.append(text)
+    return "\n\n".join(train), "\n\n".join(test), test_names
+
+
+def _read_corpus(path) -> tuple[str, str]:
+    path = pathlib.Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+        cut = max(1, int(len(texts) * 0.9)) if len(texts) > 1 else 1
+        if len(texts) > 1:
+            return "\n\n".join(texts[:cut]), "\n\n".join(texts[cut:])
+        text = texts[0] if texts else ""
+    elif path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        raise ValueError(f"--corpus {path} is neither a file nor a folder")
+    cut = int(len(text) * 0.9)
+    return text[:cut], text[cut:]
+
+
+class TextTask:
+    """Character-level language modelling; bytes as tokens, scored in bits per character."""
+
+    kind = "decoder"
+    metric = "bits_per_char"
+    higher_is_better = False
+    vocab_size = 128
+
+    def __init__(self, corpus: str | None = None):
+        self.name = "text"
+        if corpus is None:
+            train, test, _ = stdlib_corpus()
+            self.corpus_description = "Python standard-library *.py sources of this interpreter (SHA-256 split by file name)"
+        else:
+            train, test = _read_corpus(corpus)
+            self.corpus_description = f"{corpus} (first 90% train, last 10% test)"
+        self.train = self._encode(train)
+        self.test = self._encode(test)
+
+    @staticmethod
+    def _encode(text: str) -> np.ndarray:
+        data = np.frombuffer(text.encode("ascii", errors="replace"), np.uint8).astype(np.int32)
+        return np.minimum(data, 127)
+
+    def max_tokens(self, n: int) -> int:
+        return n
+
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
+        data = self.train if split == "train" else self.test
+        length = int(max(lengths))
+        if len(data) < length + 2:
+            raise ValueError(f"the {split} text has {len(data)} characters, too few for windows of {length}")
+        starts = rng.integers(0, len(data) - length - 1, len(lengths))
+        windows = np.stack([data[s : s + length + 1] for s in starts])
+        return {
+            "inputs": windows[:, :-1],
+            "targets": windows[:, 1:],
+            "weights": np.ones((len(lengths), length), np.float32),
+            "positions": np.arange(length, dtype=np.int32),
+        }
+
+    def score(self, log_probs_of_targets: np.ndarray, batch: dict) -> np.ndarray:
+        """Bits per character per window, from the targets' log-probabilities (nats)."""
+        w = batch["weights"]
+        return -(log_probs_of_targets * w).sum(-1) / np.maximum(w.sum(-1), 1) / np.log(2.0)
+
+
+TASKS = {
+    "counting_copy": lambda **kw: DecoderTask("counting_copy"),
+    "copy": lambda **kw: DecoderTask("copy"),
+    "duplicate": lambda **kw: DecoderTask("duplicate"),
+    "reverse": lambda **kw: DecoderTask("reverse"),
+    "reverse_string": lambda **kw: EncoderTask("reverse_string"),
+    "missing_duplicate": lambda **kw: EncoderTask("missing_duplicate"),
+    "parity": lambda **kw: EncoderTask("parity"),
+    "bucket_sort": lambda **kw: EncoderTask("bucket_sort"),
+    "probe": lambda max_length=256, **kw: ProbeTask("probe", boundary=False, max_length=max_length),
+    "probe_boundary": lambda max_length=256, **kw: ProbeTask("probe_boundary", boundary=True, max_length=max_length),
+    "text": lambda corpus=None, **kw: TextTask(corpus),
+}
+
+
+def task_names() -> list[str]:
+    return list(TASKS)
+
+
+def make_task(name: str, **kwargs):
+    """The task called ``name`` (see :data:`TASKS`)."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    return TASKS[name](**kwargs)
