@@ -59,11 +59,14 @@ def make_attention_fn(
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None, **unused):
         q_len, k_len = query.shape[-3], key.shape[-3]
+        if q_len != k_len and (query_positions is None or key_positions is None):
+            raise ValueError(
+                f"{q_len} queries against {k_len} keys (Linen's decode cache?): the positions are not implied; "
+                f"pass query_positions and key_positions to make_attention_fn"
+            )
         q_pos = jnp.arange(q_len) if query_positions is None else query_positions
-        if key_positions is not None:
-            k_pos = key_positions
-        else:  # the same array for self-attention, so rotation tables are computed once
-            k_pos = q_pos if (query_positions is None and k_len == q_len) else jnp.arange(k_len)
+        # The same array for self-attention, so rotation tables are computed once.
+        k_pos = q_pos if key_positions is None else key_positions
         extra = [] if bias is None else [SharedBias(bias)]
         use_dropout = dropout_rate > 0.0 and not deterministic
         out = dot_product_attention(

@@ -1,7 +1,8 @@
 """Length-generalisation tasks, generated on the fly from a seed (no download).
 
-Every task makes batches ``{"inputs", "targets", "weights", "positions", "key_mask"}``
-of token ids for a Transformer, and says how to score a prediction:
+Every task makes batches ``{"inputs", "targets", "weights", "positions"}`` of token ids
+for a Transformer (encoder tasks add ``key_mask``; causal tasks pad after the
+answer, where no query looks), and says how to score a prediction:
 
 * **decoder tasks** (after Kazemnejad et al. 2023, arXiv:2305.19466): the sequence
   is ``x SEP y EOS``; the causal model is trained on ``y EOS`` and scored by
@@ -51,6 +52,9 @@ ALGO_VOCAB = NUM_SYMBOLS + 4
 
 
 def _pad(rows, length, value):
+    longest = max(len(row) for row in rows)
+    if longest > length:
+        raise ValueError(f"an example needs {longest} tokens but pad_to allows {length}")
     out = np.full((len(rows), length), value, np.int32)
     for i, row in enumerate(rows):
         out[i, : len(row)] = row
@@ -200,7 +204,7 @@ class ProbeTask:
 
     @property
     def vocab_size(self) -> int:
-        return max(self.max_length + 3, ALGO_VOCAB)
+        return self.max_length + ALGO_VOCAB  # position classes sit above the symbols
 
     def max_tokens(self, n: int) -> int:
         return n + (2 if self.boundary else 0)

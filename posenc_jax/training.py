@@ -101,13 +101,14 @@ def replicate(obj: nnx.Module, mesh: Mesh):
 
 
 def shard_batch(batch: dict, mesh: Mesh) -> dict:
-    """Splits every array with a batch axis (rank >= 2) along it over ``mesh``; rank-1 arrays
-    (shared positions ``[T]``) are replicated."""
+    """Splits every array whose first axis is the batch (that of ``batch["inputs"]``) over
+    ``mesh``; the rest (shared positions ``[T]`` or ``[1, T]``) are replicated."""
     num_devices = mesh.devices.size
+    batch_size = jnp.shape(batch["inputs"])[0] if "inputs" in batch else None
 
     def place(x):
         x = jnp.asarray(x)
-        if x.ndim >= 2:
+        if x.ndim >= 1 and (x.shape[0] == batch_size if batch_size is not None else x.ndim >= 2):
             if x.shape[0] % num_devices:
                 raise ValueError(
                     f"batch size {x.shape[0]} is not divisible by the {num_devices} devices of the mesh; "

@@ -170,3 +170,32 @@ def test_shared_bias_is_one_table_for_all_layers():
     shaw = _model(_config("shaw"))
     key_tables = [p for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(shaw, nnx.Param)) if "key_table" in jax.tree_util.keystr(p)]
     assert len(key_tables) == LAYERS
+
+
+@pytest.mark.parametrize("name", ["rope", "t5", "alibi", "sinusoidal"])
+def test_left_padded_batch_decodes_like_each_row_alone(rng, name):
+    model = _model(_config(name))
+    short, long = _tokens(rng, 1, 3), _tokens(rng, 1, 5)
+    # Row 0 is left-padded by two tokens; its real tokens sit at positions 0..2.
+    tokens = jnp.concatenate([jnp.concatenate([jnp.zeros((1, 2), jnp.int32), short], 1), long])
+    positions = jnp.asarray([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
+    key_mask = jnp.asarray([[False, False, True, True, True], [True] * 5])
+    logits, caches = model.decode(tokens, positions, model.init_cache(2, 8), key_mask=key_mask)
+    np.testing.assert_allclose(logits[0, 2:], model(short, jnp.arange(3))[0], atol=2e-4)
+    np.testing.assert_allclose(logits[1], model(long, jnp.arange(5))[0], atol=2e-4)
+    nxt = _tokens(rng, 2, 1)
+    step, _ = model.decode(nxt, jnp.asarray([[3], [5]]), caches)
+    np.testing.assert_allclose(step[0], model(jnp.concatenate([short, nxt[:1]], 1), jnp.arange(4))[0, -1:], atol=2e-4)
+    np.testing.assert_allclose(step[1], model(jnp.concatenate([long, nxt[1:]], 1), jnp.arange(6))[0, -1:], atol=2e-4)
+
+
+def test_cache_overflow_is_an_error(rng):
+    model = _model("rope")
+    caches = model.init_cache(1, 4)
+    _, caches = model.decode(_tokens(rng, 1, 3), jnp.arange(3)[None], caches)
+    with pytest.raises(ValueError, match="the KV cache holds 4 tokens; 3 are filled and 2 more do not fit"):
+        model.decode(_tokens(rng, 1, 2), jnp.arange(3, 5)[None], caches)
+    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    _, caches = step(model, _tokens(rng, 1, 1), jnp.full((1, 1), 3), caches)
+    with pytest.raises(Exception, match="the KV cache holds 4 tokens; 4 are filled and 1 more do not fit"):
+        jax.block_until_ready(step(model, _tokens(rng, 1, 1), jnp.full((1, 1), 4), caches))

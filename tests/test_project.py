@@ -19,11 +19,11 @@ def test_readme_opens_with_the_two_commands_and_ci_runs_them():
     readme = (ROOT / "README.md").read_text()
     first = _fenced_blocks(readme, "bash")[0].strip().splitlines()
     assert len(first) == 2
-    assert "benchmarks/" in first[0] or "posenc-bench" in first[0]
+    assert "posenc-bench extrapolate --preset cpu" in first[0]
     assert "pytest" in first[1]
     assert readme.index("```bash") < readme.index("## "), "the commands must come before any section"
     ci = (ROOT / ".ci" / "run").read_text()
-    assert "README.md" in ci and "python3 -m venv" in ci
+    assert "README.md" in ci and "python3 -m venv" in ci and "--preset smoke" in ci
 
 
 def test_readme_quickstart_runs():

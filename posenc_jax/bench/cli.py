@@ -40,9 +40,12 @@ def _extrapolate(args) -> int:
     began = time.perf_counter()
     print(f"posenc-bench extrapolate: preset {preset.name}, {len(preset.encodings)} encodings x "
           f"{len(preset.tasks)} tasks x {len(preset.seeds)} seeds -> {out}", flush=True)
-    record = extrapolate.run(preset, out, corpus=args.corpus, progress=not args.no_progress)
+    try:
+        record = extrapolate.run(preset, out, corpus=args.corpus, progress=not args.no_progress)
+    except ValueError as error:
+        raise SystemExit(f"posenc-bench extrapolate: {error}") from None
     rows = report.load_results(out / "results.jsonl")
-    text = report.write_report(rows, out, preset=record["preset"], record=record)
+    text = report.write_report(rows, out, preset=record["preset"], record=record, plots=not args.no_plots)
     if not args.no_plots:
         report.plot(rows, out)
     print(text)

@@ -11,6 +11,7 @@ of step k depends only on (seed, k), so a resumed run ends with the same results
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import pathlib
 import platform
@@ -35,7 +36,7 @@ from posenc_jax.training import (
     warmup_cosine_adamw,
 )
 
-__all__ = ["PRESETS", "Preset", "run"]
+__all__ = ["PRESETS", "Preset", "fingerprint", "run"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,18 +123,29 @@ PRESETS = {
 }
 
 
-def _encoding_for(name: str, preset: Preset, max_tokens: int):
-    """The encoding config as this benchmark uses it (tables sized for the longest evaluation)."""
+def _encoding_for(name: str, preset: Preset, task, train_tokens: int, max_tokens: int):
+    """The encoding config as this benchmark uses it: tables sized for the longest evaluation,
+    T5 causal in decoders, RoPE scalings from the training to the longest evaluation sequence."""
     if name == "learned":
         return encoding_config("learned", max_positions=max_tokens)
+    if name == "t5":
+        return encoding_config("t5", bidirectional=task.kind != "decoder")
+    if name == "alibi":
+        return encoding_config("alibi", bidirectional=task.kind != "decoder")
     if name == "cope":
-        return encoding_config("cope", num_positions=max(16, 2 * preset.train_length))
-    if name in ("rope-pi", "rope-ntk", "rope-yarn", "rope-dynamic-ntk"):
-        factor = float(max_tokens) / max(1, preset.train_length)
-        settings = {"factor": max(1.0, factor)}
-        if name in ("rope-yarn", "rope-dynamic-ntk"):
-            settings["original_context"] = preset.train_length
+        return encoding_config("cope", num_positions=max(16, 2 * train_tokens))
+    if name in ("rope-pi", "rope-ntk", "rope-yarn", "rope-dynamic-ntk", "rope-llama3"):
+        settings = {"factor": max(1.0, max_tokens / train_tokens)}
+        if name in ("rope-yarn", "rope-dynamic-ntk", "rope-llama3"):
+            settings["original_context"] = train_tokens
         return encoding_config(name, **settings)
+    if name == "rope-longrope":
+        half = preset.model_dim // preset.num_heads // 2
+        factor = max(1.0, max_tokens / train_tokens)
+        return encoding_config("rope-longrope", short_factor=(1.0,) * half, long_factor=(factor,) * half,
+                               original_context=train_tokens, max_context=max_tokens)
+    if name == "rope-2d":
+        return encoding_config("rope-2d", grid_width=max(1, int(np.sqrt(train_tokens))))
     return encoding_config(name)
 
 
@@ -143,15 +155,34 @@ def _lengths(task, preset: Preset):
     return list(preset.eval_lengths), preset.train_length
 
 
-def _done(results_path: pathlib.Path) -> set:
+def fingerprint(preset: Preset) -> str:
+    """A hash of every setting that shapes a result (not the lists of encodings, tasks, seeds)."""
+    settings = dataclasses.asdict(preset)
+    for key in ("name", "encodings", "tasks", "seeds"):
+        settings.pop(key)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _done(results_path: pathlib.Path, settings: str) -> set:
+    """Finished cells; refuses rows made with other settings, drops a half-written last line."""
     if not results_path.exists():
         return set()
-    done = set()
-    for line in results_path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            done.add((row["task"], row["encoding"], row["seed"], row["length"]))
-    return done
+    lines = results_path.read_text().splitlines()
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line)) if line.strip() else None
+        except json.JSONDecodeError:
+            if i != len(lines) - 1:
+                raise ValueError(f"{results_path} line {i + 1} is not JSON; remove it or use another --out") from None
+            results_path.write_text("".join(f"{kept}\n" for kept in lines[:-1]))  # killed mid-write
+    foreign = {row.get("settings") for row in rows} - {settings}
+    if foreign:
+        raise ValueError(
+            f"{results_path} holds results made with other settings ({sorted(map(str, foreign))}, now {settings}); "
+            f"choose another --out, or delete that folder to start over"
+        )
+    return {(row["task"], row["encoding"], row["seed"], row["length"]) for row in rows}
 
 
 def _git_commit() -> str | None:
@@ -204,12 +235,13 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     out = pathlib.Path(out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.jsonl"
-    done = _done(results_path)
+    settings = fingerprint(preset)
+    done = _done(results_path, settings)
     record = {
         "preset": dataclasses.asdict(preset), "corpus": corpus, "versions": _versions(),
         "device": {"platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind,
                    "count": jax.local_device_count()},
-        "git_commit": _git_commit(), "cells": [],
+        "git_commit": _git_commit(), "settings": settings, "cells": [],
     }
     run_json = out / "run.json"
     if run_json.exists():
@@ -276,8 +308,11 @@ def _evaluate(model, task, preset: Preset, seed: int, length: int, max_tokens: i
 
 def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, todo, scaled_todo, train_length,
               max_tokens, mesh, progress, log):
-    config = _encoding_for(encoding_name, preset, max_tokens)
+    train_tokens = task.max_tokens(preset.text_context if isinstance(task, TextTask) else train_length)
+    config = _encoding_for(encoding_name, preset, task, train_tokens, max_tokens)
     model = _model(task, preset, config, seed)
+    # Frequencies that follow the sequence length must see each length unpadded.
+    length_dependent = not getattr(config, "decodable", True)
     tx = warmup_cosine_adamw(learning_rate=preset.learning_rate, total_steps=preset.steps,
                              warmup_steps=max(0, int(preset.warmup_fraction * preset.steps)),
                              weight_decay=preset.weight_decay)
@@ -285,10 +320,10 @@ def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, t
     if mesh is not None:
         replicate(model, mesh)
         replicate(optimizer, mesh)
-    ckpt = Checkpointer(out / "checkpoints" / task_name / encoding_name / f"seed{seed}", max_to_keep=1)
+    ckpt = Checkpointer(out / "checkpoints" / fingerprint(preset) / task_name / encoding_name / f"seed{seed}",
+                        max_to_keep=1)
     start_step = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
     timings = {"task": task_name, "encoding": encoding_name, "seed": seed, "resumed_from_step": start_step}
-    train_tokens = task.max_tokens(preset.text_context if isinstance(task, TextTask) else train_length)
 
     bar = None
     if progress:
@@ -324,12 +359,13 @@ def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, t
     def write(name, length, value):
         row = {"task": task_name, "encoding": name, "seed": seed, "length": int(length), "metric": task.metric,
                "value": value, "train_length": int(train_length), "in_distribution": bool(length <= train_length),
-               "preset": preset.name}
+               "preset": preset.name, "settings": fingerprint(preset)}
         with results_path.open("a") as results:
             results.write(json.dumps(row) + "\n")
 
     for length in todo:
-        write(encoding_name, length, _evaluate(model, task, preset, seed, length, max_tokens))
+        pad = task.max_tokens(length) if length_dependent else max_tokens
+        write(encoding_name, length, _evaluate(model, task, preset, seed, length, pad))
     trained = nnx.state(model, nnx.Param)
     for name, length in scaled_todo:
         scaled = _model(task, preset, _scaled_rope(name, length, train_length), seed)

@@ -66,7 +66,8 @@ def _summary(per_seed: dict, keep) -> tuple[float, float, int]:
     return float(np.mean(means)), float(np.std(means)), len(means)
 
 
-def write_report(rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None) -> str:
+def write_report(rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None,
+                 plots: bool = True) -> str:
     """Writes ``report.md`` (and returns its text)."""
     out = pathlib.Path(out)
     lines = ["# Length extrapolation", ""]
@@ -111,7 +112,8 @@ def write_report(rows: list[dict], out: pathlib.Path, *, preset: dict | None = N
                          "ordering, not the numbers.")
         if task == "text":
             lines.append(f"Reference shape: {TEXT_REFERENCE}")
-        lines.append(f"![{task}]({task}.png)")
+        if plots:
+            lines.append(f"![{task}]({task}.png)")
         lines.append("")
     text = "\n".join(lines)
     (out / "report.md").write_text(text)

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from posenc_jax.functional.attention import dot_product_attention, softmax_weights
@@ -47,7 +48,24 @@ class KVCache(NamedTuple):
         )
 
     def append(self, key: jax.Array, value: jax.Array, positions: jax.Array) -> "KVCache":
-        """Writes ``[B, T, K, H]`` keys/values at positions ``[B, T]`` into the next T slots."""
+        """Writes ``[B, T, K, H]`` keys/values at positions ``[B, T]`` into the next T slots.
+
+        Overflowing the cache is an error (raised at once for a concrete length, or when
+        the computation runs under jit), never a silent overwrite.
+        """
+        capacity, new = self.key.shape[1], key.shape[1]
+
+        def check(length):
+            if int(length) + new > capacity:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens; {int(length)} are filled and {new} more do not fit: "
+                    f"make it larger with init_cache(batch, max_length)"
+                )
+
+        try:
+            check(np.asarray(self.length))
+        except jax.errors.TracerArrayConversionError:
+            jax.debug.callback(check, self.length)
         update = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), self.length, axis=1)
         return KVCache(
             update(self.key, key), update(self.value, value), update(self.positions, positions), self.length + key.shape[1]
@@ -132,7 +150,8 @@ class MultiHeadAttention(nnx.Module):
           causal: mask keys after each query (by position).
           shared: extra encoding hooks for this call (a bias computed once per
             forward, e.g. ``SharedBias``).
-          key_mask: ``[B, T]`` booleans, True for real tokens.
+          key_mask: ``[B, T]`` booleans, True for real tokens (with a cache: padding
+            tokens are cached where no query attends to them).
           segment_ids: ``[B, T]`` ids of packed sequences.
           cache: a :class:`KVCache` to append to and attend over (causal decoding);
             the call then returns ``(output, new_cache)``.
@@ -151,10 +170,13 @@ class MultiHeadAttention(nnx.Module):
         if cache is not None:
             if not causal:
                 raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
-            if key_mask is not None or segment_ids is not None:
-                raise ValueError("decoding with a cache takes neither key_mask nor segment_ids; positions say it all")
+            if segment_ids is not None:
+                raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
             positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
-            new_cache = cache.append(k, v, positions)
+            # Padding (key_mask False, e.g. left padding) is stored after every position: never attended.
+            stored = positions if key_mask is None else jnp.where(key_mask, positions, EMPTY_POSITION)
+            key_mask = None
+            new_cache = cache.append(k, v, stored)
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
         encodings = [module() for module in self.encodings] + list(shared)

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import SharedBias, softmax_weights
-from posenc_jax.nn.attention import KVCache, MultiHeadAttention
+from posenc_jax.nn.attention import EMPTY_POSITION, KVCache, MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
 __all__ = ["Block", "Transformer"]
@@ -174,19 +174,22 @@ class Transformer(nnx.Module):
             KVCache.empty(batch, max_length, attention.num_kv_heads, attention.head_dim, dtype) for _ in self.blocks
         ]
 
-    def decode(self, tokens, positions, caches: list[KVCache]):
+    def decode(self, tokens, positions, caches: list[KVCache], *, key_mask=None):
         """Runs ``tokens`` ``[B, t]`` at ``positions`` ``[B, t]`` against the caches and appends to them.
 
         Use it for the prompt (t = prompt length) and then one token at a time; each
         call returns ``(logits [B, t, vocab], new_caches)``. The logits equal those of
-        the full forward pass over the whole sequence.
+        the full forward pass over the whole sequence. ``key_mask`` ``[B, t]`` marks
+        real tokens; padding (e.g. left padding of shorter prompts) is cached where
+        no later query attends to it.
         """
         if not self.causal:
             raise ValueError("this Transformer is a bidirectional encoder; only a causal decoder can decode step by step")
         positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape)
-        # Keys' positions after this call's append, for the shared biases.
-        key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, positions, caches[0].length, axis=1)
+        stored = positions if key_mask is None else jnp.where(key_mask, positions, EMPTY_POSITION)
+        # Keys' positions after this call's append (as every layer stores them), for the shared biases.
+        key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, stored, caches[0].length, axis=1)
         return self._run(
-            tokens, positions, key_mask=None, segment_ids=None, caches=caches, deterministic=True,
+            tokens, positions, key_mask=key_mask, segment_ids=None, caches=caches, deterministic=True,
             key_positions=key_positions,
         )

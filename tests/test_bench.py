@@ -1,0 +1,144 @@
+"""The extrapolation benchmark: smoke preset end to end, resume after a kill, bad input, tasks."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from posenc_jax.bench.cli import main
+from posenc_jax.tasks import DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
+
+CLI = [sys.executable, "-m", "posenc_jax.bench.cli", "extrapolate"]
+
+
+def _rows(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
+
+
+def test_smoke_preset_writes_every_output(tmp_path):
+    result = subprocess.run(CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "results.jsonl")
+    # 3 encodings x counting_copy at 4 lengths, 3 encodings x text at 3 lengths, 3 eval-only RoPE rows x 3 lengths.
+    assert len(rows) == 3 * 4 + 3 * 3 + 3 * 3
+    assert {r["task"] for r in rows} == {"counting_copy", "text"}
+    assert all(0.0 <= r["value"] <= 1.0 for r in rows if r["metric"] == "exact_match")
+    assert all(0.0 < r["value"] < 10.0 for r in rows if r["metric"] == "bits_per_char")
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["preset"]["name"] == "smoke" and record["versions"]["jax"]
+    assert all("compile_seconds" in cell and "train_seconds" in cell for cell in record["cells"])
+    report = (tmp_path / "report.md").read_text()
+    assert "## counting_copy" in report and "## text" in report and "published" in report
+    assert (tmp_path / "counting_copy.png").stat().st_size > 1000 and (tmp_path / "text.png").exists()
+    # Re-running the finished command trains and evaluates nothing again.
+    again = subprocess.run(CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0
+    assert len(_rows(tmp_path / "results.jsonl")) == len(rows)
+
+
+def test_killed_run_resumes_to_the_same_results(tmp_path):
+    args = ["--preset", "smoke", "--encodings", "rope", "--tasks", "counting_copy", "--steps", "400", "--no-progress",
+            "--no-plots"]
+    reference = tmp_path / "uninterrupted"
+    subprocess.run(CLI + args + ["--out", str(reference)], check=True, capture_output=True, timeout=600)
+
+    interrupted = tmp_path / "interrupted"
+    process = subprocess.Popen(CLI + args + ["--out", str(interrupted)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    saved = lambda: [p for p in (interrupted / "checkpoints").glob("*/counting_copy/rope/seed0/*") if p.name.isdigit()]
+    deadline = time.time() + 300
+    while time.time() < deadline and process.poll() is None:
+        if saved():
+            break
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert process.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
+    assert not (interrupted / "results.jsonl").exists()
+    steps = [int(p.name) for p in saved()]
+    assert steps and max(steps) < 400  # killed mid-training
+
+    subprocess.run(CLI + args + ["--out", str(interrupted)], check=True, capture_output=True, timeout=600)
+    record = json.loads((interrupted / "run.json").read_text())
+    assert record["cells"][-1]["resumed_from_step"] == max(steps)
+    resumed = {(r["encoding"], r["length"]): r["value"] for r in _rows(interrupted / "results.jsonl")}
+    expected = {(r["encoding"], r["length"]): r["value"] for r in _rows(reference / "results.jsonl")}
+    assert resumed == expected
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--encodings", "rope,ropee"], "unknown encodings \\['ropee'\\]; known encodings: alibi"),
+        (["--tasks", "copyy"], "unknown tasks \\['copyy'\\]; known tasks: counting_copy"),
+        (["--steps", "0"], "steps must be >= 1, got 0"),
+        (["--eval-lengths", "2,3", "--train-length", "4"], "must reach beyond the training length 4"),
+        (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, paper"),
+    ],
+)
+def test_bad_input_says_why(tmp_path, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), *args])
+
+
+def test_decoder_batches_end_with_eos_and_score_exact_match():
+    task = DecoderTask("reverse")
+    batch = task.batch(np.random.default_rng(0), [3, 5], pad_to=task.max_tokens(6))
+    assert batch["inputs"].shape == (2, task.max_tokens(6))
+    for i, n in enumerate((3, 5)):
+        targets = batch["targets"][i][batch["weights"][i] > 0]
+        x = batch["inputs"][i][:n]
+        np.testing.assert_array_equal(targets[:-1], x[::-1])
+        assert targets[-1] == 13  # EOS
+    perfect = np.where(batch["weights"] > 0, batch["targets"], 0)
+    np.testing.assert_array_equal(task.score(perfect, batch), [1.0, 1.0])
+    wrong = perfect.copy()
+    wrong[1, np.flatnonzero(batch["weights"][1])[0]] += 1
+    np.testing.assert_array_equal(task.score(wrong, batch), [1.0, 0.0])
+
+
+@pytest.mark.parametrize("name", ["reverse_string", "bucket_sort", "parity", "missing_duplicate"])
+def test_encoder_tasks_answers(name):
+    task = EncoderTask(name)
+    rng = np.random.default_rng(1)
+    for n in (1, 4, 7):
+        batch = task.batch(rng, [n])
+        answer = batch["targets"][0][batch["weights"][0] > 0]
+        x = batch["inputs"][0][: np.flatnonzero(batch["weights"][0])[0]]
+        if name == "reverse_string":
+            np.testing.assert_array_equal(answer, x[::-1])
+        elif name == "bucket_sort":
+            np.testing.assert_array_equal(answer, np.sort(x))
+        elif name == "parity":
+            assert answer[0] == x.sum() % 2
+        else:
+            full = x.copy()
+            full[full == 2] = answer[0]
+            half = len(full) // 2
+            np.testing.assert_array_equal(full[:half], full[half:])
+
+
+def test_probe_targets_are_positions_with_and_without_boundaries():
+    for task in (ProbeTask("probe"), ProbeTask("probe_boundary", boundary=True)):
+        batch = task.batch(np.random.default_rng(0), [5])
+        w = batch["weights"][0] > 0
+        assert np.all(batch["inputs"][0][w] == batch["inputs"][0][w][0])  # identical tokens
+        np.testing.assert_array_equal(batch["targets"][0][w] - batch["targets"][0][w][0], np.arange(5))
+
+
+def test_stdlib_corpus_is_fixed_and_split_by_file():
+    train, test, names = stdlib_corpus()
+    assert len(train) > 10 * len(test) > 0 and names == sorted(names)
+    assert stdlib_corpus()[2] == names  # the same selection every time
+    text = make_task("text", corpus=str(pathlib.Path(__file__)))
+    assert len(text.train) > len(text.test) > 0
+    with pytest.raises(ValueError, match="neither a file nor a folder"):
+        make_task("text", corpus="/no/such/path")
