@@ -179,7 +179,9 @@ def dot_product_attention(
       key_positions: integer ``[S]`` or ``[B, S]``; as above.
       encodings: objects filling ``rotate``/``logits``/``values`` hooks, applied
         in order (e.g. ``[RoPE()]``; hybrids like RoPE + ALiBi are two entries).
-      normalizer: the ``normalize`` hook, ``(scores [B,N,T,S] f32, mask) -> weights``.
+      normalizer: the ``normalize`` hook, ``(scores [B,N,T,S] f32, mask) -> weights``
+        (see :mod:`posenc_jax.functional.normalizers`); one with ``uses_positions``
+        (URPE) is also given ``query_positions`` and ``key_positions``.
       causal: mask keys whose position is after the query's position.
       key_mask: boolean ``[B, S]``, True for real (non-padding) keys.
       query_segment_ids, key_segment_ids: integer ``[B, T]`` / ``[B, S]``; a query
@@ -291,7 +293,13 @@ def dot_product_attention(
         segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
         None if mask is None else jnp.asarray(mask),
     )
-    weights = normalizer(scores, full_mask).astype(jnp.float32)
+    if getattr(normalizer, "uses_positions", False):
+        if query_positions is None:
+            raise ValueError(f"{normalizer!r} needs query_positions and key_positions")
+        weights = normalizer(scores, full_mask, query_positions=query_positions, key_positions=key_positions)
+    else:
+        weights = normalizer(scores, full_mask)
+    weights = weights.astype(jnp.float32)
 
     if dropout_rate > 0.0:
         if dropout_rng is None:

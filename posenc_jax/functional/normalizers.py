@@ -1,0 +1,95 @@
+"""Attention normalisers: the ``normalize`` hook, and the fixes for relative encodings' blind spot.
+
+With softmax every row of attention weights sums to 1. On n identical tokens all
+values are equal, so every position receives the same mixture, and a model whose
+only positional information sits in the logits (NoPE, T5, ALiBi, RoPE, ...) gives
+the same output at every position (Su, seed 004; Luo et al. 2022). Normalisers
+whose row sums can vary with position lift that limit:
+
+* :func:`softmax_weights` — ``exp(s) / Σ exp(s)`` (the default; rows sum to 1).
+* :func:`l2_normalized_weights` — ``exp(s) / ‖exp(s)‖₂`` per row.
+* :func:`relu2_weights` — ``relu(s)² / n`` with n the number of unmasked keys of
+  the row (GAU, Hua et al. 2022, divides by the length).
+* :class:`URPE` — softmax weights multiplied elementwise by a learned Toeplitz
+  matrix ``C[i, j] = c[clip(j - i, -k, k)]`` per head (Luo et al. 2022), ones at
+  initialisation so it starts as softmax.
+
+Every normaliser takes float32 scores ``[B, N, T, S]`` and a boolean mask (or None),
+and gives zero weight to masked keys and zero rows for fully masked queries.
+
+References: Luo et al., "Your Transformer May Not be as Powerful as You Expect",
+NeurIPS 2022, arXiv:2205.13401; Hua et al., "Transformer Quality in Linear Time",
+ICML 2022, arXiv:2202.10447.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.attention import softmax_weights
+from posenc_jax.functional.relative import check_max_distance, expand_relative_bias
+
+__all__ = ["URPE", "l2_normalized_weights", "relu2_weights", "softmax_weights"]
+
+_MIN = jnp.finfo(jnp.float32).min
+
+
+def l2_normalized_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """``w = e / ‖e‖₂`` with ``e = exp(s - max s)`` over the unmasked keys of each row.
+
+    A row's weights have unit L2 norm, so their sum, ``‖e‖₁ / ‖e‖₂``, grows with the
+    number of comparable keys: between 1 and √n.
+    """
+    scores = scores.astype(jnp.float32)
+    visible = jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
+    masked = jnp.where(visible, jnp.maximum(scores, _MIN), _MIN)
+    e = jnp.where(visible, jnp.exp(masked - jax.lax.stop_gradient(masked.max(-1, keepdims=True))), 0.0)
+    norm = jnp.sqrt((e * e).sum(-1, keepdims=True))
+    return e / jnp.where(norm > 0, norm, 1.0)
+
+
+def relu2_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """``w = relu(s)² / n``, n = the number of unmasked keys in the row (no softmax denominator)."""
+    scores = scores.astype(jnp.float32)
+    visible = jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
+    count = visible.sum(-1, keepdims=True).astype(jnp.float32)
+    return jnp.where(visible, jnp.square(jax.nn.relu(scores)), 0.0) / jnp.maximum(count, 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class URPE:
+    """Universal RPE: ``softmax(s) ⊙ C`` with ``C[n, i, j] = c[n, clip(j - i, -k, k) + k]``.
+
+    ``table`` ``[N, 2k+1]`` is learned (ones at init: plain softmax). Needs the
+    positions, so :func:`posenc_jax.functional.dot_product_attention` passes them
+    (``uses_positions``).
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 5, 2, 4)); pos = jnp.arange(5)
+      >>> urpe = URPE(jnp.ones((2, 7)), max_distance=3)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, normalizer=urpe).shape
+      (1, 5, 2, 4)
+    """
+
+    table: jax.Array
+    max_distance: int
+    uses_positions: ClassVar[bool] = True
+
+    def __post_init__(self):
+        k = check_max_distance(self.max_distance)
+        if np.ndim(self.table) != 2 or np.shape(self.table)[1] != 2 * k + 1:
+            raise ValueError(
+                f"URPE table must have shape [N, 2*max_distance+1] = [N, {2 * k + 1}], got {np.shape(self.table)}"
+            )
+
+    def __call__(self, scores, mask, *, query_positions, key_positions):
+        if np.shape(self.table)[0] != scores.shape[1]:
+            raise ValueError(f"URPE table has {np.shape(self.table)[0]} heads but the scores have {scores.shape[1]}")
+        toeplitz = expand_relative_bias(self.table, query_positions, key_positions, self.max_distance)
+        return softmax_weights(scores, mask) * toeplitz

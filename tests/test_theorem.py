@@ -1,0 +1,140 @@
+"""Seed 004's theorem, exactly, on randomly initialised models (no training).
+
+On n identical tokens every position starts with the same vector. Feed-forward layers
+and layer norm act per position, so positions can only become different inside
+attention. Values are then equal at every key, so a query's output is (row sum of its
+weights) x v, plus whatever the position terms add to the output itself. Hence:
+
+* softmax (rows sum to 1) with positional information only in the logits (or in q and
+  k): every position gets exactly v, the same everywhere, however the logits differ;
+* anything that makes row sums or the output depend on the position breaks the tie.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posenc_jax.functional import ALiBi, URPE, encoding_config, l2_normalized_weights, relu2_weights
+from posenc_jax.functional.registry import ShawConfig
+from posenc_jax.nn import Transformer
+
+N_TOKENS = 7
+SETTINGS = {
+    "rope-pi": dict(factor=2.0), "rope-ntk": dict(factor=2.0), "rope-dynamic-ntk": dict(factor=2.0, original_context=4),
+    "rope-yarn": dict(factor=2.0, original_context=4), "rope-llama3": dict(factor=2.0, original_context=4),
+    "rope-longrope": dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
+    "rope-2d": dict(grid_width=3), "shaw": dict(max_distance=3), "deberta": dict(span=4),
+    "clipped-bias": dict(max_distance=3), "cope": dict(num_positions=6), "t5": dict(num_buckets=8, max_distance=16),
+}
+LOGIT_ONLY = [
+    "nope", "rope", "rope-pi", "rope-ntk", "rope-dynamic-ntk", "rope-yarn", "rope-llama3", "rope-longrope", "rope-2d",
+    "xpos", "alibi", "kerple-log", "kerple-power", "fire", "t5", "clipped-bias", "functional-relative",
+    "transformer-xl", "deberta", "cope",
+]
+
+
+def _outputs(encoding, *, causal, normalizer=None, boundary=False, seed=0):
+    kwargs = {} if normalizer is None else {"normalizer": normalizer}
+    model = Transformer(vocab_size=16, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64, encoding=encoding,
+                        causal=causal, rngs=nnx.Rngs(seed), **kwargs)
+    tokens = jnp.full((1, N_TOKENS), 3, jnp.int32)
+    if boundary:
+        tokens = tokens.at[0, 0].set(10).at[0, -1].set(11)  # [CLS] x ... x [SEP]
+    logits = np.asarray(model(tokens, jnp.arange(N_TOKENS)), np.float64)[0]
+    inner = logits[1:-1] if boundary else logits
+    return inner, np.abs(inner - inner[0]).max() / np.abs(inner).max()
+
+
+def _config(name, **extra):
+    return encoding_config(name, **{**SETTINGS.get(name, {}), **extra})
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("name", LOGIT_ONLY)
+def test_logit_only_encodings_cannot_tell_positions_apart(name, causal):
+    # Rows sum to 1 and all values are equal: every position gets the same output.
+    _, spread = _outputs(_config(name), causal=causal)
+    assert spread < 1e-5, f"{name}: outputs differ by {spread:.2e} across identical tokens"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_shaw_key_term_alone_is_logit_only(causal):
+    _, spread = _outputs(ShawConfig(max_distance=3, value_term=False), causal=causal)
+    assert spread < 1e-5
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("name", ["sinusoidal", "learned"])
+def test_absolute_encodings_break_the_tie(name, causal):
+    # The embeddings themselves differ by position before any attention.
+    _, spread = _outputs(_config(name), causal=causal)
+    assert spread > 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_shaw_value_term_breaks_the_tie_near_the_edges(causal):
+    # The output adds Σ_j w_ij R_V[clip(j - i)]: which distances exist depends on where
+    # the query is (within k of an edge), so those positions differ.
+    _, spread = _outputs(ShawConfig(max_distance=3, value_term=True, init_std=0.5), causal=causal)
+    assert spread > 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_urpe_with_non_constant_c_breaks_the_tie(causal):
+    # Row sums Σ_j w_ij c[j - i] depend on which distances the row has.
+    table = jnp.asarray(np.random.default_rng(0).uniform(0.5, 1.5, (4, 7)), jnp.float32)
+    _, spread = _outputs(_config("nope"), causal=causal, normalizer=URPE(table, 3))
+    assert spread > 1e-3
+    # With C at its initial value (all ones) URPE is softmax: still blind.
+    _, spread = _outputs(_config("nope"), causal=causal, normalizer=URPE(jnp.ones((4, 7)), 3))
+    assert spread < 1e-5
+
+
+def test_l2_normalisation():
+    # Causal: row i weighs i + 1 equal keys 1/sqrt(i+1) each, row sum sqrt(i+1): differs.
+    _, spread = _outputs(_config("nope"), causal=True, normalizer=l2_normalized_weights)
+    assert spread > 1e-3
+    # Bidirectional NoPE: every row sees the same n equal scores, so the same weights.
+    _, spread = _outputs(_config("nope"), causal=False, normalizer=l2_normalized_weights)
+    assert spread < 1e-5
+    # With a relative bias the rows' score sets differ, and so do their L2 row sums.
+    _, spread = _outputs(ALiBi(bidirectional=True), causal=False, normalizer=l2_normalized_weights)
+    assert spread > 1e-3
+
+
+def test_relu2_over_n():
+    # relu(s)^2 / n with n the number of unmasked keys: with equal scores every row sums to
+    # relu(s)^2 whatever n is, so NoPE stays blind, causal or not. (Dividing by the full
+    # length instead, as GAU does for causal language models, would not be.)
+    for causal in (False, True):
+        _, spread = _outputs(_config("nope"), causal=causal, normalizer=relu2_weights)
+        assert spread < 1e-5
+    # With a relative bias the scores, hence the row sums, depend on the query's place.
+    for causal in (False, True):
+        _, spread = _outputs(ALiBi(bidirectional=not causal), causal=causal, normalizer=relu2_weights)
+        assert spread > 1e-3
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+@pytest.mark.parametrize("name", ["alibi", "t5", "rope"])
+def test_boundary_tokens_break_the_tie_for_relative_encodings(name, causal):
+    # [CLS] and [SEP] are different values at fixed places; a relative encoding weighs
+    # them differently from each query, so the mixtures differ.
+    _, spread = _outputs(_config(name), causal=causal, boundary=True)
+    assert spread > 1e-3
+
+
+def test_normalisers_respect_masks_and_fully_masked_rows():
+    scores = jnp.asarray(np.random.default_rng(0).normal(size=(1, 2, 3, 4)), jnp.float32)
+    mask = jnp.asarray([[[[True, False, True, False], [False] * 4, [True] * 4]]])
+    for normalizer in (l2_normalized_weights, relu2_weights):
+        w = np.asarray(normalizer(scores, mask))
+        assert np.all(w[..., 0, [1, 3]] == 0) and np.all(w[..., 1, :] == 0) and np.isfinite(w).all()
+    l2 = np.asarray(l2_normalized_weights(scores, mask))
+    np.testing.assert_allclose(np.sqrt((l2[..., 2, :] ** 2).sum(-1)), 1.0, rtol=1e-6)
+    relu = np.asarray(relu2_weights(scores, mask))
+    np.testing.assert_allclose(relu[..., 2, :], np.maximum(np.asarray(scores)[..., 2, :], 0) ** 2 / 4, rtol=1e-6)
+    with pytest.raises(ValueError, match="URPE table must have shape \\[N, 2\\*max_distance\\+1\\] = \\[N, 7\\]"):
+        URPE(jnp.ones((2, 5)), 3)
