@@ -121,8 +121,11 @@ def test_relu2_over_n():
 @pytest.mark.parametrize("name", ["alibi", "t5", "rope"])
 def test_boundary_tokens_break_the_tie_for_relative_encodings(name, causal):
     # [CLS] and [SEP] are different values at fixed places; a relative encoding weighs
-    # them differently from each query, so the mixtures differ.
-    _, spread = _outputs(_config(name), causal=causal, boundary=True)
+    # them differently from each query, so the mixtures differ. (ALiBi's causal form
+    # m·(j - i) would not do in an encoder: a bias linear in j shifts every logit of a
+    # row equally and cancels in the softmax, so the encoder uses the symmetric form.)
+    config = ALiBi(bidirectional=not causal) if name == "alibi" else _config(name)
+    _, spread = _outputs(config, causal=causal, boundary=True)
     assert spread > 1e-3
 
 

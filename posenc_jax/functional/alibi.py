@@ -8,7 +8,9 @@ The head slopes ``m_n`` are the authors' ``get_slopes``: a geometric sequence
 of the closest lower power of two followed by every other slope of twice that.
 
 The causal form differs from the authors' ``m · key_pos`` by a per-row constant,
-which the softmax ignores. The bias is computed in float32 from positions, so it
+which the softmax ignores. For the same reason the causal form carries no position
+information at all in a bidirectional encoder (a bias linear in j shifts a whole row
+equally): use ``bidirectional=True`` there. The bias is computed in float32 from positions, so it
 has no length ceiling.
 
 Reference: Press, Smith and Lewis, "Train Short, Test Long: Attention with Linear
