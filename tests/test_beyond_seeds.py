@@ -37,6 +37,7 @@ from posenc_jax.functional import (
 )
 from posenc_jax.reference import beyond_seeds as ref
 from posenc_jax.reference import su_rope
+from small_encodings import small_config
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -277,25 +278,10 @@ def test_randomized_positions_sorted_unique_in_range():
 # ---------------------------------------------------------------- every registered encoding
 
 
-_SETTINGS = {
-    "rope-pi": dict(factor=2.0),
-    "rope-ntk": dict(factor=2.0),
-    "rope-dynamic-ntk": dict(factor=2.0, original_context=4),
-    "rope-yarn": dict(factor=2.0, original_context=4),
-    "rope-llama3": dict(factor=2.0, original_context=4),
-    "rope-longrope": dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
-    "rope-2d": dict(grid_width=3),
-    "learned": dict(max_positions=16),
-    "shaw": dict(max_distance=3),
-    "deberta": dict(span=4),
-    "clipped-bias": dict(max_distance=3),
-    "t5": dict(num_buckets=8, max_distance=16, bidirectional=False),
-    "cope": dict(num_positions=6),
-}
 
 
 def _run(name, x_or_q, k, v, pos):
-    cfg = encoding_config(name, **_SETTINGS.get(name, {}))
+    cfg = small_config(name)
     params = cfg.init(jax.random.key(0), num_heads=4, head_dim=8, model_dim=32)
 
     def forward(params, q, k, v, pos):

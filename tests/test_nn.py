@@ -9,31 +9,14 @@ from flax import nnx
 
 from posenc_jax.functional import T5Config, encoding_names
 from posenc_jax.nn import KVCache, MultiHeadAttention, PositionEncoding, Transformer
+from small_encodings import small_config
 
 VOCAB, D, LAYERS, HEADS = 32, 32, 2, 4
 
-# Settings that make each encoding meaningful at these tiny sizes.
-SETTINGS = {
-    "rope-pi": dict(factor=2.0),
-    "rope-ntk": dict(factor=2.0),
-    "rope-dynamic-ntk": dict(factor=2.0, original_context=4),
-    "rope-yarn": dict(factor=2.0, original_context=4),
-    "rope-llama3": dict(factor=2.0, original_context=4),
-    "rope-longrope": dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
-    "rope-2d": dict(grid_width=3),
-    "learned": dict(max_positions=32),
-    "shaw": dict(max_distance=3),
-    "deberta": dict(span=4),
-    "clipped-bias": dict(max_distance=3),
-    "t5": dict(num_buckets=8, max_distance=16, bidirectional=False),
-    "cope": dict(num_positions=6),
-}
 
 
 def _config(name):
-    from posenc_jax.functional import encoding_config
-
-    return encoding_config(name, **SETTINGS.get(name, {}))
+    return small_config(name)
 
 
 def _model(encoding, causal=True, seed=0, **kwargs):

@@ -19,15 +19,9 @@ from flax import nnx
 from posenc_jax.functional import ALiBi, URPE, encoding_config, l2_normalized_weights, relu2_weights
 from posenc_jax.functional.registry import ShawConfig
 from posenc_jax.nn import Transformer
+from small_encodings import small_config
 
 N_TOKENS = 7
-SETTINGS = {
-    "rope-pi": dict(factor=2.0), "rope-ntk": dict(factor=2.0), "rope-dynamic-ntk": dict(factor=2.0, original_context=4),
-    "rope-yarn": dict(factor=2.0, original_context=4), "rope-llama3": dict(factor=2.0, original_context=4),
-    "rope-longrope": dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
-    "rope-2d": dict(grid_width=3), "shaw": dict(max_distance=3), "deberta": dict(span=4),
-    "clipped-bias": dict(max_distance=3), "cope": dict(num_positions=6), "t5": dict(num_buckets=8, max_distance=16),
-}
 LOGIT_ONLY = [
     "nope", "rope", "rope-pi", "rope-ntk", "rope-dynamic-ntk", "rope-yarn", "rope-llama3", "rope-longrope", "rope-2d",
     "xpos", "alibi", "kerple-log", "kerple-power", "fire", "t5", "clipped-bias", "functional-relative",
@@ -48,7 +42,7 @@ def _outputs(encoding, *, causal, normalizer=None, boundary=False, seed=0):
 
 
 def _config(name, **extra):
-    return encoding_config(name, **{**SETTINGS.get(name, {}), **extra})
+    return small_config(name, **extra)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
