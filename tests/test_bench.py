@@ -142,3 +142,29 @@ def test_stdlib_corpus_is_fixed_and_split_by_file():
     assert len(text.train) > len(text.test) > 0
     with pytest.raises(ValueError, match="neither a file nor a folder"):
         make_task("text", corpus="/no/such/path")
+
+
+def test_probe_smoke_preset_writes_report_and_heat_map(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "posenc_jax.bench.cli", "probe", "--preset", "smoke",
+                             "--out", str(tmp_path), "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "results.jsonl")
+    labels = {r["encoding"] for r in rows}
+    assert labels == {"nope", "sinusoidal", "alibi", "nope|urpe", "sinusoidal|urpe", "alibi|urpe"}
+    assert {r["task"] for r in rows} == {"probe", "probe_boundary"}
+    report = (tmp_path / "report.md").read_text()
+    assert "| nope | softmax | no |" in report and "blind: chance 1/n" in report
+    assert (tmp_path / "probe_heatmap.png").stat().st_size > 1000
+
+
+def test_expected_probe_outcomes_follow_the_theorem():
+    from posenc_jax.bench.probe import expected_outcome
+
+    assert expected_outcome("nope", "softmax", False).startswith("blind")
+    assert expected_outcome("alibi", "softmax", False).startswith("blind")
+    assert expected_outcome("alibi", "softmax", True).startswith("solvable")
+    assert expected_outcome("nope", "softmax", True).startswith("blind")  # no position-dependent logits
+    assert expected_outcome("sinusoidal", "softmax", False).startswith("solvable")
+    assert expected_outcome("nope", "urpe", False).startswith("solvable")
+    assert expected_outcome("nope", "relu2", False).startswith("blind")
+    assert expected_outcome("t5", "relu2", False).startswith("solvable")

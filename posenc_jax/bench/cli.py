@@ -53,6 +53,28 @@ def _extrapolate(args) -> int:
     return 0
 
 
+def _probe(args) -> int:
+    from posenc_jax.bench import extrapolate, probe, report
+
+    try:
+        preset = probe.preset_with(args.preset, encodings=args.encodings, normalizers=args.normalizers,
+                                   seeds=args.seeds, steps=args.steps)
+        preset.validate()
+    except ValueError as error:
+        raise SystemExit(f"posenc-bench probe: {error}") from None
+    out = pathlib.Path(args.out or f"results/{preset.name}")
+    print(f"posenc-bench probe: preset {preset.name}, {len(preset.encodings)} encodings x "
+          f"{len(preset.normalizers)} normalisers x 2 (boundary tokens or not) -> {out}", flush=True)
+    try:
+        record = extrapolate.run(preset, out, progress=not args.no_progress)
+    except ValueError as error:
+        raise SystemExit(f"posenc-bench probe: {error}") from None
+    rows = report.load_results(out / "results.jsonl")
+    print(probe.write_probe_report(rows, out, preset=record["preset"]))
+    probe.heat_map(rows, out)
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="posenc-bench", description="Benchmarks of posenc_jax.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -75,6 +97,15 @@ def main(argv=None) -> int:
     ex.add_argument("--no-progress", action="store_true", help="no progress bars")
     ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ex.set_defaults(handler=_extrapolate)
+    pr = sub.add_parser("probe", help="seed 004's probe: positions of n identical tokens, per encoding x normaliser")
+    pr.add_argument("--preset", default="default", help="smoke or default")
+    pr.add_argument("--encodings", type=_names)
+    pr.add_argument("--normalizers", type=_names, help="softmax, l2, relu2, urpe")
+    pr.add_argument("--seeds", type=_ints)
+    pr.add_argument("--steps", type=int)
+    pr.add_argument("--out", help="output folder (default results/probe)")
+    pr.add_argument("--no-progress", action="store_true")
+    pr.set_defaults(handler=_probe)
     args = parser.parse_args(argv)
     return args.handler(args)
 

@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from posenc_jax.checkpoint import Checkpointer
+from posenc_jax.functional.normalizers import NORMALIZERS, normalizer_config
 from posenc_jax.functional.registry import encoding_config, encoding_names
 from posenc_jax.nn import Transformer
 from posenc_jax.tasks import TextTask, make_task, task_names
@@ -68,11 +69,16 @@ class Preset:
     checkpoint_every: int = 200
     # RoPE scalings applied at evaluation only to the RoPE model of the text task (extra rows).
     eval_only_scalings: tuple[str, ...] = ("pi", "ntk", "yarn")
+    # Attention normalisers; rows of a non-softmax normaliser are labelled "encoding|normaliser".
+    normalizers: tuple[str, ...] = ("softmax",)
 
     def validate(self) -> None:
         unknown = [e for e in self.encodings if e not in encoding_names()]
         if unknown:
             raise ValueError(f"unknown encodings {unknown}; known encodings: {', '.join(encoding_names())}")
+        unknown = [n for n in self.normalizers if n not in NORMALIZERS]
+        if unknown:
+            raise ValueError(f"unknown normalizers {unknown}; known normalizers: {', '.join(NORMALIZERS)}")
         unknown = [t for t in self.tasks if t not in task_names()]
         if unknown:
             raise ValueError(f"unknown tasks {unknown}; known tasks: {', '.join(task_names())}")
@@ -158,7 +164,7 @@ def _lengths(task, preset: Preset):
 def fingerprint(preset: Preset) -> str:
     """A hash of every setting that shapes a result (not the lists of encodings, tasks, seeds)."""
     settings = dataclasses.asdict(preset)
-    for key in ("name", "encodings", "tasks", "seeds"):
+    for key in ("name", "encodings", "tasks", "seeds", "normalizers"):
         settings.pop(key)
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
@@ -256,19 +262,27 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
         eval_lengths, train_length = _lengths(task, preset)
         max_tokens = task.max_tokens(max(eval_lengths))
         for encoding_name in preset.encodings:
-            for seed in preset.seeds:
-                todo = [n for n in eval_lengths if (task_name, encoding_name, seed, n) not in done]
-                scaled = _eval_only_rows(task, encoding_name, preset)
-                scaled_todo = [(name, n) for name in scaled for n in eval_lengths
-                               if (task_name, name, seed, n) not in done]
-                if not todo and not scaled_todo:
-                    continue
-                timings = _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, todo,
-                                    scaled_todo, train_length, max_tokens, mesh if use_mesh else None, progress, log)
-                record["cells"].append(timings)
-                run_json.write_text(json.dumps(record, indent=1))
+            for normalizer in preset.normalizers:
+                label = row_label(encoding_name, normalizer)
+                for seed in preset.seeds:
+                    todo = [n for n in eval_lengths if (task_name, label, seed, n) not in done]
+                    scaled = _eval_only_rows(task, label, preset)
+                    scaled_todo = [(name, n) for name in scaled for n in eval_lengths
+                                   if (task_name, name, seed, n) not in done]
+                    if not todo and not scaled_todo:
+                        continue
+                    timings = _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, results_path,
+                                        todo, scaled_todo, train_length, max_tokens, mesh if use_mesh else None,
+                                        progress, log)
+                    record["cells"].append(timings)
+                    run_json.write_text(json.dumps(record, indent=1))
     run_json.write_text(json.dumps(record, indent=1))
     return record
+
+
+def row_label(encoding_name: str, normalizer: str) -> str:
+    """The ``encoding`` field of a result row: the encoding, with ``|normaliser`` unless softmax."""
+    return encoding_name if normalizer == "softmax" else f"{encoding_name}|{normalizer}"
 
 
 def _eval_only_rows(task, encoding_name: str, preset: Preset) -> list[str]:
@@ -287,11 +301,12 @@ def _scaled_rope(row_name: str, length: int, train_length: int):
     return encoding_config(f"rope-{method}", **settings)
 
 
-def _model(task, preset: Preset, config, seed: int) -> Transformer:
+def _model(task, preset: Preset, config, seed: int, normalizer: str = "softmax") -> Transformer:
     return Transformer(
         vocab_size=task.vocab_size, model_dim=preset.model_dim, num_layers=preset.num_layers,
         num_heads=preset.num_heads, mlp_dim=preset.mlp_dim, encoding=config, causal=task.kind == "decoder",
-        dropout_rate=preset.dropout_rate, rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+        normalizer=normalizer_config(normalizer), dropout_rate=preset.dropout_rate,
+        rngs=nnx.Rngs(params=seed, dropout=seed + 1),
     )
 
 
@@ -306,11 +321,12 @@ def _evaluate(model, task, preset: Preset, seed: int, length: int, max_tokens: i
     return float(np.concatenate(scores).mean())
 
 
-def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, todo, scaled_todo, train_length,
-              max_tokens, mesh, progress, log):
+def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, results_path, todo, scaled_todo,
+              train_length, max_tokens, mesh, progress, log):
+    label = row_label(encoding_name, normalizer)
     train_tokens = task.max_tokens(preset.text_context if isinstance(task, TextTask) else train_length)
     config = _encoding_for(encoding_name, preset, task, train_tokens, max_tokens)
-    model = _model(task, preset, config, seed)
+    model = _model(task, preset, config, seed, normalizer)
     # Frequencies that follow the sequence length must see each length unpadded.
     length_dependent = not getattr(config, "decodable", True)
     tx = warmup_cosine_adamw(learning_rate=preset.learning_rate, total_steps=preset.steps,
@@ -320,16 +336,16 @@ def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, t
     if mesh is not None:
         replicate(model, mesh)
         replicate(optimizer, mesh)
-    ckpt = Checkpointer(out / "checkpoints" / fingerprint(preset) / task_name / encoding_name / f"seed{seed}",
+    ckpt = Checkpointer(out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}",
                         max_to_keep=1)
     start_step = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
-    timings = {"task": task_name, "encoding": encoding_name, "seed": seed, "resumed_from_step": start_step}
+    timings = {"task": task_name, "encoding": label, "seed": seed, "resumed_from_step": start_step}
 
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=preset.steps, initial=start_step, desc=f"{task_name} / {encoding_name} / seed {seed}",
+        bar = tqdm(total=preset.steps, initial=start_step, desc=f"{task_name} / {label} / seed {seed}",
                    leave=False, dynamic_ncols=True)
     compile_seconds, train_seconds = 0.0, 0.0
     loss = float("nan")
@@ -365,13 +381,13 @@ def _run_cell(task, task_name, encoding_name, seed, preset, out, results_path, t
 
     for length in todo:
         pad = task.max_tokens(length) if length_dependent else max_tokens
-        write(encoding_name, length, _evaluate(model, task, preset, seed, length, pad))
+        write(label, length, _evaluate(model, task, preset, seed, length, pad))
     trained = nnx.state(model, nnx.Param)
     for name, length in scaled_todo:
-        scaled = _model(task, preset, _scaled_rope(name, length, train_length), seed)
+        scaled = _model(task, preset, _scaled_rope(name, length, train_length), seed, normalizer)
         nnx.update(scaled, trained)  # the RoPE model's weights, other frequencies
         write(name, length, _evaluate(scaled, task, preset, seed, length, max_tokens))
     timings["eval_seconds"] = time.perf_counter() - began
-    log(f"{task_name:14s} {encoding_name:12s} seed {seed}: loss {loss:.3f}, "
+    log(f"{task_name:14s} {label:12s} seed {seed}: loss {loss:.3f}, "
         f"compile {compile_seconds:.1f}s, train {train_seconds:.1f}s, eval {timings['eval_seconds']:.1f}s")
     return timings

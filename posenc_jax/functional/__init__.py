@@ -21,7 +21,14 @@ from posenc_jax.functional.fire import Fire, fire_bias, fire_init
 from posenc_jax.functional.kerple import Kerple, kerple_bias
 from posenc_jax.functional.learned_relative import ClippedRelativeBias, clipped_relative_bias
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
-from posenc_jax.functional.normalizers import URPE, l2_normalized_weights, relu2_weights
+from posenc_jax.functional.normalizers import (
+    NORMALIZERS,
+    URPE,
+    URPEConfig,
+    l2_normalized_weights,
+    normalizer_config,
+    relu2_weights,
+)
 from posenc_jax.functional.parameter_free import ParameterFree
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
@@ -103,7 +110,9 @@ __all__ = [
     "T5Bias",
     "T5Config",
     "TransformerXL",
+    "NORMALIZERS",
     "URPE",
+    "URPEConfig",
     "TransformerXLConfig",
     "XPos",
     "YaRNScaling",
@@ -137,6 +146,7 @@ __all__ = [
     "key_padding_mask",
     "l2_normalized_weights",
     "learned_position_embedding",
+    "normalizer_config",
     "position_angles",
     "randomized_positions",
     "register_encoding",

@@ -34,7 +34,15 @@ import numpy as np
 from posenc_jax.functional.attention import softmax_weights
 from posenc_jax.functional.relative import check_max_distance, expand_relative_bias
 
-__all__ = ["URPE", "l2_normalized_weights", "relu2_weights", "softmax_weights"]
+__all__ = [
+    "NORMALIZERS",
+    "URPE",
+    "URPEConfig",
+    "l2_normalized_weights",
+    "normalizer_config",
+    "relu2_weights",
+    "softmax_weights",
+]
 
 _MIN = jnp.finfo(jnp.float32).min
 
@@ -93,3 +101,35 @@ class URPE:
             raise ValueError(f"URPE table has {np.shape(self.table)[0]} heads but the scores have {scores.shape[1]}")
         toeplitz = expand_relative_bias(self.table, query_positions, key_positions, self.max_distance)
         return softmax_weights(scores, mask) * toeplitz
+
+
+@dataclasses.dataclass(frozen=True)
+class URPEConfig:
+    """URPE with a learned ``c`` per head (``[N, 2k+1]``, ones at init), for the NNX modules."""
+
+    max_distance: int = 16
+    shares_bias: ClassVar[bool] = False
+
+    def __post_init__(self):
+        check_max_distance(self.max_distance)
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return {"table": jnp.ones((num_heads, 2 * self.max_distance + 1), jnp.float32)}
+
+    def build(self, params: dict) -> URPE:
+        return URPE(params["table"], self.max_distance)
+
+
+NORMALIZERS = {
+    "softmax": softmax_weights,
+    "l2": l2_normalized_weights,
+    "relu2": relu2_weights,
+    "urpe": URPEConfig(),
+}
+
+
+def normalizer_config(name: str):
+    """The normaliser registered as ``name``: a function, or a config with learned parameters (URPE)."""
+    if name not in NORMALIZERS:
+        raise ValueError(f"unknown normalizer {name!r}; known normalizers: {', '.join(NORMALIZERS)}")
+    return NORMALIZERS[name]

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from posenc_jax.functional.attention import dot_product_attention, softmax_weights
+from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.nn.encoding import PositionEncoding
 
 __all__ = ["KVCache", "MultiHeadAttention"]
@@ -83,7 +84,9 @@ class MultiHeadAttention(nnx.Module):
       encodings: registered names or configs of the encodings this layer owns
         (e.g. ``["rope", "alibi"]``); biases shared across layers are passed per
         call instead (``shared``).
-      normalizer: the ``normalize`` hook (softmax by default).
+      normalizer: the ``normalize`` hook (softmax by default): a function, a name
+        (``"softmax"``, ``"l2"``, ``"relu2"``, ``"urpe"``), or a config with learned
+        parameters (``URPEConfig``), which this layer then holds.
       dropout_rate: dropout on the attention weights.
       use_bias: biases in the projections.
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout`` when training with dropout).
@@ -116,7 +119,16 @@ class MultiHeadAttention(nnx.Module):
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.normalizer = normalizer
+        if isinstance(normalizer, str):
+            normalizer = normalizer_config(normalizer)
+        if hasattr(normalizer, "init") and hasattr(normalizer, "build"):
+            self.normalizer = None
+            self.normalizer_params = PositionEncoding(
+                normalizer, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs
+            )
+        else:
+            self.normalizer = normalizer
+            self.normalizer_params = None
         self.dropout_rate = dropout_rate
         self.query = nnx.Linear(model_dim, num_heads * head_dim, use_bias=use_bias, rngs=rngs)
         self.key = nnx.Linear(model_dim, num_kv_heads * head_dim, use_bias=use_bias, rngs=rngs)
@@ -196,7 +208,7 @@ class MultiHeadAttention(nnx.Module):
             query_positions=query_positions,
             key_positions=key_positions,
             encodings=encodings,
-            normalizer=self.normalizer,
+            normalizer=self.normalizer if self.normalizer_params is None else self.normalizer_params(),
             causal=causal,
             key_mask=key_mask,
             query_segment_ids=segment_ids,
