@@ -182,3 +182,20 @@ def test_cache_overflow_is_an_error(rng):
     _, caches = step(model, _tokens(rng, 1, 1), jnp.full((1, 1), 3), caches)
     with pytest.raises(Exception, match="the KV cache holds 4 tokens; 4 are filled and 1 more do not fit"):
         jax.block_until_ready(step(model, _tokens(rng, 1, 1), jnp.full((1, 1), 4), caches))
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "l2", "relu2", "urpe"])
+def test_normalisers_by_name_in_the_model(rng, normalizer):
+    model = _model("alibi", causal=False, normalizer=normalizer)
+    tokens = _tokens(rng, 2, 6)
+    grads = nnx.grad(lambda m: (m(tokens, jnp.arange(6)) ** 2).mean())(model)
+    for leaf in jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)):
+        assert np.isfinite(np.asarray(leaf)).all()
+    tables = [p for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+              if "normalizer_params" in jax.tree_util.keystr(p)]
+    assert len(tables) == (LAYERS if normalizer == "urpe" else 0)  # URPE's C is learned in every layer
+    if normalizer == "urpe":
+        c_grad = grads.blocks[0].attention.normalizer_params.table[...]
+        assert np.abs(np.asarray(c_grad)).sum() > 0
+    with pytest.raises(ValueError, match="unknown normalizer 'softmaxx'; known normalizers: softmax, l2, relu2, urpe"):
+        _model("alibi", normalizer="softmaxx")
