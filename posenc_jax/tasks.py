@@ -20,7 +20,8 @@ answer, where no query looks), and says how to score a prediction:
 * **text**: character-level language modelling on real text, scored in bits per
   character. The default corpus is a fixed selection of the running Python's own
   standard-library sources (see :func:`stdlib_corpus`); any text file or folder
-  works.
+  works, and so do ``wikitext103`` and ``tinyshakespeare`` from the Hugging Face hub
+  where there is internet (:func:`load_hub_corpus`, extra ``data``).
 
 The length of an example is the length of ``x`` (for ``text``: the context).
 """
@@ -41,9 +42,11 @@ __all__ = [
     "ProbeTask",
     "TASKS",
     "TextTask",
+    "load_hub_corpus",
     "make_task",
     "stdlib_corpus",
     "task_names",
+    "text_from_dataset",
 ]
 
 NUM_SYMBOLS = 10
@@ -256,7 +259,41 @@ def stdlib_corpus(fraction_test: float = 0.1) -> tuple[str, str, list[str]]:
     return "\n\n".join(train), "\n\n".join(test), test_names
 
 
+# Corpora on the Hugging Face hub, loaded through the optional `datasets` package (extra "data").
+HUB_CORPORA = {
+    "wikitext103": {"path": "Salesforce/wikitext", "name": "wikitext-103-raw-v1"},
+    "tinyshakespeare": {"path": "karpathy/tiny_shakespeare", "name": None},
+}
+
+
+def text_from_dataset(dataset, field: str = "text") -> tuple[str, str]:
+    """``(train_text, test_text)`` from a ``datasets.DatasetDict`` with ``train`` and ``test``
+    (or ``validation``) splits, joining the ``field`` of every record with newlines."""
+    test_split = "test" if "test" in dataset else "validation"
+    if "train" not in dataset or test_split not in dataset:
+        raise ValueError(f"the dataset needs a train and a test (or validation) split, got {list(dataset)}")
+    return "\n".join(dataset["train"][field]), "\n".join(dataset[test_split][field])
+
+
+def load_hub_corpus(name: str, **load_kwargs) -> tuple[str, str]:
+    """WikiText-103 (raw) or Tiny Shakespeare from the Hugging Face hub, as train/test text.
+
+    Needs ``pip install -e ".[data]"`` and internet; ``load_kwargs`` go to
+    ``datasets.load_dataset`` (e.g. ``cache_dir``).
+    """
+    if name not in HUB_CORPORA:
+        raise ValueError(f"unknown hub corpus {name!r}; known: {', '.join(HUB_CORPORA)}")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"--corpus {name} needs the datasets package: pip install -e '.[data]'") from None
+    spec = HUB_CORPORA[name]
+    return text_from_dataset(datasets.load_dataset(spec["path"], spec["name"], **load_kwargs))
+
+
 def _read_corpus(path) -> tuple[str, str]:
+    if str(path) in HUB_CORPORA:
+        return load_hub_corpus(str(path))
     path = pathlib.Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -288,7 +325,10 @@ class TextTask:
             self.corpus_description = "Python standard-library *.py sources of this interpreter (SHA-256 split by file name)"
         else:
             train, test = _read_corpus(corpus)
-            self.corpus_description = f"{corpus} (first 90% train, last 10% test)"
+            self.corpus_description = (
+                f"{corpus} (its train and test splits, from the Hugging Face hub)" if corpus in HUB_CORPORA
+                else f"{corpus} (first 90% train, last 10% test)"
+            )
         self.train = self._encode(train)
         self.test = self._encode(test)
 

@@ -168,3 +168,19 @@ def test_expected_probe_outcomes_follow_the_theorem():
     assert expected_outcome("nope", "urpe", False).startswith("solvable")
     assert expected_outcome("nope", "relu2", False).startswith("blind")
     assert expected_outcome("t5", "relu2", False).startswith("solvable")
+
+
+def test_hub_corpus_loading_code_on_a_small_local_file(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from posenc_jax.tasks import load_hub_corpus, text_from_dataset
+
+    (tmp_path / "train.txt").write_text("first line\nsecond line\n")
+    (tmp_path / "valid.txt").write_text("held out\n")
+    local = datasets.load_dataset("text", data_files={"train": str(tmp_path / "train.txt"),
+                                                      "validation": str(tmp_path / "valid.txt")},
+                                  cache_dir=str(tmp_path / "cache"))
+    train, test = text_from_dataset(local)
+    assert train == "first line\nsecond line" and test == "held out"
+    with pytest.raises(ValueError, match="unknown hub corpus 'wiki'; known: wikitext103, tinyshakespeare"):
+        load_hub_corpus("wiki")

@@ -93,7 +93,8 @@ def main(argv=None) -> int:
     ex.add_argument("--train-length", type=int, help="longest training length of the algorithmic tasks")
     ex.add_argument("--eval-lengths", type=_ints, help="comma-separated evaluation lengths")
     ex.add_argument("--text-context", type=int, help="training context of the text task")
-    ex.add_argument("--corpus", help="a text file or folder for the text task (default: Python's stdlib sources)")
+    ex.add_argument("--corpus", help="a text file or folder for the text task, or wikitext103 / tinyshakespeare "
+                    "(Hugging Face hub, needs the data extra); default: Python's stdlib sources")
     ex.add_argument("--no-progress", action="store_true", help="no progress bars")
     ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ex.set_defaults(handler=_extrapolate)
