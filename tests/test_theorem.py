@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.functional import ALiBi, URPE, encoding_config, l2_normalized_weights, relu2_weights
+from posenc_jax.functional import ALiBi, URPE, dot_product_attention, encoding_config, l2_normalized_weights, relu2_weights
 from posenc_jax.functional.registry import ShawConfig
 from posenc_jax.nn import Transformer
 from small_encodings import small_config
@@ -133,5 +133,8 @@ def test_normalisers_respect_masks_and_fully_masked_rows():
     np.testing.assert_allclose(np.sqrt((l2[..., 2, :] ** 2).sum(-1)), 1.0, rtol=1e-6)
     relu = np.asarray(relu2_weights(scores, mask))
     np.testing.assert_allclose(relu[..., 2, :], np.maximum(np.asarray(scores)[..., 2, :], 0) ** 2 / 4, rtol=1e-6)
+    x = jnp.ones((1, 3, 2, 4))
+    with pytest.raises(ValueError, match="query_positions and key_positions are required .*URPE"):
+        dot_product_attention(x, x, x, normalizer=URPE(jnp.ones((2, 7)), 3))
     with pytest.raises(ValueError, match="URPE table must have shape \\[N, 2\\*max_distance\\+1\\] = \\[N, 7\\]"):
         URPE(jnp.ones((2, 5)), 3)

@@ -30,7 +30,7 @@ from posenc_jax.functional.normalizers import (
     relu2_weights,
 )
 from posenc_jax.functional.parameter_free import ParameterFree
-from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
+from posenc_jax.functional.positions import batched_positions, check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
 from posenc_jax.functional.relative import (
     bucket_relative,
@@ -122,6 +122,7 @@ __all__ = [
     "apply_rope_2d",
     "apply_rope_qk",
     "apply_xpos_qk",
+    "batched_positions",
     "bucket_relative",
     "by_query_blocks",
     "causal_mask",

@@ -230,10 +230,12 @@ def dot_product_attention(
             for e in encodings
         ]
     hooks = [_hooks_of(encoding) for encoding in encodings]
-    needs_positions = causal or bool(hooks)
+    uses_positions = getattr(normalizer, "uses_positions", False)
+    needs_positions = causal or bool(hooks) or uses_positions
     if needs_positions and (query_positions is None or key_positions is None):
         raise ValueError(
-            "query_positions and key_positions are required with causal=True or encodings; "
+            "query_positions and key_positions are required with causal=True, encodings or a "
+            "position-aware normalizer (URPE); "
             f"for a plain sequence pass jnp.arange({q_len}) and jnp.arange({k_len})"
         )
     if (query_positions is None) != (key_positions is None):
@@ -293,9 +295,7 @@ def dot_product_attention(
         segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
         None if mask is None else jnp.asarray(mask),
     )
-    if getattr(normalizer, "uses_positions", False):
-        if query_positions is None:
-            raise ValueError(f"{normalizer!r} needs query_positions and key_positions")
+    if uses_positions:
         weights = normalizer(scores, full_mask, query_positions=query_positions, key_positions=key_positions)
     else:
         weights = normalizer(scores, full_mask)

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.relative import (
     by_query_blocks,
     gather_relative,
@@ -150,8 +150,7 @@ def deberta_logits(
             )
     if scale is None:
         scale = _score_scale(head_dim, terms)
-    query_positions = check_positions(query_positions, "query_positions")
-    query_positions = query_positions if query_positions.ndim == 2 else query_positions[None]
+    query_positions = batched_positions(query_positions, "query_positions")
     c2p = p2c = None
     if "c2p" in terms:
         c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)  # [B, N, T, 2span]

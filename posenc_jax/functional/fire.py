@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.relative import by_query_blocks
 
 __all__ = ["Fire", "fire_bias", "fire_init"]
@@ -70,10 +70,8 @@ def fire_bias(params: dict, query_positions, key_positions, *, block_elements: i
     if missing:
         raise ValueError(f"FIRE params are missing {sorted(missing)}")
     hidden, num_heads = np.shape(params["w2"])
-    q = check_positions(query_positions, "query_positions")
-    k = check_positions(key_positions, "key_positions")
-    q = q if q.ndim == 2 else q[None]
-    k = k if k.ndim == 2 else k[None]
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
     c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
     threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
     psi = lambda x: jnp.log1p(c * x)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.relative import relative_positions
 
 __all__ = ["causal_mask", "combine_masks", "key_padding_mask", "segment_mask"]
 
@@ -32,9 +32,7 @@ def causal_mask(query_positions, key_positions) -> jax.Array:
              [1, 1, 0],
              [1, 1, 1]], dtype=int32)
     """
-    q = _batched(check_positions(query_positions, "query_positions"))
-    k = _batched(check_positions(key_positions, "key_positions"))
-    return (k[:, None, None, :] <= q[:, None, :, None])
+    return relative_positions(query_positions, key_positions)[:, None] <= 0
 
 
 def _check_segment_ids(ids, name: str) -> jax.Array:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "batched_positions",
     "check_positions",
     "inverse_frequencies",
     "position_angles",
@@ -73,6 +74,12 @@ def check_positions(positions, name: str = "positions") -> jax.Array:
             bad = values.max() if values.max() > limit.max else values.min()
             raise ValueError(f"{name} must fit in int32 (|position| < 2**31), got {bad}")
     return jnp.asarray(positions, jnp.int32)
+
+
+def batched_positions(positions, name: str = "positions") -> jax.Array:
+    """:func:`check_positions`, with a leading batch axis added to ``[T]``: int32 ``[B|1, T]``."""
+    positions = check_positions(positions, name)
+    return positions if positions.ndim >= 2 else positions[None]
 
 
 def inverse_frequencies(dim: int, *, base: float = 10000.0) -> np.ndarray:

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.positions import batched_positions
 
 __all__ = [
     "bucket_relative",
@@ -42,10 +42,8 @@ def relative_positions(query_positions, key_positions) -> jax.Array:
              [-1,  0,  1,  2],
              [-2, -1,  0,  1]], dtype=int32)
     """
-    q = check_positions(query_positions, "query_positions")
-    k = check_positions(key_positions, "key_positions")
-    q = q if q.ndim == 2 else q[None]
-    k = k if k.ndim == 2 else k[None]
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
     return k[:, None, :] - q[:, :, None]
 
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.relative import (
     bucket_relative,
     check_max_distance,
@@ -89,8 +89,7 @@ def shaw_value_term(weights, table, query_positions, key_positions, *, max_dista
     """
     k = check_max_distance(max_distance)
     _check_table(table, k, None, "value table")
-    query_positions = check_positions(query_positions, "query_positions")
-    query_positions = query_positions if query_positions.ndim == 2 else query_positions[None]
+    query_positions = batched_positions(query_positions, "query_positions")
 
     def index_rows(start, rows):  # slots of a block of query rows, never the whole [T, S] index
         block = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)

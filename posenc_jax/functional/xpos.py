@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.parameter_free import ParameterFree
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.positions import batched_positions, check_positions
 from posenc_jax.functional.rope import Layout, _check_head, _check_layout, _rotate, rope_inverse_frequencies, rope_tables
 
 __all__ = ["XPos", "apply_xpos_qk", "xpos_decay_bases"]
@@ -64,13 +64,12 @@ def apply_xpos_qk(
     key_positions = check_positions(key_positions, "key_positions")
     freq = rope_inverse_frequencies(rotary_dim, base=base)
     log_zeta = jnp.asarray(np.log(xpos_decay_bases(rotary_dim, gamma=gamma)), jnp.float32)
-    q_batched = query_positions if query_positions.ndim == 2 else query_positions[None]
+    q_batched = batched_positions(query_positions)
     centre = (q_batched.min(axis=-1, keepdims=True) + q_batched.max(axis=-1, keepdims=True)) // 2  # [B|1, 1]
 
     def tables(positions, sign):
         cos, sin = rope_tables(positions, freq)
-        batched = positions if positions.ndim == 2 else positions[None]
-        offset = (batched - centre).astype(jnp.float32)[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
+        offset = (batched_positions(positions) - centre).astype(jnp.float32)[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
         # Clamped in log space so far-away (e.g. empty cache) slots stay finite.
         scale = jnp.exp(jnp.clip(sign * offset * log_zeta.reshape(1, 1, -1), -60.0, 60.0))
         if positions.ndim == 1 and centre.shape[0] == 1:
