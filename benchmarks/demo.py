@@ -27,10 +27,10 @@ import numpy as np
 from posenc_jax.functional import (
     apply_rope,
     learned_position_embedding,
-    position_angles,
-    rope_inverse_frequencies,
     sinusoidal_encoding,
 )
+from posenc_jax.functional.positions import position_angles
+from posenc_jax.functional.rope import rope_inverse_frequencies
 from posenc_jax.reference import d2l_positional_encoding, su_rope
 
 

@@ -33,10 +33,10 @@ from posenc_jax.functional import (
     SinusoidalRelative,
     T5Bias,
     TransformerXL,
-    deberta_relative_index,
     dot_product_attention,
     t5_relative_bucket,
 )
+from posenc_jax.functional.deberta import deberta_relative_index
 
 H, K_CLIP, D_XL = 64, 128, 64
 
@@ -45,10 +45,12 @@ def _attention(extra_logits=None, extra_values=None, scale=None):
     """Attention whose position terms come from plain callables (the reference style)."""
 
     class Terms:
-        def logits(self, q, k, qp, kp):
+        def logits(self, q, k, context):
+            qp, kp = context.query_positions, context.key_positions
             return None if extra_logits is None else extra_logits(q, k, qp, kp)
 
-        def values(self, w, qp, kp):
+        def values(self, w, context):
+            qp, kp = context.query_positions, context.key_positions
             return None if extra_values is None else extra_values(w, qp, kp)
 
     def run(q, k, v, pos):

@@ -2,7 +2,7 @@
 
 * :func:`make_attention_fn` gives an ``attention_fn`` for
   ``flax.linen.MultiHeadDotProductAttention`` that applies parameter-free encodings
-  (NoPE, RoPE and its scalings, xPos, ALiBi, the functional relative encoding).
+  (NoPE, RoPE and its scalings, xPos, ALiBi, Sandwich, the functional relative encoding).
   Linen's attention passes no positions, so the factory takes them (default
   ``arange`` over the query and key lengths).
 * :func:`to_linen` wraps any NNX module of :mod:`posenc_jax.nn` (attention,
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import SharedBias, dot_product_attention
-from posenc_jax.functional.parameter_free import ParameterFree
+from posenc_jax.functional.hooks import ParameterFree
 from posenc_jax.nn.encoding import resolve_config
 
 __all__ = ["load_linen_params", "make_attention_fn", "to_linen"]
@@ -51,10 +51,9 @@ def make_attention_fn(
             raise ValueError(
                 f"{config!r} has parameters; wrap the NNX MultiHeadAttention with posenc_jax.linen.to_linen instead"
             )
-        hook = config.build({})
-        if hasattr(hook, "embed") and not (getattr(hook, "hooks", None) == frozenset()):
-            raise ValueError(f"{type(hook).__name__} acts on token embeddings, not inside attention")
-        hooks.append(hook)
+        if config.acts_on not in ("attention", "shared_bias"):
+            raise ValueError(f"{type(config).__name__} acts on the {config.acts_on}, not inside attention")
+        hooks.append(config.build({}))
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
                      dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None, **unused):

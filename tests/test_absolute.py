@@ -9,6 +9,7 @@ import pytest
 from posenc_jax.functional import (
     LearnedAbsolute,
     NoPE,
+    hook_names,
     Sinusoidal,
     dot_product_attention,
     learned_position_embedding,
@@ -135,9 +136,8 @@ def test_learned_out_of_table_is_an_error_not_a_clip(bad):
         jax.block_until_ready(jax.jit(learned_position_embedding)(table, positions))
 
 
-def test_nope_is_identity_and_adds_nothing_to_attention(rng):
-    x = jnp.asarray(rng.normal(size=(2, 5, 8)), jnp.float32)
-    np.testing.assert_array_equal(NoPE().embed(x, jnp.arange(5)), x)
+def test_nope_fills_no_hook_and_adds_nothing_to_attention(rng):
+    assert hook_names(NoPE()) == ()
     q, k, v = (jnp.asarray(rng.normal(size=(2, 5, 2, 4)), jnp.float32) for _ in range(3))
     pos = jnp.arange(5)
     plain = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True)
@@ -153,7 +153,7 @@ def test_absolute_encodings_are_rejected_by_attention():
 
 def test_embed_positions_must_fit_the_tokens():
     x = jnp.zeros((2, 5, 8))
-    for enc in (Sinusoidal(), LearnedAbsolute(jnp.zeros((16, 8))), NoPE()):
+    for enc in (Sinusoidal(), LearnedAbsolute(jnp.zeros((16, 8)))):
         with pytest.raises(ValueError, match=r"positions of shape \(1,\) do not fit x of shape \(2, 5, 8\)"):
             enc.embed(x, jnp.arange(1))
     with pytest.raises(ValueError, match=r"positions of shape \(2, 5\) do not fit x of shape \(5, 8\)"):

@@ -122,8 +122,8 @@ class _DistanceBias:
 
     slopes: tuple
 
-    def logits(self, q, k, query_positions, key_positions):
-        rel = (key_positions[None, :] - query_positions[:, None]).astype(jnp.float32)
+    def logits(self, q, k, context):
+        rel = (context.key_positions[None, :] - context.query_positions[:, None]).astype(jnp.float32)
         return jnp.asarray(self.slopes, jnp.float32)[None, :, None, None] * rel[None, None]
 
 
@@ -131,8 +131,8 @@ class _DistanceBias:
 class _ValueOffset:
     """A toy values hook: adds Σ_s w[t, s] · (key_pos[s]) to every feature."""
 
-    def values(self, weights, query_positions, key_positions):
-        mean_pos = jnp.einsum("BNTS,S->BTN", weights, key_positions.astype(jnp.float32))
+    def values(self, weights, context):
+        mean_pos = jnp.einsum("BNTS,S->BTN", weights, context.key_positions.astype(jnp.float32))
         return jnp.broadcast_to(mean_pos[..., None], mean_pos.shape + (4,))
 
 
@@ -182,7 +182,7 @@ def test_bad_input_names_the_value():
         dot_product_attention(q, q, q, key_mask=jnp.ones((1, 4)))
     with pytest.raises(ValueError, match="must be \\[B, T, N, H\\]"):
         dot_product_attention(jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((4, 8)))
-    with pytest.raises(ValueError, match="has none of the attention hooks"):
+    with pytest.raises(ValueError, match="fills none of the attention hooks"):
         dot_product_attention(q, q, q, query_positions=jnp.arange(4), key_positions=jnp.arange(4), encodings=[object()])
 
 
@@ -195,7 +195,7 @@ def test_unbatched_inputs(rng):
 
 @dataclasses.dataclass(frozen=True)
 class _MinusInfinityBias:
-    def logits(self, q, k, query_positions, key_positions):
+    def logits(self, q, k, context):
         return jnp.full((1, 1, q.shape[1], k.shape[1]), -jnp.inf)
 
 
@@ -215,12 +215,6 @@ def test_more_bad_input_is_refused_not_silently_wrong(rng):
         dot_product_attention(q, q, q, key_positions=pos)
     with pytest.raises(ValueError, match="must fit in int32.*got 4294967299"):
         dot_product_attention(q, q, q, query_positions=np.array([0, 1, 2**32 + 3]), key_positions=pos, causal=True)
-
-    class Declared:
-        hooks = frozenset({"rotate"})
-
-    with pytest.raises(ValueError, match="declares the hooks \\['rotate'\\] but has no such methods"):
-        dot_product_attention(q, q, q, query_positions=pos, key_positions=pos, encodings=[Declared()])
 
 
 def test_minus_infinity_bias_gives_no_nan(rng):

@@ -184,3 +184,19 @@ def test_hub_corpus_loading_code_on_a_small_local_file(tmp_path, monkeypatch):
     assert train == "first line\nsecond line" and test == "held out"
     with pytest.raises(ValueError, match="unknown hub corpus 'wiki'; known: wikitext103, tinyshakespeare"):
         load_hub_corpus("wiki")
+
+
+def test_hybrids_with_randomized_positions_run_and_are_sized_from_the_sampler(tmp_path):
+    from posenc_jax.bench.extrapolate import _encodings_for
+
+    sampler, learned = _encodings_for("randomized+learned", head_dim=8, train_tokens=12, max_tokens=42)
+    assert sampler.max_length == 4 * 42 and learned.max_positions == sampler.max_length
+    (rope,) = _encodings_for("rope-yarn", head_dim=8, train_tokens=12, max_tokens=48)
+    assert (rope.scaling.factor, rope.scaling.original_context) == (4.0, 12)
+    result = subprocess.run(CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots",
+                                   "--encodings", "rope+randomized,learned+randomized", "--tasks", "counting_copy",
+                                   "--steps", "3"], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _rows(tmp_path / "results.jsonl")
+    assert {r["encoding"] for r in rows} == {"rope+randomized", "learned+randomized"}
+    assert all(0.0 <= r["value"] <= 1.0 for r in rows)

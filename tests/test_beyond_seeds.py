@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional import (
     ALiBi,
     AxialRoPE,
@@ -33,8 +34,8 @@ from posenc_jax.functional import (
     fire_bias,
     kerple_bias,
     randomized_positions,
-    rope_inverse_frequencies,
 )
+from posenc_jax.functional.rope import rope_inverse_frequencies
 from posenc_jax.reference import beyond_seeds as ref
 from posenc_jax.reference import su_rope
 from small_encodings import small_config
@@ -85,7 +86,7 @@ def test_kerple_formula_and_monotone_at_init(variant):
     params = cfg.init(jax.random.key(1), num_heads=4, head_dim=8, model_dim=32)
     enc = cfg.build(params)
     pos = jnp.arange(200)
-    bias = np.asarray(enc.bias(pos, pos))[0]
+    bias = np.asarray(enc.bias(AttentionContext(query_positions=pos, key_positions=pos, num_heads=4)))[0]
     d = np.abs(np.arange(200)[None, :] - np.arange(200)[:, None]).astype(np.float64)
     r1, r2 = (np.asarray(params[n], np.float64)[:, None, None] for n in ("r1", "r2"))
     want = -r1 * np.log1p(r2 * d) if variant == "log" else -r1 * d**r2
@@ -102,7 +103,7 @@ def test_fire_matches_formula_is_monotone_at_init_and_blockwise_consistent():
     np.testing.assert_allclose(got, ref.fire_bias(params, qp, kp), atol=1e-5)
     np.testing.assert_allclose(np.asarray(fire_bias(params, qp, kp, block_elements=7))[0], got, atol=1e-6)
     pos = jnp.arange(300)
-    bias = np.asarray(cfg.build(params).bias(pos, pos))[0]
+    bias = np.asarray(cfg.build(params).bias(AttentionContext(query_positions=pos, key_positions=pos, num_heads=3)))[0]
     row = bias[:, 299, ::-1]  # distance 0, 1, 2, ... from the last query
     assert np.all(np.diff(row, axis=-1) <= 1e-7)
     assert row[:, 0].min() > row[:, -1].max()  # it does decrease
@@ -139,7 +140,7 @@ def test_yarn_attention_factor_scales_scores_by_its_square(rng):
     q, k = _normal(rng, (1, 5, 1, 16)), _normal(rng, (1, 5, 1, 16))
     pos = jnp.arange(5)
     yarn = YaRNScaling(factor=4.0, original_context=64)
-    rq, rk = RoPE(scaling=yarn).rotate(q, k, pos, pos)
+    rq, rk = RoPE(scaling=yarn).rotate(q, k, AttentionContext(query_positions=pos, key_positions=pos))
     freq = yarn.inverse_frequencies(16, 10000.0)
     pq, pk = apply_rope(q, pos, inverse_frequency=freq), apply_rope(k, pos, inverse_frequency=freq)
     np.testing.assert_allclose((rq * rk).sum(-1), (pq * pk).sum(-1) * yarn.attention_factor() ** 2, rtol=1e-5)
@@ -229,7 +230,7 @@ def test_axial_rope_on_one_row_is_1d_rope_on_the_first_half(rng):
     # The hook decodes row-major flat positions into (x, y).
     pos = jnp.arange(12)
     q = _normal(rng, (1, 12, 2, 16))
-    rq, _ = AxialRoPE(grid_width=4).rotate(q, q, pos, pos)
+    rq, _ = AxialRoPE(grid_width=4).rotate(q, q, AttentionContext(query_positions=pos, key_positions=pos))
     grid = jnp.stack([pos % 4, pos // 4], -1)
     np.testing.assert_allclose(rq, apply_rope_2d(q, grid), atol=1e-6)
 
@@ -268,7 +269,12 @@ def test_randomized_positions_sorted_unique_in_range():
         assert len({tuple(row) for row in p}) == 8  # independent per example
     shared = RandomizedPositions(2048)(jax.random.key(0), 40, train=True, batch_size=4)
     assert np.all(np.asarray(shared) == np.asarray(shared)[0])
-    np.testing.assert_array_equal(RandomizedPositions(64)(jax.random.key(0), 10, train=False), np.arange(10))
+    np.testing.assert_array_equal(
+        RandomizedPositions(64, evaluation="arange")(jax.random.key(0), 10, train=False), np.arange(10)
+    )
+    # By default evaluation samples too, as the authors' code does.
+    evaluated = np.asarray(RandomizedPositions(64)(jax.random.key(0), 10, train=False))
+    assert np.all(np.diff(evaluated) > 0) and evaluated.max() < 64 and evaluated.max() > 9
     tight = np.asarray(randomized_positions(jax.random.key(0), 16, 16))
     np.testing.assert_array_equal(tight, np.arange(16))
     draws = np.stack([np.asarray(randomized_positions(jax.random.key(s), 4, 100)) for s in range(300)])
@@ -286,9 +292,12 @@ def _run(name, x_or_q, k, v, pos):
 
     def forward(params, q, k, v, pos):
         enc = cfg.build(params)
-        if hasattr(enc, "embed"):
+        if cfg.acts_on == "embeddings":
             return enc.embed(q.reshape(*q.shape[:2], 32), pos)
-        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[enc], causal=True)
+        encodings = [enc]
+        if cfg.acts_on == "positions":  # sampled positions, fed to RoPE
+            pos, encodings = enc.sample(jax.random.key(1), pos - 2, train=True), [RoPE()]
+        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=encodings, causal=True)
 
     return forward, params
 
@@ -331,5 +340,5 @@ def test_bad_input_names_the_value():
         Kerple(jnp.ones(2), jnp.full(2, 3.0), variant="power")
     with pytest.raises(ValueError, match="num_heads must be an integer >= 1 for ALiBi slopes, got 0"):
         alibi_slopes(0)
-    with pytest.raises(ValueError, match="bad settings \\{'bogus': 1\\} for encoding 't5'"):
+    with pytest.raises(ValueError, match="bad settings \\['bogus'\\] for encoding 't5'; its settings are"):
         encoding_config("t5", bogus=1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.functional import T5Config, encoding_names
+from posenc_jax.functional import T5Config, encoding_info, encoding_names
 from posenc_jax.nn import KVCache, MultiHeadAttention, PositionEncoding, Transformer
 from small_encodings import small_config
 
@@ -19,8 +19,8 @@ def _config(name):
     return small_config(name)
 
 
-def _model(encoding, causal=True, seed=0, **kwargs):
-    return Transformer(vocab_size=VOCAB, model_dim=D, num_layers=LAYERS, num_heads=HEADS, mlp_dim=64,
+def _model(encoding, causal=True, seed=0, num_layers=LAYERS, **kwargs):
+    return Transformer(vocab_size=VOCAB, model_dim=D, num_layers=num_layers, num_heads=HEADS, mlp_dim=64,
                        encoding=encoding, causal=causal, rngs=nnx.Rngs(seed), **kwargs)
 
 
@@ -50,9 +50,9 @@ def test_position_encoding_module_holds_parameters():
         PositionEncoding("ropee", num_heads=HEADS, head_dim=8, model_dim=D, rngs=nnx.Rngs(0))
 
 
-# Dynamic NTK and LongRoPE pick frequencies from the current length: no KV cache.
-LENGTH_DEPENDENT = ("rope-dynamic-ntk", "rope-longrope")
-DECODABLE = [n for n in encoding_names() if n not in LENGTH_DEPENDENT]
+# Dynamic NTK and LongRoPE pick frequencies from the current length, max(position) + 1.
+LENGTH_DEPENDENT = [n for n in encoding_names() if encoding_info(n).length_dependent]
+DECODABLE = [n for n in encoding_names() if encoding_info(n).kv_cache and n not in LENGTH_DEPENDENT]
 
 
 @pytest.mark.parametrize("name", DECODABLE)
@@ -76,9 +76,40 @@ def test_prefill_then_decode_equals_full_forward(rng, name):
 
 
 @pytest.mark.parametrize("name", LENGTH_DEPENDENT)
-def test_length_dependent_scalings_refuse_a_cache(rng, name):
+def test_length_dependent_scalings_decode_one_layer_as_the_forward_of_each_prefix(rng, name):
+    # The small settings have original_context=4: the steps cross from plain to scaled frequencies.
+    assert LENGTH_DEPENDENT == ["rope-dynamic-ntk", "rope-longrope"]
+    model = _model(_config(name), num_layers=1)
+    tokens = _tokens(rng, 2, 9)
+    positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
+
+    @nnx.jit
+    def step(model, tokens, positions, caches):
+        return model.decode(tokens, positions, caches)
+
+    caches = model.init_cache(2, 12)
+    logits, caches = model.decode(tokens[:, :3], positions[:, :3], caches)
+    np.testing.assert_allclose(logits, model(tokens[:, :3], positions[:, :3]), atol=2e-4, rtol=1e-4)
+    for t in range(3, 9):
+        logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+        prefix = model(tokens[:, : t + 1], positions[:, : t + 1])
+        np.testing.assert_allclose(logits[:, 0], prefix[:, -1], atol=2e-4, rtol=1e-4)
+    # The last step's frequencies are scaled: the same model without the scaling differs there.
+    plain = _model("rope", num_layers=1)
+    nnx.update(plain, nnx.state(model, nnx.Param))
+    assert np.abs(np.asarray(plain(tokens, positions)[:, -1] - prefix[:, -1])).max() > 1e-3
+
+
+@pytest.mark.parametrize("name", LENGTH_DEPENDENT)
+def test_length_dependent_scalings_refuse_a_cache_in_deeper_models(rng, name):
     model = _model(_config(name))
-    with pytest.raises(ValueError, match="recomputes its frequencies from the sequence length"):
+    with pytest.raises(ValueError, match="hidden state after the first layer changes as the sequence grows"):
+        model.decode(_tokens(rng, 1, 3), jnp.arange(3)[None], model.init_cache(1, 8))
+
+
+def test_randomized_positions_refuse_a_cache(rng):
+    model = _model(["rope", "randomized"])
+    with pytest.raises(ValueError, match="randomized positions are sampled afresh"):
         model.decode(_tokens(rng, 1, 3), jnp.arange(3)[None], model.init_cache(1, 8))
 
 
@@ -199,3 +230,19 @@ def test_normalisers_by_name_in_the_model(rng, normalizer):
         assert np.abs(np.asarray(c_grad)).sum() > 0
     with pytest.raises(ValueError, match="unknown normalizer 'softmaxx'; known normalizers: softmax, l2, relu2, urpe"):
         _model("alibi", normalizer="softmaxx")
+
+
+def test_randomized_positions_are_resampled_in_training_and_evaluation(rng):
+    tokens = _tokens(rng, 2, 7)
+    model = _model(["rope", "randomized"])
+    train = [model(tokens, jnp.arange(7), deterministic=False) for _ in range(2)]
+    assert np.abs(np.asarray(train[0] - train[1])).max() > 1e-4  # a new sample each call
+    evaluated = [model(tokens, jnp.arange(7)) for _ in range(2)]
+    assert np.abs(np.asarray(evaluated[0] - evaluated[1])).max() > 1e-4  # the authors sample at test time too
+    # With plain positions at evaluation it is the RoPE model itself.
+    fixed = _model(["rope", small_config("randomized", evaluation="arange")])
+    plain = _model("rope")
+    nnx.update(plain, nnx.state(fixed, nnx.Param))
+    np.testing.assert_allclose(fixed(tokens, jnp.arange(7)), plain(tokens, jnp.arange(7)), atol=1e-6)
+    with pytest.raises(ValueError, match=r"positions must lie in \[0, 7\), got 3..9"):
+        model(tokens, jnp.arange(7) + 3)

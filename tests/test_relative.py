@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional import (
     deberta_logits,
     shaw_value_term,
@@ -18,13 +19,12 @@ from posenc_jax.functional import (
     SinusoidalRelative,
     T5Bias,
     TransformerXL,
-    bucket_relative,
-    clipped_relative_index,
     deberta_log_bucket,
     dot_product_attention,
     rel_shift,
     t5_relative_bucket,
 )
+from posenc_jax.functional.relative import bucket_relative, by_query_blocks, clipped_relative_index
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -177,7 +177,8 @@ def test_t5_bias_matches_reference(rng, qkv, positions, causal):
     extra = lambda b, qb, kb: ref.t5_bias(table, qb, kb, not causal, 20)
     np.testing.assert_allclose(out, _reference_attention(q, k, v, qp, kp, causal, extra), atol=2e-5)
     # Computed once and shared: the same result through SharedBias.
-    shared = _attend(SharedBias(enc.bias(jnp.asarray(qp), jnp.asarray(kp))), q, k, v, qp, kp, causal, jit=False)
+    context = AttentionContext(query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), num_heads=N, causal=causal)
+    shared = _attend(SharedBias(enc.bias(context)), q, k, v, qp, kp, causal, jit=False)
     np.testing.assert_allclose(shared, out, atol=1e-6)
 
 
@@ -314,7 +315,6 @@ def test_blockwise_paths_equal_one_block(rng):
 
 
 def test_by_query_blocks_places_every_block_at_its_start():
-    from posenc_jax.functional import by_query_blocks
 
     def block(start, rows):  # values that depend on where the block starts
         return (start + jnp.arange(rows, dtype=jnp.float32)).reshape(1, 1, rows, 1)

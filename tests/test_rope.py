@@ -9,7 +9,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from posenc_jax.functional import RoPE, apply_rope, apply_rope_qk, position_angles, rope_inverse_frequencies
+from posenc_jax.functional.hooks import AttentionContext
+from posenc_jax.functional import RoPE, apply_rope, apply_rope_qk
+from posenc_jax.functional.positions import position_angles
+from posenc_jax.functional.rope import rope_inverse_frequencies
 from posenc_jax.reference import rope_by_rotation_matrices, su_rope
 
 
@@ -46,7 +49,9 @@ def test_matches_rotation_matrices(rng):
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
 def test_scores_depend_only_on_relative_position(rng, layout, maybe_jit):
     q, k = _normal(rng, (1, 20, 2, 32)), _normal(rng, (1, 20, 2, 32))
-    rope = maybe_jit(lambda q, k, qp, kp: RoPE(layout=layout).rotate(q, k, qp, kp))
+    rope = maybe_jit(
+        lambda q, k, qp, kp: RoPE(layout=layout).rotate(q, k, AttentionContext(query_positions=qp, key_positions=kp))
+    )
 
     def scores(qp, kp):
         rq, rk = rope(q, k, jnp.asarray(qp), jnp.asarray(kp))

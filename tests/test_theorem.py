@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from posenc_jax.functional import ALiBi, URPE, dot_product_attention, encoding_config, l2_normalized_weights, relu2_weights
-from posenc_jax.functional.registry import ShawConfig
+from posenc_jax.functional.shaw import ShawConfig
 from posenc_jax.nn import Transformer
 from small_encodings import small_config
 

@@ -25,7 +25,7 @@ from flax import nnx
 
 from posenc_jax.checkpoint import Checkpointer
 from posenc_jax.functional.normalizers import NORMALIZERS, normalizer_config
-from posenc_jax.functional.registry import encoding_config, encoding_names
+from posenc_jax.functional.registry import encoding_config, encoding_info, encoding_names
 from posenc_jax.nn import Transformer
 from posenc_jax.tasks import TextTask, make_task, task_names
 from posenc_jax.training import (
@@ -73,9 +73,12 @@ class Preset:
     normalizers: tuple[str, ...] = ("softmax",)
 
     def validate(self) -> None:
-        unknown = [e for e in self.encodings if e not in encoding_names()]
+        unknown = [part for e in self.encodings for part in e.split("+") if part not in encoding_names()]
         if unknown:
-            raise ValueError(f"unknown encodings {unknown}; known encodings: {', '.join(encoding_names())}")
+            raise ValueError(
+                f"unknown encodings {unknown}; known encodings: {', '.join(encoding_names())} "
+                f"(combine them with '+', e.g. rope+randomized)"
+            )
         unknown = [n for n in self.normalizers if n not in NORMALIZERS]
         if unknown:
             raise ValueError(f"unknown normalizers {unknown}; known normalizers: {', '.join(NORMALIZERS)}")
@@ -114,7 +117,9 @@ PRESETS = {
         name="cpu", encodings=_CPU_ENCODINGS, tasks=("counting_copy", "text"), seeds=(0, 1), steps=700,
     ),
     "cpu-full": Preset(
-        name="cpu-full", encodings=tuple(n for n in encoding_names() if n not in ("rope-2d",)),
+        name="cpu-full",
+        encodings=(*(n for n in encoding_names() if n not in ("rope-2d", "randomized")), "rope+randomized",
+                   "sinusoidal+randomized"),
         tasks=(*_ALGO_TASKS, "probe", "probe_boundary", "text"), seeds=(0, 1), steps=700,
     ),
     # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,
@@ -129,30 +134,29 @@ PRESETS = {
 }
 
 
-def _encoding_for(name: str, preset: Preset, task, train_tokens: int, max_tokens: int):
-    """The encoding config as this benchmark uses it: tables sized for the longest evaluation,
-    T5 causal in decoders, RoPE scalings from the training to the longest evaluation sequence."""
-    if name == "learned":
-        return encoding_config("learned", max_positions=max_tokens)
-    if name == "t5":
-        return encoding_config("t5", bidirectional=task.kind != "decoder")
-    if name == "alibi":
-        return encoding_config("alibi", bidirectional=task.kind != "decoder")
-    if name == "cope":
-        return encoding_config("cope", num_positions=max(16, 2 * train_tokens))
-    if name in ("rope-pi", "rope-ntk", "rope-yarn", "rope-dynamic-ntk", "rope-llama3"):
-        settings = {"factor": max(1.0, max_tokens / train_tokens)}
-        if name in ("rope-yarn", "rope-dynamic-ntk", "rope-llama3"):
-            settings["original_context"] = train_tokens
-        return encoding_config(name, **settings)
-    if name == "rope-longrope":
-        half = preset.model_dim // preset.num_heads // 2
-        factor = max(1.0, max_tokens / train_tokens)
-        return encoding_config("rope-longrope", short_factor=(1.0,) * half, long_factor=(factor,) * half,
-                               original_context=train_tokens, max_context=max_tokens)
-    if name == "rope-2d":
-        return encoding_config("rope-2d", grid_width=max(1, int(np.sqrt(train_tokens))))
-    return encoding_config(name)
+def _encodings_for(name: str, head_dim: int, train_tokens: int, max_tokens: int) -> list:
+    """The configs of ``name`` (``a+b`` for a hybrid) sized by each config's ``for_lengths``: tables
+    long enough for the longest evaluation, RoPE scalings from the training to the longest length.
+    A position sampler (randomized positions) is sized first; the others then cover its range.
+    Settings an encoding cannot do without (a scaling's factor) start from its small settings
+    and are then set by ``for_lengths``."""
+    configs = []
+    for part in name.split("+"):
+        info = encoding_info(part)
+        configs.append(encoding_config(part, **{k: info.small_settings[k] for k in info.required}))
+    reach = max_tokens
+    for i, config in enumerate(configs):
+        if config.acts_on == "positions":
+            configs[i] = config.for_lengths(train_length=train_tokens, max_length=max_tokens, head_dim=head_dim)
+            reach = max(reach, configs[i].max_length)
+    return [
+        c if c.acts_on == "positions" else c.for_lengths(train_length=train_tokens, max_length=reach, head_dim=head_dim)
+        for c in configs
+    ]
+
+
+def _length_dependent(name: str) -> bool:
+    return any(encoding_info(part).length_dependent for part in name.split("+"))
 
 
 def _lengths(task, preset: Preset):
@@ -325,10 +329,11 @@ def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, res
               train_length, max_tokens, mesh, progress, log):
     label = row_label(encoding_name, normalizer)
     train_tokens = task.max_tokens(preset.text_context if isinstance(task, TextTask) else train_length)
-    config = _encoding_for(encoding_name, preset, task, train_tokens, max_tokens)
-    model = _model(task, preset, config, seed, normalizer)
-    # Frequencies that follow the sequence length must see each length unpadded.
-    length_dependent = not getattr(config, "decodable", True)
+    head_dim = preset.model_dim // preset.num_heads
+    configs = _encodings_for(encoding_name, head_dim, train_tokens, max_tokens)
+    model = _model(task, preset, configs, seed, normalizer)
+    # Frequencies that follow the sequence length (max position + 1) must see each length unpadded.
+    length_dependent = _length_dependent(encoding_name)
     tx = warmup_cosine_adamw(learning_rate=preset.learning_rate, total_steps=preset.steps,
                              warmup_steps=max(0, int(preset.warmup_fraction * preset.steps)),
                              weight_decay=preset.weight_decay)

@@ -16,10 +16,9 @@ import pathlib
 import numpy as np
 
 from posenc_jax.bench.extrapolate import Preset
+from posenc_jax.functional.registry import encoding_info
 
 __all__ = ["PROBE_PRESETS", "expected_outcome", "heat_map", "write_probe_report"]
-
-_ABSOLUTE = {"sinusoidal", "learned"}
 
 PROBE_PRESETS = {
     "smoke": Preset(
@@ -38,11 +37,12 @@ PROBE_PRESETS = {
 
 def expected_outcome(encoding: str, normalizer: str, boundary: bool) -> str:
     """What the mathematics says for this setting (seed 004; Luo et al. 2022)."""
-    if encoding in _ABSOLUTE:
+    info = encoding_info(encoding)
+    if info.acts_on == "embeddings":
         return "solvable (absolute positions)"
-    if encoding == "shaw":
+    if "values" in info.hooks:
         return "edges within k distinct (R_V)" if normalizer == "softmax" and not boundary else "solvable"
-    positional_logits = encoding != "nope"
+    positional_logits = bool(info.hooks)
     if normalizer == "urpe":
         return "solvable (URPE)"
     if normalizer == "l2":

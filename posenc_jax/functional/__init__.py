@@ -1,25 +1,32 @@
 """Pure-function positional encodings and the one attention function.
 
-Everything here is plain ``jax.numpy`` (no Flax): functions that run under
-``jax.jit`` and ``jax.vmap``, and small frozen dataclasses that fill the hooks
-(``embed``, ``rotate``, ``logits``, ``values``, ``normalize``) of
-:func:`dot_product_attention`.
+Everything here is plain ``jax.numpy`` (no Flax). Each encoding lives in its own
+module with its functions, its hook (a pytree dataclass filling the hooks of
+:mod:`posenc_jax.functional.hooks`), its config and its registration; the attention
+composes the hooks. Helpers (position checks, relative gathers, phase tables) stay
+importable from their modules (``posenc_jax.functional.relative``, ``.positions``, ...).
 """
 
-from posenc_jax.functional.absolute import (
-    LearnedAbsolute,
-    NoPE,
-    Sinusoidal,
-    learned_position_embedding,
-    sinusoidal_encoding,
+# The attention, its hooks and the registry.
+from posenc_jax.functional.attention import SharedBias, dot_product_attention
+from posenc_jax.functional.cache import KVCache
+from posenc_jax.functional.hooks import (
+    AttentionContext,
+    BiasHook,
+    Embed,
+    EncodingConfig,
+    Logits,
+    Normalize,
+    ParameterFree,
+    PositionBias,
+    PositionSampler,
+    Rotate,
+    ScoreScale,
+    Values,
+    hook_names,
+    parameter,
+    pytree_dataclass,
 )
-from posenc_jax.functional.alibi import ALiBi, alibi_bias, alibi_slopes
-from posenc_jax.functional.attention import SharedBias, dot_product_attention, softmax_weights
-from posenc_jax.functional.cope import CoPE, cope_logits
-from posenc_jax.functional.deberta import DeBERTa, deberta_log_bucket, deberta_logits, deberta_relative_index
-from posenc_jax.functional.fire import Fire, fire_bias, fire_init
-from posenc_jax.functional.kerple import Kerple, kerple_bias
-from posenc_jax.functional.learned_relative import ClippedRelativeBias, clipped_relative_bias
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
 from posenc_jax.functional.normalizers import (
     NORMALIZERS,
@@ -28,42 +35,29 @@ from posenc_jax.functional.normalizers import (
     l2_normalized_weights,
     normalizer_config,
     relu2_weights,
-)
-from posenc_jax.functional.parameter_free import ParameterFree
-from posenc_jax.functional.positions import batched_positions, check_positions, inverse_frequencies, position_angles
-from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
-from posenc_jax.functional.relative import (
-    bucket_relative,
-    by_query_blocks,
-    clipped_relative_index,
-    expand_relative_bias,
-    gather_relative,
-    gather_relative_transposed,
-    relative_positions,
+    softmax_weights,
 )
 from posenc_jax.functional.registry import (
-    ClippedBiasConfig,
-    CoPEConfig,
-    DeBERTaConfig,
-    FireConfig,
-    KerpleConfig,
-    LearnedAbsoluteConfig,
-    ShawConfig,
-    T5Config,
-    TransformerXLConfig,
+    EncodingInfo,
+    Source,
     encoding_config,
+    encoding_info,
     encoding_names,
     register_encoding,
 )
-from posenc_jax.functional.rope import (
-    AxialRoPE,
-    RoPE,
-    apply_rope,
-    apply_rope_2d,
-    apply_rope_qk,
-    rope_inverse_frequencies,
-    rope_tables,
-)
+
+# The encodings, one module each (importing a module registers its encoding).
+from posenc_jax.functional.alibi import ALiBi, alibi_bias, alibi_slopes  # noqa: I001
+from posenc_jax.functional.axial_rope import AxialRoPE, apply_rope_2d
+from posenc_jax.functional.cope import CoPE, CoPEConfig, cope_logits
+from posenc_jax.functional.deberta import DeBERTa, DeBERTaConfig, deberta_log_bucket, deberta_logits
+from posenc_jax.functional.fire import Fire, FireConfig, fire_bias, fire_init
+from posenc_jax.functional.kerple import Kerple, KerpleConfig, kerple_bias
+from posenc_jax.functional.learned_absolute import LearnedAbsolute, LearnedAbsoluteConfig, learned_position_embedding
+from posenc_jax.functional.learned_relative import ClippedBiasConfig, ClippedRelativeBias, clipped_relative_bias
+from posenc_jax.functional.nope import NoPE
+from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
+from posenc_jax.functional.rope import RoPE, apply_rope, apply_rope_qk
 from posenc_jax.functional.rope_scaling import (
     DynamicNTKScaling,
     LinearScaling,
@@ -72,13 +66,52 @@ from posenc_jax.functional.rope_scaling import (
     NTKScaling,
     YaRNScaling,
 )
-from posenc_jax.functional.shaw import Shaw, shaw_key_logits, shaw_value_term
+from posenc_jax.functional.sandwich import Sandwich, sandwich_bias
+from posenc_jax.functional.shaw import Shaw, ShawConfig, shaw_key_logits, shaw_value_term
+from posenc_jax.functional.sinusoidal import Sinusoidal, sinusoidal_encoding
 from posenc_jax.functional.sinusoidal_relative import SinusoidalRelative, sinusoidal_relative_logits
-from posenc_jax.functional.t5 import T5Bias, t5_bias, t5_relative_bucket
-from posenc_jax.functional.transformer_xl import TransformerXL, rel_shift, transformer_xl_logits
-from posenc_jax.functional.xpos import XPos, apply_xpos_qk, xpos_decay_bases
+from posenc_jax.functional.t5 import T5Bias, T5Config, t5_bias, t5_relative_bucket
+from posenc_jax.functional.transformer_xl import TransformerXL, TransformerXLConfig, rel_shift, transformer_xl_logits
+from posenc_jax.functional.xpos import XPos, apply_xpos_qk
 
 __all__ = [
+    # attention, hooks, masks, normalisers, registry
+    "AttentionContext",
+    "BiasHook",
+    "Embed",
+    "EncodingConfig",
+    "EncodingInfo",
+    "KVCache",
+    "Logits",
+    "NORMALIZERS",
+    "Normalize",
+    "ParameterFree",
+    "PositionBias",
+    "PositionSampler",
+    "Rotate",
+    "ScoreScale",
+    "SharedBias",
+    "Source",
+    "URPE",
+    "URPEConfig",
+    "Values",
+    "causal_mask",
+    "combine_masks",
+    "dot_product_attention",
+    "encoding_config",
+    "encoding_info",
+    "encoding_names",
+    "hook_names",
+    "key_padding_mask",
+    "l2_normalized_weights",
+    "normalizer_config",
+    "parameter",
+    "pytree_dataclass",
+    "register_encoding",
+    "relu2_weights",
+    "segment_mask",
+    "softmax_weights",
+    # encodings
     "ALiBi",
     "AxialRoPE",
     "ClippedBiasConfig",
@@ -99,10 +132,9 @@ __all__ = [
     "LongRoPEScaling",
     "NTKScaling",
     "NoPE",
-    "ParameterFree",
     "RandomizedPositions",
     "RoPE",
-    "SharedBias",
+    "Sandwich",
     "Shaw",
     "ShawConfig",
     "Sinusoidal",
@@ -110,9 +142,6 @@ __all__ = [
     "T5Bias",
     "T5Config",
     "TransformerXL",
-    "NORMALIZERS",
-    "URPE",
-    "URPEConfig",
     "TransformerXLConfig",
     "XPos",
     "YaRNScaling",
@@ -122,48 +151,22 @@ __all__ = [
     "apply_rope_2d",
     "apply_rope_qk",
     "apply_xpos_qk",
-    "batched_positions",
-    "bucket_relative",
-    "by_query_blocks",
-    "causal_mask",
-    "check_positions",
     "clipped_relative_bias",
-    "clipped_relative_index",
-    "combine_masks",
     "cope_logits",
     "deberta_log_bucket",
     "deberta_logits",
-    "deberta_relative_index",
-    "dot_product_attention",
-    "encoding_config",
-    "encoding_names",
-    "expand_relative_bias",
     "fire_bias",
     "fire_init",
-    "gather_relative",
-    "gather_relative_transposed",
-    "inverse_frequencies",
     "kerple_bias",
-    "key_padding_mask",
-    "l2_normalized_weights",
     "learned_position_embedding",
-    "normalizer_config",
-    "position_angles",
     "randomized_positions",
-    "register_encoding",
     "rel_shift",
-    "relu2_weights",
-    "relative_positions",
-    "rope_inverse_frequencies",
-    "rope_tables",
-    "segment_mask",
+    "sandwich_bias",
     "shaw_key_logits",
     "shaw_value_term",
     "sinusoidal_encoding",
     "sinusoidal_relative_logits",
-    "softmax_weights",
     "t5_bias",
     "t5_relative_bucket",
     "transformer_xl_logits",
-    "xpos_decay_bases",
 ]

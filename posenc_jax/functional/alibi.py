@@ -10,7 +10,9 @@ of the closest lower power of two followed by every other slope of twice that.
 The causal form differs from the authors' ``m · key_pos`` by a per-row constant,
 which the softmax ignores. For the same reason the causal form carries no position
 information at all in a bidirectional encoder (a bias linear in j shifts a whole row
-equally): use ``bidirectional=True`` there. The bias is computed in float32 from positions, so it
+equally), so the hook follows the attention it is in: ``bidirectional=None`` (the
+default) is symmetric in bidirectional attention and causal in causal attention; an
+explicit ``True`` or ``False`` wins. The bias is computed in float32 from positions, so it
 has no length ceiling.
 
 Reference: Press, Smith and Lewis, "Train Short, Test Long: Attention with Linear
@@ -19,7 +21,6 @@ Biases Enables Input Length Extrapolation", ICLR 2022, arXiv:2108.12409.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import ClassVar
 
@@ -27,10 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.parameter_free import ParameterFree
+from posenc_jax.functional.hooks import AttentionContext, BiasHook, ParameterFree, Placement, pytree_dataclass
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import relative_positions
 
 __all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
+
+ALIBI = Source.paper(
+    "press2022train", title="Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation",
+    authors="Press, Ofir and Smith, Noah A. and Lewis, Mike", year=2022, arxiv="2108.12409",
+)
 
 
 def alibi_slopes(num_heads: int) -> np.ndarray:
@@ -79,9 +86,17 @@ def alibi_bias(num_heads: int, query_positions, key_positions, *, bidirectional:
     return jnp.asarray(slopes, jnp.float32).reshape(1, num_heads, 1, 1) * rel
 
 
-@dataclasses.dataclass(frozen=True)
-class ALiBi(ParameterFree):
-    """ALiBi as a ``logits`` hook; the number of heads is read from the queries.
+@register_encoding(
+    "alibi",
+    description="A per-head penalty linear in the distance, slopes a geometric sequence (no parameters).",
+    source=ALIBI,
+)
+@pytree_dataclass
+class ALiBi(BiasHook, ParameterFree):
+    """ALiBi as a ``logits`` hook; the number of heads is read from the context.
+
+    ``bidirectional``: None follows the attention (symmetric when it is not causal),
+    True forces the symmetric ``-m·|j - i|``, False the causal ``m·(j - i)``.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -91,13 +106,12 @@ class ALiBi(ParameterFree):
       (1, 4, 6, 8)
     """
 
-    bidirectional: bool = False
-    shares_bias: ClassVar[bool] = True
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+    bidirectional: bool | None = None
+    acts_on: ClassVar[Placement] = "shared_bias"
 
-    def bias(self, query_positions, key_positions, num_heads: int):
+    def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
-        return alibi_bias(num_heads, query_positions, key_positions, bidirectional=self.bidirectional)
-
-    def logits(self, q, k, query_positions, key_positions):
-        return self.bias(query_positions, key_positions, q.shape[-2])
+        return alibi_bias(
+            context.num_heads, context.query_positions, context.key_positions,
+            bidirectional=context.bidirectional(self.bidirectional),
+        )

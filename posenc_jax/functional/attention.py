@@ -1,22 +1,19 @@
 """The one attention function every encoding plugs into.
 
 Scaled dot-product attention written with the seed's einsums
-(``'BTNH,BSNH->BNTS'`` then ``'BNTS,BSNH->BTNH'``), composing the hooks of the
-design in this order:
+(``'BTNH,BSNH->BNTS'`` then ``'BNTS,BSNH->BTNH'``), in four named stages:
 
-1. ``rotate(q, k, query_positions, key_positions) -> (q, k)`` (RoPE family);
-2. scores ``s = scale * q·k`` in float32, plus the sum of every
-   ``logits(q, k, query_positions, key_positions)`` term (additive biases);
-3. boolean masks (causal by position, key padding, segment ids, any extra);
-4. ``normalizer(scores, mask) -> weights`` (softmax by default);
-5. ``out = weights · v`` plus every ``values(weights, query_positions, key_positions)`` term.
+1. **checks** (:func:`_checked_call`): shapes, positions, masks, and the
+   :class:`~posenc_jax.functional.hooks.AttentionContext` every hook receives;
+2. **scores** (:func:`attention_scores`): every ``rotate`` hook, then
+   ``s = scale · q·k`` in float32 plus every ``logits`` term;
+3. **weights** (:func:`attention_weights`): the boolean masks (causal by position, key
+   padding, segment ids, any extra) and the ``normalize`` hook (softmax by default);
+4. **output** (:func:`attention_output`): ``weights · v`` plus every ``values`` term.
 
-An encoding is any object with some of the methods ``rotate``, ``logits`` and
-``values`` (a hook may return None to add nothing); it may declare the hooks it
-fills in a ``hooks`` class attribute, and a ``score_scale(head_dim)`` method when
-its method prescribes the content-score scale (DeBERTa's ``1/√(3H)``).
-Logits terms are added to the *already scaled* scores: a term bilinear in q
-(Shaw, Transformer-XL) applies its own scale, a bias (T5, ALiBi) is added as is.
+Logits terms are added to the *already scaled* scores: a term bilinear in q (Shaw,
+Transformer-XL) applies the context's scale itself, a bias (T5, ALiBi) is added as is.
+The hooks are the protocols of :mod:`posenc_jax.functional.hooks`.
 
 Axis letters: B batch, T query length, S key length, N query heads, K key/value
 heads (N a multiple of K: grouped-query attention, query head n uses key/value
@@ -27,18 +24,31 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import ClassVar
 
+import einops
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import (
+    ATTENTION_HOOKS,
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Logits,
+    Normalize,
+    Rotate,
+    ScoreScale,
+    Values,
+    hook_names,
+    parameter,
+    pytree_dataclass,
+)
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
 from posenc_jax.functional.positions import check_positions
 
-__all__ = ["SharedBias", "dot_product_attention", "softmax_weights"]
-
-_ATTENTION_HOOKS = ("rotate", "logits", "values")
+__all__ = ["SharedBias", "attention_output", "attention_scores", "attention_weights", "dot_product_attention",
+           "softmax_weights"]
 
 
 def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -66,43 +76,45 @@ def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return unnormalized / jnp.where(total > 0, total, 1.0)
 
 
-@dataclasses.dataclass(frozen=True)
-class SharedBias:
+@pytree_dataclass
+class SharedBias(BiasHook):
     """A bias computed once per forward and added by every layer (a ``logits`` hook).
 
-    T5 and the other Toeplitz biases depend only on positions, so a model
-    computes ``bias = T5Bias(table).bias(q_pos, k_pos)`` once and passes
-    ``SharedBias(bias)`` to each layer's attention.
+    T5 and the other position-only biases (:class:`~posenc_jax.functional.hooks.PositionBias`)
+    depend only on positions, so a model computes ``bias = hook.bias(context)`` once and
+    passes ``SharedBias(bias)`` to each layer's attention.
 
     Args:
       bias: float array broadcastable to ``[B, N, T, S]``.
     """
 
-    bias: jax.Array
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+    value: jax.Array = parameter()
 
-    def logits(self, q, k, query_positions, key_positions):
-        return self.bias
+    def bias(self, context: AttentionContext) -> jax.Array:
+        return self.value
 
 
-def _hooks_of(encoding) -> tuple[Callable | None, Callable | None, Callable | None]:
-    declared = getattr(encoding, "hooks", None)
-    found = tuple(getattr(encoding, name, None) for name in _ATTENTION_HOOKS)
-    if declared is not None and declared and not (set(declared) & set(_ATTENTION_HOOKS)):
-        raise ValueError(
-            f"{type(encoding).__name__} fills the hooks {sorted(declared)}, none of which act in "
-            f"attention; apply it to the token embeddings (e.g. .embed(x, positions)) instead of "
-            f"passing it to dot_product_attention"
-        )
-    missing = sorted(set(declared or ()) & set(_ATTENTION_HOOKS) - {n for n, f in zip(_ATTENTION_HOOKS, found) if f})
-    if missing:
-        raise ValueError(f"{type(encoding).__name__} declares the hooks {missing} but has no such methods")
-    if declared is None and not any(found):
-        raise ValueError(
-            f"{encoding!r} has none of the attention hooks {_ATTENTION_HOOKS}; an encoding passed "
-            f"to dot_product_attention must define at least one"
-        )
-    return found
+def _attention_hooks(encodings: Sequence) -> list:
+    """The encodings that act in attention; a config that fills no hook at all (NoPE) adds nothing."""
+    hooks = []
+    for encoding in encodings:
+        names = hook_names(encoding)
+        if set(names) & set(ATTENTION_HOOKS):
+            hooks.append(encoding)
+        elif not names and isinstance(encoding, EncodingConfig):
+            continue
+        elif names:
+            raise ValueError(
+                f"{type(encoding).__name__} fills the hooks {list(names)}, none of which act in attention; apply "
+                f"it to the token embeddings (e.g. .embed(x, positions)) instead of passing it to "
+                f"dot_product_attention"
+            )
+        else:
+            raise ValueError(
+                f"{encoding!r} fills none of the attention hooks {ATTENTION_HOOKS}; an encoding passed to "
+                f"dot_product_attention must define at least one (see posenc_jax.functional.hooks)"
+            )
+    return hooks
 
 
 def _as_scores(term: jax.Array, ndim: int) -> jax.Array:
@@ -124,11 +136,10 @@ def _check_shapes(query, key, value):
         raise ValueError(f"query and key batch sizes differ: {query.shape} vs {key.shape}")
     if key.shape[3] != head_dim:
         raise ValueError(f"query and key head dims differ: {head_dim} vs {key.shape[3]}")
-    num_kv_heads = key.shape[2]
-    if num_heads % num_kv_heads:
+    if num_heads % key.shape[2]:
         raise ValueError(
             f"number of query heads N={num_heads} must be a multiple of key/value heads "
-            f"K={num_kv_heads} for grouped-query attention"
+            f"K={key.shape[2]} for grouped-query attention"
         )
 
 
@@ -145,6 +156,143 @@ def _check_position_shape(positions, length: int, batch: int, name: str):
         raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {positions.shape}")
 
 
+def _checked_positions(query_positions, key_positions, *, needed: bool, q_len: int, k_len: int, batch: int):
+    if needed and (query_positions is None or key_positions is None):
+        raise ValueError(
+            "query_positions and key_positions are required with causal=True, encodings or a "
+            "position-aware normalizer (URPE); "
+            f"for a plain sequence pass jnp.arange({q_len}) and jnp.arange({k_len})"
+        )
+    if (query_positions is None) != (key_positions is None):
+        raise ValueError("pass both query_positions and key_positions (for self-attention, the same array twice)")
+    if query_positions is None:
+        return None, None
+    same = key_positions is query_positions
+    query_positions = check_positions(query_positions, "query_positions")
+    # Self-attention keeps one array, so hooks can compute position tables once.
+    key_positions = query_positions if same else check_positions(key_positions, "key_positions")
+    _check_position_shape(query_positions, q_len, batch, "query_positions")
+    _check_position_shape(key_positions, k_len, batch, "key_positions")
+    return query_positions, key_positions
+
+
+def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k_len, batch):
+    if (query_segment_ids is None) != (key_segment_ids is None):
+        raise ValueError("pass both query_segment_ids and key_segment_ids (for self-attention, the same array twice)")
+    if query_segment_ids is not None:
+        _check_per_token(query_segment_ids, q_len, batch, "query_segment_ids")
+        _check_per_token(key_segment_ids, k_len, batch, "key_segment_ids")
+    if key_mask is not None:
+        _check_per_token(key_mask, k_len, batch, "key_mask")
+    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
+        raise ValueError(
+            f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; "
+            f"an additive float bias belongs in an encoding's logits hook (e.g. SharedBias)"
+        )
+
+
+def _score_scale(hooks, head_dim: int, scale: float | None) -> float:
+    """An explicit scale, else the one an encoding prescribes (all must agree), else 1/√H."""
+    if scale is not None:
+        return float(scale)
+    prescribed = {float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)}
+    if len(prescribed) > 1:
+        raise ValueError(f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly")
+    return prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))
+
+
+def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
+    """Stage 2: rotate q and k, then ``scale · q·k`` (float32 ``[B, N, T, S]``) plus every logits term."""
+    for hook in hooks:
+        if isinstance(hook, Rotate):
+            query, key = hook.rotate(query, key, context)
+    num_kv_heads = key.shape[2]
+    grouped = einops.rearrange(query, "B T (K G) H -> B T K G H", K=num_kv_heads)
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key, preferred_element_type=jnp.float32)
+    scores = einops.rearrange(scores, "B K G T S -> B (K G) T S") * jnp.float32(context.scale)
+    for hook in hooks:
+        term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
+        if term is not None:
+            scores = scores + _as_scores(term, scores.ndim)
+    return scores
+
+
+def attention_weights(
+    scores: jax.Array, mask: jax.Array | None, normalizer, context: AttentionContext
+) -> jax.Array:
+    """Stage 3: float32 weights from the scores and the boolean mask.
+
+    ``normalizer`` is a :class:`~posenc_jax.functional.hooks.Normalize` hook (it is given
+    the context: URPE reads the positions) or a plain function ``(scores, mask) -> weights``.
+    """
+    if isinstance(normalizer, Normalize):
+        weights = normalizer.normalize(scores, mask, context)
+    else:
+        weights = normalizer(scores, mask)
+    return weights.astype(jnp.float32)
+
+
+def attention_output(weights: jax.Array, value: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
+    """Stage 4: ``weights · v`` plus every values term, float32 ``[B, T, N, H]``."""
+    num_kv_heads = value.shape[2]
+    grouped = einops.rearrange(weights, "B (K G) T S -> B K G T S", K=num_kv_heads).astype(value.dtype)
+    out = jnp.einsum("BKGTS,BSKH->BTKGH", grouped, value, preferred_element_type=jnp.float32)
+    out = einops.rearrange(out, "B T K G H -> B T (K G) H")
+    for hook in hooks:
+        term = hook.values(weights, context) if isinstance(hook, Values) else None
+        if term is not None:
+            out = out + term.astype(jnp.float32)
+    return out
+
+
+def _dropout(weights: jax.Array, rate: float, rng) -> jax.Array:
+    if rate == 0.0:
+        return weights
+    if rng is None:
+        raise ValueError(f"dropout_rate={rate} needs a dropout_rng PRNG key")
+    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+    return jnp.where(keep, weights / (1.0 - rate), 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Stage 1's result: the batched inputs, the hooks that act, the mask and the context."""
+
+    query: jax.Array
+    key: jax.Array
+    value: jax.Array
+    hooks: list
+    mask: jax.Array | None
+    context: AttentionContext
+
+
+def _checked_call(query, key, value, *, query_positions, key_positions, encodings, normalizer, causal, key_mask,
+                  query_segment_ids, key_segment_ids, mask, scale, dropout_rate) -> _Call:
+    """Stage 1: validates everything and builds the mask and the context."""
+    _check_shapes(query, key, value)
+    batch, q_len, num_heads, head_dim = query.shape
+    k_len = key.shape[1]
+    hooks = _attention_hooks(encodings)
+    query_positions, key_positions = _checked_positions(
+        query_positions, key_positions, needed=causal or bool(hooks) or isinstance(normalizer, Normalize),
+        q_len=q_len, k_len=k_len, batch=batch,
+    )
+    _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch)
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
+    full_mask = combine_masks(
+        causal_mask(query_positions, key_positions) if causal else None,
+        key_padding_mask(key_mask) if key_mask is not None else None,
+        segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
+        None if mask is None else jnp.asarray(mask),
+    )
+    context = AttentionContext(
+        query_positions=query_positions, key_positions=key_positions, scale=_score_scale(hooks, head_dim, scale),
+        head_dim=head_dim, num_heads=num_heads, causal=bool(causal), key_length=k_len,
+    )
+    return _Call(query, key, value, hooks, full_mask, context)
+
+
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -153,7 +301,7 @@ def dot_product_attention(
     query_positions=None,
     key_positions=None,
     encodings: Sequence = (),
-    normalizer: Callable[[jax.Array, jax.Array | None], jax.Array] = softmax_weights,
+    normalizer: Normalize | Callable[[jax.Array, jax.Array | None], jax.Array] = softmax_weights,
     causal: bool = False,
     key_mask: jax.Array | None = None,
     query_segment_ids: jax.Array | None = None,
@@ -174,23 +322,24 @@ def dot_product_attention(
       query: ``[B, T, N, H]`` (or ``[T, N, H]``).
       key: ``[B, S, K, H]``, with N a multiple of K.
       value: ``[B, S, K, H]``.
-      query_positions: integer ``[T]`` or ``[B, T]``; required when ``causal`` or
-        any encoding is given.
+      query_positions: integer ``[T]`` or ``[B, T]``; required when ``causal``, any
+        encoding, or a normaliser hook is given.
       key_positions: integer ``[S]`` or ``[B, S]``; as above.
-      encodings: objects filling ``rotate``/``logits``/``values`` hooks, applied
-        in order (e.g. ``[RoPE()]``; hybrids like RoPE + ALiBi are two entries).
-      normalizer: the ``normalize`` hook, ``(scores [B,N,T,S] f32, mask) -> weights``
-        (see :mod:`posenc_jax.functional.normalizers`); one with ``uses_positions``
-        (URPE) is also given ``query_positions`` and ``key_positions``.
-      causal: mask keys whose position is after the query's position.
+      encodings: hooks filling ``rotate``/``logits``/``values`` (see
+        :mod:`posenc_jax.functional.hooks`), applied in order (e.g. ``[RoPE()]``;
+        hybrids like RoPE + ALiBi are two entries).
+      normalizer: the ``normalize`` hook (an object with ``normalize(scores, mask,
+        context)``, e.g. URPE) or a function ``(scores [B,N,T,S] f32, mask) -> weights``
+        (see :mod:`posenc_jax.functional.normalizers`).
+      causal: mask keys whose position is after the query's position; encodings with
+        a causal and a bidirectional form follow it unless set explicitly.
       key_mask: boolean ``[B, S]``, True for real (non-padding) keys.
       query_segment_ids, key_segment_ids: integer ``[B, T]`` / ``[B, S]``; a query
         attends only to keys of the same segment (packed sequences).
       mask: extra boolean mask broadcastable to ``[B, N, T, S]``, True = attend.
       scale: score scale; default ``1/√H``, or the scale an encoding prescribes.
-        An explicit scale also applies to encodings whose terms share it (those
-        with a ``scale`` field left at None: Shaw, Transformer-XL, DeBERTa, CoPE,
-        the functional relative encoding).
+        Encodings whose terms share the score scale (Shaw, Transformer-XL, DeBERTa,
+        CoPE, the functional relative encoding) read it from the context.
       dropout_rate: dropout on the attention weights (needs ``dropout_rng``).
       dropout_rng: PRNG key for dropout.
       return_weights: also return the ``[B, N, T, S]`` float32 weights.
@@ -212,117 +361,18 @@ def dot_product_attention(
         if key.ndim != 3 or value.ndim != 3:
             raise ValueError(f"unbatched query {query.shape} needs unbatched key/value, got {key.shape}, {value.shape}")
         query, key, value = query[None], key[None], value[None]
-        key_mask = None if key_mask is None else jnp.asarray(key_mask)[None]
-        query_segment_ids = None if query_segment_ids is None else jnp.asarray(query_segment_ids)[None]
-        key_segment_ids = None if key_segment_ids is None else jnp.asarray(key_segment_ids)[None]
-    _check_shapes(query, key, value)
-    batch, q_len, num_heads, head_dim = query.shape
-    k_len, num_kv_heads = key.shape[1], key.shape[2]
-    groups = num_heads // num_kv_heads
-
-    if scale is not None:
-        # Terms that share the score scale (Shaw, Transformer-XL, DeBERTa, CoPE, functional
-        # relative: a `scale` field left at None) follow an explicit scale too.
-        encodings = [
-            dataclasses.replace(e, scale=scale)
-            if dataclasses.is_dataclass(e) and "scale" in {f.name for f in dataclasses.fields(e)} and e.scale is None
-            else e
-            for e in encodings
-        ]
-    hooks = [_hooks_of(encoding) for encoding in encodings]
-    uses_positions = getattr(normalizer, "uses_positions", False)
-    needs_positions = causal or bool(hooks) or uses_positions
-    if needs_positions and (query_positions is None or key_positions is None):
-        raise ValueError(
-            "query_positions and key_positions are required with causal=True, encodings or a "
-            "position-aware normalizer (URPE); "
-            f"for a plain sequence pass jnp.arange({q_len}) and jnp.arange({k_len})"
+        key_mask, query_segment_ids, key_segment_ids = (
+            None if a is None else jnp.asarray(a)[None] for a in (key_mask, query_segment_ids, key_segment_ids)
         )
-    if (query_positions is None) != (key_positions is None):
-        raise ValueError("pass both query_positions and key_positions (for self-attention, the same array twice)")
-    if query_positions is not None:
-        same = key_positions is query_positions
-        query_positions = check_positions(query_positions, "query_positions")
-        key_positions = query_positions if same else check_positions(key_positions, "key_positions")
-        _check_position_shape(query_positions, q_len, batch, "query_positions")
-        _check_position_shape(key_positions, k_len, batch, "key_positions")
-
-    if (query_segment_ids is None) != (key_segment_ids is None):
-        raise ValueError(
-            "pass both query_segment_ids and key_segment_ids (for self-attention, the same array twice)"
-        )
-    if query_segment_ids is not None:
-        _check_per_token(query_segment_ids, q_len, batch, "query_segment_ids")
-        _check_per_token(key_segment_ids, k_len, batch, "key_segment_ids")
-    if key_mask is not None:
-        _check_per_token(key_mask, k_len, batch, "key_mask")
-    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-        raise ValueError(
-            f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; "
-            f"an additive float bias belongs in an encoding's logits hook (e.g. SharedBias)"
-        )
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-
-    for rotate, _, _ in hooks:
-        if rotate is not None:
-            query, key = rotate(query, key, query_positions, key_positions)
-
-    if scale is None:
-        prescribed = {
-            float(encoding.score_scale(head_dim)) for encoding in encodings if hasattr(encoding, "score_scale")
-        }
-        if len(prescribed) > 1:
-            raise ValueError(
-                f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly"
-            )
-        scale = prescribed.pop() if prescribed else 1.0 / np.sqrt(head_dim)
-    if groups == 1:
-        scores = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
-    else:
-        grouped = query.reshape(batch, q_len, num_kv_heads, groups, head_dim)
-        scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key, preferred_element_type=jnp.float32)
-        scores = scores.reshape(batch, num_heads, q_len, k_len)
-    scores = scores * jnp.float32(scale)
-    for _, logits, _ in hooks:
-        term = None if logits is None else logits(query, key, query_positions, key_positions)
-        if term is not None:
-            scores = scores + _as_scores(term, scores.ndim)
-
-    full_mask = combine_masks(
-        causal_mask(query_positions, key_positions) if causal else None,
-        key_padding_mask(key_mask) if key_mask is not None else None,
-        segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
-        None if mask is None else jnp.asarray(mask),
+    call = _checked_call(
+        query, key, value, query_positions=query_positions, key_positions=key_positions, encodings=encodings,
+        normalizer=normalizer, causal=causal, key_mask=key_mask, query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids, mask=mask, scale=scale, dropout_rate=dropout_rate,
     )
-    if uses_positions:
-        weights = normalizer(scores, full_mask, query_positions=query_positions, key_positions=key_positions)
-    else:
-        weights = normalizer(scores, full_mask)
-    weights = weights.astype(jnp.float32)
-
-    if dropout_rate > 0.0:
-        if dropout_rng is None:
-            raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng PRNG key")
-        keep = jax.random.bernoulli(dropout_rng, 1.0 - dropout_rate, weights.shape)
-        weights_used = jnp.where(keep, weights / (1.0 - dropout_rate), 0.0)
-    else:
-        weights_used = weights
-
-    if groups == 1:
-        out = jnp.einsum(
-            "BNTS,BSNH->BTNH", weights_used.astype(value.dtype), value, preferred_element_type=jnp.float32
-        )
-    else:
-        grouped_w = weights_used.reshape(batch, num_kv_heads, groups, q_len, k_len).astype(value.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", grouped_w, value, preferred_element_type=jnp.float32)
-        out = out.reshape(batch, q_len, num_heads, value.shape[3])
-    for _, _, values in hooks:
-        term = None if values is None else values(weights_used, query_positions, key_positions)
-        if term is not None:
-            out = out + term.astype(jnp.float32)
+    scores = attention_scores(call.query, call.key, call.hooks, call.context)
+    weights = attention_weights(scores, call.mask, normalizer, call.context)
+    out = attention_output(_dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context)
     out = out.astype(query.dtype)
-
     if unbatched:
         out, weights = out[0], weights[0]
     return (out, weights) if return_weights else out

@@ -19,15 +19,23 @@ What's Important", 2024, arXiv:2405.18719.
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.masks import causal_mask
+from posenc_jax.functional.registry import Source, register_encoding
+from posenc_jax.functional.relative import check_max_distance
 
-__all__ = ["CoPE", "cope_logits"]
+__all__ = ["CoPE", "CoPEConfig", "cope_logits"]
+
+COPE = Source.paper(
+    "golovneva2024contextual", title="Contextual Position Encoding: Learning to Count What's Important",
+    authors="Golovneva, Olga and Wang, Tianlu and Weston, Jason and Sukhbaatar, Sainbayar", year=2024,
+    arxiv="2405.18719",
+)
 
 
 def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: float | None = None):
@@ -71,7 +79,7 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
     return at_lower * (1.0 - weight) + at_upper * weight
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class CoPE:
     """CoPE as a ``logits`` hook; ``embeddings`` ``[P, H]`` or ``[N, P, H]`` is a parameter.
 
@@ -83,9 +91,39 @@ class CoPE:
       (1, 5, 2, 4)
     """
 
-    embeddings: jax.Array
+    embeddings: jax.Array = parameter()
     scale: float | None = None
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
-    def logits(self, q, k, query_positions, key_positions):
-        return cope_logits(q, k, query_positions, key_positions, self.embeddings, scale=self.scale)
+    def logits(self, q, k, context: AttentionContext):
+        scale = context.scale if self.scale is None else self.scale
+        return cope_logits(q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale)
+
+
+@register_encoding(
+    "cope",
+    description="Positions counted by learned gates on the context, interpolated between learned embeddings.",
+    source=COPE,
+    forms=("causal",),
+    blockwise=False,  # the gate sums run over all keys: a tile needs the sums carried from other key tiles
+    small_settings=dict(num_positions=6),
+)
+@pytree_dataclass
+class CoPEConfig(EncodingConfig):
+    """CoPE position embeddings ``[P, H]`` (or ``[N, P, H]``), zeros at init as in the authors' code."""
+
+    num_positions: int = 64
+    per_head: bool = False
+
+    def __post_init__(self):
+        check_max_distance(self.num_positions, "num_positions")
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        shape = (num_heads, self.num_positions, head_dim) if self.per_head else (self.num_positions, head_dim)
+        return {"embeddings": jnp.zeros(shape)}
+
+    def build(self, params: dict) -> CoPE:
+        return CoPE(params["embeddings"])
+
+    def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> CoPEConfig:
+        """Room to count to twice the training length (at least 16)."""
+        return dataclasses.replace(self, num_positions=max(16, 2 * train_length))

@@ -23,15 +23,15 @@ Disentangled Attention", ICLR 2021, arXiv:2006.03654.
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import (
     by_query_blocks,
     gather_relative,
@@ -39,7 +39,12 @@ from posenc_jax.functional.relative import (
     relative_positions,
 )
 
-__all__ = ["DeBERTa", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
+__all__ = ["DeBERTa", "DeBERTaConfig", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
+
+DEBERTA = Source.paper(
+    "he2021deberta", title="DeBERTa: Decoding-enhanced BERT with Disentangled Attention",
+    authors="He, Pengcheng and Liu, Xiaodong and Gao, Jianfeng and Chen, Weizhu", year=2021, arxiv="2006.03654",
+)
 
 _TERMS = ("c2p", "p2c")
 
@@ -199,7 +204,7 @@ def _score_scale(head_dim: int, terms) -> float:
     return 1.0 / math.sqrt(head_dim * (1 + len(terms)))
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class DeBERTa:
     """DeBERTa disentangled attention as a ``logits`` hook that also sets the score scale.
 
@@ -212,14 +217,13 @@ class DeBERTa:
       (1, 4, 2, 8)
     """
 
-    pos_query: jax.Array
-    pos_key: jax.Array
-    span: int
+    pos_query: jax.Array = parameter()
+    pos_key: jax.Array = parameter()
+    span: int = 256
     position_buckets: int = 0
     max_relative_positions: int = 512
     terms: tuple[str, ...] = _TERMS
     scale: float | None = None
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
     def __post_init__(self):
         _check_terms(self.terms)
@@ -229,9 +233,43 @@ class DeBERTa:
         """``1/√(H · (1 + number of position terms))``, for the content score too."""
         return _score_scale(head_dim, self.terms) if self.scale is None else self.scale
 
-    def logits(self, q, k, query_positions, key_positions):
+    def logits(self, q, k, context: AttentionContext):
         return deberta_logits(
-            q, k, query_positions, key_positions, pos_query=self.pos_query, pos_key=self.pos_key,
+            q, k, context.query_positions, context.key_positions, pos_query=self.pos_query, pos_key=self.pos_key,
             span=self.span, position_buckets=self.position_buckets,
-            max_relative_positions=self.max_relative_positions, terms=self.terms, scale=self.scale,
+            max_relative_positions=self.max_relative_positions, terms=self.terms,
+            scale=context.scale if self.scale is None else self.scale,
+        )
+
+
+@register_encoding(
+    "deberta",
+    description="Disentangled content-to-position and position-to-content terms over (log-)bucketed distances.",
+    source=DEBERTA,
+    small_settings=dict(span=4),
+)
+@pytree_dataclass
+class DeBERTaConfig(EncodingConfig):
+    """DeBERTa position tables ``Q_r``, ``K_r`` ``[2·span, N, H]``; span = buckets if bucketed."""
+
+    span: int = 256
+    position_buckets: int = 0
+    max_relative_positions: int = 512
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        _check_span(self.span, self.position_buckets)
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        k1, k2 = jax.random.split(key)
+        shape = (2 * self.span, num_heads, head_dim)
+        return {
+            "pos_query": jax.random.normal(k1, shape, jnp.float32) * self.init_std,
+            "pos_key": jax.random.normal(k2, shape, jnp.float32) * self.init_std,
+        }
+
+    def build(self, params: dict) -> DeBERTa:
+        return DeBERTa(
+            params["pos_query"], params["pos_key"], self.span, position_buckets=self.position_buckets,
+            max_relative_positions=self.max_relative_positions,
         )

@@ -16,17 +16,32 @@ Long Context Transformers", ICLR 2024, arXiv:2310.04418.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Placement,
+    parameter,
+    pytree_dataclass,
+)
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.relative import by_query_blocks
 
-__all__ = ["Fire", "fire_bias", "fire_init"]
+__all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
+
+FIRE = Source.paper(
+    "li2023functional", title="Functional Interpolation for Relative Positions Improves Long Context Transformers",
+    authors="Li, Shanda and You, Chong and Guruganesh, Guru and Ainslie, Joshua and Ontanon, Santiago and "
+            "Zaheer, Manzil and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh",
+    year=2023, arxiv="2310.04418",
+)
 
 
 def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.1, threshold: float = 512.0) -> dict:
@@ -94,8 +109,8 @@ def fire_bias(params: dict, query_positions, key_positions, *, block_elements: i
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class Fire:
+@pytree_dataclass
+class Fire(BiasHook):
     """FIRE as a ``logits`` hook; ``params`` as made by :func:`fire_init`.
 
     Example:
@@ -107,12 +122,30 @@ class Fire:
       (1, 4, 2, 8)
     """
 
-    params: dict
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+    params: dict = parameter()
 
-    def bias(self, query_positions, key_positions, num_heads: int | None = None):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
-        return fire_bias(self.params, query_positions, key_positions)
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        return fire_bias(self.params, context.query_positions, context.key_positions)
 
-    def logits(self, q, k, query_positions, key_positions):
-        return self.bias(query_positions, key_positions)
+
+@register_encoding(
+    "fire",
+    description="A learned MLP of the log distance normalised by the log query position (interpolates, not extrapolates).",
+    source=FIRE,
+    forms=("causal",),
+)
+@pytree_dataclass
+class FireConfig(EncodingConfig):
+    """FIRE MLP (``hidden`` units), ``c`` and threshold ``L``; see :func:`fire_init`."""
+
+    hidden: int = 32
+    c: float = 0.1
+    threshold: float = 512.0
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return fire_init(key, num_heads, hidden=self.hidden, c=self.c, threshold=self.threshold)
+
+    def build(self, params: dict) -> Fire:
+        return Fire(params)

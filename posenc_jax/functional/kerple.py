@@ -16,16 +16,30 @@ Embedding for Length Extrapolation", NeurIPS 2022, arXiv:2205.09921.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Placement,
+    parameter,
+    pytree_dataclass,
+)
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import relative_positions
 
-__all__ = ["Kerple", "kerple_bias"]
+__all__ = ["Kerple", "KerpleConfig", "kerple_bias"]
+
+KERPLE = Source.paper(
+    "chi2022kerple", title="KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation",
+    authors="Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.", year=2022,
+    arxiv="2205.09921",
+)
 
 _VARIANTS = ("log", "power")
 
@@ -38,8 +52,7 @@ def kerple_bias(r1, r2, query_positions, key_positions, *, variant: Literal["log
       >>> b.shape, float(b[0, 0, 2, 0])  # -log(1 + 2)
       ((1, 2, 3, 3), -1.0986123085021973)
     """
-    if variant not in _VARIANTS:
-        raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
+    _check_variant(variant)
     if np.ndim(r1) != 1 or np.shape(r1) != np.shape(r2):
         raise ValueError(f"r1 and r2 must both have shape [N], got {np.shape(r1)} and {np.shape(r2)}")
     num_heads = np.shape(r1)[0]
@@ -63,8 +76,8 @@ def _check_concrete_positive(name, value, upper=None):
         raise ValueError(f"Kerple {name} must be {bound} for every head, got {values}")
 
 
-@dataclasses.dataclass(frozen=True)
-class Kerple:
+@pytree_dataclass
+class Kerple(BiasHook):
     """Kerple as a ``logits`` hook; ``r1``, ``r2`` ``[N]`` are parameters of the caller.
 
     Example:
@@ -75,20 +88,62 @@ class Kerple:
       (1, 4, 2, 8)
     """
 
-    r1: jax.Array
-    r2: jax.Array
+    r1: jax.Array = parameter()
+    r2: jax.Array = parameter()
     variant: Literal["log", "power"] = "log"
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
     def __post_init__(self):
-        if self.variant not in _VARIANTS:
-            raise ValueError(f"variant must be one of {_VARIANTS}, got {self.variant!r}")
+        _check_variant(self.variant)
         _check_concrete_positive("r1", self.r1)
         _check_concrete_positive("r2", self.r2, 2.0 if self.variant == "power" else None)
 
-    def bias(self, query_positions, key_positions, num_heads: int | None = None):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
-        return kerple_bias(self.r1, self.r2, query_positions, key_positions, variant=self.variant)
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        return kerple_bias(self.r1, self.r2, context.query_positions, context.key_positions, variant=self.variant)
 
-    def logits(self, q, k, query_positions, key_positions):
-        return self.bias(query_positions, key_positions)
+
+def _check_variant(variant):
+    if variant not in _VARIANTS:
+        raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
+
+
+_DESCRIPTION = "A learned conditionally positive definite kernel of the distance: -r1 {} per head."
+
+
+@register_encoding(
+    "kerple-log", description=_DESCRIPTION.format("log(1 + r2 |j - i|)"), source=KERPLE, fixed=dict(variant="log"),
+)
+@register_encoding(
+    "kerple-power", description=_DESCRIPTION.format("|j - i|^r2"), source=KERPLE, fixed=dict(variant="power"),
+)
+@pytree_dataclass
+class KerpleConfig(EncodingConfig):
+    """Kerple ``r1``, ``r2`` ``[N]``; kept positive (and r2 <= 2 for power) by clamping at ``eps``.
+
+    Initialised as in the authors' code: ``r1 ~ U(0, 1)``, ``r2 ~ U(0, 2)`` (power) or
+    ``U(0, 1)`` (log), then clamped.
+    """
+
+    variant: Literal["log", "power"] = "log"
+    eps: float = 1e-2
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        _check_variant(self.variant)
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        k1, k2 = jax.random.split(key)
+        r2_max = 2.0 if self.variant == "power" else 1.0
+        return {
+            "r1": jax.random.uniform(k1, (num_heads,), minval=self.eps, maxval=1.0),
+            "r2": jax.random.uniform(k2, (num_heads,), minval=self.eps, maxval=r2_max),
+        }
+
+    def build(self, params: dict) -> Kerple:
+        r1 = jnp.maximum(params["r1"], self.eps)
+        r2 = jnp.maximum(params["r2"], self.eps)
+        if self.variant == "power":
+            r2 = jnp.minimum(r2, 2.0)
+        return Kerple(r1, r2, variant=self.variant)

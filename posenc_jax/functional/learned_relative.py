@@ -7,15 +7,25 @@ log buckets. Computed as ``2k+1`` distinct values per head, expanded by a gather
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Placement,
+    parameter,
+    pytree_dataclass,
+)
+from posenc_jax.functional.registry import register_encoding
 from posenc_jax.functional.relative import check_max_distance, expand_relative_bias
+from posenc_jax.functional.shaw import SHAW
 
-__all__ = ["ClippedRelativeBias", "clipped_relative_bias"]
+__all__ = ["ClippedBiasConfig", "ClippedRelativeBias", "clipped_relative_bias"]
 
 
 def _check_table(table, max_distance):
@@ -48,8 +58,8 @@ def clipped_relative_bias(table, query_positions, key_positions, *, max_distance
     return expand_relative_bias(table.T, query_positions, key_positions, k)
 
 
-@dataclasses.dataclass(frozen=True)
-class ClippedRelativeBias:
+@pytree_dataclass
+class ClippedRelativeBias(BiasHook):
     """Learned clipped relative bias as a ``logits`` hook; ``table`` ``[2k+1, N]``.
 
     Example:
@@ -60,16 +70,38 @@ class ClippedRelativeBias:
       (1, 4, 2, 8)
     """
 
-    table: jax.Array
-    max_distance: int
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
+    table: jax.Array = parameter()
+    max_distance: int = 128
 
     def __post_init__(self):
         _check_table(self.table, check_max_distance(self.max_distance))
 
-    def bias(self, query_positions, key_positions, num_heads: int | None = None):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
-        return clipped_relative_bias(self.table, query_positions, key_positions, max_distance=self.max_distance)
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        return clipped_relative_bias(
+            self.table, context.query_positions, context.key_positions, max_distance=self.max_distance
+        )
 
-    def logits(self, q, k, query_positions, key_positions):
-        return self.bias(query_positions, key_positions)
+
+@register_encoding(
+    "clipped-bias",
+    description="A learned scalar per head and distance, distances clipped to [-k, k] (seed 003).",
+    source=SHAW,
+    small_settings=dict(max_distance=3),
+)
+@pytree_dataclass
+class ClippedBiasConfig(EncodingConfig):
+    """Learned clipped relative bias ``[2k+1, N]``, N(0, 0.02) as in seed 003."""
+
+    max_distance: int = 128
+    init_std: float = 0.02
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        check_max_distance(self.max_distance)
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return {"table": jax.random.normal(key, (2 * self.max_distance + 1, num_heads), jnp.float32) * self.init_std}
+
+    def build(self, params: dict) -> ClippedRelativeBias:
+        return ClippedRelativeBias(params["table"], self.max_distance)

@@ -24,7 +24,6 @@ ICML 2022, arXiv:2202.10447.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import ClassVar
 
 import jax
@@ -32,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.attention import softmax_weights
+from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, Placement, parameter, pytree_dataclass
 from posenc_jax.functional.relative import check_max_distance, expand_relative_bias
 
 __all__ = [
@@ -69,13 +69,12 @@ def relu2_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(visible, jnp.square(jax.nn.relu(scores)), 0.0) / jnp.maximum(count, 1.0)
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class URPE:
     """Universal RPE: ``softmax(s) ⊙ C`` with ``C[n, i, j] = c[n, clip(j - i, -k, k) + k]``.
 
-    ``table`` ``[N, 2k+1]`` is learned (ones at init: plain softmax). Needs the
-    positions, so :func:`posenc_jax.functional.dot_product_attention` passes them
-    (``uses_positions``).
+    ``table`` ``[N, 2k+1]`` is learned (ones at init: plain softmax). A ``normalize``
+    hook: it reads the positions from the attention's context.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -85,9 +84,8 @@ class URPE:
       (1, 5, 2, 4)
     """
 
-    table: jax.Array
-    max_distance: int
-    uses_positions: ClassVar[bool] = True
+    table: jax.Array = parameter()
+    max_distance: int = 16
 
     def __post_init__(self):
         k = check_max_distance(self.max_distance)
@@ -96,19 +94,19 @@ class URPE:
                 f"URPE table must have shape [N, 2*max_distance+1] = [N, {2 * k + 1}], got {np.shape(self.table)}"
             )
 
-    def __call__(self, scores, mask, *, query_positions, key_positions):
+    def normalize(self, scores, mask, context: AttentionContext):
         if np.shape(self.table)[0] != scores.shape[1]:
             raise ValueError(f"URPE table has {np.shape(self.table)[0]} heads but the scores have {scores.shape[1]}")
-        toeplitz = expand_relative_bias(self.table, query_positions, key_positions, self.max_distance)
+        toeplitz = expand_relative_bias(self.table, context.query_positions, context.key_positions, self.max_distance)
         return softmax_weights(scores, mask) * toeplitz
 
 
-@dataclasses.dataclass(frozen=True)
-class URPEConfig:
+@pytree_dataclass
+class URPEConfig(EncodingConfig):
     """URPE with a learned ``c`` per head (``[N, 2k+1]``, ones at init), for the NNX modules."""
 
     max_distance: int = 16
-    shares_bias: ClassVar[bool] = False
+    acts_on: ClassVar[Placement] = "normalizer"
 
     def __post_init__(self):
         check_max_distance(self.max_distance)

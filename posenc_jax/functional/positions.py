@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "add_position_encoding",
     "batched_positions",
+    "check_embed_positions",
     "check_positions",
     "inverse_frequencies",
     "position_angles",
@@ -163,3 +165,23 @@ def position_angles(positions, inverse_frequency) -> jax.Array:
     signed = jax.lax.bitcast_convert_type(phase, jnp.int32).astype(jnp.float32)
     angles = signed * jnp.float32(2.0 * math.pi / 2.0**32)
     return jnp.where(positions[..., None] < 0, -angles, angles)
+
+
+def check_embed_positions(x: jax.Array, positions) -> jax.Array:
+    """Validates ``positions`` (``[T]`` or ``[B, T]``) for embeddings ``x`` ``[..., T, D]``; returns int32."""
+    positions = check_positions(positions)
+    if x.ndim < 2:
+        raise ValueError(f"x must have shape [..., T, D], got {x.shape}")
+    if positions.shape[-1] != x.shape[-2] or positions.ndim > x.ndim - 1:
+        raise ValueError(
+            f"positions of shape {positions.shape} do not fit x of shape {x.shape}: "
+            f"expected [T] or [B, T] with T = {x.shape[-2]}"
+        )
+    return positions
+
+
+def add_position_encoding(x: jax.Array, pe: jax.Array) -> jax.Array:
+    """``x + pe`` in float32, cast back to ``x.dtype``; ``pe`` [..., T, D] left-padded to x's rank."""
+    if pe.ndim < x.ndim:
+        pe = pe.reshape((1,) * (x.ndim - pe.ndim) + pe.shape)
+    return (x.astype(jnp.float32) + pe.astype(jnp.float32)).astype(x.dtype)

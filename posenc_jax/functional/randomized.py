@@ -4,9 +4,17 @@ At train time the positions of a length-T sequence are a sorted sample without
 replacement from ``[0, max_length)``, drawn afresh for each batch (or each
 example), so the model sees position values from the whole range it will meet
 at test time while training on short sequences. At evaluation the positions are
-``arange(T)`` or again a random sorted sample. The positions feed any
-position-consuming encoding unchanged: sinusoidal, learned (with a table of
-``max_length`` rows), RoPE, ALiBi, the relative encodings.
+again a random sorted sample (as in the authors' code; ``evaluation="arange"``
+keeps the plain positions instead). The positions feed any position-consuming
+encoding unchanged: sinusoidal, learned (with a table of ``max_length`` rows),
+RoPE, ALiBi, the relative encodings.
+
+Registered as ``"randomized"``, it acts on the positions themselves, so it is a
+modifier of another encoding: ``Transformer(encoding=["rope", "randomized"])``, or
+``--encodings rope+randomized`` in the benchmark. The model passes it the positions
+it was given, and every other encoding sees ``sample[positions]``: the given
+positions index a sorted random sample of ``T`` values, so order, gaps between
+packed segments and padding keep their meaning.
 
 Reference: Ruoss et al., "Randomized Positional Encodings Boost Length
 Generalization of Transformers", ACL 2023, arXiv:2305.16843.
@@ -15,13 +23,24 @@ Generalization of Transformers", ACL 2023, arXiv:2305.16843.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import ParameterFree, Placement, pytree_dataclass
+from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.registry import Source, register_encoding
+
 __all__ = ["RandomizedPositions", "randomized_positions"]
+
+RUOSS = Source.paper(
+    "ruoss2023randomized", title="Randomized Positional Encodings Boost Length Generalization of Transformers",
+    authors="Ruoss, Anian and Del{\\'e}tang, Gr{\\'e}goire and Genewein, Tim and Grau-Moya, Jordi and "
+            "Csord{\\'a}s, R{\\'o}bert and Bennani, Mehdi and Legg, Shane and Veness, Joel",
+    year=2023, arxiv="2305.16843",
+)
 
 
 def randomized_positions(key: jax.Array, length: int, max_length: int, *, batch_size: int | None = None) -> jax.Array:
@@ -59,19 +78,27 @@ def randomized_positions(key: jax.Array, length: int, max_length: int, *, batch_
     return jax.vmap(one)(jax.random.split(key, batch_size))
 
 
-@dataclasses.dataclass(frozen=True)
-class RandomizedPositions:
-    """A position sampler: random sorted positions in training, ``arange`` (or random) in evaluation.
+@register_encoding(
+    "randomized",
+    description="Positions replaced by a sorted random sample from a larger range; a modifier of another encoding.",
+    source=RUOSS,
+    kv_cache=False,  # a cache would need one sample for the whole generation
+    small_settings=dict(max_length=32),
+)
+@pytree_dataclass
+class RandomizedPositions(ParameterFree):
+    """A position sampler: random sorted positions in training and (by default) in evaluation.
 
     Example:
-      >>> sampler = RandomizedPositions(max_length=64)
+      >>> sampler = RandomizedPositions(max_length=64, evaluation="arange")
       >>> sampler(jax.random.key(0), 5, train=False)
       Array([0, 1, 2, 3, 4], dtype=int32)
     """
 
-    max_length: int
-    evaluation: Literal["arange", "random"] = "arange"
+    max_length: int = 2048
+    evaluation: Literal["arange", "random"] = "random"
     per_example: bool = False
+    acts_on: ClassVar[Placement] = "positions"
 
     def __post_init__(self):
         if self.evaluation not in ("arange", "random"):
@@ -89,3 +116,34 @@ class RandomizedPositions:
             return randomized_positions(key, length, self.max_length, batch_size=batch_size)
         positions = randomized_positions(key, length, self.max_length)
         return positions if batch_size is None else jnp.broadcast_to(positions, (batch_size, length))
+
+    def sample(self, key: jax.Array, positions: jax.Array, *, train: bool) -> jax.Array:
+        """The positions every other encoding sees: ``sample[positions]`` for a sorted sample of ``T`` values.
+
+        ``positions`` (``[T]`` or ``[B, T]``) must lie in ``[0, T)``, as the positions of a
+        sequence (or of packed sequences) of ``T`` tokens do; others are an error.
+        """
+        positions = batched_positions(positions)
+        length = positions.shape[-1]
+        if not train and self.evaluation == "arange":
+            return positions
+        table = self(key, length, train=True, batch_size=positions.shape[0] if self.per_example else None)
+
+        def check(pos):
+            pos = np.asarray(pos)
+            if pos.size and (pos.min() < 0 or pos.max() >= length):
+                raise ValueError(
+                    f"randomized positions index a sample of {length} values, so positions must lie in "
+                    f"[0, {length}), got {int(pos.min())}..{int(pos.max())}; pass the positions of the sequence "
+                    f"(e.g. jnp.arange(T))"
+                )
+
+        try:
+            check(positions)
+        except jax.errors.TracerArrayConversionError:
+            jax.debug.callback(check, positions)
+        return jnp.take_along_axis(jnp.broadcast_to(table, positions.shape), positions, axis=-1)
+
+    def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> RandomizedPositions:
+        """A sampling range four times the longest test length (Ruoss et al.: 2048 for tests up to 500)."""
+        return dataclasses.replace(self, max_length=4 * max_length)

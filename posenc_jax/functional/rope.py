@@ -21,20 +21,19 @@ the same map up to a fixed permutation of the first R features. Dimensions
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.parameter_free import ParameterFree
+from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
+from posenc_jax.functional.registry import Source, register_encoding
 
 __all__ = [
-    "AxialRoPE",
     "RoPE",
     "apply_rope",
-    "apply_rope_2d",
     "apply_rope_qk",
     "rope_inverse_frequencies",
     "rope_tables",
@@ -226,20 +225,52 @@ def apply_rope_qk(
     _check_positions_fit(q, query_positions, "q")
     _check_positions_fit(k, key_positions, "k")
     inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
-    q_cos, q_sin = rope_tables(query_positions, inverse_frequency)
-    k_cos, k_sin = (q_cos, q_sin) if same_positions else rope_tables(key_positions, inverse_frequency)
-    if attention_factor != 1.0:
-        q_cos, q_sin, k_cos, k_sin = (t * attention_factor for t in (q_cos, q_sin, k_cos, k_sin))
+    return _rotate_qk(
+        q, k, query_positions, key_positions,
+        lambda positions: position_angles(positions, inverse_frequency), layout, attention_factor,
+    )
+
+
+def _rotate_qk(q, k, query_positions, key_positions, angles_of, layout: Layout, attention_factor: float):
+    """Rotates checked q and k by ``angles_of(positions)`` (``[..., T, R/2]``); tables once if positions are shared."""
+    q_cos, q_sin = _tables(angles_of(query_positions), attention_factor)
+    if key_positions is query_positions:
+        k_cos, k_sin = q_cos, q_sin
+    else:
+        k_cos, k_sin = _tables(angles_of(key_positions), attention_factor)
     return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)
 
 
-@dataclasses.dataclass(frozen=True)
+def _tables(angles, attention_factor: float):
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
+
+
+ROFORMER = Source.paper(
+    "su2021roformer", title="RoFormer: Enhanced Transformer with Rotary Position Embedding",
+    authors="Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and Liu, Yunfeng",
+    year=2021, arxiv="2104.09864",
+)
+
+
+@register_encoding(
+    "rope",
+    description="Rotary position embedding: queries and keys rotated by angles proportional to their positions.",
+    source=ROFORMER,
+)
+@pytree_dataclass
 class RoPE(ParameterFree):
     """RoPE as a ``rotate`` hook of :func:`posenc_jax.functional.dot_product_attention`.
 
     ``scaling`` takes a RoPE scaling from :mod:`posenc_jax.functional.rope_scaling`
-    (linear / PI, NTK, dynamic NTK, YaRN, Llama 3, LongRoPE); its frequencies and
-    attention factor are computed for the static key length of each call.
+    (linear / PI, NTK, dynamic NTK, YaRN, Llama 3, LongRoPE). Scalings that follow the
+    sequence length (dynamic NTK, LongRoPE) take it as ``max(query_positions) + 1``, as
+    Hugging Face transformers' ``modeling_rope_utils`` does, so a window of positions
+    2500-2599 is scaled as a sequence of 2600 tokens whatever the number of keys, and a
+    KV cache (which holds keys unrotated) decodes each token as the full forward pass of
+    its prefix does.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -254,7 +285,6 @@ class RoPE(ParameterFree):
     rotary_dim: int | None = None
     layout: Layout = "interleaved"
     scaling: object | None = None
-    hooks: ClassVar[frozenset[str]] = frozenset({"rotate"})
 
     def __post_init__(self):
         _check_layout(self.layout)
@@ -263,17 +293,17 @@ class RoPE(ParameterFree):
         elif not self.base > 1.0:
             raise ValueError(f"base must be a number > 1, got {self.base!r}")
         if self.scaling is not None and not (
-            hasattr(self.scaling, "inverse_frequencies") and hasattr(self.scaling, "attention_factor")
+            hasattr(self.scaling, "inverse_frequencies") and hasattr(self.scaling, "angles")
         ):
             raise ValueError(f"scaling must be a RoPE scaling (e.g. YaRNScaling), got {self.scaling!r}")
 
     @property
-    def decodable(self) -> bool:
-        """False when the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
-        return not getattr(self.scaling, "length_dependent", False)
+    def length_dependent(self) -> bool:
+        """Whether the frequencies follow the sequence length (dynamic NTK, LongRoPE)."""
+        return bool(self.scaling is not None and self.scaling.length_dependent)
 
     def frequencies(self, head_dim: int, length: int | None = None) -> tuple[np.ndarray, float]:
-        """The ``[R / 2]`` inverse frequencies and the attention factor for ``length`` keys."""
+        """The ``[R / 2]`` inverse frequencies and the attention factor for a sequence of ``length`` tokens."""
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
         if self.scaling is None:
             return rope_inverse_frequencies(rotary_dim, base=self.base), 1.0
@@ -282,81 +312,33 @@ class RoPE(ParameterFree):
             float(self.scaling.attention_factor(length)),
         )
 
-    def rotate(self, q, k, query_positions, key_positions):
-        freq, factor = self.frequencies(q.shape[-1], length=k.shape[-3])
-        return apply_rope_qk(
-            q,
-            k,
-            query_positions,
-            key_positions,
-            base=self.base,
-            rotary_dim=self.rotary_dim,
-            layout=self.layout,
-            inverse_frequency=freq,
-            attention_factor=factor,
-        )
+    def rotate(self, q, k, context: AttentionContext):
+        if self.scaling is None or not self.length_dependent:
+            freq, factor = self.frequencies(q.shape[-1])
+            return apply_rope_qk(
+                q, k, context.query_positions, context.key_positions, base=self.base, rotary_dim=self.rotary_dim,
+                layout=self.layout, inverse_frequency=freq, attention_factor=factor,
+            )
+        rotary_dim = _check_head(q, self.rotary_dim, "q")
+        _check_head(k, rotary_dim, "k")
+        query_positions = check_positions(context.query_positions, "query_positions")
+        same = context.key_positions is context.query_positions
+        key_positions = query_positions if same else check_positions(context.key_positions, "key_positions")
+        _check_positions_fit(q, query_positions, "q")
+        _check_positions_fit(k, key_positions, "k")
+        length = jnp.max(query_positions) + 1  # the current length, as transformers' dynamic RoPE takes it
 
+        def angles_of(positions):
+            return self.scaling.angles(positions, rotary_dim, self.base, length)
 
-def apply_rope_2d(
-    x: jax.Array, positions, *, base: float = 10000.0, layout: Layout = "interleaved"
-) -> jax.Array:
-    """Axial 2-D RoPE for image patches: the first half of each head by x, the second by y.
+        factor = float(self.scaling.attention_factor(None))
+        return _rotate_qk(q, k, query_positions, key_positions, angles_of, self.layout, factor)
 
-    ``positions[..., t, :] = (x, y)`` (column, row) of patch t. Each half of the head
-    is a 1-D RoPE of width H/2 with its own frequency ladder, so on a one-row image
-    (y = 0) the result is 1-D RoPE on the first half and the identity on the second.
-
-    Args:
-      x: ``[..., T, N, H]`` with H divisible by 4.
-      positions: integer ``[T, 2]`` or ``[B, T, 2]``.
-
-    Example:
-      >>> xy = jnp.stack(jnp.meshgrid(jnp.arange(4), jnp.arange(3)), -1).reshape(12, 2)
-      >>> apply_rope_2d(jnp.ones((1, 12, 2, 16)), xy).shape
-      (1, 12, 2, 16)
-    """
-    head_dim = x.shape[-1]
-    if head_dim % 4:
-        raise ValueError(f"head_dim must be divisible by 4 for axial 2-D RoPE (two even halves), got {head_dim}")
-    positions = check_positions(positions)
-    if positions.ndim < 2 or positions.shape[-1] != 2:
-        raise ValueError(f"2-D positions must have shape [T, 2] or [B, T, 2] (x, y), got {positions.shape}")
-    half = head_dim // 2
-    first = apply_rope(x[..., :half], positions[..., 0], base=base, layout=layout)
-    second = apply_rope(x[..., half:], positions[..., 1], base=base, layout=layout)
-    return jnp.concatenate([first, second], axis=-1)
-
-
-@dataclasses.dataclass(frozen=True)
-class AxialRoPE(ParameterFree):
-    """Axial 2-D RoPE as a ``rotate`` hook, for row-major flattened patch grids.
-
-    The attention's positions stay 1-D: patch index ``p`` of a grid ``grid_width``
-    wide is at ``(x, y) = (p % grid_width, p // grid_width)``.
-
-    Example:
-      >>> from posenc_jax.functional import dot_product_attention
-      >>> x = jnp.ones((1, 12, 2, 16)); pos = jnp.arange(12)
-      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
-      ...                       encodings=[AxialRoPE(grid_width=4)]).shape
-      (1, 12, 2, 16)
-    """
-
-    grid_width: int
-    base: float = 10000.0
-    layout: Layout = "interleaved"
-    hooks: ClassVar[frozenset[str]] = frozenset({"rotate"})
-
-    def __post_init__(self):
-        _check_layout(self.layout)
-        if not isinstance(self.grid_width, (int, np.integer)) or self.grid_width < 1:
-            raise ValueError(f"grid_width must be an integer >= 1, got {self.grid_width!r}")
-
-    def rotate(self, q, k, query_positions, key_positions):
-        def xy(p):
-            return jnp.stack([p % self.grid_width, p // self.grid_width], axis=-1)
-
-        return (
-            apply_rope_2d(q, xy(query_positions), base=self.base, layout=self.layout),
-            apply_rope_2d(k, xy(key_positions), base=self.base, layout=self.layout),
+    def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> RoPE:
+        """A scaling's factor and original context set from the training and the longest test length."""
+        if self.scaling is None:
+            return self
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        return dataclasses.replace(
+            self, scaling=self.scaling.for_lengths(train_length=train_length, max_length=max_length, rotary_dim=rotary_dim)
         )

@@ -4,9 +4,12 @@ Each scaling is a frozen dataclass with a registered ``name`` and two methods,
 ``inverse_frequencies(rotary_dim, base, length)`` (``[rotary_dim / 2]`` float64,
 computed on the host so the phases stay exact) and ``attention_factor(length)``
 (multiplies both rotated q and k, so scores scale by its square; 1 for most).
-``length`` is the static number of keys of the current call; only dynamic NTK and
-LongRoPE read it (``length_dependent``), so they cannot be used with a KV cache,
-whose keys were rotated at other lengths. Pass one as ``RoPE(scaling=...)``.
+``length`` is the current sequence length, ``max(query_positions) + 1`` as in
+Hugging Face transformers; only dynamic NTK and LongRoPE read it
+(``length_dependent``), through ``angles(positions, rotary_dim, base, length)``
+with ``length`` a traced scalar. Pass one as ``RoPE(scaling=...)``; each is also
+registered as ``rope-<name>`` (``encoding_config("rope-yarn", factor=4.0,
+original_context=512)``).
 
 With ``θ_i = base ** (-2i / R)`` and scale factor ``s >= 1``:
 
@@ -37,18 +40,45 @@ import dataclasses
 import math
 from typing import ClassVar
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import inverse_frequencies
+from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
+from posenc_jax.functional.registry import Source, dataclass_settings, register_encoding
+from posenc_jax.functional.rope import RoPE
 
 __all__ = [
     "DynamicNTKScaling",
+    "RopeScaling",
     "LinearScaling",
     "Llama3Scaling",
     "LongRoPEScaling",
     "NTKScaling",
     "YaRNScaling",
 ]
+
+
+class RopeScaling:
+    """Base of the RoPE scalings: angles from the host-computed frequencies, and sizing.
+
+    Subclasses define ``inverse_frequencies(rotary_dim, base, length)`` and
+    ``attention_factor(length)``; a length-dependent one also overrides :meth:`angles`.
+    """
+
+    name: ClassVar[str]
+    length_dependent: ClassVar[bool] = False
+
+    def angles(self, positions, rotary_dim: int, base: float, length) -> jax.Array:
+        """``[..., T, R/2]`` float32 angles of ``positions`` for a sequence of ``length`` tokens."""
+        return position_angles(positions, self.inverse_frequencies(rotary_dim, base, None))
+
+    def for_lengths(self, *, train_length: int, max_length: int, rotary_dim: int) -> RopeScaling:
+        """The scaling for a model trained on ``train_length`` tokens and tested up to ``max_length``."""
+        settings = {"factor": max(1.0, max_length / train_length)}
+        if "original_context" in {f.name for f in dataclasses.fields(self)}:
+            settings["original_context"] = train_length
+        return dataclasses.replace(self, **settings)
 
 
 def _check_factor(factor):
@@ -62,7 +92,7 @@ def _check_context(original_context):
 
 
 @dataclasses.dataclass(frozen=True)
-class LinearScaling:
+class LinearScaling(RopeScaling):
     """Position interpolation: ``θ_i / factor`` (Chen et al. 2023)."""
 
     factor: float
@@ -79,7 +109,7 @@ class LinearScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class NTKScaling:
+class NTKScaling(RopeScaling):
     """NTK-aware: ``base · factor ** (R / (R - 2))``, applied from position 0."""
 
     factor: float
@@ -97,7 +127,7 @@ class NTKScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class DynamicNTKScaling:
+class DynamicNTKScaling(RopeScaling):
     """Dynamic NTK: plain RoPE up to ``original_context``, NTK base grown with the length past it."""
 
     factor: float
@@ -118,9 +148,24 @@ class DynamicNTKScaling:
     def attention_factor(self, length: int | None = None) -> float:
         return 1.0
 
+    def angles(self, positions, rotary_dim: int, base: float, length) -> jax.Array:
+        """Exact plain-RoPE angles up to ``original_context``; past it, the grown base's
+        frequencies computed in float32 from the traced length (as transformers does)."""
+        positions = check_positions(positions)
+        plain = position_angles(positions, inverse_frequencies(rotary_dim, base=base))
+        if rotary_dim <= 2:
+            return plain
+        length = jnp.asarray(length, jnp.float32)
+        growth = self.factor * length / self.original_context - (self.factor - 1)
+        grown_base = jnp.float32(base) * jnp.maximum(growth, 1.0) ** (rotary_dim / (rotary_dim - 2))
+        exponents = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
+        freq = grown_base ** -exponents
+        scaled = positions.astype(jnp.float32)[..., None] * freq.reshape((1,) * positions.ndim + freq.shape)
+        return jnp.where(length > self.original_context, scaled, plain)
+
 
 @dataclasses.dataclass(frozen=True)
-class YaRNScaling:
+class YaRNScaling(RopeScaling):
     """YaRN: NTK-by-parts interpolation with β = 32, α = 1 and attention factor ``0.1 ln s + 1``."""
 
     factor: float
@@ -158,7 +203,7 @@ class YaRNScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class Llama3Scaling:
+class Llama3Scaling(RopeScaling):
     """Llama 3.1: keep short wavelengths, divide long ones by ``factor``, blend between."""
 
     factor: float = 8.0
@@ -191,7 +236,7 @@ class Llama3Scaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class LongRoPEScaling:
+class LongRoPEScaling(RopeScaling):
     """LongRoPE: per-frequency factors, ``short_factor`` up to the original context, ``long_factor`` beyond."""
 
     short_factor: tuple[float, ...]
@@ -223,8 +268,77 @@ class LongRoPEScaling:
         factors = np.asarray(self.long_factor if use_long else self.short_factor, np.float64)
         return inverse_frequencies(rotary_dim, base=base) / factors
 
+    def angles(self, positions, rotary_dim: int, base: float, length) -> jax.Array:
+        """The short factors' angles up to ``original_context``, the long ones' past it (both exact)."""
+        short = position_angles(positions, self.inverse_frequencies(rotary_dim, base, self.original_context))
+        long = position_angles(positions, self.inverse_frequencies(rotary_dim, base, self.original_context + 1))
+        return jnp.where(length > self.original_context, long, short)
+
+    def for_lengths(self, *, train_length: int, max_length: int, rotary_dim: int) -> LongRoPEScaling:
+        """Uniform factors: 1 up to the training length, ``max_length / train_length`` beyond."""
+        factor = max(1.0, max_length / train_length)
+        half = rotary_dim // 2
+        return LongRoPEScaling(short_factor=(1.0,) * half, long_factor=(factor,) * half,
+                               original_context=train_length, max_context=max(max_length, train_length))
+
     def attention_factor(self, length: int | None = None) -> float:
         scale = self.max_context / self.original_context
         if scale <= 1.0:
             return 1.0
         return math.sqrt(1 + math.log(scale) / math.log(self.original_context))
+
+
+def _scaled_rope(scaling_type: type):
+    """``factory(**settings)`` for ``rope-<name>``: the scaling's fields build the scaling, the rest RoPE's."""
+    scaling_fields = {f.name for f in dataclasses.fields(scaling_type)}
+
+    def factory(**settings):
+        scaling = scaling_type(**{k: v for k, v in settings.items() if k in scaling_fields})
+        return RoPE(scaling=scaling, **{k: v for k, v in settings.items() if k not in scaling_fields})
+
+    settings, required = dataclass_settings(scaling_type)
+    return factory, settings + ("base", "rotary_dim", "layout"), required
+
+
+PI = Source.paper(
+    "chen2023extending", title="Extending Context Window of Large Language Models via Positional Interpolation",
+    authors="Chen, Shouyuan and Wong, Sherman and Chen, Liangjian and Tian, Yuandong", year=2023,
+    arxiv="2306.15595",
+)
+YARN = Source.paper(
+    "peng2023yarn", title="YaRN: Efficient Context Window Extension of Large Language Models",
+    authors="Peng, Bowen and Quesnelle, Jeffrey and Fan, Honglu and Shippole, Enrico", year=2023,
+    arxiv="2309.00071",
+)
+LLAMA3 = Source.paper(
+    "grattafiori2024llama3", title="The Llama 3 Herd of Models", authors="Grattafiori, Aaron and others",
+    year=2024, arxiv="2407.21783",
+)
+LONGROPE = Source.paper(
+    "ding2024longrope", title="LongRoPE: Extending LLM Context Window Beyond 2 Million Tokens",
+    authors="Ding, Yiran and Zhang, Li Lyna and Zhang, Chengruidong and Xu, Yuanyuan and Shang, Ning and "
+            "Xu, Jiahang and Yang, Fan and Yang, Mao",
+    year=2024, arxiv="2402.13753",
+)
+_SCALINGS = (
+    ("rope-pi", LinearScaling, "RoPE with position interpolation: every frequency divided by the factor.", PI,
+     dict(factor=2.0)),
+    ("rope-ntk", NTKScaling, "RoPE with the NTK-aware base change base * s^(R/(R-2)) (YaRN paper, eq. 16).", YARN,
+     dict(factor=2.0)),
+    ("rope-dynamic-ntk", DynamicNTKScaling,
+     "RoPE with the NTK base regrown from the current length max(position) + 1 past the original context.", YARN,
+     dict(factor=2.0, original_context=4)),
+    ("rope-yarn", YaRNScaling, "RoPE with YaRN's NTK-by-parts interpolation and attention factor 0.1 ln s + 1.", YARN,
+     dict(factor=2.0, original_context=4)),
+    ("rope-llama3", Llama3Scaling, "RoPE with Llama 3.1's wavelength-dependent scaling.", LLAMA3,
+     dict(factor=2.0, original_context=4)),
+    ("rope-longrope", LongRoPEScaling,
+     "RoPE with LongRoPE's per-frequency factors, short up to the original context and long beyond.", LONGROPE,
+     dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16)),
+)
+for _name, _type, _description, _source, _small in _SCALINGS:
+    _factory, _settings, _required = _scaled_rope(_type)
+    register_encoding(
+        _name, description=_description, source=_source, factory=_factory, settings=_settings, required=_required,
+        length_dependent=_type.length_dependent, kv_cache=not _type.length_dependent, small_settings=_small,
+    )(RoPE)

@@ -14,13 +14,12 @@ Representations", NAACL 2018, arXiv:1803.02155.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.relative import (
     bucket_relative,
@@ -29,7 +28,12 @@ from posenc_jax.functional.relative import (
     gather_relative,
 )
 
-__all__ = ["Shaw", "shaw_key_logits", "shaw_value_term"]
+__all__ = ["Shaw", "ShawConfig", "shaw_key_logits", "shaw_value_term"]
+
+SHAW = Source.paper(
+    "shaw2018self", title="Self-Attention with Relative Position Representations",
+    authors="Shaw, Peter and Uszkoreit, Jakob and Vaswani, Ashish", year=2018, arxiv="1803.02155",
+)
 
 
 def _check_table(table, max_distance: int, head_dim: int | None, name: str) -> None:
@@ -100,7 +104,7 @@ def shaw_value_term(weights, table, query_positions, key_positions, *, max_dista
     return jnp.einsum(spec, buckets, table, preferred_element_type=jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class Shaw:
     """Shaw et al. relative positions as ``logits`` (R_K) and ``values`` (R_V) hooks.
 
@@ -116,10 +120,9 @@ class Shaw:
     """
 
     max_distance: int
-    key_table: jax.Array | None = None
-    value_table: jax.Array | None = None
+    key_table: jax.Array | None = parameter(default=None)
+    value_table: jax.Array | None = parameter(default=None)
     scale: float | None = None
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits", "values"})
 
     def __post_init__(self):
         check_max_distance(self.max_distance)
@@ -130,14 +133,49 @@ class Shaw:
         if self.value_table is not None:
             _check_table(self.value_table, self.max_distance, None, "value table")
 
-    def logits(self, q, k, query_positions, key_positions):
+    def logits(self, q, k, context: AttentionContext):
         if self.key_table is None:
             return None
+        scale = context.scale if self.scale is None else self.scale
         return shaw_key_logits(
-            q, self.key_table, query_positions, key_positions, max_distance=self.max_distance, scale=self.scale
+            q, self.key_table, context.query_positions, context.key_positions, max_distance=self.max_distance,
+            scale=scale,
         )
 
-    def values(self, weights, query_positions, key_positions):
+    def values(self, weights, context: AttentionContext):
         if self.value_table is None:
             return None
-        return shaw_value_term(weights, self.value_table, query_positions, key_positions, max_distance=self.max_distance)
+        return shaw_value_term(
+            weights, self.value_table, context.query_positions, context.key_positions, max_distance=self.max_distance
+        )
+
+
+@register_encoding(
+    "shaw",
+    description="Learned vectors per clipped distance added to the keys (R_K) and to the values (R_V).",
+    source=SHAW,
+    small_settings=dict(max_distance=3),
+)
+@pytree_dataclass
+class ShawConfig(EncodingConfig):
+    """Shaw et al. tables ``[2k+1, H]`` (or per head ``[N, 2k+1, H]``) for keys and, optionally, values."""
+
+    max_distance: int = 16
+    value_term: bool = True
+    per_head: bool = False
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        check_max_distance(self.max_distance)
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        rows = 2 * self.max_distance + 1
+        shape = (num_heads, rows, head_dim) if self.per_head else (rows, head_dim)
+        k1, k2 = jax.random.split(key)
+        params = {"key_table": jax.random.normal(k1, shape, jnp.float32) * self.init_std}
+        if self.value_term:
+            params["value_table"] = jax.random.normal(k2, shape, jnp.float32) * self.init_std
+        return params
+
+    def build(self, params: dict) -> Shaw:
+        return Shaw(self.max_distance, params["key_table"], params.get("value_table"))

@@ -14,15 +14,16 @@ identity with the other sign (query minus key).
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar, Literal
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.parameter_free import ParameterFree
+from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
+from posenc_jax.functional.registry import register_encoding
+from posenc_jax.functional.sinusoidal import VASWANI
 
 __all__ = ["SinusoidalRelative", "sinusoidal_relative_logits"]
 
@@ -87,12 +88,18 @@ def sinusoidal_relative_logits(
     return jnp.einsum("BTNF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
 
 
-@dataclasses.dataclass(frozen=True)
+@register_encoding(
+    "functional-relative",
+    description="The query dotted with the sinusoidal table of j - i (seed 003's functional relative encoding).",
+    source=VASWANI,
+)
+@pytree_dataclass
 class SinusoidalRelative(ParameterFree):
     """Parameter-free functional relative encoding as a ``logits`` hook (seed 003).
 
     ``logits[t, s] = scale · q_t · PE(key_pos[s] - query_pos[t])`` with ``PE`` the
-    interleaved sinusoidal table of width H; ``scale`` defaults to ``1/√H``.
+    interleaved sinusoidal table of width H; ``scale`` defaults to the
+    attention's score scale (``1/√H`` unless set).
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -104,9 +111,8 @@ class SinusoidalRelative(ParameterFree):
 
     base: float = 10000.0
     scale: float | None = None
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
-    def logits(self, q, k, query_positions, key_positions):
-        scale = 1.0 / np.sqrt(q.shape[-1]) if self.scale is None else self.scale
-        term = sinusoidal_relative_logits(q, query_positions, key_positions, base=self.base)
+    def logits(self, q, k, context: AttentionContext):
+        scale = context.scale if self.scale is None else self.scale
+        term = sinusoidal_relative_logits(q, context.query_positions, context.key_positions, base=self.base)
         return term * jnp.float32(scale)

@@ -7,6 +7,10 @@ direction) get their own bucket, larger ones share log-spaced buckets up to
 Bidirectional buckets split the range between past and future keys; causal
 ones give every future key bucket 0.
 
+The hook follows the attention it is in: with ``bidirectional=None`` (the default) a
+causal attention uses T5's causal buckets and a bidirectional one the bidirectional
+buckets; an explicit setting wins.
+
 Fast path: buckets saturate past ``±max_distance``, so the bias has only
 ``2·max_distance + 1`` distinct values per head; they are computed once
 (``[N, 2M+1]``) and expanded by a gather. Compute the bias once per forward and
@@ -19,7 +23,6 @@ Unified Text-to-Text Transformer", JMLR 2020, arXiv:1910.10683
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import ClassVar
 
@@ -27,9 +30,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Placement,
+    parameter,
+    pytree_dataclass,
+)
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import expand_relative_bias
 
-__all__ = ["T5Bias", "t5_bias", "t5_relative_bucket"]
+__all__ = ["T5Bias", "T5Config", "t5_bias", "t5_relative_bucket"]
+
+T5 = Source.paper(
+    "raffel2020exploring", title="Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer",
+    authors="Raffel, Colin and Shazeer, Noam and Roberts, Adam and Lee, Katherine and Narang, Sharan and "
+            "Matena, Michael and Zhou, Yanqi and Li, Wei and Liu, Peter J.",
+    year=2020, arxiv="1910.10683", venue="Journal of Machine Learning Research",
+)
 
 
 def _check_bucket_config(num_buckets, max_distance, bidirectional):
@@ -117,9 +136,11 @@ def t5_bias(
     return expand_relative_bias(per_distance, query_positions, key_positions, max_distance)
 
 
-@dataclasses.dataclass(frozen=True)
-class T5Bias:
+@pytree_dataclass
+class T5Bias(BiasHook):
     """T5 relative bias as a ``logits`` hook; ``table`` ``[num_buckets, N]`` is a parameter.
+
+    ``bidirectional``: None follows the attention's ``causal``; True or False fixes the buckets.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -129,21 +150,44 @@ class T5Bias:
       (1, 4, 2, 8)
     """
 
-    table: jax.Array
-    bidirectional: bool = True
+    table: jax.Array = parameter()
+    bidirectional: bool | None = None
     max_distance: int = 128
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
     def __post_init__(self):
         if np.ndim(self.table) != 2:
             raise ValueError(f"table must have shape [num_buckets, N], got {np.shape(self.table)}")
-        _check_bucket_config(np.shape(self.table)[0], self.max_distance, self.bidirectional)
+        _check_bucket_config(np.shape(self.table)[0], self.max_distance, self.bidirectional is not False)
 
-    def bias(self, query_positions, key_positions, num_heads: int | None = None):
-        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers (``num_heads`` is fixed by the parameters)."""
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
         return t5_bias(
-            self.table, query_positions, key_positions, bidirectional=self.bidirectional, max_distance=self.max_distance
+            self.table, context.query_positions, context.key_positions,
+            bidirectional=context.bidirectional(self.bidirectional), max_distance=self.max_distance,
         )
 
-    def logits(self, q, k, query_positions, key_positions):
-        return self.bias(query_positions, key_positions)
+
+@register_encoding(
+    "t5",
+    description="A learned scalar per head and log-spaced bucket of the distance, shared by all layers.",
+    source=T5,
+    small_settings=dict(num_buckets=8, max_distance=16),
+)
+@pytree_dataclass
+class T5Config(EncodingConfig):
+    """T5 bucket table ``[num_buckets, N]``; ``bidirectional=None`` follows the attention."""
+
+    num_buckets: int = 32
+    max_distance: int = 128
+    bidirectional: bool | None = None
+    init_std: float = 0.02
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        _check_bucket_config(self.num_buckets, self.max_distance, self.bidirectional is not False)
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return {"table": jax.random.normal(key, (self.num_buckets, num_heads), jnp.float32) * self.init_std}
+
+    def build(self, params: dict) -> T5Bias:
+        return T5Bias(params["table"], bidirectional=self.bidirectional, max_distance=self.max_distance)

@@ -22,16 +22,22 @@ arXiv:1906.08237.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.sinusoidal_relative import sinusoidal_relative_logits
 
-__all__ = ["TransformerXL", "rel_shift", "transformer_xl_logits"]
+__all__ = ["TransformerXL", "TransformerXLConfig", "rel_shift", "transformer_xl_logits"]
+
+TRANSFORMER_XL = Source.paper(
+    "dai2019transformer", title="Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context",
+    authors="Dai, Zihang and Yang, Zhilin and Yang, Yiming and Carbonell, Jaime and Le, Quoc V. and "
+            "Salakhutdinov, Ruslan",
+    year=2019, arxiv="1901.02860",
+)
 
 
 def rel_shift(x: jax.Array) -> jax.Array:
@@ -113,7 +119,7 @@ def transformer_xl_logits(
     return (content + position) * jnp.float32(scale)
 
 
-@dataclasses.dataclass(frozen=True)
+@pytree_dataclass
 class TransformerXL:
     """Transformer-XL relative attention terms as a ``logits`` hook.
 
@@ -129,22 +135,49 @@ class TransformerXL:
       (1, 4, 2, 8)
     """
 
-    position_projection: jax.Array
-    content_bias: jax.Array
-    position_bias: jax.Array
+    position_projection: jax.Array = parameter()
+    content_bias: jax.Array = parameter()
+    position_bias: jax.Array = parameter()
     scale: float | None = None
     base: float = 10000.0
-    hooks: ClassVar[frozenset[str]] = frozenset({"logits"})
 
-    def logits(self, q, k, query_positions, key_positions):
+    def logits(self, q, k, context: AttentionContext):
         return transformer_xl_logits(
             q,
             k,
-            query_positions,
-            key_positions,
+            context.query_positions,
+            context.key_positions,
             position_projection=self.position_projection,
             content_bias=self.content_bias,
             position_bias=self.position_bias,
-            scale=self.scale,
+            scale=context.scale if self.scale is None else self.scale,
             base=self.base,
+        )
+
+
+@register_encoding(
+    "transformer-xl",
+    description="Relative sinusoids of i - j projected per head, with global content and position biases u, v.",
+    source=TRANSFORMER_XL,
+)
+@pytree_dataclass
+class TransformerXLConfig(EncodingConfig):
+    """Transformer-XL: ``W_R`` ``[D, N, H]`` (D = model dim by default), ``u``, ``v`` ``[N, H]`` at zero."""
+
+    sinusoid_dim: int | None = None
+    base: float = 10000.0
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        dim = self.sinusoid_dim or model_dim
+        if dim % 2:
+            raise ValueError(f"the Transformer-XL sinusoid width must be even, got {dim}")
+        return {
+            "position_projection": jax.random.normal(key, (dim, num_heads, head_dim), jnp.float32) / np.sqrt(dim),
+            "content_bias": jnp.zeros((num_heads, head_dim)),
+            "position_bias": jnp.zeros((num_heads, head_dim)),
+        }
+
+    def build(self, params: dict) -> TransformerXL:
+        return TransformerXL(
+            params["position_projection"], params["content_bias"], params["position_bias"], base=self.base
         )

@@ -16,17 +16,23 @@ arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
 from __future__ import annotations
 
 import dataclasses
-from typing import ClassVar
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.parameter_free import ParameterFree
+from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
 from posenc_jax.functional.positions import batched_positions, check_positions
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.rope import Layout, _check_head, _check_layout, _rotate, rope_inverse_frequencies, rope_tables
 
 __all__ = ["XPos", "apply_xpos_qk", "xpos_decay_bases"]
+
+XPOS = Source.paper(
+    "sun2022length", title="A Length-Extrapolatable Transformer",
+    authors="Sun, Yutao and Dong, Li and Patra, Barun and Ma, Shuming and Huang, Shaohan and Benhaim, Alon and "
+            "Chaudhary, Vishrav and Song, Xia and Wei, Furu",
+    year=2022, arxiv="2212.10554",
+)
 
 
 def xpos_decay_bases(rotary_dim: int, *, gamma: float = 0.4) -> np.ndarray:
@@ -83,7 +89,13 @@ def apply_xpos_qk(
     return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)
 
 
-@dataclasses.dataclass(frozen=True)
+@register_encoding(
+    "xpos",
+    description="RoPE with a per-frequency exponential decay of the scores with distance.",
+    source=XPOS,
+    forms=("causal",),
+)
+@pytree_dataclass
 class XPos(ParameterFree):
     """xPos as a ``rotate`` hook (causal use, as in the paper).
 
@@ -99,15 +111,14 @@ class XPos(ParameterFree):
     scale_base: float = 512.0
     gamma: float = 0.4
     layout: Layout = "interleaved"
-    hooks: ClassVar[frozenset[str]] = frozenset({"rotate"})
 
     def __post_init__(self):
         _check_layout(self.layout)
         if not self.scale_base > 0 or not self.gamma > 0:
             raise ValueError(f"scale_base and gamma must be > 0, got {self.scale_base}, {self.gamma}")
 
-    def rotate(self, q, k, query_positions, key_positions):
+    def rotate(self, q, k, context: AttentionContext):
         return apply_xpos_qk(
-            q, k, query_positions, key_positions, base=self.base, scale_base=self.scale_base,
+            q, k, context.query_positions, context.key_positions, base=self.base, scale_base=self.scale_base,
             gamma=self.gamma, layout=self.layout,
         )

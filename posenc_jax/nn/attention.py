@@ -11,67 +11,18 @@ included), so a step compiles once and runs for any position.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from posenc_jax.functional.attention import dot_product_attention, softmax_weights
+from posenc_jax.functional.cache import EMPTY_POSITION, KVCache
+from posenc_jax.functional.hooks import EncodingConfig, Normalize
 from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.nn.encoding import PositionEncoding
 
 __all__ = ["KVCache", "MultiHeadAttention"]
-
-# Empty cache slots sit at this position: after every real query, so the causal
-# mask (and every encoding's notion of "future") hides them.
-EMPTY_POSITION = 2**30
-
-
-class KVCache(NamedTuple):
-    """Keys and values decoded so far: ``key``/``value`` ``[B, L, K, H]``, ``positions`` ``[B, L]``,
-    ``length`` (int32 scalar): the slots ``0..length-1`` are filled."""
-
-    key: jax.Array
-    value: jax.Array
-    positions: jax.Array
-    length: jax.Array
-
-    @classmethod
-    def empty(cls, batch: int, max_length: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> "KVCache":
-        shape = (batch, max_length, num_kv_heads, head_dim)
-        return cls(
-            jnp.zeros(shape, dtype),
-            jnp.zeros(shape, dtype),
-            jnp.full((batch, max_length), EMPTY_POSITION, jnp.int32),
-            jnp.zeros((), jnp.int32),
-        )
-
-    def append(self, key: jax.Array, value: jax.Array, positions: jax.Array) -> "KVCache":
-        """Writes ``[B, T, K, H]`` keys/values at positions ``[B, T]`` into the next T slots.
-
-        Overflowing the cache is an error (raised at once for a concrete length, or when
-        the computation runs under jit), never a silent overwrite.
-        """
-        capacity, new = self.key.shape[1], key.shape[1]
-
-        def check(length):
-            if int(length) + new > capacity:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens; {int(length)} are filled and {new} more do not fit: "
-                    f"make it larger with init_cache(batch, max_length)"
-                )
-
-        try:
-            check(np.asarray(self.length))
-        except jax.errors.TracerArrayConversionError:
-            jax.debug.callback(check, self.length)
-        update = lambda buffer, new: jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), self.length, axis=1)
-        return KVCache(
-            update(self.key, key), update(self.value, value), update(self.positions, positions), self.length + key.shape[1]
-        )
-
 
 class MultiHeadAttention(nnx.Module):
     """Multi-head (grouped-query) attention composing any encodings.
@@ -121,13 +72,15 @@ class MultiHeadAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         if isinstance(normalizer, str):
             normalizer = normalizer_config(normalizer)
-        if hasattr(normalizer, "init") and hasattr(normalizer, "build"):
+        if isinstance(normalizer, EncodingConfig):
             self.normalizer = None
             self.normalizer_params = PositionEncoding(
                 normalizer, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs
             )
         else:
-            self.normalizer = normalizer
+            # A built hook with arrays (e.g. a fixed URPE table) is data of the module, not a static setting.
+            has_arrays = isinstance(normalizer, Normalize) and jax.tree.leaves(normalizer)
+            self.normalizer = nnx.data(normalizer) if has_arrays else normalizer
             self.normalizer_params = None
         self.dropout_rate = dropout_rate
         self.query = nnx.Linear(model_dim, num_heads * head_dim, use_bias=use_bias, rngs=rngs)
@@ -138,9 +91,10 @@ class MultiHeadAttention(nnx.Module):
             [PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs) for e in encodings]
         )
         for module in self.encodings:
-            if module.is_absolute:
+            if module.acts_on not in ("attention", "shared_bias"):
                 raise ValueError(
-                    f"{type(module()).__name__} acts on token embeddings; give it to the Transformer, not the attention"
+                    f"{type(module.config).__name__} acts on the {module.acts_on}, not in attention; give it to the "
+                    f"Transformer, not the attention"
                 )
         self.dropout_rngs = rngs if dropout_rate > 0 else None
 
@@ -192,14 +146,6 @@ class MultiHeadAttention(nnx.Module):
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
         encodings = [module() for module in self.encodings] + list(shared)
-        if cache is not None:
-            for encoding in encodings:
-                if not getattr(encoding, "decodable", True):
-                    raise ValueError(
-                        f"{encoding!r} recomputes its frequencies from the sequence length, so keys cached at "
-                        f"one length do not match queries at another; run the full sequence instead of a KV "
-                        f"cache, or use a fixed scaling (e.g. rope-yarn)"
-                    )
         use_dropout = self.dropout_rate > 0 and not deterministic
         out = dot_product_attention(
             q,

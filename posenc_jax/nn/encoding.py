@@ -1,8 +1,8 @@
 """A Flax NNX module that holds one encoding's parameters.
 
-Every registered encoding config (see :mod:`posenc_jax.functional.registry`) says
-how to make its parameters (``init``) and how to turn them into a hook object
-(``build``). :class:`PositionEncoding` stores those parameters as ``nnx.Param``
+Every encoding config (an :class:`~posenc_jax.functional.hooks.EncodingConfig`, see
+:mod:`posenc_jax.functional.registry`) says how to make its parameters (``init``),
+how to turn them into a hook object (``build``), and where it acts (``acts_on``). :class:`PositionEncoding` stores those parameters as ``nnx.Param``
 and, when called, returns the hook built from their current values. Parameter-free
 encodings hold nothing and return themselves.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
+from posenc_jax.functional.hooks import EncodingConfig
 from posenc_jax.functional.registry import encoding_config
 
 __all__ = ["PositionEncoding", "resolve_config"]
@@ -21,9 +22,10 @@ def resolve_config(encoding):
     """A config from a registered name (``"t5"``) or a config object (returned as is)."""
     if isinstance(encoding, str):
         return encoding_config(encoding)
-    if not (hasattr(encoding, "init") and hasattr(encoding, "build")):
+    if not isinstance(encoding, EncodingConfig):
         raise ValueError(
-            f"an encoding must be a registered name or a config with init() and build(), got {encoding!r}"
+            f"an encoding must be a registered name or an EncodingConfig (e.g. encoding_config('t5')), "
+            f"got {encoding!r}"
         )
     return encoding
 
@@ -52,13 +54,9 @@ class PositionEncoding(nnx.Module):
             setattr(self, name, nnx.Param(params[name]))
 
     @property
-    def shares_bias(self) -> bool:
-        return bool(getattr(self.config, "shares_bias", False))
-
-    @property
-    def is_absolute(self) -> bool:
-        """Whether it acts on token embeddings (the ``embed`` hook) rather than in attention."""
-        return hasattr(self(), "embed")
+    def acts_on(self) -> str:
+        """Where the encoding acts (its config's ``acts_on``)."""
+        return self.config.acts_on
 
     def __call__(self):
         return self.config.build({name: getattr(self, name)[...] for name in self.param_names})

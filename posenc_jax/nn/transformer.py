@@ -1,14 +1,18 @@
 """A small pre-LN Transformer with any positional encoding (encoder or causal decoder).
 
 The model the benchmarks and Colabs train. Encodings are given by name or config
-and placed where they act:
+and placed where their config's ``acts_on`` says:
 
-* absolute ones (sinusoidal, learned, NoPE) add to the token embeddings;
-* biases that depend only on positions (T5, ALiBi, Kerple, FIRE, the clipped
-  bias; ``shares_bias``) have one set of parameters for the whole model and are
-  computed once per forward, then added by every layer;
-* the rest (RoPE family, xPos, Shaw, Transformer-XL, DeBERTa, CoPE, ...) live in
+* ``"positions"`` (randomized positions) replace the positions every other encoding sees;
+* ``"embeddings"`` (sinusoidal, learned, NoPE) add to the token embeddings;
+* ``"shared_bias"`` (T5, ALiBi, Kerple, FIRE, Sandwich, the clipped bias) have one set
+  of parameters for the whole model and are computed once per forward, then added by
+  every layer;
+* ``"attention"`` (RoPE family, xPos, Shaw, Transformer-XL, DeBERTa, CoPE, ...) live in
   each layer's attention with their own parameters.
+
+Encodings with a causal and a bidirectional form (T5, ALiBi) take the model's
+``causal`` unless their config sets a direction.
 
 Positions are explicit: ``model(tokens, positions)``. Decoding: ``init_cache`` then
 ``decode(tokens, positions, cache)`` for the prompt and for each new token.
@@ -23,7 +27,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import SharedBias, softmax_weights
-from posenc_jax.nn.attention import EMPTY_POSITION, KVCache, MultiHeadAttention
+from posenc_jax.functional.cache import EMPTY_POSITION, KVCache
+from posenc_jax.functional.hooks import AttentionContext
+from posenc_jax.functional.positions import check_positions
+from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
 __all__ = ["Block", "Transformer"]
@@ -108,7 +115,8 @@ class Transformer(nnx.Module):
         dropout_rate: float = 0.0,
         rngs: nnx.Rngs,
     ):
-        configs = [resolve_config(e) for e in ([encoding] if isinstance(encoding, str) or hasattr(encoding, "build") else encoding)]
+        specs = [encoding] if isinstance(encoding, str) or not isinstance(encoding, Sequence) else encoding
+        configs = [resolve_config(e) for e in specs]
         if model_dim % num_heads:
             raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
         head_dim = model_dim // num_heads
@@ -116,17 +124,14 @@ class Transformer(nnx.Module):
         self.causal = causal
         self.num_heads = num_heads
         self.embed = nnx.Embed(vocab_size, model_dim, rngs=rngs)
-        absolute, shared, per_layer = [], [], []
-        for config in configs:
-            probe = config.build(config.init(jax.random.key(0), **sizes))
-            if hasattr(probe, "embed"):
-                absolute.append(config)
-            elif getattr(config, "shares_bias", False):
-                shared.append(config)
-            else:
-                per_layer.append(config)
-        self.absolute = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in absolute])
-        self.shared = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in shared])
+        placed = {place: [c for c in configs if c.acts_on == place] for place in ("positions", "embeddings", "shared_bias")}
+        per_layer = [c for c in configs if c.acts_on not in placed]
+        self.position_samplers = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in placed["positions"]])
+        # Sampled positions draw from their own stream, so they never shift the parameters' or dropout's keys.
+        self.position_rngs = nnx.Rngs(rngs.params()) if placed["positions"] else None
+        self.absolute = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in placed["embeddings"]])
+        self.shared = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in placed["shared_bias"]])
+        self.length_dependent = any(c.length_dependent for c in per_layer)
         self.blocks = nnx.List(
             [
                 Block(model_dim, num_heads, mlp_dim, num_kv_heads=num_kv_heads, encodings=per_layer,
@@ -139,14 +144,20 @@ class Transformer(nnx.Module):
         self.dropout = _dropout(dropout_rate, rngs)
 
     def _run(self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions):
+        for module in self.position_samplers:
+            positions = module().sample(self.position_rngs.default(), positions, train=not deterministic)
+            key_positions = positions
         x = self.embed(tokens)
         for module in self.absolute:
             x = module().embed(x, positions)
         x = self.dropout(x, deterministic=deterministic)
         # Position-only biases: computed once for this forward, added by every layer.
-        shared = [
-            SharedBias(module().bias(positions, key_positions, num_heads=self.num_heads)) for module in self.shared
-        ]
+        head_dim = x.shape[-1] // self.num_heads
+        context = AttentionContext(
+            query_positions=positions, key_positions=key_positions, scale=float(head_dim) ** -0.5,
+            head_dim=head_dim, num_heads=self.num_heads, causal=self.causal, key_length=key_positions.shape[-1],
+        )
+        shared = [SharedBias(module().bias(context)) for module in self.shared]
         new_caches = []
         for i, block in enumerate(self.blocks):
             x, cache = block(
@@ -159,6 +170,7 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens, positions, *, key_mask=None, segment_ids=None, deterministic: bool = True):
         """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``."""
+        positions = check_positions(positions)
         logits, _ = self._run(
             tokens, positions, key_mask=key_mask, segment_ids=segment_ids, caches=None,
             deterministic=deterministic, key_positions=positions,
@@ -185,6 +197,18 @@ class Transformer(nnx.Module):
         """
         if not self.causal:
             raise ValueError("this Transformer is a bidirectional encoder; only a causal decoder can decode step by step")
+        if len(self.position_samplers):
+            raise ValueError(
+                "randomized positions are sampled afresh at every call, so cached keys and new queries would "
+                "not share one sample; evaluate with the full forward pass instead of a KV cache"
+            )
+        if self.length_dependent and len(self.blocks) > 1:
+            raise ValueError(
+                "this model's RoPE scaling follows the sequence length (max position + 1), so every earlier "
+                "token's hidden state after the first layer changes as the sequence grows, and a cache of them "
+                "goes stale: run the full sequence instead of a KV cache (a single attention layer, or a "
+                "one-layer model, does decode exactly), or use a fixed scaling such as rope-yarn"
+            )
         positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape)
         stored = positions if key_mask is None else jnp.where(key_mask, positions, EMPTY_POSITION)
         # Keys' positions after this call's append (as every layer stores them), for the shared biases.

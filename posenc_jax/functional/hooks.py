@@ -1,0 +1,247 @@
+"""The encoding contract: the hooks an encoding fills and the context every hook receives.
+
+An encoding is defined by where it acts. It fills one or more of these hooks, each a
+:class:`typing.Protocol`, and :func:`posenc_jax.functional.dot_product_attention`
+composes whatever it is given:
+
+==============  ===========================================  ==================================
+hook            signature                                    encodings
+==============  ===========================================  ==================================
+``embed``       ``embed(x, positions) -> x``                 sinusoidal, learned absolute, NoPE
+``rotate``      ``rotate(q, k, context) -> (q, k)``          RoPE and its scalings, xPos, axial
+``logits``      ``logits(q, k, context) -> [B,N,T,S]``       T5, ALiBi, Kerple, FIRE, Shaw, ...
+``values``      ``values(weights, context) -> [B,T,N,H]``    Shaw's R_V
+``normalize``   ``normalize(scores, mask, context)``         softmax, L2, relu²/n, URPE
+==============  ===========================================  ==================================
+
+Two more protocols say how a hook may be used: a :class:`PositionBias` is a ``logits``
+term that depends on positions alone (``bias(context)``), so a model computes it once per
+forward and shares it across layers; a :class:`ScoreScale` prescribes the content-score
+scale (DeBERTa's ``1/√(3H)``).
+
+Every attention hook receives one :class:`AttentionContext`: the query and key positions,
+the score scale, the head dim and head count, whether the attention is causal, and the
+key length. An encoding reads what it needs there (a term that shares the score scale
+reads ``context.scale``; an encoding with a causal and a bidirectional form follows
+``context.causal`` unless told otherwise); nothing rewrites an encoding's fields.
+
+Hooks and configs are frozen dataclasses registered as pytrees with
+:func:`pytree_dataclass`: fields made with :func:`parameter` are leaves (arrays that
+``jax.jit``, ``jax.vmap`` and ``jax.grad`` see), every other field is a static setting.
+A built hook can therefore be an argument of a transformed function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import jax
+
+__all__ = [
+    "AttentionContext",
+    "BiasHook",
+    "Embed",
+    "EncodingConfig",
+    "Logits",
+    "Normalize",
+    "ParameterFree",
+    "Placement",
+    "PositionBias",
+    "PositionSampler",
+    "Rotate",
+    "ScoreScale",
+    "Values",
+    "hook_names",
+    "parameter",
+    "pytree_dataclass",
+]
+
+Placement = Literal["embeddings", "positions", "attention", "shared_bias", "normalizer"]
+PLACEMENTS: tuple[str, ...] = ("embeddings", "positions", "attention", "shared_bias", "normalizer")
+
+
+def parameter(**kwargs) -> Any:
+    """A dataclass field holding a parameter: a pytree leaf (or subtree) of the hook."""
+    return dataclasses.field(metadata={"parameter": True}, **kwargs)
+
+
+def pytree_dataclass(cls):
+    """Makes ``cls`` a frozen dataclass registered as a pytree.
+
+    Fields declared with :func:`parameter` are the children; the others are static
+    auxiliary data (hashable settings). Unflattening bypasses ``__init__``, so the
+    checks in ``__post_init__`` run when a user builds the object, not when JAX rebuilds
+    it around tracers or placeholder leaves.
+    """
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if f.metadata.get("parameter"))
+    meta = tuple(f.name for f in fields if not f.metadata.get("parameter"))
+
+    def flatten_with_keys(obj):
+        children = [(jax.tree_util.GetAttrKey(name), getattr(obj, name)) for name in data]
+        return children, tuple(getattr(obj, name) for name in meta)
+
+    def flatten(obj):
+        return [getattr(obj, name) for name in data], tuple(getattr(obj, name) for name in meta)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in zip(meta, aux):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(data, children):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+@pytree_dataclass
+class AttentionContext:
+    """What one attention call tells every hook.
+
+    Attributes:
+      query_positions: int32 ``[T]`` or ``[B, T]``.
+      key_positions: int32 ``[S]`` or ``[B, S]`` (the same object as ``query_positions``
+        in self-attention, so tables computed from positions are computed once).
+      scale: the content-score scale of this call (explicit, prescribed by an
+        encoding, or ``1/√H``); terms bilinear in q read it.
+      head_dim: H.
+      num_heads: N, the number of query heads.
+      causal: whether keys after the query (by position) are masked.
+      key_length: S, the number of keys of this call.
+    """
+
+    query_positions: jax.Array = parameter()
+    key_positions: jax.Array = parameter()
+    scale: float = 1.0
+    head_dim: int = 0
+    num_heads: int = 0
+    causal: bool = False
+    key_length: int = 0
+
+    def bidirectional(self, setting: bool | None) -> bool:
+        """An encoding's direction: its explicit ``setting``, else the attention's (not causal)."""
+        return (not self.causal) if setting is None else bool(setting)
+
+
+@runtime_checkable
+class Embed(Protocol):
+    """Adds position information to token embeddings ``x`` ``[..., T, D]`` before the first layer."""
+
+    def embed(self, x: jax.Array, positions: jax.Array) -> jax.Array: ...
+
+
+@runtime_checkable
+class PositionSampler(Protocol):
+    """Replaces the positions themselves (randomized positions) before any other encoding sees them."""
+
+    def sample(self, key: jax.Array, positions: jax.Array, *, train: bool) -> jax.Array: ...
+
+
+@runtime_checkable
+class Rotate(Protocol):
+    """Transforms queries ``[B, T, N, H]`` and keys ``[B, S, K, H]`` (RoPE family, xPos)."""
+
+    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
+
+
+@runtime_checkable
+class Logits(Protocol):
+    """A term added to the scaled ``[B, N, T, S]`` scores (float32, broadcastable), or None."""
+
+    def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class PositionBias(Protocol):
+    """A ``logits`` term that depends on positions alone: computed once per forward, shared by layers."""
+
+    def bias(self, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class Values(Protocol):
+    """A ``[B, T, N, H]`` term added to the attention output, from the ``[B, N, T, S]`` weights, or None."""
+
+    def values(self, weights: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class Normalize(Protocol):
+    """Turns float32 scores ``[B, N, T, S]`` and a boolean mask (or None) into weights."""
+
+    def normalize(self, scores: jax.Array, mask: jax.Array | None, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class ScoreScale(Protocol):
+    """Prescribes the content-score scale for a head dim (DeBERTa: ``1/√(3H)``)."""
+
+    def score_scale(self, head_dim: int) -> float: ...
+
+
+_HOOKS = {"embed": Embed, "rotate": Rotate, "logits": Logits, "values": Values, "normalize": Normalize,
+          "sample": PositionSampler}
+ATTENTION_HOOKS: tuple[str, ...] = ("rotate", "logits", "values")
+
+
+def hook_names(hook) -> tuple[str, ...]:
+    """The hooks ``hook`` fills, in the order of the design's table.
+
+    Example:
+      >>> from posenc_jax.functional import RoPE
+      >>> hook_names(RoPE())
+      ('rotate',)
+    """
+    return tuple(name for name, protocol in _HOOKS.items() if isinstance(hook, protocol))
+
+
+class EncodingConfig:
+    """Base of every registered encoding's configuration (a frozen dataclass of settings).
+
+    ``acts_on`` says where the encoding acts, so a model places it without building it:
+    ``"embeddings"`` (added to token embeddings), ``"positions"`` (replaces the positions),
+    ``"attention"`` (hooks inside each layer's attention, with that layer's parameters),
+    ``"shared_bias"`` (a position-only bias with one set of parameters, computed once per
+    forward for all layers) or ``"normalizer"``.
+    """
+
+    acts_on: ClassVar[Placement] = "attention"
+
+    def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        """The encoding's parameters (a dict of arrays; empty when it has none)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define init()")
+
+    def build(self, params: dict):
+        """The hook object made from ``params``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define build()")
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the encoding reads the sequence length (``max(position) + 1``): dynamic NTK, LongRoPE."""
+        return False
+
+    def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> EncodingConfig:
+        """This config sized for a model trained on ``train_length`` tokens and tested up to
+        ``max_length`` (tables long enough, scalings' factors); most encodings need nothing."""
+        return self
+
+
+class ParameterFree(EncodingConfig):
+    """Base of encodings without parameters: each is its own config (``build`` returns it)."""
+
+    def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return {}
+
+    def build(self, params: dict):
+        return self
+
+
+class BiasHook:
+    """Mixin for :class:`PositionBias` encodings: the ``logits`` term is ``bias(context)``."""
+
+    def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        return self.bias(context)

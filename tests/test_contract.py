@@ -1,0 +1,243 @@
+"""The encoding contract: metadata for every name, hooks as pytrees, defaults that follow the model,
+and a new encoding added in one place."""
+
+import re
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posenc_jax.functional import (
+    ALiBi,
+    AttentionContext,
+    BiasHook,
+    T5Config,
+    dot_product_attention,
+    encoding_config,
+    encoding_info,
+    encoding_names,
+    normalizer_config,
+    pytree_dataclass,
+    register_encoding,
+)
+from posenc_jax.functional import registry
+from posenc_jax.functional.hooks import PLACEMENTS, ParameterFree, Placement
+from posenc_jax.functional.rope_scaling import DynamicNTKScaling, LongRoPEScaling
+from posenc_jax.functional.rope import RoPE, apply_rope
+from posenc_jax.nn import Transformer
+from small_encodings import small_config
+
+B, T, N, H = 2, 6, 2, 8
+_PLACED_HOOKS = {"embeddings": {"embed"}, "positions": {"sample"}, "attention": {"rotate", "logits", "values"},
+                 "shared_bias": {"logits"}, "normalizer": {"normalize"}}
+
+
+def _normal(rng, shape):
+    return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+
+@pytest.mark.parametrize("name", encoding_names())
+def test_every_encoding_has_metadata(name):
+    info = encoding_info(name)
+    assert info.name == name and len(info.description) > 20 and "\n" not in info.description
+    assert info.acts_on in PLACEMENTS
+    assert set(info.hooks) <= _PLACED_HOOKS[info.acts_on]
+    assert info.hooks or name == "nope"  # only NoPE fills nothing
+    assert info.forms and set(info.forms) <= {"causal", "bidirectional"}
+    source = info.source
+    assert source.title and source.authors and 2015 <= source.year <= 2026
+    assert re.fullmatch(r"\d{4}\.\d{5}", source.arxiv)
+    assert source.bibtex.startswith("@article{") and source.bibtex.count("{") == source.bibtex.count("}")
+    assert source.arxiv in source.bibtex and str(source.year) in source.bibtex
+    # The settings it lists are the ones its config takes, and nothing else is taken.
+    config = encoding_config(name, **info.small_settings)
+    assert config.acts_on == info.acts_on
+    with pytest.raises(ValueError, match=re.escape(f"its settings are {list(info.settings)}")):
+        encoding_config(name, not_a_setting=1)
+
+
+def test_bad_settings_name_the_real_settings():
+    with pytest.raises(ValueError, match=r"bad settings \['kw'\] for encoding 'kerple-log'; its settings are \['eps'\]"):
+        encoding_config("kerple-log", kw=1.0)
+    with pytest.raises(ValueError, match="known encodings: alibi"):
+        encoding_info("no-such-encoding")
+
+
+def _built(name, rng_seed=0):
+    config = small_config(name)
+    return config.build(config.init(jax.random.key(rng_seed), num_heads=N, head_dim=H, model_dim=N * H))
+
+
+def _run_hook(hook, acts_on, x, q, k, v, positions):
+    """What the hook computes, as a float array, for an argument of a transformed function."""
+    if acts_on == "embeddings":
+        return hook.embed(x, positions)
+    if acts_on == "normalizer":
+        return dot_product_attention(q, k, v, query_positions=positions, key_positions=positions, normalizer=hook)
+    return dot_product_attention(q, k, v, query_positions=positions, key_positions=positions, encodings=[hook],
+                                 causal=True)
+
+
+_HOOK_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on != "positions"] + ["urpe"]
+
+
+def _hook_and_placement(name):
+    if name == "urpe":
+        config = normalizer_config("urpe")
+        return config.build(config.init(jax.random.key(0), num_heads=N, head_dim=H, model_dim=N * H)), "normalizer"
+    return _built(name), encoding_info(name).acts_on
+
+
+@pytest.mark.parametrize("name", _HOOK_NAMES)
+def test_built_hooks_pass_through_jit_vmap_and_grad(rng, name):
+    hook, acts_on = _hook_and_placement(name)
+    x = _normal(rng, (B, T, N * H))
+    q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
+    positions = jnp.arange(T)
+
+    def f(hook, x, q):
+        return _run_hook(hook, acts_on, x, q, k, v, positions)
+
+    eager = f(hook, x, q)
+    np.testing.assert_allclose(jax.jit(f)(hook, x, q), eager, atol=1e-5, rtol=1e-5)
+
+    # vmap over two copies of the hook whose parameters differ (the second scaled by 0.5).
+    leaves = jax.tree.leaves(hook)
+    stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), hook)
+    halved = jax.tree.map(lambda a: a * 0.5, hook)
+    both = jax.vmap(f, in_axes=(0, None, 0))(stacked, x, jnp.stack([q, q]))  # q mapped too: some hooks have no leaves
+    np.testing.assert_allclose(both[0], eager, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(both[1], f(halved, x, q), atol=1e-5, rtol=1e-5)
+
+    # grad with respect to the hook: a hook-shaped tree of finite gradients, not all zero when learned.
+    grads = jax.grad(lambda h: jnp.sum(jnp.sin(f(h, x, q))))(hook)
+    assert jax.tree.structure(grads) == jax.tree.structure(hook)
+    grad_leaves = jax.tree.leaves(grads)
+    assert all(bool(jnp.isfinite(g).all()) for g in grad_leaves)
+    if leaves:
+        assert any(float(jnp.abs(g).max()) > 0 for g in grad_leaves)
+
+
+def test_position_sampler_passes_through_jit_and_vmap():
+    hook = _built("randomized")
+    positions = jnp.arange(T)
+    sample = jax.jit(lambda h, key: h.sample(key, positions, train=True))
+    keys = jax.random.split(jax.random.key(0), 3)
+    batch = jax.vmap(lambda key: sample(hook, key))(keys)
+    assert batch.shape == (3, 1, T)
+    np.testing.assert_array_equal(batch[1], sample(hook, keys[1]))
+    assert bool((jnp.diff(batch, axis=-1) > 0).all()) and int(batch.max()) < hook.max_length
+
+
+# -- defaults that follow the model ---------------------------------------------------------------
+
+
+def _model(encoding, causal):
+    return Transformer(vocab_size=16, model_dim=N * H, num_layers=1, num_heads=N, mlp_dim=32, encoding=encoding,
+                       causal=causal, rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize(
+    "default, forms",
+    [("alibi", (ALiBi(bidirectional=True), ALiBi(bidirectional=False))),
+     ("t5", (T5Config(bidirectional=True), T5Config(bidirectional=False)))],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
+def test_two_form_encodings_follow_the_model(rng, default, forms, causal):
+    length = 40  # past T5's exact buckets, where its two forms part
+    tokens = jnp.asarray(rng.integers(0, 16, (B, length)), jnp.int32)
+    positions = jnp.arange(length)
+    out = _model(default, causal)(tokens, positions)
+    bidirectional, unidirectional = (_model(form, causal)(tokens, positions) for form in forms)
+    follows, other = (bidirectional, unidirectional) if not causal else (unidirectional, bidirectional)
+    np.testing.assert_allclose(out, follows, atol=1e-6)
+    if not (default == "alibi" and causal):  # on past keys ALiBi's two forms are the same bias
+        assert np.abs(np.asarray(out - other)).max() > 1e-4
+
+
+def test_an_explicit_direction_wins(rng):
+    q, k, v = (_normal(rng, (B, T, N, H)) for _ in range(3))
+    pos = jnp.arange(T)
+
+    def attend(enc, causal):
+        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[enc], causal=causal)
+
+    np.testing.assert_allclose(attend(ALiBi(), False), attend(ALiBi(bidirectional=True), False), atol=1e-6)
+    np.testing.assert_allclose(attend(ALiBi(), True), attend(ALiBi(bidirectional=False), True), atol=1e-6)
+    # A bidirectional attention given the causal form explicitly keeps it.
+    assert np.abs(np.asarray(attend(ALiBi(bidirectional=False), False) - attend(ALiBi(), False))).max() > 1e-4
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [DynamicNTKScaling(factor=4.0, original_context=2048),
+     LongRoPEScaling(short_factor=(1.0,) * 8, long_factor=(4.0,) * 8, original_context=2048, max_context=8192)],
+    ids=["dynamic-ntk", "longrope"],
+)
+def test_length_dependent_scalings_take_the_length_from_positions(rng, scaling):
+    rope = RoPE(scaling=scaling)
+    q = _normal(rng, (1, 100, 2, 16))
+
+    def rotated(positions):
+        context = AttentionContext(query_positions=positions, key_positions=positions)
+        return jax.jit(rope.rotate)(q, q, context)[0]
+
+    # A window of 100 positions at 2500-2599 is a sequence of 2600 tokens: scaled frequencies.
+    window = jnp.arange(2500, 2600)
+    factor = scaling.attention_factor(None)  # LongRoPE's depends on its fixed context ratio alone
+    want = apply_rope(q, window, inverse_frequency=scaling.inverse_frequencies(16, 10000.0, 2600),
+                      attention_factor=factor)
+    np.testing.assert_allclose(rotated(window), want, atol=2e-3)
+    assert np.abs(np.asarray(rotated(window) - apply_rope(q, window, attention_factor=factor))).max() > 0.1
+    # Packed sequences of 50 tokens each (positions restart at 0) stay unscaled, however many keys.
+    packed = jnp.concatenate([jnp.arange(50), jnp.arange(50)])
+    np.testing.assert_allclose(rotated(packed), apply_rope(q, packed, attention_factor=factor), atol=1e-5)
+
+
+# -- a new encoding in one place ------------------------------------------------------------------
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made in the test go to a copy of the registry, dropped afterwards."""
+    monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    yield
+    encoding_info.cache_clear()
+
+
+def test_a_new_encoding_is_one_registered_class(rng, scratch_registry):
+    @register_encoding(
+        "test-window",
+        description="A parameter-free bias that forbids nothing but prefers keys within a window.",
+        source=registry.Source.paper("test", title="A test encoding", authors="Nobody", year=2024,
+                                     arxiv="2401.00001"),
+        small_settings=dict(window=2),
+    )
+    @pytree_dataclass
+    class WindowBias(BiasHook, ParameterFree):
+        window: int = 4
+        acts_on: ClassVar[Placement] = "shared_bias"
+
+        def bias(self, context):
+            distance = jnp.abs(context.key_positions[None, :] - context.query_positions[:, None])
+            return jnp.where(distance <= self.window, 0.0, -1.0)[None, None].astype(jnp.float32)
+
+    info = encoding_info("test-window")
+    assert (info.acts_on, info.hooks, info.settings) == ("shared_bias", ("logits",), ("window",))
+    assert "test-window" in encoding_names()
+    model = _model("test-window", causal=True)
+    tokens = jnp.asarray(rng.integers(0, 16, (B, T)), jnp.int32)
+    out = nnx.jit(lambda m, t: m(t, jnp.arange(T)))(model, tokens)
+    assert out.shape == (B, T, 16) and bool(jnp.isfinite(out).all())
+    # The model computed it once and shared it: the same as the attention given the hook directly.
+    mha = model.blocks[0].attention
+    x = model.blocks[0].attention_norm(model.embed(tokens))
+    direct = dot_product_attention(
+        *(getattr(mha, name)(x).reshape(B, T, N, H) for name in ("query", "key", "value")),
+        query_positions=jnp.arange(T), key_positions=jnp.arange(T), encodings=[WindowBias()], causal=True,
+    )
+    via_model = mha(x, jnp.arange(T), causal=True, shared=[WindowBias()])
+    np.testing.assert_allclose(mha.out(direct.reshape(B, T, N * H)), via_model, atol=1e-5)
