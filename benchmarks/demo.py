@@ -36,20 +36,28 @@ from posenc_jax.reference import d2l_positional_encoding, su_rope
 
 def _sinusoidal(out: pathlib.Path) -> None:
     table = np.asarray(sinusoidal_encoding(jnp.arange(1000), 32), np.float64)
-    print(f"[1] sinusoidal vs d2l table (1000 x 32): max |diff| = {np.abs(table - d2l_positional_encoding(1000, 32)).max():.2e}")
+    print(
+        "[1] sinusoidal vs d2l table (1000 x 32): max |diff| = "
+        f"{np.abs(table - d2l_positional_encoding(1000, 32)).max():.2e}"
+    )
     k = 7
     w = np.power(10000.0, -np.arange(0, 32, 2) / 32)
     shifted = np.empty_like(table[:-k])
     sin_t, cos_t = table[:-k, 0::2], table[:-k, 1::2]
     shifted[:, 0::2] = np.cos(k * w) * sin_t + np.sin(k * w) * cos_t
     shifted[:, 1::2] = -np.sin(k * w) * sin_t + np.cos(k * w) * cos_t
-    print(f"    PE(t+{k}) = M_{k} PE(t) with one block rotation for all t: max |diff| = {np.abs(shifted - table[k:]).max():.2e}")
+    print(
+        f"    PE(t+{k}) = M_{k} PE(t) with one block rotation for all t: max |diff| = "
+        f"{np.abs(shifted - table[k:]).max():.2e}"
+    )
 
     big = np.asarray(sinusoidal_encoding(jnp.arange(0, 400), 128), np.float64)
     ks = np.arange(-60, 61)
     sim = np.array([big[200] @ big[200 + kk] for kk in ks])
-    print(f"[2] <PE(200), PE(200+k)> for k = 0, ±1, ±5, ±20, ±60: "
-          + ", ".join(f"{sim[60 + kk]:.1f}/{sim[60 - kk]:.1f}" for kk in (0, 1, 5, 20, 60)))
+    print(
+        "[2] <PE(200), PE(200+k)> for k = 0, ±1, ±5, ±20, ±60: "
+        + ", ".join(f"{sim[60 + kk]:.1f}/{sim[60 - kk]:.1f}" for kk in (0, 1, 5, 20, 60))
+    )
 
     try:
         import matplotlib
@@ -81,17 +89,24 @@ def _rope() -> None:
     k = jnp.asarray(rng.normal(size=(1, 32, 1, 64)), jnp.float32)
     pos = jnp.arange(32)
     scores = lambda p: np.einsum("TH,SH->TS", apply_rope(q, p)[0, :, 0], apply_rope(k, p)[0, :, 0])
-    print(f"[3] RoPE scores at positions p and p + 50,000: max |diff| = {np.abs(scores(pos) - scores(pos + 50_000)).max():.2e}")
-    print(f"    agreement with Su's pseudocode (seed 000): max |diff| = "
-          f"{np.abs(np.asarray(apply_rope(q, pos)) - su_rope(np.asarray(q), np.asarray(pos))).max():.2e}")
+    print(
+        "[3] RoPE scores at positions p and p + 50,000: max |diff| = "
+        f"{np.abs(scores(pos) - scores(pos + 50_000)).max():.2e}"
+    )
+    print(
+        f"    agreement with Su's pseudocode (seed 000): max |diff| = "
+        f"{np.abs(np.asarray(apply_rope(q, pos)) - su_rope(np.asarray(q), np.asarray(pos))).max():.2e}"
+    )
     freq = rope_inverse_frequencies(128)
     p = 100_000
     exact = np.mod(p * freq, 2 * np.pi)
     ours = np.mod(np.asarray(position_angles(jnp.array([p]), freq), np.float64)[0], 2 * np.pi)
     naive = np.mod((np.float32(p) * freq.astype(np.float32)).astype(np.float64), 2 * np.pi)
     wrap = lambda d: np.abs(np.angle(np.exp(1j * d))).max()
-    print(f"    phase error at position {p:,}: exact-modulo-2π phases {wrap(ours - exact):.1e} rad, "
-          f"float32 product {wrap(naive - exact):.1e} rad (bfloat16 half-ulp at 1.0 is {2**-9:.1e})")
+    print(
+        f"    phase error at position {p:,}: exact-modulo-2π phases {wrap(ours - exact):.1e} rad, "
+        f"float32 product {wrap(naive - exact):.1e} rad (bfloat16 half-ulp at 1.0 is {2**-9:.1e})"
+    )
     # Cost of exact phases, side by side with the float32-product phases (a traced
     # frequency vector takes that path), in one run: a ratio, not an absolute time.
     x = jnp.asarray(rng.normal(size=(8, 2048, 8, 128)), jnp.bfloat16)
@@ -101,15 +116,17 @@ def _rope() -> None:
     freq32 = jnp.asarray(rope_inverse_frequencies(128), jnp.float32)
     runs = {"exact": lambda: exact_rope(x, positions), "float32": lambda: float32_rope(x, positions, freq32)}
     best = {name: float("inf") for name in runs}
-    for name, run in runs.items():
+    for run in runs.values():
         run().block_until_ready()  # compile
     for _ in range(5):  # interleaved repeats, best of 5
         for name, run in runs.items():
             start = time.perf_counter()
             run().block_until_ready()
             best[name] = min(best[name], time.perf_counter() - start)
-    print(f"    apply_rope on [8, 2048, 8, 128] bfloat16, steady state on {jax.devices()[0].platform}: "
-          f"exact phases / float32 phases = {best['exact'] / best['float32']:.2f}x")
+    print(
+        f"    apply_rope on [8, 2048, 8, 128] bfloat16, steady state on {jax.devices()[0].platform}: "
+        f"exact phases / float32 phases = {best['exact'] / best['float32']:.2f}x"
+    )
 
 
 def _learned() -> None:

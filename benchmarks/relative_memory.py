@@ -100,11 +100,14 @@ def _cases(rng):
 
     def xl_terms(q, k, qp, kp):
         R = jnp.einsum("TSD,DNH->TSNH", _sinusoid(-_rel(qp, kp), D_XL, "half"), wr)
-        return (jnp.einsum("NH,BSNH->BNS", u, k)[:, :, None, :] + jnp.einsum("BTNH,TSNH->BNTS", q + vb[None, None], R)) * scale
+        return (
+            jnp.einsum("NH,BSNH->BNS", u, k)[:, :, None, :] + jnp.einsum("BTNH,TSNH->BNTS", q + vb[None, None], R)
+        ) * scale
 
     t5_ref = _attention(
-        lambda q, k, qp, kp: jnp.take(t5_table, t5_relative_bucket(_rel(qp, kp), num_buckets=32, max_distance=128), axis=0)
-        .transpose(2, 0, 1)[None]
+        lambda q, k, qp, kp: jnp.take(
+            t5_table, t5_relative_bucket(_rel(qp, kp), num_buckets=32, max_distance=128), axis=0
+        ).transpose(2, 0, 1)[None]
     )
     clip_ref = _attention(lambda q, k, qp, kp: clip_table[shaw_index(qp, kp)].transpose(2, 0, 1)[None])
 
@@ -163,9 +166,11 @@ def main() -> None:
     plain = lambda q, k, v, pos: dot_product_attention(q, k, v, query_positions=pos, key_positions=pos)
     mem_args, time_args = _inputs(rng, args.length), _inputs(rng, args.time_length)
     plain_mem = _temp_bytes(plain, mem_args)
-    print(f"device: {jax.devices()[0].device_kind}; one head, H = {H}, k = {K_CLIP}; "
-          f"memory at T = S = {args.length} (plain attention temp {plain_mem / 2**20:.0f} MiB), "
-          f"time at T = S = {args.time_length}, best of {args.repeats}")
+    print(
+        f"device: {jax.devices()[0].device_kind}; one head, H = {H}, k = {K_CLIP}; "
+        f"memory at T = S = {args.length} (plain attention temp {plain_mem / 2**20:.0f} MiB), "
+        f"time at T = S = {args.time_length}, best of {args.repeats}"
+    )
     print(f"{'encoding':22s} {'fast mem':>9s} {'ref mem':>9s} {'fast time':>10s} {'max |fast - ref|':>17s}")
     for name, (fast, reference) in cases.items():
         fast_mem = _temp_bytes(fast, mem_args) / plain_mem

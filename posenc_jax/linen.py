@@ -24,9 +24,7 @@ from posenc_jax.nn.encoding import resolve_config
 __all__ = ["load_linen_params", "make_attention_fn", "to_linen"]
 
 
-def make_attention_fn(
-    encodings: Sequence = (), *, causal: bool = False, query_positions=None, key_positions=None
-):
+def make_attention_fn(encodings: Sequence = (), *, causal: bool = False, query_positions=None, key_positions=None):
     """An ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention`` with these encodings.
 
     Args:
@@ -55,8 +53,21 @@ def make_attention_fn(
             raise ValueError(f"{type(config).__name__} acts on the {config.acts_on}, not inside attention")
         hooks.append(config.build({}))
 
-    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
-                     dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None, **unused):
+    def attention_fn(
+        query,
+        key,
+        value,
+        bias=None,
+        mask=None,
+        broadcast_dropout=True,
+        dropout_rng=None,
+        dropout_rate=0.0,
+        deterministic=False,
+        dtype=None,
+        precision=None,
+        module=None,
+        **unused,
+    ):
         q_len, k_len = query.shape[-3], key.shape[-3]
         if q_len != k_len and (query_positions is None or key_positions is None):
             raise ValueError(
@@ -69,9 +80,16 @@ def make_attention_fn(
         extra = [] if bias is None else [SharedBias(bias)]
         use_dropout = dropout_rate > 0.0 and not deterministic
         out = dot_product_attention(
-            query, key, value, query_positions=q_pos, key_positions=k_pos,
-            encodings=[*hooks, *extra], causal=causal, mask=mask,
-            dropout_rate=dropout_rate if use_dropout else 0.0, dropout_rng=dropout_rng if use_dropout else None,
+            query,
+            key,
+            value,
+            query_positions=q_pos,
+            key_positions=k_pos,
+            encodings=[*hooks, *extra],
+            causal=causal,
+            mask=mask,
+            dropout_rate=dropout_rate if use_dropout else 0.0,
+            dropout_rng=dropout_rng if use_dropout else None,
         )
         return out if dtype is None else out.astype(dtype)
 

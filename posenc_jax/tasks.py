@@ -226,8 +226,13 @@ class ProbeTask:
             targets[i, start : start + n] = np.arange(n) + ALGO_VOCAB  # classes above the symbols
             weights[i, start : start + n] = 1.0
             key_mask[i, : n + (2 if self.boundary else 0)] = True
-        return {"inputs": inputs, "targets": targets, "weights": weights,
-                "positions": np.arange(total, dtype=np.int32), "key_mask": key_mask}
+        return {
+            "inputs": inputs,
+            "targets": targets,
+            "weights": weights,
+            "positions": np.arange(total, dtype=np.int32),
+            "key_mask": key_mask,
+        }
 
     def score(self, predictions, batch):
         w = batch["weights"]
@@ -322,11 +327,14 @@ class TextTask:
         self.name = "text"
         if corpus is None:
             train, test, _ = stdlib_corpus()
-            self.corpus_description = "Python standard-library *.py sources of this interpreter (SHA-256 split by file name)"
+            self.corpus_description = (
+                "Python standard-library *.py sources of this interpreter (SHA-256 split by file name)"
+            )
         else:
             train, test = _read_corpus(corpus)
             self.corpus_description = (
-                f"{corpus} (its train and test splits, from the Hugging Face hub)" if corpus in HUB_CORPORA
+                f"{corpus} (its train and test splits, from the Hugging Face hub)"
+                if corpus in HUB_CORPORA
                 else f"{corpus} (first 90% train, last 10% test)"
             )
         self.train = self._encode(train)

@@ -69,8 +69,11 @@ def cross_entropy_loss(model: nnx.Module, batch: dict, *, deterministic: bool = 
     ``segment_ids`` and ``key_mask``.
     """
     logits = model(
-        batch["inputs"], batch["positions"], segment_ids=batch.get("segment_ids"),
-        key_mask=batch.get("key_mask"), deterministic=deterministic,
+        batch["inputs"],
+        batch["positions"],
+        segment_ids=batch.get("segment_ids"),
+        key_mask=batch.get("key_mask"),
+        deterministic=deterministic,
     )
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]

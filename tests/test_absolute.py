@@ -9,9 +9,9 @@ import pytest
 from posenc_jax.functional import (
     LearnedAbsolute,
     NoPE,
-    hook_names,
     Sinusoidal,
     dot_product_attention,
+    hook_names,
     learned_position_embedding,
     sinusoidal_encoding,
 )
@@ -148,7 +148,9 @@ def test_nope_fills_no_hook_and_adds_nothing_to_attention(rng):
 def test_absolute_encodings_are_rejected_by_attention():
     q = jnp.ones((1, 3, 1, 4))
     with pytest.raises(ValueError, match="Sinusoidal fills the hooks \\['embed'\\]"):
-        dot_product_attention(q, q, q, query_positions=jnp.arange(3), key_positions=jnp.arange(3), encodings=[Sinusoidal()])
+        dot_product_attention(
+            q, q, q, query_positions=jnp.arange(3), key_positions=jnp.arange(3), encodings=[Sinusoidal()]
+        )
 
 
 def test_embed_positions_must_fit_the_tokens():

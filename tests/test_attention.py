@@ -38,8 +38,11 @@ def test_matches_seed_einsums_with_t_not_s(rng, maybe_jit):
 def test_causal_by_position_and_cached_decoding(rng, maybe_jit):
     q, k, v = (_normal(rng, (2, 6, 2, 8)) for _ in range(3))
     pos = jnp.arange(6)
-    attend = maybe_jit(lambda q, k, v, qp, kp: dot_product_attention(
-        q, k, v, query_positions=qp, key_positions=kp, causal=True, encodings=[RoPE()]))
+    attend = maybe_jit(
+        lambda q, k, v, qp, kp: dot_product_attention(
+            q, k, v, query_positions=qp, key_positions=kp, causal=True, encodings=[RoPE()]
+        )
+    )
     full = attend(q, k, v, pos, pos)
     tril = np.tril(np.ones((6, 6), bool))[None, None]
     rq, rk = apply_rope(q, pos), apply_rope(k, pos)
@@ -64,12 +67,22 @@ def test_packed_segments_equal_separate_sequences(rng, maybe_jit):
     q, k, v = (jnp.concatenate([s[i] for s in seqs], axis=1) for i in range(3))
     seg = jnp.asarray(np.repeat(np.arange(1, 4), lengths))[None]
     pos = jnp.asarray(np.concatenate([np.arange(n) for n in lengths]))[None]
-    attend = maybe_jit(lambda q, k, v, pos, seg: dot_product_attention(
-        q, k, v, query_positions=pos, key_positions=pos, causal=True, encodings=[RoPE()],
-        query_segment_ids=seg, key_segment_ids=seg))
+    attend = maybe_jit(
+        lambda q, k, v, pos, seg: dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            causal=True,
+            encodings=[RoPE()],
+            query_segment_ids=seg,
+            key_segment_ids=seg,
+        )
+    )
     packed = attend(q, k, v, pos, seg)
     start = 0
-    for (sq, sk, sv), n in zip(seqs, lengths):
+    for (sq, sk, sv), n in zip(seqs, lengths, strict=True):
         p = jnp.arange(n)[None]
         alone = dot_product_attention(sq, sk, sv, query_positions=p, key_positions=p, causal=True, encodings=[RoPE()])
         np.testing.assert_allclose(packed[:, start : start + n], alone, atol=1e-6)
@@ -83,9 +96,15 @@ def test_fully_masked_row_gives_zeros_not_nan(rng):
     np.testing.assert_array_equal(out, np.zeros_like(out))
     np.testing.assert_array_equal(weights, np.zeros_like(weights))
     # A query before every key (causal by position) is fully masked too; gradients stay finite.
-    loss = lambda q, k, v: (dot_product_attention(
-        q, k, v, query_positions=jnp.array([0, 5, 6]), key_positions=jnp.array([3, 4, 5]), causal=True) ** 2).sum()
-    out = dot_product_attention(q, k, v, query_positions=jnp.array([0, 5, 6]), key_positions=jnp.array([3, 4, 5]), causal=True)
+    loss = lambda q, k, v: (
+        dot_product_attention(
+            q, k, v, query_positions=jnp.array([0, 5, 6]), key_positions=jnp.array([3, 4, 5]), causal=True
+        )
+        ** 2
+    ).sum()
+    out = dot_product_attention(
+        q, k, v, query_positions=jnp.array([0, 5, 6]), key_positions=jnp.array([3, 4, 5]), causal=True
+    )
     np.testing.assert_array_equal(out[:, 0], 0.0)
     assert np.abs(np.asarray(out[:, 1:])).sum() > 0
     for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v):
@@ -96,8 +115,11 @@ def test_grouped_query_heads_equal_repeated_kv_heads(rng, maybe_jit):
     q = _normal(rng, (2, 5, 8, 4))
     k, v = _normal(rng, (2, 6, 2, 4)), _normal(rng, (2, 6, 2, 4))
     pos_q, pos_k = jnp.arange(1, 6), jnp.arange(6)
-    attend = maybe_jit(lambda q, k, v: dot_product_attention(
-        q, k, v, query_positions=pos_q, key_positions=pos_k, causal=True, encodings=[RoPE()]))
+    attend = maybe_jit(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=pos_q, key_positions=pos_k, causal=True, encodings=[RoPE()]
+        )
+    )
     grouped = attend(q, k, v)
     # Query head n uses key/value head n // (N / K).
     repeated = attend(q, jnp.repeat(k, 4, axis=2), jnp.repeat(v, 4, axis=2))
@@ -140,18 +162,26 @@ def test_logits_and_values_hooks_compose(rng, maybe_jit):
     q, k, v = (_normal(rng, (1, 5, 2, 4)) for _ in range(3))
     qp, kp = jnp.arange(5), jnp.arange(5)
     hooks = [_DistanceBias((0.5, -1.0)), _ValueOffset()]
-    out, weights = maybe_jit(lambda q, k, v: dot_product_attention(
-        q, k, v, query_positions=qp, key_positions=kp, encodings=hooks, return_weights=True))(q, k, v)
+    out, weights = maybe_jit(
+        lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=qp, key_positions=kp, encodings=hooks, return_weights=True
+        )
+    )(q, k, v)
     rel = np.arange(5)[None, :] - np.arange(5)[:, None]
     bias = np.array([0.5, -1.0])[None, :, None, None] * rel[None, None]
-    want = _reference(q, k, v, bias=bias) + np.einsum("BNTS,S->BTN", np.asarray(weights, np.float64), np.arange(5.0))[..., None]
+    want = (
+        _reference(q, k, v, bias=bias)
+        + np.einsum("BNTS,S->BTN", np.asarray(weights, np.float64), np.arange(5.0))[..., None]
+    )
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
 def test_vmap_over_batch_equals_batched(rng):
     q, k, v = (_normal(rng, (3, 6, 2, 8)) for _ in range(3))
     pos = jnp.arange(6)
-    attend = lambda q, k, v: dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True, encodings=[RoPE()])
+    attend = lambda q, k, v: dot_product_attention(
+        q, k, v, query_positions=pos, key_positions=pos, causal=True, encodings=[RoPE()]
+    )
     np.testing.assert_allclose(jax.vmap(attend)(q, k, v), attend(q, k, v), atol=1e-6)
 
 
@@ -207,7 +237,9 @@ def test_more_bad_input_is_refused_not_silently_wrong(rng):
     with pytest.raises(ValueError, match=r"key_mask must have shape \[1, 3\] \(or \[1, 3\]\), got \(1,\)"):
         dot_product_attention(q, q, q, key_mask=jnp.array([False]))
     with pytest.raises(ValueError, match=r"query_segment_ids must have shape \[1, 3\]"):
-        dot_product_attention(q, q, q, query_segment_ids=jnp.zeros((1, 1), jnp.int32), key_segment_ids=jnp.zeros((1, 3), jnp.int32))
+        dot_product_attention(
+            q, q, q, query_segment_ids=jnp.zeros((1, 1), jnp.int32), key_segment_ids=jnp.zeros((1, 3), jnp.int32)
+        )
     for rate in (1.0, -0.1):
         with pytest.raises(ValueError, match=f"dropout_rate must be in \\[0, 1\\), got {rate}"):
             dot_product_attention(q, q, q, dropout_rate=rate, dropout_rng=jax.random.key(0))
@@ -220,5 +252,7 @@ def test_more_bad_input_is_refused_not_silently_wrong(rng):
 def test_minus_infinity_bias_gives_no_nan(rng):
     q = _normal(rng, (1, 3, 2, 4))
     pos = jnp.arange(3)
-    out = dot_product_attention(q, q, q, query_positions=pos, key_positions=pos, encodings=[_MinusInfinityBias()], causal=True)
+    out = dot_product_attention(
+        q, q, q, query_positions=pos, key_positions=pos, encodings=[_MinusInfinityBias()], causal=True
+    )
     assert np.isfinite(np.asarray(out)).all()

@@ -1,7 +1,6 @@
 """The extrapolation benchmark: smoke preset end to end, resume after a kill, bad input, tasks."""
 
 import json
-import os
 import pathlib
 import signal
 import subprocess
@@ -22,8 +21,12 @@ def _rows(path):
 
 
 def test_smoke_preset_writes_every_output(tmp_path):
-    result = subprocess.run(CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _rows(tmp_path / "results.jsonl")
     # 3 encodings x counting_copy at 4 lengths, 3 encodings x text at 3 lengths, 3 eval-only RoPE rows x 3 lengths.
@@ -38,21 +41,36 @@ def test_smoke_preset_writes_every_output(tmp_path):
     assert "## counting_copy" in report and "## text" in report and "published" in report
     assert (tmp_path / "counting_copy.png").stat().st_size > 1000 and (tmp_path / "text.png").exists()
     # Re-running the finished command trains and evaluates nothing again.
-    again = subprocess.run(CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots"],
-                           capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0
     assert len(_rows(tmp_path / "results.jsonl")) == len(rows)
 
 
 def test_killed_run_resumes_to_the_same_results(tmp_path):
-    args = ["--preset", "smoke", "--encodings", "rope", "--tasks", "counting_copy", "--steps", "400", "--no-progress",
-            "--no-plots"]
+    args = [
+        "--preset",
+        "smoke",
+        "--encodings",
+        "rope",
+        "--tasks",
+        "counting_copy",
+        "--steps",
+        "400",
+        "--no-progress",
+        "--no-plots",
+    ]
     reference = tmp_path / "uninterrupted"
     subprocess.run(CLI + args + ["--out", str(reference)], check=True, capture_output=True, timeout=600)
 
     interrupted = tmp_path / "interrupted"
-    process = subprocess.Popen(CLI + args + ["--out", str(interrupted)], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        CLI + args + ["--out", str(interrupted)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     saved = lambda: [p for p in (interrupted / "checkpoints").glob("*/counting_copy/rope/seed0/*") if p.name.isdigit()]
     deadline = time.time() + 300
     while time.time() < deadline and process.poll() is None:
@@ -145,8 +163,22 @@ def test_stdlib_corpus_is_fixed_and_split_by_file():
 
 
 def test_probe_smoke_preset_writes_report_and_heat_map(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "posenc_jax.bench.cli", "probe", "--preset", "smoke",
-                             "--out", str(tmp_path), "--no-progress"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "posenc_jax.bench.cli",
+            "probe",
+            "--preset",
+            "smoke",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _rows(tmp_path / "results.jsonl")
     labels = {r["encoding"] for r in rows}
@@ -177,9 +209,11 @@ def test_hub_corpus_loading_code_on_a_small_local_file(tmp_path, monkeypatch):
 
     (tmp_path / "train.txt").write_text("first line\nsecond line\n")
     (tmp_path / "valid.txt").write_text("held out\n")
-    local = datasets.load_dataset("text", data_files={"train": str(tmp_path / "train.txt"),
-                                                      "validation": str(tmp_path / "valid.txt")},
-                                  cache_dir=str(tmp_path / "cache"))
+    local = datasets.load_dataset(
+        "text",
+        data_files={"train": str(tmp_path / "train.txt"), "validation": str(tmp_path / "valid.txt")},
+        cache_dir=str(tmp_path / "cache"),
+    )
     train, test = text_from_dataset(local)
     assert train == "first line\nsecond line" and test == "held out"
     with pytest.raises(ValueError, match="unknown hub corpus 'wiki'; known: wikitext103, tinyshakespeare"):
@@ -193,9 +227,26 @@ def test_hybrids_with_randomized_positions_run_and_are_sized_from_the_sampler(tm
     assert sampler.max_length == 4 * 42 and learned.max_positions == sampler.max_length
     (rope,) = _encodings_for("rope-yarn", head_dim=8, train_tokens=12, max_tokens=48)
     assert (rope.scaling.factor, rope.scaling.original_context) == (4.0, 12)
-    result = subprocess.run(CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots",
-                                   "--encodings", "rope+randomized,learned+randomized", "--tasks", "counting_copy",
-                                   "--steps", "3"], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        CLI
+        + [
+            "--preset",
+            "smoke",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+            "--no-plots",
+            "--encodings",
+            "rope+randomized,learned+randomized",
+            "--tasks",
+            "counting_copy",
+            "--steps",
+            "3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _rows(tmp_path / "results.jsonl")
     assert {r["encoding"] for r in rows} == {"rope+randomized", "learned+randomized"}

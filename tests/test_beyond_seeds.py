@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional import (
     ALiBi,
     AxialRoPE,
@@ -21,7 +20,6 @@ from posenc_jax.functional import (
     NTKScaling,
     RandomizedPositions,
     RoPE,
-    XPos,
     YaRNScaling,
     alibi_bias,
     alibi_slopes,
@@ -32,9 +30,9 @@ from posenc_jax.functional import (
     encoding_config,
     encoding_names,
     fire_bias,
-    kerple_bias,
     randomized_positions,
 )
+from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.rope import rope_inverse_frequencies
 from posenc_jax.reference import beyond_seeds as ref
 from posenc_jax.reference import su_rope
@@ -282,8 +280,6 @@ def test_randomized_positions_sorted_unique_in_range():
 
 
 # ---------------------------------------------------------------- every registered encoding
-
-
 
 
 def _run(name, x_or_q, k, v, pos):

@@ -22,17 +22,22 @@ from posenc_jax.functional import (
     normalizer_config,
     pytree_dataclass,
     register_encoding,
+    registry,
 )
-from posenc_jax.functional import registry
 from posenc_jax.functional.hooks import PLACEMENTS, ParameterFree, Placement
-from posenc_jax.functional.rope_scaling import DynamicNTKScaling, LongRoPEScaling
 from posenc_jax.functional.rope import RoPE, apply_rope
+from posenc_jax.functional.rope_scaling import DynamicNTKScaling, LongRoPEScaling
 from posenc_jax.nn import Transformer
 from small_encodings import small_config
 
 B, T, N, H = 2, 6, 2, 8
-_PLACED_HOOKS = {"embeddings": {"embed"}, "positions": {"sample"}, "attention": {"rotate", "logits", "values"},
-                 "shared_bias": {"logits"}, "normalizer": {"normalize"}}
+_PLACED_HOOKS = {
+    "embeddings": {"embed"},
+    "positions": {"sample"},
+    "attention": {"rotate", "logits", "values"},
+    "shared_bias": {"logits"},
+    "normalizer": {"normalize"},
+}
 
 
 def _normal(rng, shape):
@@ -60,7 +65,9 @@ def test_every_encoding_has_metadata(name):
 
 
 def test_bad_settings_name_the_real_settings():
-    with pytest.raises(ValueError, match=r"bad settings \['kw'\] for encoding 'kerple-log'; its settings are \['eps'\]"):
+    with pytest.raises(
+        ValueError, match=r"bad settings \['kw'\] for encoding 'kerple-log'; its settings are \['eps'\]"
+    ):
         encoding_config("kerple-log", kw=1.0)
     with pytest.raises(ValueError, match="known encodings: alibi"):
         encoding_info("no-such-encoding")
@@ -77,8 +84,9 @@ def _run_hook(hook, acts_on, x, q, k, v, positions):
         return hook.embed(x, positions)
     if acts_on == "normalizer":
         return dot_product_attention(q, k, v, query_positions=positions, key_positions=positions, normalizer=hook)
-    return dot_product_attention(q, k, v, query_positions=positions, key_positions=positions, encodings=[hook],
-                                 causal=True)
+    return dot_product_attention(
+        q, k, v, query_positions=positions, key_positions=positions, encodings=[hook], causal=True
+    )
 
 
 _HOOK_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on != "positions"] + ["urpe"]
@@ -136,14 +144,24 @@ def test_position_sampler_passes_through_jit_and_vmap():
 
 
 def _model(encoding, causal):
-    return Transformer(vocab_size=16, model_dim=N * H, num_layers=1, num_heads=N, mlp_dim=32, encoding=encoding,
-                       causal=causal, rngs=nnx.Rngs(0))
+    return Transformer(
+        vocab_size=16,
+        model_dim=N * H,
+        num_layers=1,
+        num_heads=N,
+        mlp_dim=32,
+        encoding=encoding,
+        causal=causal,
+        rngs=nnx.Rngs(0),
+    )
 
 
 @pytest.mark.parametrize(
     "default, forms",
-    [("alibi", (ALiBi(bidirectional=True), ALiBi(bidirectional=False))),
-     ("t5", (T5Config(bidirectional=True), T5Config(bidirectional=False)))],
+    [
+        ("alibi", (ALiBi(bidirectional=True), ALiBi(bidirectional=False))),
+        ("t5", (T5Config(bidirectional=True), T5Config(bidirectional=False))),
+    ],
 )
 @pytest.mark.parametrize("causal", [False, True], ids=["encoder", "decoder"])
 def test_two_form_encodings_follow_the_model(rng, default, forms, causal):
@@ -173,8 +191,10 @@ def test_an_explicit_direction_wins(rng):
 
 @pytest.mark.parametrize(
     "scaling",
-    [DynamicNTKScaling(factor=4.0, original_context=2048),
-     LongRoPEScaling(short_factor=(1.0,) * 8, long_factor=(4.0,) * 8, original_context=2048, max_context=8192)],
+    [
+        DynamicNTKScaling(factor=4.0, original_context=2048),
+        LongRoPEScaling(short_factor=(1.0,) * 8, long_factor=(4.0,) * 8, original_context=2048, max_context=8192),
+    ],
     ids=["dynamic-ntk", "longrope"],
 )
 def test_length_dependent_scalings_take_the_length_from_positions(rng, scaling):
@@ -188,8 +208,9 @@ def test_length_dependent_scalings_take_the_length_from_positions(rng, scaling):
     # A window of 100 positions at 2500-2599 is a sequence of 2600 tokens: scaled frequencies.
     window = jnp.arange(2500, 2600)
     factor = scaling.attention_factor(None)  # LongRoPE's depends on its fixed context ratio alone
-    want = apply_rope(q, window, inverse_frequency=scaling.inverse_frequencies(16, 10000.0, 2600),
-                      attention_factor=factor)
+    want = apply_rope(
+        q, window, inverse_frequency=scaling.inverse_frequencies(16, 10000.0, 2600), attention_factor=factor
+    )
     np.testing.assert_allclose(rotated(window), want, atol=2e-3)
     assert np.abs(np.asarray(rotated(window) - apply_rope(q, window, attention_factor=factor))).max() > 0.1
     # Packed sequences of 50 tokens each (positions restart at 0) stay unscaled, however many keys.
@@ -212,8 +233,7 @@ def test_a_new_encoding_is_one_registered_class(rng, scratch_registry):
     @register_encoding(
         "test-window",
         description="A parameter-free bias that forbids nothing but prefers keys within a window.",
-        source=registry.Source.paper("test", title="A test encoding", authors="Nobody", year=2024,
-                                     arxiv="2401.00001"),
+        source=registry.Source.paper("test", title="A test encoding", authors="Nobody", year=2024, arxiv="2401.00001"),
         small_settings=dict(window=2),
     )
     @pytree_dataclass
@@ -237,7 +257,10 @@ def test_a_new_encoding_is_one_registered_class(rng, scratch_registry):
     x = model.blocks[0].attention_norm(model.embed(tokens))
     direct = dot_product_attention(
         *(getattr(mha, name)(x).reshape(B, T, N, H) for name in ("query", "key", "value")),
-        query_positions=jnp.arange(T), key_positions=jnp.arange(T), encodings=[WindowBias()], causal=True,
+        query_positions=jnp.arange(T),
+        key_positions=jnp.arange(T),
+        encodings=[WindowBias()],
+        causal=True,
     )
     via_model = mha(x, jnp.arange(T), causal=True, shared=[WindowBias()])
     np.testing.assert_allclose(mha.out(direct.reshape(B, T, N * H)), via_model, atol=1e-5)

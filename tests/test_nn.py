@@ -8,11 +8,10 @@ import pytest
 from flax import nnx
 
 from posenc_jax.functional import T5Config, encoding_info, encoding_names
-from posenc_jax.nn import KVCache, MultiHeadAttention, PositionEncoding, Transformer
+from posenc_jax.nn import MultiHeadAttention, PositionEncoding, Transformer
 from small_encodings import small_config
 
 VOCAB, D, LAYERS, HEADS = 32, 32, 2, 4
-
 
 
 def _config(name):
@@ -20,8 +19,17 @@ def _config(name):
 
 
 def _model(encoding, causal=True, seed=0, num_layers=LAYERS, **kwargs):
-    return Transformer(vocab_size=VOCAB, model_dim=D, num_layers=num_layers, num_heads=HEADS, mlp_dim=64,
-                       encoding=encoding, causal=causal, rngs=nnx.Rngs(seed), **kwargs)
+    return Transformer(
+        vocab_size=VOCAB,
+        model_dim=D,
+        num_layers=num_layers,
+        num_heads=HEADS,
+        mlp_dim=64,
+        encoding=encoding,
+        causal=causal,
+        rngs=nnx.Rngs(seed),
+        **kwargs,
+    )
 
 
 def _tokens(rng, batch, length):
@@ -144,7 +152,7 @@ def test_packed_rows_equal_separate_sequences(rng, name):
         segment_ids=jnp.asarray(np.repeat(np.arange(1, 4), lengths))[None],
     )
     start = 0
-    for seq, n in zip(seqs, lengths):
+    for seq, n in zip(seqs, lengths, strict=True):
         np.testing.assert_allclose(packed[:, start : start + n], model(seq, jnp.arange(n)), atol=2e-5)
         start += n
 
@@ -155,7 +163,7 @@ def test_causality_through_gradients(name):
     T = 10
     tokens = jnp.arange(T, dtype=jnp.int32)[None]  # distinct tokens: one embedding row per position
     for t in (0, 4, 9):
-        grads = nnx.grad(lambda m: m(tokens, jnp.arange(T))[0, t].sum())(model)
+        grads = nnx.grad(lambda m, t=t: m(tokens, jnp.arange(T))[0, t].sum())(model)
         row_norms = np.abs(np.asarray(grads.embed.embedding[...])).sum(-1)[:T]
         assert np.all(row_norms[t + 1 :] == 0.0), (t, row_norms)
         assert row_norms[t] > 0
@@ -182,7 +190,11 @@ def test_shared_bias_is_one_table_for_all_layers():
     tables = [path for path, _ in jax.tree_util.tree_leaves_with_path(params) if "table" in jax.tree_util.keystr(path)]
     assert len(tables) == 1
     shaw = _model(_config("shaw"))
-    key_tables = [p for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(shaw, nnx.Param)) if "key_table" in jax.tree_util.keystr(p)]
+    key_tables = [
+        p
+        for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(shaw, nnx.Param))
+        if "key_table" in jax.tree_util.keystr(p)
+    ]
     assert len(key_tables) == LAYERS
 
 
@@ -222,8 +234,11 @@ def test_normalisers_by_name_in_the_model(rng, normalizer):
     grads = nnx.grad(lambda m: (m(tokens, jnp.arange(6)) ** 2).mean())(model)
     for leaf in jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)):
         assert np.isfinite(np.asarray(leaf)).all()
-    tables = [p for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
-              if "normalizer_params" in jax.tree_util.keystr(p)]
+    tables = [
+        p
+        for p, _ in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param))
+        if "normalizer_params" in jax.tree_util.keystr(p)
+    ]
     assert len(tables) == (LAYERS if normalizer == "urpe" else 0)  # URPE's C is learned in every layer
     if normalizer == "urpe":
         c_grad = grads.blocks[0].attention.normalizer_params.table[...]

@@ -38,7 +38,10 @@ def test_readme_quickstart_runs():
 
 
 def test_functional_layer_imports_no_flax():
-    code = "import sys, posenc_jax.functional, posenc_jax.reference; print(sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax', 'orbax')))"
+    code = (
+        "import sys, posenc_jax.functional, posenc_jax.reference; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('flax', 'optax', 'orbax')))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
@@ -55,14 +58,20 @@ def test_colab_runs_on_cpu():
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))
 def test_benchmark_scripts_have_a_working_help(script):
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
 
 
 def test_relative_memory_benchmark_small_run():
     script = ROOT / "benchmarks" / "relative_memory.py"
-    result = subprocess.run([sys.executable, str(script), "--length", "256", "--time-length", "64", "--repeats", "1"],
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, str(script), "--length", "256", "--time-length", "64", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if line.rstrip().endswith(tuple("0123456789")) and "x " in line]
     assert len(rows) == 6, result.stdout

@@ -8,10 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional import (
-    deberta_logits,
-    shaw_value_term,
     ClippedRelativeBias,
     DeBERTa,
     SharedBias,
@@ -20,10 +17,13 @@ from posenc_jax.functional import (
     T5Bias,
     TransformerXL,
     deberta_log_bucket,
+    deberta_logits,
     dot_product_attention,
     rel_shift,
+    shaw_value_term,
     t5_relative_bucket,
 )
+from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.relative import bucket_relative, by_query_blocks, clipped_relative_index
 from posenc_jax.reference import relative as ref
 
@@ -35,7 +35,10 @@ POSITIONS = {
     "offset": (np.arange(S - T, S) + 1000, np.arange(S) + 1000),
     "gaps": (np.array([3, 9, 10, 22, 40]), np.array([0, 3, 4, 9, 10, 22, 40])),
     "far": (np.array([0, 700, 1500, 3000, 9000]), np.array([0, 5, 690, 1490, 2000, 5000, 12000])),
-    "batched": (np.array([[2, 3, 4, 5, 6], [10, 11, 30, 31, 32]]), np.array([[0, 1, 2, 3, 4, 5, 6], [0, 5, 10, 11, 12, 30, 32]])),
+    "batched": (
+        np.array([[2, 3, 4, 5, 6], [10, 11, 30, 31, 32]]),
+        np.array([[0, 1, 2, 3, 4, 5, 6], [0, 5, 10, 11, 12, 30, 32]]),
+    ),
 }
 
 
@@ -68,7 +71,8 @@ def _reference_attention(q, k, v, qp, kp, causal, extra_logits, scale=None):
 
 def _attend(encoding, q, k, v, qp, kp, causal, jit):
     fn = lambda q, k, v, qp, kp: dot_product_attention(
-        q, k, v, query_positions=qp, key_positions=kp, encodings=[encoding], causal=causal)
+        q, k, v, query_positions=qp, key_positions=kp, encodings=[encoding], causal=causal
+    )
     out = (jax.jit(fn) if jit else fn)(q, k, v, jnp.asarray(qp), jnp.asarray(kp))
     chex.assert_shape(out, q.shape)
     return out
@@ -96,7 +100,9 @@ def test_shaw_matches_seed_pseudocode(rng, qkv, positions, causal, per_head):
             pk = np.asarray(P_K[n] if per_head else P_K)
             pv = np.asarray(P_V[n] if per_head else P_V)
             mask = _causal(qb, kb)[None] if causal else None
-            want[b, :, n] = ref.shaw_attention(q[b, :, n][None], k[b, :, n][None], v[b, :, n][None], pk, pv, qb, kb, k_clip, mask)[0]
+            want[b, :, n] = ref.shaw_attention(
+                q[b, :, n][None], k[b, :, n][None], v[b, :, n][None], pk, pv, qb, kb, k_clip, mask
+            )[0]
     np.testing.assert_allclose(out, want, atol=2e-5)
 
 
@@ -106,8 +112,20 @@ def test_shaw_value_term_alone_and_key_term_alone(rng, qkv):
     P = _normal(rng, (7, H))
     for key_table, value_table in ((P, None), (None, P)):
         out = _attend(Shaw(3, key_table, value_table), q, k, v, qp, kp, False, jit=False)
-        want = np.stack([np.stack([ref.shaw_attention(q[b, :, n][None], k[b, :, n][None], v[b, :, n][None],
-                                                      key_table, value_table, qp, kp, 3)[0] for n in range(N)], 1) for b in range(B)])
+        want = np.stack(
+            [
+                np.stack(
+                    [
+                        ref.shaw_attention(
+                            q[b, :, n][None], k[b, :, n][None], v[b, :, n][None], key_table, value_table, qp, kp, 3
+                        )[0]
+                        for n in range(N)
+                    ],
+                    1,
+                )
+                for b in range(B)
+            ]
+        )
         np.testing.assert_allclose(out, want, atol=2e-5)
 
 
@@ -117,7 +135,9 @@ def test_functional_relative_matches_materialised_sinusoid(qkv, positions, causa
     q, k, v = qkv
     qp, kp = POSITIONS[positions]
     out = _attend(SinusoidalRelative(), q, k, v, qp, kp, causal, jit=causal)
-    extra = lambda b, qb, kb: np.stack([ref.functional_relative_logits(np.asarray(q[b, :, n])[None], qb, kb)[0] for n in range(N)])
+    extra = lambda b, qb, kb: np.stack(
+        [ref.functional_relative_logits(np.asarray(q[b, :, n])[None], qb, kb)[0] for n in range(N)]
+    )
     np.testing.assert_allclose(out, _reference_attention(q, k, v, qp, kp, causal, extra), atol=2e-5)
 
 
@@ -149,8 +169,11 @@ def test_rel_shift_is_transformer_xl_pad_reshape_slice(rng):
     for t in range(T):
         for s in range(S - T + t + 1):
             dist = (S - T + t) - s
-            want = np.einsum("NH,NH->N", np.asarray(q[t], np.float64) + np.asarray(vb, np.float64),
-                             np.einsum("D,DNH->NH", ref.sinusoid(dist, 12, layout="half"), np.asarray(W_R, np.float64)))
+            want = np.einsum(
+                "NH,NH->N",
+                np.asarray(q[t], np.float64) + np.asarray(vb, np.float64),
+                np.einsum("D,DNH->NH", ref.sinusoid(dist, 12, layout="half"), np.asarray(W_R, np.float64)),
+            )
             np.testing.assert_allclose(shifted[:, t, s], want, atol=1e-5)
     with pytest.raises(ValueError, match="rel_shift needs T <= S"):
         rel_shift(jnp.zeros((4, 3)))
@@ -160,7 +183,11 @@ def test_rel_shift_is_transformer_xl_pad_reshape_slice(rng):
 @pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 20), (4, 4), (64, 1000)])
 def test_t5_buckets_match_reference(bidirectional, num_buckets, max_distance):
     rel = np.arange(-3000, 3001)
-    got = np.asarray(t5_relative_bucket(jnp.asarray(rel), bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance))
+    got = np.asarray(
+        t5_relative_bucket(
+            jnp.asarray(rel), bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+        )
+    )
     want = ref.t5_relative_position_bucket(rel, bidirectional, num_buckets, max_distance)
     np.testing.assert_array_equal(got, want)
     assert got.min() >= 0 and got.max() == num_buckets - 1
@@ -177,7 +204,9 @@ def test_t5_bias_matches_reference(rng, qkv, positions, causal):
     extra = lambda b, qb, kb: ref.t5_bias(table, qb, kb, not causal, 20)
     np.testing.assert_allclose(out, _reference_attention(q, k, v, qp, kp, causal, extra), atol=2e-5)
     # Computed once and shared: the same result through SharedBias.
-    context = AttentionContext(query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), num_heads=N, causal=causal)
+    context = AttentionContext(
+        query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), num_heads=N, causal=causal
+    )
     shared = _attend(SharedBias(enc.bias(context)), q, k, v, qp, kp, causal, jit=False)
     np.testing.assert_allclose(shared, out, atol=1e-6)
 
@@ -227,7 +256,9 @@ def test_grouped_query_heads_with_relative_terms(rng):
     ]
     for enc in encs:
         grouped = dot_product_attention(q, k, v, query_positions=qp, key_positions=kp, encodings=[enc])
-        repeated = dot_product_attention(q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2), query_positions=qp, key_positions=kp, encodings=[enc])
+        repeated = dot_product_attention(
+            q, jnp.repeat(k, 2, 2), jnp.repeat(v, 2, 2), query_positions=qp, key_positions=kp, encodings=[enc]
+        )
         np.testing.assert_allclose(grouped, repeated, atol=1e-5)
 
 
@@ -264,9 +295,15 @@ def test_gradients_are_finite(rng, qkv):
         return total
 
     params = {
-        "pk": _normal(rng, (5, H)), "pv": _normal(rng, (5, H)), "wr": _normal(rng, (6, N, H)),
-        "u": _normal(rng, (N, H)), "v": _normal(rng, (N, H)), "t5": _normal(rng, (8, N)),
-        "clip": _normal(rng, (7, N)), "dq": _normal(rng, (8, N, H)), "dk": _normal(rng, (8, N, H)),
+        "pk": _normal(rng, (5, H)),
+        "pv": _normal(rng, (5, H)),
+        "wr": _normal(rng, (6, N, H)),
+        "u": _normal(rng, (N, H)),
+        "v": _normal(rng, (N, H)),
+        "t5": _normal(rng, (8, N)),
+        "clip": _normal(rng, (7, N)),
+        "dq": _normal(rng, (8, N, H)),
+        "dk": _normal(rng, (8, N, H)),
     }
     grads = jax.grad(loss)(params)
     for name, g in grads.items():
@@ -288,13 +325,23 @@ def test_bad_input_names_the_value():
     with pytest.raises(ValueError, match="max_distance must be an integer >= num_buckets=32.*got 16"):
         T5Bias(jnp.zeros((32, 2)), max_distance=16)
     with pytest.raises(ValueError, match="pos_query must have shape \\[2\\*span=8, N=2, H=8\\]"):
-        dot_product_attention(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
-                              query_positions=jnp.arange(3), key_positions=jnp.arange(3),
-                              encodings=[DeBERTa(jnp.zeros((6, 2, 8)), jnp.zeros((8, 2, 8)), 4)])
+        dot_product_attention(
+            jnp.ones((1, 3, 2, 8)),
+            jnp.ones((1, 3, 2, 8)),
+            jnp.ones((1, 3, 2, 8)),
+            query_positions=jnp.arange(3),
+            key_positions=jnp.arange(3),
+            encodings=[DeBERTa(jnp.zeros((6, 2, 8)), jnp.zeros((8, 2, 8)), 4)],
+        )
     with pytest.raises(ValueError, match="position_projection W_R must have shape \\[D, N=2, H=8\\]"):
-        dot_product_attention(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)),
-                              query_positions=jnp.arange(3), key_positions=jnp.arange(3),
-                              encodings=[TransformerXL(jnp.zeros((6, 2, 4)), jnp.zeros((2, 8)), jnp.zeros((2, 8)))])
+        dot_product_attention(
+            jnp.ones((1, 3, 2, 8)),
+            jnp.ones((1, 3, 2, 8)),
+            jnp.ones((1, 3, 2, 8)),
+            query_positions=jnp.arange(3),
+            key_positions=jnp.arange(3),
+            encodings=[TransformerXL(jnp.zeros((6, 2, 4)), jnp.zeros((2, 8)), jnp.zeros((2, 8)))],
+        )
     with pytest.raises(ValueError, match="Shaw needs a key_table, a value_table or both"):
         Shaw(2)
 
@@ -307,11 +354,15 @@ def test_blockwise_paths_equal_one_block(rng):
     r = _normal(rng, (8, N, H))
     one = deberta_logits(q, k, qp, kp, pos_query=r, pos_key=r, span=4)
     for block in (N * 19 * 5, N * 19):
-        np.testing.assert_allclose(deberta_logits(q, k, qp, kp, pos_query=r, pos_key=r, span=4, block_elements=block), one, atol=1e-6)
+        np.testing.assert_allclose(
+            deberta_logits(q, k, qp, kp, pos_query=r, pos_key=r, span=4, block_elements=block), one, atol=1e-6
+        )
     w = jax.nn.softmax(_normal(rng, (2, N, 23, 19)), axis=-1)
     table = _normal(rng, (7, H))
     one = shaw_value_term(w, table, qp, kp, max_distance=3)
-    np.testing.assert_allclose(shaw_value_term(w, table, qp, kp, max_distance=3, block_elements=19 * 2 * N * 3), one, atol=1e-6)
+    np.testing.assert_allclose(
+        shaw_value_term(w, table, qp, kp, max_distance=3, block_elements=19 * 2 * N * 3), one, atol=1e-6
+    )
 
 
 def test_by_query_blocks_places_every_block_at_its_start():
@@ -327,7 +378,14 @@ def test_by_query_blocks_places_every_block_at_its_start():
 def test_deberta_slots_saturate_where_claimed():
     from posenc_jax.functional.deberta import _saturation_distance
 
-    for span, buckets, max_pos in ((4, 0, 512), (256, 256, 512), (8, 8, 24), (4, 4, 4096), (32, 32, 1024), (16, 16, 17)):
+    for span, buckets, max_pos in (
+        (4, 0, 512),
+        (256, 256, 512),
+        (8, 8, 24),
+        (4, 4, 4096),
+        (32, 32, 1024),
+        (16, 16, 17),
+    ):
         reach = _saturation_distance(span, buckets, max_pos)
         assert reach <= max(max_pos, span) + 1
         rel = np.arange(-3 * reach - 100, 3 * reach + 101)
@@ -343,9 +401,20 @@ def test_explicit_scale_reaches_terms_that_share_it(rng, qkv):
     qp, kp = POSITIONS["arange"]
     table = _normal(rng, (5, H))
     for enc in (Shaw(2, table, None), SinusoidalRelative()):
-        scaled = dot_product_attention(q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc], scale=0.1)
-        explicit = dot_product_attention(q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp),
-                                         encodings=[dataclasses.replace(enc, scale=0.1)], scale=0.1)
+        scaled = dot_product_attention(
+            q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc], scale=0.1
+        )
+        explicit = dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=jnp.asarray(qp),
+            key_positions=jnp.asarray(kp),
+            encodings=[dataclasses.replace(enc, scale=0.1)],
+            scale=0.1,
+        )
         np.testing.assert_allclose(scaled, explicit, atol=1e-6)
-        default = dot_product_attention(q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc])
+        default = dot_product_attention(
+            q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc]
+        )
         assert np.abs(np.asarray(scaled) - np.asarray(default)).max() > 1e-3

@@ -9,8 +9,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional import RoPE, apply_rope, apply_rope_qk
+from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.positions import position_angles
 from posenc_jax.functional.rope import rope_inverse_frequencies
 from posenc_jax.reference import rope_by_rotation_matrices, su_rope
@@ -92,7 +92,12 @@ def test_layouts_are_the_same_map_up_to_a_permutation(rng, rotary_dim):
     inter = apply_rope(x_inter, positions, layout="interleaved", rotary_dim=rotary_dim)
     np.testing.assert_allclose(half[..., perm], inter, atol=1e-6)
     # ...and not the same map without the permutation.
-    assert np.abs(np.asarray(apply_rope(x_half, positions, layout="interleaved", rotary_dim=rotary_dim)) - np.asarray(half)).max() > 0.1
+    assert (
+        np.abs(
+            np.asarray(apply_rope(x_half, positions, layout="interleaved", rotary_dim=rotary_dim)) - np.asarray(half)
+        ).max()
+        > 0.1
+    )
 
 
 @pytest.mark.parametrize("layout", ["interleaved", "half"])
@@ -222,8 +227,14 @@ def test_bad_input_names_the_value():
     with pytest.raises(ValueError, match="positions have length 5 but x has T = 4"):
         apply_rope(jnp.ones((1, 4, 2, 64)), jnp.arange(5))
     with pytest.raises(ValueError, match="inverse_frequency must have shape \\[2\\]"):
-        apply_rope_qk(jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)), jnp.arange(4), jnp.arange(4),
-                      rotary_dim=4, inverse_frequency=np.ones(4))
+        apply_rope_qk(
+            jnp.ones((1, 4, 2, 8)),
+            jnp.ones((1, 4, 2, 8)),
+            jnp.arange(4),
+            jnp.arange(4),
+            rotary_dim=4,
+            inverse_frequency=np.ones(4),
+        )
     with pytest.raises(ValueError, match="more batch axes than x"):
         apply_rope(jnp.ones((4, 2, 8)), jnp.zeros((3, 4), jnp.int32))
     with pytest.raises(ValueError, match="inverse_frequency must be finite"):

@@ -10,29 +10,54 @@ weights) x v, plus whatever the position terms add to the output itself. Hence:
 * anything that makes row sums or the output depend on the position breaks the tie.
 """
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.functional import ALiBi, URPE, dot_product_attention, encoding_config, l2_normalized_weights, relu2_weights
+from posenc_jax.functional import URPE, ALiBi, dot_product_attention, l2_normalized_weights, relu2_weights
 from posenc_jax.functional.shaw import ShawConfig
 from posenc_jax.nn import Transformer
 from small_encodings import small_config
 
 N_TOKENS = 7
 LOGIT_ONLY = [
-    "nope", "rope", "rope-pi", "rope-ntk", "rope-dynamic-ntk", "rope-yarn", "rope-llama3", "rope-longrope", "rope-2d",
-    "xpos", "alibi", "kerple-log", "kerple-power", "fire", "t5", "clipped-bias", "functional-relative",
-    "transformer-xl", "deberta", "cope",
+    "nope",
+    "rope",
+    "rope-pi",
+    "rope-ntk",
+    "rope-dynamic-ntk",
+    "rope-yarn",
+    "rope-llama3",
+    "rope-longrope",
+    "rope-2d",
+    "xpos",
+    "alibi",
+    "kerple-log",
+    "kerple-power",
+    "fire",
+    "t5",
+    "clipped-bias",
+    "functional-relative",
+    "transformer-xl",
+    "deberta",
+    "cope",
 ]
 
 
 def _outputs(encoding, *, causal, normalizer=None, boundary=False, seed=0):
     kwargs = {} if normalizer is None else {"normalizer": normalizer}
-    model = Transformer(vocab_size=16, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64, encoding=encoding,
-                        causal=causal, rngs=nnx.Rngs(seed), **kwargs)
+    model = Transformer(
+        vocab_size=16,
+        model_dim=32,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=64,
+        encoding=encoding,
+        causal=causal,
+        rngs=nnx.Rngs(seed),
+        **kwargs,
+    )
     tokens = jnp.full((1, N_TOKENS), 3, jnp.int32)
     if boundary:
         tokens = tokens.at[0, 0].set(10).at[0, -1].set(11)  # [CLS] x ... x [SEP]

@@ -8,22 +8,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from posenc_jax.checkpoint import Checkpointer
 from posenc_jax.functional import ALiBi, RoPE, dot_product_attention
 from posenc_jax.linen import load_linen_params, make_attention_fn, to_linen
-from posenc_jax.nn import MultiHeadAttention, Transformer
+from posenc_jax.nn import Transformer
 from posenc_jax.training import (
-    cross_entropy_loss,
-    data_parallel_mesh,
     make_optimizer,
-    shard_batch,
     train_step,
     warmup_cosine_adamw,
 )
+
 
 @pytest.fixture(autouse=True)
 def _standard_promotion():
@@ -49,7 +46,9 @@ def _batch(seed=0, batch=8, length=12):
 
 @pytest.mark.parametrize("encodings", [["rope"], ["alibi"], ["rope", "alibi"], ["nope"]])
 def test_linen_attention_fn_matches_the_functional_attention(encodings):
-    layer = nn.MultiHeadDotProductAttention(num_heads=4, qkv_features=32, attention_fn=make_attention_fn(encodings, causal=True))
+    layer = nn.MultiHeadDotProductAttention(
+        num_heads=4, qkv_features=32, attention_fn=make_attention_fn(encodings, causal=True)
+    )
     x = jax.random.normal(jax.random.key(0), (2, 7, 32))
     variables = layer.init(jax.random.key(1), x)
     out = layer.apply(variables, x)
@@ -57,14 +56,23 @@ def test_linen_attention_fn_matches_the_functional_attention(encodings):
     proj = lambda name: jnp.einsum("BTD,DNH->BTNH", x, p[name]["kernel"]) + p[name]["bias"][None, None]
     hooks = {"rope": RoPE(), "alibi": ALiBi()}
     pos = jnp.arange(7)
-    attended = dot_product_attention(proj("query"), proj("key"), proj("value"), query_positions=pos, key_positions=pos,
-                                     encodings=[hooks[e] for e in encodings if e in hooks], causal=True)
+    attended = dot_product_attention(
+        proj("query"),
+        proj("key"),
+        proj("value"),
+        query_positions=pos,
+        key_positions=pos,
+        encodings=[hooks[e] for e in encodings if e in hooks],
+        causal=True,
+    )
     want = jnp.einsum("BTNH,NHD->BTD", attended, p["out"]["kernel"]) + p["out"]["bias"][None, None]
     np.testing.assert_allclose(out, want, atol=1e-5)
 
 
 def test_linen_attention_fn_refuses_learned_encodings():
-    with pytest.raises(ValueError, match="has parameters; wrap the NNX MultiHeadAttention with posenc_jax.linen.to_linen"):
+    with pytest.raises(
+        ValueError, match="has parameters; wrap the NNX MultiHeadAttention with posenc_jax.linen.to_linen"
+    ):
         make_attention_fn(["t5"])
 
 
@@ -82,8 +90,12 @@ def test_linen_bridge_equals_nnx_for_the_same_parameters(encoding):
     wrapped = Wrapper()
     wrapped_vars = wrapped.init(jax.random.key(0), tokens)
     nnx_model = load_linen_params(Transformer(encoding=encoding, rngs=nnx.Rngs(5), **KW), variables)
-    np.testing.assert_allclose(linen_model.apply(variables, tokens, jnp.arange(9)), nnx_model(tokens, jnp.arange(9)), atol=1e-6)
-    inner = load_linen_params(Transformer(encoding=encoding, rngs=nnx.Rngs(5), **KW), {"params": wrapped_vars["params"]["ToLinen_0"]})
+    np.testing.assert_allclose(
+        linen_model.apply(variables, tokens, jnp.arange(9)), nnx_model(tokens, jnp.arange(9)), atol=1e-6
+    )
+    inner = load_linen_params(
+        Transformer(encoding=encoding, rngs=nnx.Rngs(5), **KW), {"params": wrapped_vars["params"]["ToLinen_0"]}
+    )
     np.testing.assert_allclose(wrapped.apply(wrapped_vars, tokens), 2.0 * inner(tokens, jnp.arange(9)), atol=1e-6)
 
 
@@ -121,8 +133,9 @@ def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     # Training goes on exactly as it did (dropout RNG streams and optimizer moments included).
     resumed = [float(train_step(restored, restored_opt, batch)) for batch in batches[3:]]
     np.testing.assert_allclose(resumed, losses[3:], rtol=1e-6)
-    np.testing.assert_array_equal(restored(batches[0]["inputs"], batches[0]["positions"]),
-                                  model(batches[0]["inputs"], batches[0]["positions"]))
+    np.testing.assert_array_equal(
+        restored(batches[0]["inputs"], batches[0]["positions"]), model(batches[0]["inputs"], batches[0]["positions"])
+    )
     with pytest.raises(ValueError, match="no checkpoint in"):
         Checkpointer(tmp_path / "empty").restore(*fresh())
 

@@ -26,9 +26,17 @@ def _extrapolate(args) -> int:
         raise SystemExit(f"unknown preset {args.preset!r}; presets: {', '.join(extrapolate.PRESETS)}")
     preset = extrapolate.PRESETS[args.preset]
     overrides = {
-        "encodings": args.encodings, "tasks": args.tasks, "seeds": args.seeds, "steps": args.steps,
-        "model_dim": args.model_dim, "num_layers": args.layers, "num_heads": args.heads, "batch_size": args.batch_size,
-        "train_length": args.train_length, "eval_lengths": args.eval_lengths, "text_context": args.text_context,
+        "encodings": args.encodings,
+        "tasks": args.tasks,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "model_dim": args.model_dim,
+        "num_layers": args.layers,
+        "num_heads": args.heads,
+        "batch_size": args.batch_size,
+        "train_length": args.train_length,
+        "eval_lengths": args.eval_lengths,
+        "text_context": args.text_context,
         "learning_rate": args.learning_rate,
     }
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
@@ -38,8 +46,11 @@ def _extrapolate(args) -> int:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
     out = pathlib.Path(args.out or f"results/extrapolation/{preset.name}")
     began = time.perf_counter()
-    print(f"posenc-bench extrapolate: preset {preset.name}, {len(preset.encodings)} encodings x "
-          f"{len(preset.tasks)} tasks x {len(preset.seeds)} seeds -> {out}", flush=True)
+    print(
+        f"posenc-bench extrapolate: preset {preset.name}, {len(preset.encodings)} encodings x "
+        f"{len(preset.tasks)} tasks x {len(preset.seeds)} seeds -> {out}",
+        flush=True,
+    )
     try:
         record = extrapolate.run(preset, out, corpus=args.corpus, progress=not args.no_progress)
     except ValueError as error:
@@ -57,14 +68,18 @@ def _probe(args) -> int:
     from posenc_jax.bench import extrapolate, probe, report
 
     try:
-        preset = probe.preset_with(args.preset, encodings=args.encodings, normalizers=args.normalizers,
-                                   seeds=args.seeds, steps=args.steps)
+        preset = probe.preset_with(
+            args.preset, encodings=args.encodings, normalizers=args.normalizers, seeds=args.seeds, steps=args.steps
+        )
         preset.validate()
     except ValueError as error:
         raise SystemExit(f"posenc-bench probe: {error}") from None
     out = pathlib.Path(args.out or f"results/{preset.name}")
-    print(f"posenc-bench probe: preset {preset.name}, {len(preset.encodings)} encodings x "
-          f"{len(preset.normalizers)} normalisers x 2 (boundary tokens or not) -> {out}", flush=True)
+    print(
+        f"posenc-bench probe: preset {preset.name}, {len(preset.encodings)} encodings x "
+        f"{len(preset.normalizers)} normalisers x 2 (boundary tokens or not) -> {out}",
+        flush=True,
+    )
     try:
         record = extrapolate.run(preset, out, progress=not args.no_progress)
     except ValueError as error:
@@ -80,7 +95,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("extrapolate", help="train short, test long, for each encoding and task")
     ex.add_argument("--preset", default="cpu", help="smoke, cpu (default), cpu-full or paper")
-    ex.add_argument("--encodings", type=_names, help="comma-separated registered encoding names")
+    ex.add_argument(
+        "--encodings",
+        type=_names,
+        help="comma-separated registered encoding names; a+b for a hybrid (e.g. rope+randomized)",
+    )
     ex.add_argument("--tasks", type=_names, help="comma-separated task names")
     ex.add_argument("--seeds", type=_ints, help="comma-separated seeds")
     ex.add_argument("--out", help="output folder (default results/extrapolation/<preset>)")
@@ -93,8 +112,11 @@ def main(argv=None) -> int:
     ex.add_argument("--train-length", type=int, help="longest training length of the algorithmic tasks")
     ex.add_argument("--eval-lengths", type=_ints, help="comma-separated evaluation lengths")
     ex.add_argument("--text-context", type=int, help="training context of the text task")
-    ex.add_argument("--corpus", help="a text file or folder for the text task, or wikitext103 / tinyshakespeare "
-                    "(Hugging Face hub, needs the data extra); default: Python's stdlib sources")
+    ex.add_argument(
+        "--corpus",
+        help="a text file or folder for the text task, or wikitext103 / tinyshakespeare "
+        "(Hugging Face hub, needs the data extra); default: Python's stdlib sources",
+    )
     ex.add_argument("--no-progress", action="store_true", help="no progress bars")
     ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     ex.set_defaults(handler=_extrapolate)

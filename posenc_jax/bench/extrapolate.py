@@ -88,15 +88,19 @@ class Preset:
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
         if self.train_length < 1 or self.text_context < 2:
-            raise ValueError(f"train_length must be >= 1 and text_context >= 2, got {self.train_length}, {self.text_context}")
+            raise ValueError(
+                f"train_length must be >= 1 and text_context >= 2, got {self.train_length}, {self.text_context}"
+            )
         if not self.eval_lengths or max(self.eval_lengths) <= self.train_length:
             raise ValueError(
                 f"eval lengths {self.eval_lengths} must reach beyond the training length {self.train_length}; "
                 f"an extrapolation benchmark tests longer than it trains"
             )
         if min(self.eval_lengths) < 1 or not self.text_multiples or max(self.text_multiples) <= 1:
-            raise ValueError(f"eval lengths must be >= 1 and text multiples must include one > 1, got "
-                             f"{self.eval_lengths}, {self.text_multiples}")
+            raise ValueError(
+                f"eval lengths must be >= 1 and text multiples must include one > 1, got "
+                f"{self.eval_lengths}, {self.text_multiples}"
+            )
         if self.model_dim % self.num_heads:
             raise ValueError(f"model_dim={self.model_dim} is not divisible by num_heads={self.num_heads}")
         if not self.seeds:
@@ -104,31 +108,74 @@ class Preset:
 
 
 _CPU_ENCODINGS = ("nope", "sinusoidal", "learned", "rope", "t5", "alibi")
-_ALGO_TASKS = ("counting_copy", "copy", "duplicate", "reverse", "reverse_string", "missing_duplicate", "parity", "bucket_sort")
+_ALGO_TASKS = (
+    "counting_copy",
+    "copy",
+    "duplicate",
+    "reverse",
+    "reverse_string",
+    "missing_duplicate",
+    "parity",
+    "bucket_sort",
+)
 
 PRESETS = {
     "smoke": Preset(
-        name="smoke", encodings=("nope", "rope", "alibi"), tasks=("counting_copy", "text"), seeds=(0,),
-        model_dim=32, num_layers=1, num_heads=2, mlp_dim=64, steps=30, batch_size=16, train_length=4,
-        eval_lengths=(2, 4, 6, 8), eval_examples=16, text_context=16, text_multiples=(1, 2, 4),
-        text_eval_windows=4, checkpoint_every=10,
+        name="smoke",
+        encodings=("nope", "rope", "alibi"),
+        tasks=("counting_copy", "text"),
+        seeds=(0,),
+        model_dim=32,
+        num_layers=1,
+        num_heads=2,
+        mlp_dim=64,
+        steps=30,
+        batch_size=16,
+        train_length=4,
+        eval_lengths=(2, 4, 6, 8),
+        eval_examples=16,
+        text_context=16,
+        text_multiples=(1, 2, 4),
+        text_eval_windows=4,
+        checkpoint_every=10,
     ),
     "cpu": Preset(
-        name="cpu", encodings=_CPU_ENCODINGS, tasks=("counting_copy", "text"), seeds=(0, 1), steps=700,
+        name="cpu",
+        encodings=_CPU_ENCODINGS,
+        tasks=("counting_copy", "text"),
+        seeds=(0, 1),
+        steps=700,
     ),
     "cpu-full": Preset(
         name="cpu-full",
-        encodings=(*(n for n in encoding_names() if n not in ("rope-2d", "randomized")), "rope+randomized",
-                   "sinusoidal+randomized"),
-        tasks=(*_ALGO_TASKS, "probe", "probe_boundary", "text"), seeds=(0, 1), steps=700,
+        encodings=(
+            *(n for n in encoding_names() if n not in ("rope-2d", "randomized")),
+            "rope+randomized",
+            "sinusoidal+randomized",
+        ),
+        tasks=(*_ALGO_TASKS, "probe", "probe_boundary", "text"),
+        seeds=(0, 1),
+        steps=700,
     ),
     # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,
     # 6% warmup, dropout 0.1, train <= 20, test 21-40, 3 seeds. For a GPU or TPU.
     "paper": Preset(
-        name="paper", encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
-        tasks=("counting_copy", "copy", "duplicate", "reverse"), seeds=(0, 1, 2), model_dim=768, num_layers=12,
-        num_heads=12, mlp_dim=3072, dropout_rate=0.1, steps=40_000, batch_size=64, learning_rate=3e-5,
-        weight_decay=0.05, train_length=20, eval_lengths=tuple(range(1, 41)), eval_examples=256,
+        name="paper",
+        encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
+        tasks=("counting_copy", "copy", "duplicate", "reverse"),
+        seeds=(0, 1, 2),
+        model_dim=768,
+        num_layers=12,
+        num_heads=12,
+        mlp_dim=3072,
+        dropout_rate=0.1,
+        steps=40_000,
+        batch_size=64,
+        learning_rate=3e-5,
+        weight_decay=0.05,
+        train_length=20,
+        eval_lengths=tuple(range(1, 41)),
+        eval_examples=256,
         checkpoint_every=2000,
     ),
 }
@@ -197,8 +244,16 @@ def _done(results_path: pathlib.Path, settings: str) -> set:
 
 def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                              cwd=pathlib.Path(__file__).parent).stdout.strip() or None
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                cwd=pathlib.Path(__file__).parent,
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -208,8 +263,14 @@ def _versions() -> dict:
     import optax
     import orbax.checkpoint
 
-    return {"jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
-            "orbax-checkpoint": orbax.checkpoint.__version__, "numpy": np.__version__, "python": platform.python_version()}
+    return {
+        "jax": jax.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "orbax-checkpoint": orbax.checkpoint.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+    }
 
 
 def _train_batch(task, preset: Preset, seed: int, step: int, max_tokens: int) -> dict:
@@ -248,10 +309,17 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     settings = fingerprint(preset)
     done = _done(results_path, settings)
     record = {
-        "preset": dataclasses.asdict(preset), "corpus": corpus, "versions": _versions(),
-        "device": {"platform": jax.devices()[0].platform, "kind": jax.devices()[0].device_kind,
-                   "count": jax.local_device_count()},
-        "git_commit": _git_commit(), "settings": settings, "cells": [],
+        "preset": dataclasses.asdict(preset),
+        "corpus": corpus,
+        "versions": _versions(),
+        "device": {
+            "platform": jax.devices()[0].platform,
+            "kind": jax.devices()[0].device_kind,
+            "count": jax.local_device_count(),
+        },
+        "git_commit": _git_commit(),
+        "settings": settings,
+        "cells": [],
     }
     run_json = out / "run.json"
     if run_json.exists():
@@ -271,13 +339,28 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
                 for seed in preset.seeds:
                     todo = [n for n in eval_lengths if (task_name, label, seed, n) not in done]
                     scaled = _eval_only_rows(task, label, preset)
-                    scaled_todo = [(name, n) for name in scaled for n in eval_lengths
-                                   if (task_name, name, seed, n) not in done]
+                    scaled_todo = [
+                        (name, n) for name in scaled for n in eval_lengths if (task_name, name, seed, n) not in done
+                    ]
                     if not todo and not scaled_todo:
                         continue
-                    timings = _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, results_path,
-                                        todo, scaled_todo, train_length, max_tokens, mesh if use_mesh else None,
-                                        progress, log)
+                    timings = _run_cell(
+                        task,
+                        task_name,
+                        encoding_name,
+                        normalizer,
+                        seed,
+                        preset,
+                        out,
+                        results_path,
+                        todo,
+                        scaled_todo,
+                        train_length,
+                        max_tokens,
+                        mesh if use_mesh else None,
+                        progress,
+                        log,
+                    )
                     record["cells"].append(timings)
                     run_json.write_text(json.dumps(record, indent=1))
     run_json.write_text(json.dumps(record, indent=1))
@@ -307,9 +390,15 @@ def _scaled_rope(row_name: str, length: int, train_length: int):
 
 def _model(task, preset: Preset, config, seed: int, normalizer: str = "softmax") -> Transformer:
     return Transformer(
-        vocab_size=task.vocab_size, model_dim=preset.model_dim, num_layers=preset.num_layers,
-        num_heads=preset.num_heads, mlp_dim=preset.mlp_dim, encoding=config, causal=task.kind == "decoder",
-        normalizer=normalizer_config(normalizer), dropout_rate=preset.dropout_rate,
+        vocab_size=task.vocab_size,
+        model_dim=preset.model_dim,
+        num_layers=preset.num_layers,
+        num_heads=preset.num_heads,
+        mlp_dim=preset.mlp_dim,
+        encoding=config,
+        causal=task.kind == "decoder",
+        normalizer=normalizer_config(normalizer),
+        dropout_rate=preset.dropout_rate,
         rngs=nnx.Rngs(params=seed, dropout=seed + 1),
     )
 
@@ -325,8 +414,23 @@ def _evaluate(model, task, preset: Preset, seed: int, length: int, max_tokens: i
     return float(np.concatenate(scores).mean())
 
 
-def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, results_path, todo, scaled_todo,
-              train_length, max_tokens, mesh, progress, log):
+def _run_cell(
+    task,
+    task_name,
+    encoding_name,
+    normalizer,
+    seed,
+    preset,
+    out,
+    results_path,
+    todo,
+    scaled_todo,
+    train_length,
+    max_tokens,
+    mesh,
+    progress,
+    log,
+):
     label = row_label(encoding_name, normalizer)
     train_tokens = task.max_tokens(preset.text_context if isinstance(task, TextTask) else train_length)
     head_dim = preset.model_dim // preset.num_heads
@@ -334,15 +438,19 @@ def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, res
     model = _model(task, preset, configs, seed, normalizer)
     # Frequencies that follow the sequence length (max position + 1) must see each length unpadded.
     length_dependent = _length_dependent(encoding_name)
-    tx = warmup_cosine_adamw(learning_rate=preset.learning_rate, total_steps=preset.steps,
-                             warmup_steps=max(0, int(preset.warmup_fraction * preset.steps)),
-                             weight_decay=preset.weight_decay)
+    tx = warmup_cosine_adamw(
+        learning_rate=preset.learning_rate,
+        total_steps=preset.steps,
+        warmup_steps=max(0, int(preset.warmup_fraction * preset.steps)),
+        weight_decay=preset.weight_decay,
+    )
     optimizer = make_optimizer(model, tx)
     if mesh is not None:
         replicate(model, mesh)
         replicate(optimizer, mesh)
-    ckpt = Checkpointer(out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}",
-                        max_to_keep=1)
+    ckpt = Checkpointer(
+        out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}", max_to_keep=1
+    )
     start_step = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
     timings = {"task": task_name, "encoding": label, "seed": seed, "resumed_from_step": start_step}
 
@@ -350,8 +458,13 @@ def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, res
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=preset.steps, initial=start_step, desc=f"{task_name} / {label} / seed {seed}",
-                   leave=False, dynamic_ncols=True)
+        bar = tqdm(
+            total=preset.steps,
+            initial=start_step,
+            desc=f"{task_name} / {label} / seed {seed}",
+            leave=False,
+            dynamic_ncols=True,
+        )
     compile_seconds, train_seconds = 0.0, 0.0
     loss = float("nan")
     for step in range(start_step, preset.steps):
@@ -378,9 +491,18 @@ def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, res
     began = time.perf_counter()
 
     def write(name, length, value):
-        row = {"task": task_name, "encoding": name, "seed": seed, "length": int(length), "metric": task.metric,
-               "value": value, "train_length": int(train_length), "in_distribution": bool(length <= train_length),
-               "preset": preset.name, "settings": fingerprint(preset)}
+        row = {
+            "task": task_name,
+            "encoding": name,
+            "seed": seed,
+            "length": int(length),
+            "metric": task.metric,
+            "value": value,
+            "train_length": int(train_length),
+            "in_distribution": bool(length <= train_length),
+            "preset": preset.name,
+            "settings": fingerprint(preset),
+        }
         with results_path.open("a") as results:
             results.write(json.dumps(row) + "\n")
 
@@ -393,6 +515,8 @@ def _run_cell(task, task_name, encoding_name, normalizer, seed, preset, out, res
         nnx.update(scaled, trained)  # the RoPE model's weights, other frequencies
         write(name, length, _evaluate(scaled, task, preset, seed, length, max_tokens))
     timings["eval_seconds"] = time.perf_counter() - began
-    log(f"{task_name:14s} {label:12s} seed {seed}: loss {loss:.3f}, "
-        f"compile {compile_seconds:.1f}s, train {train_seconds:.1f}s, eval {timings['eval_seconds']:.1f}s")
+    log(
+        f"{task_name:14s} {label:12s} seed {seed}: loss {loss:.3f}, "
+        f"compile {compile_seconds:.1f}s, train {train_seconds:.1f}s, eval {timings['eval_seconds']:.1f}s"
+    )
     return timings

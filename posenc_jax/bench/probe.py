@@ -22,15 +22,39 @@ __all__ = ["PROBE_PRESETS", "expected_outcome", "heat_map", "write_probe_report"
 
 PROBE_PRESETS = {
     "smoke": Preset(
-        name="probe-smoke", encodings=("nope", "sinusoidal", "alibi"), tasks=("probe", "probe_boundary"),
-        seeds=(0,), normalizers=("softmax", "urpe"), model_dim=32, num_layers=1, num_heads=2, mlp_dim=64,
-        steps=20, batch_size=8, train_length=6, eval_lengths=(3, 6, 9), eval_examples=8, checkpoint_every=10,
+        name="probe-smoke",
+        encodings=("nope", "sinusoidal", "alibi"),
+        tasks=("probe", "probe_boundary"),
+        seeds=(0,),
+        normalizers=("softmax", "urpe"),
+        model_dim=32,
+        num_layers=1,
+        num_heads=2,
+        mlp_dim=64,
+        steps=20,
+        batch_size=8,
+        train_length=6,
+        eval_lengths=(3, 6, 9),
+        eval_examples=8,
+        checkpoint_every=10,
     ),
     "default": Preset(
-        name="probe", encodings=("nope", "sinusoidal", "learned", "alibi", "t5", "rope", "shaw"),
-        tasks=("probe", "probe_boundary"), seeds=(0,), normalizers=("softmax", "l2", "relu2", "urpe"),
-        model_dim=64, num_layers=2, num_heads=4, mlp_dim=128, steps=300, batch_size=16, learning_rate=3e-3,
-        train_length=16, eval_lengths=(4, 8, 12, 16, 24, 32), eval_examples=32, checkpoint_every=300,
+        name="probe",
+        encodings=("nope", "sinusoidal", "learned", "alibi", "t5", "rope", "shaw"),
+        tasks=("probe", "probe_boundary"),
+        seeds=(0,),
+        normalizers=("softmax", "l2", "relu2", "urpe"),
+        model_dim=64,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=128,
+        steps=300,
+        batch_size=16,
+        learning_rate=3e-3,
+        train_length=16,
+        eval_lengths=(4, 8, 12, 16, 24, 32),
+        eval_examples=32,
+        checkpoint_every=300,
     ),
 }
 
@@ -71,16 +95,23 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
     """``report.md``: measured accuracy beside the expected outcome, one row per setting."""
     lines = ["# Seed 004 probe: n identical tokens, output each position's index", ""]
     if preset:
-        lines += [f"Preset `{preset['name']}`: encoders of {preset['num_layers']} layers x {preset['model_dim']}, "
-                  f"{preset['steps']} steps, trained on n <= {preset['train_length']}, tested at "
-                  f"{list(preset['eval_lengths'])}; per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}.", ""]
-    lines += ["| encoding | normaliser | boundary tokens | in distribution | longer n | expected |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"Preset `{preset['name']}`: encoders of {preset['num_layers']} layers x {preset['model_dim']}, "
+            f"{preset['steps']} steps, trained on n <= {preset['train_length']}, tested at "
+            f"{list(preset['eval_lengths'])}; per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}.",
+            "",
+        ]
+    lines += [
+        "| encoding | normaliser | boundary tokens | in distribution | longer n | expected |",
+        "|---|---|---|---|---|---|",
+    ]
     for (label, task), values in sorted(_table(rows).items()):
         encoding, normalizer = _split(label)
         boundary = task == "probe_boundary"
         lines.append(
             f"| {encoding} | {normalizer} | {'yes' if boundary else 'no'} | {np.mean(values['in']):.3f} | "
-            f"{np.mean(values['out']) if values['out'] else float('nan'):.3f} | {expected_outcome(encoding, normalizer, boundary)} |"
+            f"{np.mean(values['out']) if values['out'] else float('nan'):.3f} | "
+            f"{expected_outcome(encoding, normalizer, boundary)} |"
         )
     lines += ["", "![accuracy heat map](probe_heatmap.png)", ""]
     text = "\n".join(lines)
@@ -104,13 +135,24 @@ def heat_map(rows, out: pathlib.Path) -> pathlib.Path:
         grid[encodings.index(encoding), columns.index((normalizer, task))] = np.mean(values["in"])
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(columns), 0.8 + 0.5 * len(encodings)))
     image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(range(len(columns)), [f"{n}\n{'[CLS]..[SEP]' if t == 'probe_boundary' else 'plain'}" for n, t in columns], fontsize=7)
+    ax.set_xticks(
+        range(len(columns)),
+        [f"{n}\n{'[CLS]..[SEP]' if t == 'probe_boundary' else 'plain'}" for n, t in columns],
+        fontsize=7,
+    )
     ax.set_yticks(range(len(encodings)), encodings, fontsize=8)
     for i in range(len(encodings)):
         for j in range(len(columns)):
             if not np.isnan(grid[i, j]):
-                ax.text(j, i, f"{grid[i, j]:.2f}", ha="center", va="center", fontsize=7,
-                        color="white" if grid[i, j] < 0.5 else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{grid[i, j]:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if grid[i, j] < 0.5 else "black",
+                )
     ax.set_title("probe accuracy, in distribution")
     fig.colorbar(image, ax=ax)
     fig.tight_layout()

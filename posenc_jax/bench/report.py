@@ -66,16 +66,18 @@ def _summary(per_seed: dict, keep) -> tuple[float, float, int]:
     return float(np.mean(means)), float(np.std(means)), len(means)
 
 
-def write_report(rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None,
-                 plots: bool = True) -> str:
+def write_report(
+    rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None, plots: bool = True
+) -> str:
     """Writes ``report.md`` (and returns its text)."""
     out = pathlib.Path(out)
     lines = ["# Length extrapolation", ""]
     if preset:
         lines += [
-            f"Preset `{preset['name']}`: {preset['num_layers']} layers x {preset['model_dim']}, {preset['num_heads']} heads, "
-            f"{preset['steps']} steps, batch {preset['batch_size']}, AdamW lr {preset['learning_rate']} (warmup + cosine), "
-            f"seeds {list(preset['seeds'])}. Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested "
+            f"Preset `{preset['name']}`: {preset['num_layers']} layers x {preset['model_dim']}, "
+            f"{preset['num_heads']} heads, {preset['steps']} steps, batch {preset['batch_size']}, "
+            f"AdamW lr {preset['learning_rate']} (warmup + cosine), seeds {list(preset['seeds'])}. "
+            f"Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested "
             f"at {list(preset['eval_lengths'])}; text trains at {preset['text_context']} characters and is tested at "
             f"{[preset['text_context'] * m for m in preset['text_multiples']]}.",
             "",
@@ -83,14 +85,19 @@ def write_report(rows: list[dict], out: pathlib.Path, *, preset: dict | None = N
     if record and record.get("text_corpus"):
         lines += [f"Text corpus: {record['text_corpus']}.", ""]
     if record:
-        lines += [f"Device: {record['device']['kind']} x {record['device']['count']}; jax {record['versions']['jax']}; "
-                  f"commit {record.get('git_commit')}.", ""]
+        lines += [
+            f"Device: {record['device']['kind']} x {record['device']['count']}; jax {record['versions']['jax']}; "
+            f"commit {record.get('git_commit')}.",
+            "",
+        ]
     for task, encodings in _by_cell(rows).items():
         sample = next(r for r in rows if r["task"] == task)
         metric, train_length = sample["metric"], sample["train_length"]
         lower = metric == "bits_per_char"
         lines += [f"## {task} ({metric.replace('_', ' ')}, {'lower' if lower else 'higher'} is better)", ""]
-        header = "| encoding | in distribution (length <= {0}) | beyond training (length > {0}) |".format(train_length)
+        header = (
+            f"| encoding | in distribution (length <= {train_length}) | beyond training (length > {train_length}) |"
+        )
         sep = "|---|---|---|"
         published = PUBLISHED.get(task)
         if published:
@@ -98,18 +105,22 @@ def write_report(rows: list[dict], out: pathlib.Path, *, preset: dict | None = N
             sep += "---|"
         lines += [header, sep]
         for encoding, per_seed in encodings.items():
-            ind = _summary(per_seed, lambda n: n <= train_length)
-            ood = _summary(per_seed, lambda n: n > train_length)
+            ind = _summary(per_seed, lambda n, limit=train_length: n <= limit)
+            ood = _summary(per_seed, lambda n, limit=train_length: n > limit)
             row = f"| {encoding} | {ind[0]:.3f} ± {ind[1]:.3f} | {ood[0]:.3f} ± {ood[1]:.3f} |"
             if published:
                 row += f" {published[encoding]:.3f} |" if encoding in published else " - |"
             lines.append(row)
         lines.append("")
-        lines.append("Mean over lengths, then mean ± standard deviation over seeds "
-                     f"({max(len(p) for p in encodings.values())} seed(s)).")
+        lines.append(
+            "Mean over lengths, then mean ± standard deviation over seeds "
+            f"({max(len(p) for p in encodings.values())} seed(s))."
+        )
         if published:
-            lines.append(f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
-                         "ordering, not the numbers.")
+            lines.append(
+                f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
+                "ordering, not the numbers."
+            )
         if task == "text":
             lines.append(f"Reference shape: {TEXT_REFERENCE}")
         if plots:

@@ -8,8 +8,14 @@ importable from their modules (``posenc_jax.functional.relative``, ``.positions`
 """
 
 # The attention, its hooks and the registry.
+# The encodings, one module each (importing a module registers its encoding).
+from posenc_jax.functional.alibi import ALiBi, alibi_bias, alibi_slopes
 from posenc_jax.functional.attention import SharedBias, dot_product_attention
+from posenc_jax.functional.axial_rope import AxialRoPE, apply_rope_2d
 from posenc_jax.functional.cache import KVCache
+from posenc_jax.functional.cope import CoPE, CoPEConfig, cope_logits
+from posenc_jax.functional.deberta import DeBERTa, DeBERTaConfig, deberta_log_bucket, deberta_logits
+from posenc_jax.functional.fire import Fire, FireConfig, fire_bias, fire_init
 from posenc_jax.functional.hooks import (
     AttentionContext,
     BiasHook,
@@ -27,7 +33,11 @@ from posenc_jax.functional.hooks import (
     parameter,
     pytree_dataclass,
 )
+from posenc_jax.functional.kerple import Kerple, KerpleConfig, kerple_bias
+from posenc_jax.functional.learned_absolute import LearnedAbsolute, LearnedAbsoluteConfig, learned_position_embedding
+from posenc_jax.functional.learned_relative import ClippedBiasConfig, ClippedRelativeBias, clipped_relative_bias
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
+from posenc_jax.functional.nope import NoPE
 from posenc_jax.functional.normalizers import (
     NORMALIZERS,
     URPE,
@@ -37,6 +47,7 @@ from posenc_jax.functional.normalizers import (
     relu2_weights,
     softmax_weights,
 )
+from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
 from posenc_jax.functional.registry import (
     EncodingInfo,
     Source,
@@ -45,18 +56,6 @@ from posenc_jax.functional.registry import (
     encoding_names,
     register_encoding,
 )
-
-# The encodings, one module each (importing a module registers its encoding).
-from posenc_jax.functional.alibi import ALiBi, alibi_bias, alibi_slopes  # noqa: I001
-from posenc_jax.functional.axial_rope import AxialRoPE, apply_rope_2d
-from posenc_jax.functional.cope import CoPE, CoPEConfig, cope_logits
-from posenc_jax.functional.deberta import DeBERTa, DeBERTaConfig, deberta_log_bucket, deberta_logits
-from posenc_jax.functional.fire import Fire, FireConfig, fire_bias, fire_init
-from posenc_jax.functional.kerple import Kerple, KerpleConfig, kerple_bias
-from posenc_jax.functional.learned_absolute import LearnedAbsolute, LearnedAbsoluteConfig, learned_position_embedding
-from posenc_jax.functional.learned_relative import ClippedBiasConfig, ClippedRelativeBias, clipped_relative_bias
-from posenc_jax.functional.nope import NoPE
-from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
 from posenc_jax.functional.rope import RoPE, apply_rope, apply_rope_qk
 from posenc_jax.functional.rope_scaling import (
     DynamicNTKScaling,

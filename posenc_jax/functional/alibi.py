@@ -35,8 +35,11 @@ from posenc_jax.functional.relative import relative_positions
 __all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
 
 ALIBI = Source.paper(
-    "press2022train", title="Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation",
-    authors="Press, Ofir and Smith, Noah A. and Lewis, Mike", year=2022, arxiv="2108.12409",
+    "press2022train",
+    title="Train Short, Test Long: Attention with Linear Biases Enables Input Length Extrapolation",
+    authors="Press, Ofir and Smith, Noah A. and Lewis, Mike",
+    year=2022,
+    arxiv="2108.12409",
 )
 
 
@@ -112,6 +115,8 @@ class ALiBi(BiasHook, ParameterFree):
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
         return alibi_bias(
-            context.num_heads, context.query_positions, context.key_positions,
+            context.num_heads,
+            context.query_positions,
+            context.key_positions,
             bidirectional=context.bidirectional(self.bidirectional),
         )

@@ -47,8 +47,14 @@ from posenc_jax.functional.hooks import (
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
 from posenc_jax.functional.positions import check_positions
 
-__all__ = ["SharedBias", "attention_output", "attention_scores", "attention_weights", "dot_product_attention",
-           "softmax_weights"]
+__all__ = [
+    "SharedBias",
+    "attention_output",
+    "attention_scores",
+    "attention_weights",
+    "dot_product_attention",
+    "softmax_weights",
+]
 
 
 def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -150,8 +156,10 @@ def _check_per_token(array, length: int, batch: int, name: str):
 
 
 def _check_position_shape(positions, length: int, batch: int, name: str):
-    if positions.shape[-1] != length or positions.ndim > 2 or (
-        positions.ndim == 2 and positions.shape[0] not in (1, batch)
+    if (
+        positions.shape[-1] != length
+        or positions.ndim > 2
+        or (positions.ndim == 2 and positions.shape[0] not in (1, batch))
     ):
         raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {positions.shape}")
 
@@ -217,9 +225,7 @@ def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context:
     return scores
 
 
-def attention_weights(
-    scores: jax.Array, mask: jax.Array | None, normalizer, context: AttentionContext
-) -> jax.Array:
+def attention_weights(scores: jax.Array, mask: jax.Array | None, normalizer, context: AttentionContext) -> jax.Array:
     """Stage 3: float32 weights from the scores and the boolean mask.
 
     ``normalizer`` is a :class:`~posenc_jax.functional.hooks.Normalize` hook (it is given
@@ -266,16 +272,35 @@ class _Call:
     context: AttentionContext
 
 
-def _checked_call(query, key, value, *, query_positions, key_positions, encodings, normalizer, causal, key_mask,
-                  query_segment_ids, key_segment_ids, mask, scale, dropout_rate) -> _Call:
+def _checked_call(
+    query,
+    key,
+    value,
+    *,
+    query_positions,
+    key_positions,
+    encodings,
+    normalizer,
+    causal,
+    key_mask,
+    query_segment_ids,
+    key_segment_ids,
+    mask,
+    scale,
+    dropout_rate,
+) -> _Call:
     """Stage 1: validates everything and builds the mask and the context."""
     _check_shapes(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     k_len = key.shape[1]
     hooks = _attention_hooks(encodings)
     query_positions, key_positions = _checked_positions(
-        query_positions, key_positions, needed=causal or bool(hooks) or isinstance(normalizer, Normalize),
-        q_len=q_len, k_len=k_len, batch=batch,
+        query_positions,
+        key_positions,
+        needed=causal or bool(hooks) or isinstance(normalizer, Normalize),
+        q_len=q_len,
+        k_len=k_len,
+        batch=batch,
     )
     _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch)
     if not 0.0 <= dropout_rate < 1.0:
@@ -287,8 +312,13 @@ def _checked_call(query, key, value, *, query_positions, key_positions, encoding
         None if mask is None else jnp.asarray(mask),
     )
     context = AttentionContext(
-        query_positions=query_positions, key_positions=key_positions, scale=_score_scale(hooks, head_dim, scale),
-        head_dim=head_dim, num_heads=num_heads, causal=bool(causal), key_length=k_len,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=_score_scale(hooks, head_dim, scale),
+        head_dim=head_dim,
+        num_heads=num_heads,
+        causal=bool(causal),
+        key_length=k_len,
     )
     return _Call(query, key, value, hooks, full_mask, context)
 
@@ -365,9 +395,20 @@ def dot_product_attention(
             None if a is None else jnp.asarray(a)[None] for a in (key_mask, query_segment_ids, key_segment_ids)
         )
     call = _checked_call(
-        query, key, value, query_positions=query_positions, key_positions=key_positions, encodings=encodings,
-        normalizer=normalizer, causal=causal, key_mask=key_mask, query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids, mask=mask, scale=scale, dropout_rate=dropout_rate,
+        query,
+        key,
+        value,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        encodings=encodings,
+        normalizer=normalizer,
+        causal=causal,
+        key_mask=key_mask,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        mask=mask,
+        scale=scale,
+        dropout_rate=dropout_rate,
     )
     scores = attention_scores(call.query, call.key, call.hooks, call.context)
     weights = attention_weights(scores, call.mask, normalizer, call.context)

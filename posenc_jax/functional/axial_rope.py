@@ -21,14 +21,15 @@ from posenc_jax.functional.rope import Layout, _check_layout, apply_rope
 __all__ = ["AxialRoPE", "apply_rope_2d"]
 
 ROPE_VIT = Source.paper(
-    "heo2024rotary", title="Rotary Position Embedding for Vision Transformer",
-    authors="Heo, Byeongho and Park, Song and Han, Dongyoon and Yun, Sangdoo", year=2024, arxiv="2403.13298",
+    "heo2024rotary",
+    title="Rotary Position Embedding for Vision Transformer",
+    authors="Heo, Byeongho and Park, Song and Han, Dongyoon and Yun, Sangdoo",
+    year=2024,
+    arxiv="2403.13298",
 )
 
 
-def apply_rope_2d(
-    x: jax.Array, positions, *, base: float = 10000.0, layout: Layout = "interleaved"
-) -> jax.Array:
+def apply_rope_2d(x: jax.Array, positions, *, base: float = 10000.0, layout: Layout = "interleaved") -> jax.Array:
     """Axial 2-D RoPE for image patches: the first half of each head by x, the second by y.
 
     ``positions[..., t, :] = (x, y)`` (column, row) of patch t. Each half of the head

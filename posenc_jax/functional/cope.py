@@ -32,8 +32,10 @@ from posenc_jax.functional.relative import check_max_distance
 __all__ = ["CoPE", "CoPEConfig", "cope_logits"]
 
 COPE = Source.paper(
-    "golovneva2024contextual", title="Contextual Position Encoding: Learning to Count What's Important",
-    authors="Golovneva, Olga and Wang, Tianlu and Weston, Jason and Sukhbaatar, Sainbayar", year=2024,
+    "golovneva2024contextual",
+    title="Contextual Position Encoding: Learning to Count What's Important",
+    authors="Golovneva, Olga and Wang, Tianlu and Weston, Jason and Sukhbaatar, Sainbayar",
+    year=2024,
     arxiv="2405.18719",
 )
 
@@ -53,8 +55,10 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
       (1, 2, 5, 5)
     """
     num_heads, head_dim = q.shape[-2], q.shape[-1]
-    if np.ndim(embeddings) not in (2, 3) or np.shape(embeddings)[-1] != head_dim or (
-        np.ndim(embeddings) == 3 and np.shape(embeddings)[0] != num_heads
+    if (
+        np.ndim(embeddings) not in (2, 3)
+        or np.shape(embeddings)[-1] != head_dim
+        or (np.ndim(embeddings) == 3 and np.shape(embeddings)[0] != num_heads)
     ):
         raise ValueError(
             f"CoPE embeddings must have shape [P, H={head_dim}] or [N={num_heads}, P, H], got {np.shape(embeddings)}"

@@ -42,8 +42,11 @@ from posenc_jax.functional.relative import (
 __all__ = ["DeBERTa", "DeBERTaConfig", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
 
 DEBERTA = Source.paper(
-    "he2021deberta", title="DeBERTa: Decoding-enhanced BERT with Disentangled Attention",
-    authors="He, Pengcheng and Liu, Xiaodong and Gao, Jianfeng and Chen, Weizhu", year=2021, arxiv="2006.03654",
+    "he2021deberta",
+    title="DeBERTa: Decoding-enhanced BERT with Disentangled Attention",
+    authors="He, Pengcheng and Liu, Xiaodong and Gao, Jianfeng and Chen, Weizhu",
+    year=2021,
+    arxiv="2006.03654",
 )
 
 _TERMS = ("c2p", "p2c")
@@ -168,7 +171,10 @@ def deberta_logits(
         # gathered terms are never stored whole, only their scaled sum.
         block_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
         index = deberta_relative_index(
-            block_positions, key_positions, span=span, position_buckets=position_buckets,
+            block_positions,
+            key_positions,
+            span=span,
+            position_buckets=position_buckets,
             max_relative_positions=max_relative_positions,
         )
         total = 0.0
@@ -235,9 +241,16 @@ class DeBERTa:
 
     def logits(self, q, k, context: AttentionContext):
         return deberta_logits(
-            q, k, context.query_positions, context.key_positions, pos_query=self.pos_query, pos_key=self.pos_key,
-            span=self.span, position_buckets=self.position_buckets,
-            max_relative_positions=self.max_relative_positions, terms=self.terms,
+            q,
+            k,
+            context.query_positions,
+            context.key_positions,
+            pos_query=self.pos_query,
+            pos_key=self.pos_key,
+            span=self.span,
+            position_buckets=self.position_buckets,
+            max_relative_positions=self.max_relative_positions,
+            terms=self.terms,
             scale=context.scale if self.scale is None else self.scale,
         )
 
@@ -270,6 +283,9 @@ class DeBERTaConfig(EncodingConfig):
 
     def build(self, params: dict) -> DeBERTa:
         return DeBERTa(
-            params["pos_query"], params["pos_key"], self.span, position_buckets=self.position_buckets,
+            params["pos_query"],
+            params["pos_key"],
+            self.span,
+            position_buckets=self.position_buckets,
             max_relative_positions=self.max_relative_positions,
         )

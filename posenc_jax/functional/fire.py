@@ -30,17 +30,19 @@ from posenc_jax.functional.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import by_query_blocks
 
 __all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
 
 FIRE = Source.paper(
-    "li2023functional", title="Functional Interpolation for Relative Positions Improves Long Context Transformers",
+    "li2023functional",
+    title="Functional Interpolation for Relative Positions Improves Long Context Transformers",
     authors="Li, Shanda and You, Chong and Guruganesh, Guru and Ainslie, Joshua and Ontanon, Santiago and "
-            "Zaheer, Manzil and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh",
-    year=2023, arxiv="2310.04418",
+    "Zaheer, Manzil and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh",
+    year=2023,
+    arxiv="2310.04418",
 )
 
 
@@ -62,8 +64,12 @@ def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.
     b1 = -w1 * jax.random.uniform(k2, (hidden,))
     w2 = -jax.random.uniform(k3, (hidden, num_heads)) / np.sqrt(hidden)
     return {
-        "w1": w1, "b1": b1, "w2": w2, "b2": jnp.zeros((num_heads,)),
-        "c": jnp.asarray(c, jnp.float32), "threshold": jnp.asarray(threshold, jnp.float32),
+        "w1": w1,
+        "b1": b1,
+        "w2": w2,
+        "b2": jnp.zeros((num_heads,)),
+        "c": jnp.asarray(c, jnp.float32),
+        "threshold": jnp.asarray(threshold, jnp.float32),
     }
 
 
@@ -105,7 +111,10 @@ def fire_bias(params: dict, query_positions, key_positions, *, block_elements: i
         return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))
 
     return by_query_blocks(
-        block, (batch, num_heads, q.shape[1], k.shape[1]), jnp.float32, block_elements=max(1, block_elements * num_heads)
+        block,
+        (batch, num_heads, q.shape[1], k.shape[1]),
+        jnp.float32,
+        block_elements=max(1, block_elements * num_heads),
     )
 
 
@@ -131,7 +140,7 @@ class Fire(BiasHook):
 
 @register_encoding(
     "fire",
-    description="A learned MLP of the log distance normalised by the log query position (interpolates, not extrapolates).",
+    description="A learned MLP of the log distance over the log query position: it interpolates, not extrapolates.",
     source=FIRE,
     forms=("causal",),
 )

@@ -88,9 +88,9 @@ def pytree_dataclass(cls):
 
     def unflatten(aux, children):
         obj = object.__new__(cls)
-        for name, value in zip(meta, aux):
+        for name, value in zip(meta, aux, strict=True):
             object.__setattr__(obj, name, value)
-        for name, value in zip(data, children):
+        for name, value in zip(data, children, strict=True):
             object.__setattr__(obj, name, value)
         return obj
 
@@ -183,8 +183,14 @@ class ScoreScale(Protocol):
     def score_scale(self, head_dim: int) -> float: ...
 
 
-_HOOKS = {"embed": Embed, "rotate": Rotate, "logits": Logits, "values": Values, "normalize": Normalize,
-          "sample": PositionSampler}
+_HOOKS = {
+    "embed": Embed,
+    "rotate": Rotate,
+    "logits": Logits,
+    "values": Values,
+    "normalize": Normalize,
+    "sample": PositionSampler,
+}
 ATTENTION_HOOKS: tuple[str, ...] = ("rotate", "logits", "values")
 
 

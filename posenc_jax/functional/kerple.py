@@ -36,8 +36,10 @@ from posenc_jax.functional.relative import relative_positions
 __all__ = ["Kerple", "KerpleConfig", "kerple_bias"]
 
 KERPLE = Source.paper(
-    "chi2022kerple", title="KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation",
-    authors="Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.", year=2022,
+    "chi2022kerple",
+    title="KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation",
+    authors="Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.",
+    year=2022,
     arxiv="2205.09921",
 )
 
@@ -111,10 +113,16 @@ _DESCRIPTION = "A learned conditionally positive definite kernel of the distance
 
 
 @register_encoding(
-    "kerple-log", description=_DESCRIPTION.format("log(1 + r2 |j - i|)"), source=KERPLE, fixed=dict(variant="log"),
+    "kerple-log",
+    description=_DESCRIPTION.format("log(1 + r2 |j - i|)"),
+    source=KERPLE,
+    fixed=dict(variant="log"),
 )
 @register_encoding(
-    "kerple-power", description=_DESCRIPTION.format("|j - i|^r2"), source=KERPLE, fixed=dict(variant="power"),
+    "kerple-power",
+    description=_DESCRIPTION.format("|j - i|^r2"),
+    source=KERPLE,
+    fixed=dict(variant="power"),
 )
 @pytree_dataclass
 class KerpleConfig(EncodingConfig):

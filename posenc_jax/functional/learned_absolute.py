@@ -21,8 +21,10 @@ from posenc_jax.functional.relative import check_max_distance
 __all__ = ["LearnedAbsolute", "LearnedAbsoluteConfig", "learned_position_embedding"]
 
 BERT = Source.paper(
-    "devlin2018bert", title="BERT: Pre-training of Deep Bidirectional Transformers for Language Understanding",
-    authors="Devlin, Jacob and Chang, Ming-Wei and Lee, Kenton and Toutanova, Kristina", year=2018,
+    "devlin2018bert",
+    title="BERT: Pre-training of Deep Bidirectional Transformers for Language Understanding",
+    authors="Devlin, Jacob and Chang, Ming-Wei and Lee, Kenton and Toutanova, Kristina",
+    year=2018,
     arxiv="1810.04805",
 )
 

@@ -8,10 +8,12 @@ from posenc_jax.functional.registry import Source, register_encoding
 __all__ = ["NoPE"]
 
 NOPE = Source.paper(
-    "kazemnejad2023impact", title="The Impact of Positional Encoding on Length Generalization in Transformers",
+    "kazemnejad2023impact",
+    title="The Impact of Positional Encoding on Length Generalization in Transformers",
     authors="Kazemnejad, Amirhossein and Padhi, Inkit and Natesan Ramamurthy, Karthikeyan and Das, Payel and "
-            "Reddy, Siva",
-    year=2023, arxiv="2305.19466",
+    "Reddy, Siva",
+    year=2023,
+    arxiv="2305.19466",
 )
 
 

@@ -51,9 +51,7 @@ def check_positions(positions, name: str = "positions") -> jax.Array:
     if isinstance(positions, (list, tuple, range)):
         positions = np.asarray(positions)
     if not hasattr(positions, "dtype"):
-        raise ValueError(
-            f"{name} must be an integer array of shape [T] or [B, T], got {type(positions).__name__}"
-        )
+        raise ValueError(f"{name} must be an integer array of shape [T] or [B, T], got {type(positions).__name__}")
     dtype = np.dtype(positions.dtype)
     if not (np.issubdtype(dtype, np.integer)):
         raise ValueError(

@@ -36,10 +36,12 @@ from posenc_jax.functional.registry import Source, register_encoding
 __all__ = ["RandomizedPositions", "randomized_positions"]
 
 RUOSS = Source.paper(
-    "ruoss2023randomized", title="Randomized Positional Encodings Boost Length Generalization of Transformers",
+    "ruoss2023randomized",
+    title="Randomized Positional Encodings Boost Length Generalization of Transformers",
     authors="Ruoss, Anian and Del{\\'e}tang, Gr{\\'e}goire and Genewein, Tim and Grau-Moya, Jordi and "
-            "Csord{\\'a}s, R{\\'o}bert and Bennani, Mehdi and Legg, Shane and Veness, Joel",
-    year=2023, arxiv="2305.16843",
+    "Csord{\\'a}s, R{\\'o}bert and Bennani, Mehdi and Legg, Shane and Veness, Joel",
+    year=2023,
+    arxiv="2305.16843",
 )
 
 

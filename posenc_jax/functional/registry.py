@@ -38,8 +38,9 @@ class Source:
     bibtex: str
 
     @classmethod
-    def paper(cls, key: str, *, title: str, authors: str, year: int, arxiv: str | None = None,
-              venue: str | None = None) -> Source:
+    def paper(
+        cls, key: str, *, title: str, authors: str, year: int, arxiv: str | None = None, venue: str | None = None
+    ) -> Source:
         """A source whose BibTeX entry is made from its fields (``authors`` as BibTeX writes them,
         ``" and "``-separated)."""
         lines = [f"  title = {{{title}}}", f"  author = {{{authors}}}", f"  year = {{{year}}}"]
@@ -90,17 +91,11 @@ class EncodingInfo:
 
 @dataclasses.dataclass(frozen=True)
 class _Entry:
+    """How to make the config, and the metadata given at registration (the rest is read off the code)."""
+
     factory: Callable
     config_type: type
-    settings: tuple[str, ...]
-    required: tuple[str, ...]
-    description: str
-    source: Source
-    forms: tuple[str, ...]
-    kv_cache: bool
-    length_dependent: bool
-    blockwise: bool
-    small_settings: Mapping
+    metadata: dict  # the EncodingInfo fields given to register_encoding
 
 
 _REGISTRY: dict[str, _Entry] = {}
@@ -153,12 +148,10 @@ def register_encoding(
         if config_type.acts_on not in PLACEMENTS:
             raise ValueError(f"{config_type.__name__}.acts_on must be one of {PLACEMENTS}, got {config_type.acts_on!r}")
         make = factory if factory is not None else functools.partial(config_type, **fixed) if fixed else config_type
-        names, needed = (tuple(settings), tuple(required)) if factory is not None else dataclass_settings(
-            config_type, fixed
+        names, needed = (
+            (tuple(settings), tuple(required)) if factory is not None else dataclass_settings(config_type, fixed)
         )
-        _REGISTRY[name] = _Entry(
-            factory=make,
-            config_type=config_type,
+        metadata = dict(
             settings=names,
             required=needed,
             description=description,
@@ -169,6 +162,7 @@ def register_encoding(
             blockwise=blockwise,
             small_settings=dict(small_settings or {}),
         )
+        _REGISTRY[name] = _Entry(factory=make, config_type=config_type, metadata=metadata)
         return config_type
 
     return add
@@ -195,15 +189,16 @@ def encoding_config(name: str, **settings) -> EncodingConfig:
       LinearScaling(factor=4.0)
     """
     entry = _entry(name)
-    unknown = sorted(set(settings) - set(entry.settings))
+    accepted = entry.metadata["settings"]
+    unknown = sorted(set(settings) - set(accepted))
     if unknown:
-        raise ValueError(
-            f"bad settings {unknown} for encoding {name!r}; its settings are {list(entry.settings)}"
-        )
+        raise ValueError(f"bad settings {unknown} for encoding {name!r}; its settings are {list(accepted)}")
     try:
         return entry.factory(**settings)
     except TypeError as error:
-        raise ValueError(f"bad settings {settings} for encoding {name!r} (its settings: {list(entry.settings)}): {error}") from None
+        raise ValueError(
+            f"bad settings {settings} for encoding {name!r} (its settings: {list(accepted)}): {error}"
+        ) from None
 
 
 @functools.cache
@@ -216,20 +211,8 @@ def encoding_info(name: str) -> EncodingInfo:
       ('shared_bias', ('logits',), ('causal', 'bidirectional'), '1910.10683')
     """
     entry = _entry(name)
-    # The hooks are read off a tiny built instance, so they cannot drift from the code.
-    config = entry.factory(**entry.small_settings)
+    # Where it acts and which hooks it fills are read off the code (the hooks off a tiny built
+    # instance), so they cannot drift from it.
+    config = entry.factory(**entry.metadata["small_settings"])
     hook = config.build(config.init(jax.random.key(0), num_heads=2, head_dim=8, model_dim=16))
-    return EncodingInfo(
-        name=name,
-        description=entry.description,
-        acts_on=entry.config_type.acts_on,
-        hooks=hook_names(hook),
-        forms=entry.forms,
-        kv_cache=entry.kv_cache,
-        length_dependent=entry.length_dependent,
-        blockwise=entry.blockwise,
-        settings=entry.settings,
-        required=entry.required,
-        small_settings=dict(entry.small_settings),
-        source=entry.source,
-    )
+    return EncodingInfo(name=name, acts_on=entry.config_type.acts_on, hooks=hook_names(hook), **entry.metadata)

@@ -120,9 +120,7 @@ def _check_layout(layout: str) -> None:
 def _check_positions_fit(x: jax.Array, positions: jax.Array, name: str) -> None:
     # positions [..., T] must broadcast against x's leading axes [..., T].
     if positions.ndim > x.ndim - 2:
-        raise ValueError(
-            f"positions of shape {positions.shape} have more batch axes than {name} of shape {x.shape}"
-        )
+        raise ValueError(f"positions of shape {positions.shape} have more batch axes than {name} of shape {x.shape}")
     if positions.shape[-1] != x.shape[-3]:
         raise ValueError(
             f"positions have length {positions.shape[-1]} but {name} has T = {x.shape[-3]} "
@@ -226,8 +224,13 @@ def apply_rope_qk(
     _check_positions_fit(k, key_positions, "k")
     inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
     return _rotate_qk(
-        q, k, query_positions, key_positions,
-        lambda positions: position_angles(positions, inverse_frequency), layout, attention_factor,
+        q,
+        k,
+        query_positions,
+        key_positions,
+        lambda positions: position_angles(positions, inverse_frequency),
+        layout,
+        attention_factor,
     )
 
 
@@ -249,9 +252,11 @@ def _tables(angles, attention_factor: float):
 
 
 ROFORMER = Source.paper(
-    "su2021roformer", title="RoFormer: Enhanced Transformer with Rotary Position Embedding",
+    "su2021roformer",
+    title="RoFormer: Enhanced Transformer with Rotary Position Embedding",
     authors="Su, Jianlin and Lu, Yu and Pan, Shengfeng and Murtadha, Ahmed and Wen, Bo and Liu, Yunfeng",
-    year=2021, arxiv="2104.09864",
+    year=2021,
+    arxiv="2104.09864",
 )
 
 
@@ -316,8 +321,15 @@ class RoPE(ParameterFree):
         if self.scaling is None or not self.length_dependent:
             freq, factor = self.frequencies(q.shape[-1])
             return apply_rope_qk(
-                q, k, context.query_positions, context.key_positions, base=self.base, rotary_dim=self.rotary_dim,
-                layout=self.layout, inverse_frequency=freq, attention_factor=factor,
+                q,
+                k,
+                context.query_positions,
+                context.key_positions,
+                base=self.base,
+                rotary_dim=self.rotary_dim,
+                layout=self.layout,
+                inverse_frequency=freq,
+                attention_factor=factor,
             )
         rotary_dim = _check_head(q, self.rotary_dim, "q")
         _check_head(k, rotary_dim, "k")
@@ -340,5 +352,6 @@ class RoPE(ParameterFree):
             return self
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
         return dataclasses.replace(
-            self, scaling=self.scaling.for_lengths(train_length=train_length, max_length=max_length, rotary_dim=rotary_dim)
+            self,
+            scaling=self.scaling.for_lengths(train_length=train_length, max_length=max_length, rotary_dim=rotary_dim),
         )

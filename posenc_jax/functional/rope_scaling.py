@@ -159,7 +159,7 @@ class DynamicNTKScaling(RopeScaling):
         growth = self.factor * length / self.original_context - (self.factor - 1)
         grown_base = jnp.float32(base) * jnp.maximum(growth, 1.0) ** (rotary_dim / (rotary_dim - 2))
         exponents = jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim
-        freq = grown_base ** -exponents
+        freq = grown_base**-exponents
         scaled = positions.astype(jnp.float32)[..., None] * freq.reshape((1,) * positions.ndim + freq.shape)
         return jnp.where(length > self.original_context, scaled, plain)
 
@@ -229,7 +229,9 @@ class Llama3Scaling(RopeScaling):
             self.high_freq_factor - self.low_freq_factor
         )
         blended = (1 - smooth) * freq / self.factor + smooth * freq
-        return np.where(wavelength < high_wavelength, freq, np.where(wavelength > low_wavelength, freq / self.factor, blended))
+        return np.where(
+            wavelength < high_wavelength, freq, np.where(wavelength > low_wavelength, freq / self.factor, blended)
+        )
 
     def attention_factor(self, length: int | None = None) -> float:
         return 1.0
@@ -254,9 +256,7 @@ class LongRoPEScaling(RopeScaling):
                 f"{len(self.short_factor)} and {len(self.long_factor)}"
             )
         if not self.max_context >= self.original_context:
-            raise ValueError(
-                f"max_context must be >= original_context={self.original_context}, got {self.max_context}"
-            )
+            raise ValueError(f"max_context must be >= original_context={self.original_context}, got {self.max_context}")
 
     def inverse_frequencies(self, rotary_dim: int, base: float, length: int | None = None) -> np.ndarray:
         if len(self.short_factor) != rotary_dim // 2:
@@ -278,8 +278,12 @@ class LongRoPEScaling(RopeScaling):
         """Uniform factors: 1 up to the training length, ``max_length / train_length`` beyond."""
         factor = max(1.0, max_length / train_length)
         half = rotary_dim // 2
-        return LongRoPEScaling(short_factor=(1.0,) * half, long_factor=(factor,) * half,
-                               original_context=train_length, max_context=max(max_length, train_length))
+        return LongRoPEScaling(
+            short_factor=(1.0,) * half,
+            long_factor=(factor,) * half,
+            original_context=train_length,
+            max_context=max(max_length, train_length),
+        )
 
     def attention_factor(self, length: int | None = None) -> float:
         scale = self.max_context / self.original_context
@@ -301,44 +305,88 @@ def _scaled_rope(scaling_type: type):
 
 
 PI = Source.paper(
-    "chen2023extending", title="Extending Context Window of Large Language Models via Positional Interpolation",
-    authors="Chen, Shouyuan and Wong, Sherman and Chen, Liangjian and Tian, Yuandong", year=2023,
+    "chen2023extending",
+    title="Extending Context Window of Large Language Models via Positional Interpolation",
+    authors="Chen, Shouyuan and Wong, Sherman and Chen, Liangjian and Tian, Yuandong",
+    year=2023,
     arxiv="2306.15595",
 )
 YARN = Source.paper(
-    "peng2023yarn", title="YaRN: Efficient Context Window Extension of Large Language Models",
-    authors="Peng, Bowen and Quesnelle, Jeffrey and Fan, Honglu and Shippole, Enrico", year=2023,
+    "peng2023yarn",
+    title="YaRN: Efficient Context Window Extension of Large Language Models",
+    authors="Peng, Bowen and Quesnelle, Jeffrey and Fan, Honglu and Shippole, Enrico",
+    year=2023,
     arxiv="2309.00071",
 )
 LLAMA3 = Source.paper(
-    "grattafiori2024llama3", title="The Llama 3 Herd of Models", authors="Grattafiori, Aaron and others",
-    year=2024, arxiv="2407.21783",
+    "grattafiori2024llama3",
+    title="The Llama 3 Herd of Models",
+    authors="Grattafiori, Aaron and others",
+    year=2024,
+    arxiv="2407.21783",
 )
 LONGROPE = Source.paper(
-    "ding2024longrope", title="LongRoPE: Extending LLM Context Window Beyond 2 Million Tokens",
+    "ding2024longrope",
+    title="LongRoPE: Extending LLM Context Window Beyond 2 Million Tokens",
     authors="Ding, Yiran and Zhang, Li Lyna and Zhang, Chengruidong and Xu, Yuanyuan and Shang, Ning and "
-            "Xu, Jiahang and Yang, Fan and Yang, Mao",
-    year=2024, arxiv="2402.13753",
+    "Xu, Jiahang and Yang, Fan and Yang, Mao",
+    year=2024,
+    arxiv="2402.13753",
 )
 _SCALINGS = (
-    ("rope-pi", LinearScaling, "RoPE with position interpolation: every frequency divided by the factor.", PI,
-     dict(factor=2.0)),
-    ("rope-ntk", NTKScaling, "RoPE with the NTK-aware base change base * s^(R/(R-2)) (YaRN paper, eq. 16).", YARN,
-     dict(factor=2.0)),
-    ("rope-dynamic-ntk", DynamicNTKScaling,
-     "RoPE with the NTK base regrown from the current length max(position) + 1 past the original context.", YARN,
-     dict(factor=2.0, original_context=4)),
-    ("rope-yarn", YaRNScaling, "RoPE with YaRN's NTK-by-parts interpolation and attention factor 0.1 ln s + 1.", YARN,
-     dict(factor=2.0, original_context=4)),
-    ("rope-llama3", Llama3Scaling, "RoPE with Llama 3.1's wavelength-dependent scaling.", LLAMA3,
-     dict(factor=2.0, original_context=4)),
-    ("rope-longrope", LongRoPEScaling,
-     "RoPE with LongRoPE's per-frequency factors, short up to the original context and long beyond.", LONGROPE,
-     dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16)),
+    (
+        "rope-pi",
+        LinearScaling,
+        "RoPE with position interpolation: every frequency divided by the factor.",
+        PI,
+        dict(factor=2.0),
+    ),
+    (
+        "rope-ntk",
+        NTKScaling,
+        "RoPE with the NTK-aware base change base * s^(R/(R-2)) (YaRN paper, eq. 16).",
+        YARN,
+        dict(factor=2.0),
+    ),
+    (
+        "rope-dynamic-ntk",
+        DynamicNTKScaling,
+        "RoPE with the NTK base regrown from the current length max(position) + 1 past the original context.",
+        YARN,
+        dict(factor=2.0, original_context=4),
+    ),
+    (
+        "rope-yarn",
+        YaRNScaling,
+        "RoPE with YaRN's NTK-by-parts interpolation and attention factor 0.1 ln s + 1.",
+        YARN,
+        dict(factor=2.0, original_context=4),
+    ),
+    (
+        "rope-llama3",
+        Llama3Scaling,
+        "RoPE with Llama 3.1's wavelength-dependent scaling.",
+        LLAMA3,
+        dict(factor=2.0, original_context=4),
+    ),
+    (
+        "rope-longrope",
+        LongRoPEScaling,
+        "RoPE with LongRoPE's per-frequency factors, short up to the original context and long beyond.",
+        LONGROPE,
+        dict(short_factor=(1.0,) * 4, long_factor=(2.0,) * 4, original_context=4, max_context=16),
+    ),
 )
 for _name, _type, _description, _source, _small in _SCALINGS:
     _factory, _settings, _required = _scaled_rope(_type)
     register_encoding(
-        _name, description=_description, source=_source, factory=_factory, settings=_settings, required=_required,
-        length_dependent=_type.length_dependent, kv_cache=not _type.length_dependent, small_settings=_small,
+        _name,
+        description=_description,
+        source=_source,
+        factory=_factory,
+        settings=_settings,
+        required=_required,
+        length_dependent=_type.length_dependent,
+        kv_cache=not _type.length_dependent,
+        small_settings=_small,
     )(RoPE)

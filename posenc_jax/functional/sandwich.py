@@ -44,7 +44,8 @@ SANDWICH = Source.paper(
     "chi2023dissecting",
     title="Dissecting Transformer Length Extrapolation via the Lens of Receptive Field Analysis",
     authors="Chi, Ta-Chung and Fan, Ting-Han and Rudnicky, Alexander I. and Ramadge, Peter J.",
-    year=2023, arxiv="2212.10356",
+    year=2023,
+    arxiv="2212.10356",
 )
 
 

@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
-from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import (
     bucket_relative,
     check_max_distance,
@@ -31,8 +31,11 @@ from posenc_jax.functional.relative import (
 __all__ = ["Shaw", "ShawConfig", "shaw_key_logits", "shaw_value_term"]
 
 SHAW = Source.paper(
-    "shaw2018self", title="Self-Attention with Relative Position Representations",
-    authors="Shaw, Peter and Uszkoreit, Jakob and Vaswani, Ashish", year=2018, arxiv="1803.02155",
+    "shaw2018self",
+    title="Self-Attention with Relative Position Representations",
+    authors="Shaw, Peter and Uszkoreit, Jakob and Vaswani, Ashish",
+    year=2018,
+    arxiv="1803.02155",
 )
 
 
@@ -78,7 +81,9 @@ def shaw_key_logits(q, table, query_positions, key_positions, *, max_distance: i
     return gather_relative(per_distance, index) * jnp.float32(scale)
 
 
-def shaw_value_term(weights, table, query_positions, key_positions, *, max_distance: int, block_elements: int = 1 << 20):
+def shaw_value_term(
+    weights, table, query_positions, key_positions, *, max_distance: int, block_elements: int = 1 << 20
+):
     """Shaw's value term ``Σ_s w[t, s] · P_V[clip(key_pos[s] - query_pos[t], -k, k) + k]``.
 
     Args:
@@ -99,7 +104,9 @@ def shaw_value_term(weights, table, query_positions, key_positions, *, max_dista
         block = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
         return clipped_relative_index(block, key_positions, k)
 
-    buckets = bucket_relative(weights.astype(jnp.float32), index_rows, 2 * k + 1, block_elements=block_elements)  # [B, N, T, 2k+1]
+    buckets = bucket_relative(
+        weights.astype(jnp.float32), index_rows, 2 * k + 1, block_elements=block_elements
+    )  # [B, N, T, 2k+1]
     spec = "BNTR,RH->BTNH" if np.ndim(table) == 2 else "BNTR,NRH->BTNH"
     return jnp.einsum(spec, buckets, table, preferred_element_type=jnp.float32)
 
@@ -138,7 +145,11 @@ class Shaw:
             return None
         scale = context.scale if self.scale is None else self.scale
         return shaw_key_logits(
-            q, self.key_table, context.query_positions, context.key_positions, max_distance=self.max_distance,
+            q,
+            self.key_table,
+            context.query_positions,
+            context.key_positions,
+            max_distance=self.max_distance,
             scale=scale,
         )
 

@@ -24,10 +24,12 @@ from posenc_jax.functional.registry import Source, register_encoding
 __all__ = ["Sinusoidal", "sinusoidal_encoding"]
 
 VASWANI = Source.paper(
-    "vaswani2017attention", title="Attention Is All You Need",
+    "vaswani2017attention",
+    title="Attention Is All You Need",
     authors="Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and Uszkoreit, Jakob and Jones, Llion and "
-            "Gomez, Aidan N. and Kaiser, Lukasz and Polosukhin, Illia",
-    year=2017, arxiv="1706.03762",
+    "Gomez, Aidan N. and Kaiser, Lukasz and Polosukhin, Illia",
+    year=2017,
+    arxiv="1706.03762",
 )
 
 
@@ -56,9 +58,7 @@ def sinusoidal_encoding(positions, dim: int, *, base: float = 10000.0) -> jax.Ar
       (60, 32)
     """
     if not isinstance(dim, (int, np.integer)) or dim < 2 or dim % 2:
-        raise ValueError(
-            f"dim must be an even integer >= 2 for the sinusoidal encoding (sin/cos pairs), got {dim!r}"
-        )
+        raise ValueError(f"dim must be an even integer >= 2 for the sinusoidal encoding (sin/cos pairs), got {dim!r}")
     angles = position_angles(positions, inverse_frequencies(dim, base=base))  # [..., T, D/2]
     # Interleave: column 2i is sin, column 2i+1 is cos.
     pairs = jnp.stack([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [..., T, D/2, 2]

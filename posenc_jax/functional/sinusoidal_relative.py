@@ -18,7 +18,6 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles

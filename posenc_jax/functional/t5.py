@@ -44,10 +44,13 @@ from posenc_jax.functional.relative import expand_relative_bias
 __all__ = ["T5Bias", "T5Config", "t5_bias", "t5_relative_bucket"]
 
 T5 = Source.paper(
-    "raffel2020exploring", title="Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer",
+    "raffel2020exploring",
+    title="Exploring the Limits of Transfer Learning with a Unified Text-to-Text Transformer",
     authors="Raffel, Colin and Shazeer, Noam and Roberts, Adam and Lee, Katherine and Narang, Sharan and "
-            "Matena, Michael and Zhou, Yanqi and Li, Wei and Liu, Peter J.",
-    year=2020, arxiv="1910.10683", venue="Journal of Machine Learning Research",
+    "Matena, Michael and Zhou, Yanqi and Li, Wei and Liu, Peter J.",
+    year=2020,
+    arxiv="1910.10683",
+    venue="Journal of Machine Learning Research",
 )
 
 
@@ -56,15 +59,19 @@ def _check_bucket_config(num_buckets, max_distance, bidirectional):
         raise ValueError(f"num_buckets must be an integer >= 2, got {num_buckets!r}")
     if bidirectional and num_buckets < 4:
         raise ValueError(
-            f"bidirectional T5 buckets need num_buckets >= 4 (half per direction, half of those exact), got {num_buckets}"
+            "bidirectional T5 buckets need num_buckets >= 4 (half per direction, half of those exact), "
+            f"got {num_buckets}"
         )
     if not isinstance(max_distance, (int, np.integer)) or max_distance < num_buckets:
         raise ValueError(
-            f"max_distance must be an integer >= num_buckets={num_buckets} (log buckets span up to it), got {max_distance!r}"
+            f"max_distance must be an integer >= num_buckets={num_buckets} (log buckets span up to it), "
+            f"got {max_distance!r}"
         )
 
 
-def t5_relative_bucket(relative_position, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128):
+def t5_relative_bucket(
+    relative_position, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+):
     """T5's ``_relative_position_bucket`` for ``relative_position = key_pos - query_pos``.
 
     Args:
@@ -131,7 +138,9 @@ def t5_bias(
     # Static: evaluated once at trace time, so the logs are never fused into the [T, S] expansion.
     with jax.ensure_compile_time_eval():
         distances = jnp.arange(-max_distance, max_distance + 1)
-        buckets = t5_relative_bucket(distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+        buckets = t5_relative_bucket(
+            distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+        )
     per_distance = jnp.take(jnp.asarray(table, jnp.float32), buckets, axis=0).T  # [N, 2M+1]
     return expand_relative_bias(per_distance, query_positions, key_positions, max_distance)
 
@@ -162,8 +171,11 @@ class T5Bias(BiasHook):
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
         return t5_bias(
-            self.table, context.query_positions, context.key_positions,
-            bidirectional=context.bidirectional(self.bidirectional), max_distance=self.max_distance,
+            self.table,
+            context.query_positions,
+            context.key_positions,
+            bidirectional=context.bidirectional(self.bidirectional),
+            max_distance=self.max_distance,
         )
 
 

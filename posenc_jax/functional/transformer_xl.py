@@ -33,10 +33,12 @@ from posenc_jax.functional.sinusoidal_relative import sinusoidal_relative_logits
 __all__ = ["TransformerXL", "TransformerXLConfig", "rel_shift", "transformer_xl_logits"]
 
 TRANSFORMER_XL = Source.paper(
-    "dai2019transformer", title="Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context",
+    "dai2019transformer",
+    title="Transformer-XL: Attentive Language Models Beyond a Fixed-Length Context",
     authors="Dai, Zihang and Yang, Zhilin and Yang, Yiming and Carbonell, Jaime and Le, Quoc V. and "
-            "Salakhutdinov, Ruslan",
-    year=2019, arxiv="1901.02860",
+    "Salakhutdinov, Ruslan",
+    year=2019,
+    arxiv="1901.02860",
 )
 
 
@@ -67,7 +69,8 @@ def _check_params(q, position_projection, content_bias, position_bias):
     num_heads, head_dim = q.shape[-2], q.shape[-1]
     if np.ndim(position_projection) != 3 or tuple(np.shape(position_projection)[1:]) != (num_heads, head_dim):
         raise ValueError(
-            f"position_projection W_R must have shape [D, N={num_heads}, H={head_dim}], got {np.shape(position_projection)}"
+            f"position_projection W_R must have shape [D, N={num_heads}, H={head_dim}], "
+            f"got {np.shape(position_projection)}"
         )
     if np.shape(position_projection)[0] % 2:
         raise ValueError(f"the relative sinusoid width D must be even, got {np.shape(position_projection)[0]}")

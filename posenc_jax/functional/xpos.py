@@ -15,23 +15,30 @@ arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
 
 from __future__ import annotations
 
-import dataclasses
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
 from posenc_jax.functional.positions import batched_positions, check_positions
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.rope import Layout, _check_head, _check_layout, _rotate, rope_inverse_frequencies, rope_tables
+from posenc_jax.functional.rope import (
+    Layout,
+    _check_head,
+    _check_layout,
+    _rotate,
+    rope_inverse_frequencies,
+    rope_tables,
+)
 
 __all__ = ["XPos", "apply_xpos_qk", "xpos_decay_bases"]
 
 XPOS = Source.paper(
-    "sun2022length", title="A Length-Extrapolatable Transformer",
+    "sun2022length",
+    title="A Length-Extrapolatable Transformer",
     authors="Sun, Yutao and Dong, Li and Patra, Barun and Ma, Shuming and Huang, Shaohan and Benhaim, Alon and "
-            "Chaudhary, Vishrav and Song, Xia and Wei, Furu",
-    year=2022, arxiv="2212.10554",
+    "Chaudhary, Vishrav and Song, Xia and Wei, Furu",
+    year=2022,
+    arxiv="2212.10554",
 )
 
 
@@ -75,7 +82,9 @@ def apply_xpos_qk(
 
     def tables(positions, sign):
         cos, sin = rope_tables(positions, freq)
-        offset = (batched_positions(positions) - centre).astype(jnp.float32)[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
+        offset = (batched_positions(positions) - centre).astype(jnp.float32)[..., None] / jnp.float32(
+            scale_base
+        )  # [B|1, T, 1]
         # Clamped in log space so far-away (e.g. empty cache) slots stay finite.
         scale = jnp.exp(jnp.clip(sign * offset * log_zeta.reshape(1, 1, -1), -60.0, 60.0))
         if positions.ndim == 1 and centre.shape[0] == 1:
@@ -119,6 +128,12 @@ class XPos(ParameterFree):
 
     def rotate(self, q, k, context: AttentionContext):
         return apply_xpos_qk(
-            q, k, context.query_positions, context.key_positions, base=self.base, scale_base=self.scale_base,
-            gamma=self.gamma, layout=self.layout,
+            q,
+            k,
+            context.query_positions,
+            context.key_positions,
+            base=self.base,
+            scale_base=self.scale_base,
+            gamma=self.gamma,
+            layout=self.layout,
         )

@@ -24,6 +24,7 @@ from posenc_jax.nn.encoding import PositionEncoding
 
 __all__ = ["KVCache", "MultiHeadAttention"]
 
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head (grouped-query) attention composing any encodings.
 
@@ -88,7 +89,10 @@ class MultiHeadAttention(nnx.Module):
         self.value = nnx.Linear(model_dim, num_kv_heads * head_dim, use_bias=use_bias, rngs=rngs)
         self.out = nnx.Linear(num_heads * head_dim, model_dim, use_bias=use_bias, rngs=rngs)
         self.encodings = nnx.List(
-            [PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs) for e in encodings]
+            [
+                PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs)
+                for e in encodings
+            ]
         )
         for module in self.encodings:
             if module.acts_on not in ("attention", "shared_bias"):

@@ -2,14 +2,14 @@
 
 Every encoding config (an :class:`~posenc_jax.functional.hooks.EncodingConfig`, see
 :mod:`posenc_jax.functional.registry`) says how to make its parameters (``init``),
-how to turn them into a hook object (``build``), and where it acts (``acts_on``). :class:`PositionEncoding` stores those parameters as ``nnx.Param``
+how to turn them into a hook object (``build``), and where it acts (``acts_on``).
+:class:`PositionEncoding` stores those parameters as ``nnx.Param``
 and, when called, returns the hook built from their current values. Parameter-free
 encodings hold nothing and return themselves.
 """
 
 from __future__ import annotations
 
-import jax
 from flax import nnx
 
 from posenc_jax.functional.hooks import EncodingConfig
@@ -24,8 +24,7 @@ def resolve_config(encoding):
         return encoding_config(encoding)
     if not isinstance(encoding, EncodingConfig):
         raise ValueError(
-            f"an encoding must be a registered name or an EncodingConfig (e.g. encoding_config('t5')), "
-            f"got {encoding!r}"
+            f"an encoding must be a registered name or an EncodingConfig (e.g. encoding_config('t5')), got {encoding!r}"
         )
     return encoding
 

@@ -58,8 +58,13 @@ class Block(nnx.Module):
     ):
         self.attention_norm = nnx.LayerNorm(model_dim, rngs=rngs)
         self.attention = MultiHeadAttention(
-            model_dim, num_heads, num_kv_heads=num_kv_heads, encodings=encodings, normalizer=normalizer,
-            dropout_rate=dropout_rate, rngs=rngs,
+            model_dim,
+            num_heads,
+            num_kv_heads=num_kv_heads,
+            encodings=encodings,
+            normalizer=normalizer,
+            dropout_rate=dropout_rate,
+            rngs=rngs,
         )
         self.mlp_norm = nnx.LayerNorm(model_dim, rngs=rngs)
         self.mlp_in = nnx.Linear(model_dim, mlp_dim, rngs=rngs)
@@ -68,8 +73,14 @@ class Block(nnx.Module):
 
     def __call__(self, x, positions, *, causal, shared, key_mask, segment_ids, cache, deterministic):
         attended = self.attention(
-            self.attention_norm(x), positions, causal=causal, shared=shared, key_mask=key_mask,
-            segment_ids=segment_ids, cache=cache, deterministic=deterministic,
+            self.attention_norm(x),
+            positions,
+            causal=causal,
+            shared=shared,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            cache=cache,
+            deterministic=deterministic,
         )
         if cache is not None:
             attended, cache = attended
@@ -124,7 +135,9 @@ class Transformer(nnx.Module):
         self.causal = causal
         self.num_heads = num_heads
         self.embed = nnx.Embed(vocab_size, model_dim, rngs=rngs)
-        placed = {place: [c for c in configs if c.acts_on == place] for place in ("positions", "embeddings", "shared_bias")}
+        placed = {
+            place: [c for c in configs if c.acts_on == place] for place in ("positions", "embeddings", "shared_bias")
+        }
         per_layer = [c for c in configs if c.acts_on not in placed]
         self.position_samplers = nnx.List([PositionEncoding(c, **sizes, rngs=rngs) for c in placed["positions"]])
         # Sampled positions draw from their own stream, so they never shift the parameters' or dropout's keys.
@@ -134,8 +147,16 @@ class Transformer(nnx.Module):
         self.length_dependent = any(c.length_dependent for c in per_layer)
         self.blocks = nnx.List(
             [
-                Block(model_dim, num_heads, mlp_dim, num_kv_heads=num_kv_heads, encodings=per_layer,
-                      normalizer=normalizer, dropout_rate=dropout_rate, rngs=rngs)
+                Block(
+                    model_dim,
+                    num_heads,
+                    mlp_dim,
+                    num_kv_heads=num_kv_heads,
+                    encodings=per_layer,
+                    normalizer=normalizer,
+                    dropout_rate=dropout_rate,
+                    rngs=rngs,
+                )
                 for _ in range(num_layers)
             ]
         )
@@ -154,15 +175,26 @@ class Transformer(nnx.Module):
         # Position-only biases: computed once for this forward, added by every layer.
         head_dim = x.shape[-1] // self.num_heads
         context = AttentionContext(
-            query_positions=positions, key_positions=key_positions, scale=float(head_dim) ** -0.5,
-            head_dim=head_dim, num_heads=self.num_heads, causal=self.causal, key_length=key_positions.shape[-1],
+            query_positions=positions,
+            key_positions=key_positions,
+            scale=float(head_dim) ** -0.5,
+            head_dim=head_dim,
+            num_heads=self.num_heads,
+            causal=self.causal,
+            key_length=key_positions.shape[-1],
         )
         shared = [SharedBias(module().bias(context)) for module in self.shared]
         new_caches = []
         for i, block in enumerate(self.blocks):
             x, cache = block(
-                x, positions, causal=self.causal, shared=shared, key_mask=key_mask, segment_ids=segment_ids,
-                cache=None if caches is None else caches[i], deterministic=deterministic,
+                x,
+                positions,
+                causal=self.causal,
+                shared=shared,
+                key_mask=key_mask,
+                segment_ids=segment_ids,
+                cache=None if caches is None else caches[i],
+                deterministic=deterministic,
             )
             new_caches.append(cache)
         logits = self.head(self.final_norm(x))
@@ -172,15 +204,22 @@ class Transformer(nnx.Module):
         """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``."""
         positions = check_positions(positions)
         logits, _ = self._run(
-            tokens, positions, key_mask=key_mask, segment_ids=segment_ids, caches=None,
-            deterministic=deterministic, key_positions=positions,
+            tokens,
+            positions,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            caches=None,
+            deterministic=deterministic,
+            key_positions=positions,
         )
         return logits
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> list[KVCache]:
         """Empty per-layer caches of ``max_length`` slots, for :meth:`decode`."""
         if not self.causal:
-            raise ValueError("this Transformer is a bidirectional encoder; only a causal decoder can decode step by step")
+            raise ValueError(
+                "this Transformer is a bidirectional encoder; only a causal decoder can decode step by step"
+            )
         attention = self.blocks[0].attention
         return [
             KVCache.empty(batch, max_length, attention.num_kv_heads, attention.head_dim, dtype) for _ in self.blocks
@@ -196,7 +235,9 @@ class Transformer(nnx.Module):
         no later query attends to it.
         """
         if not self.causal:
-            raise ValueError("this Transformer is a bidirectional encoder; only a causal decoder can decode step by step")
+            raise ValueError(
+                "this Transformer is a bidirectional encoder; only a causal decoder can decode step by step"
+            )
         if len(self.position_samplers):
             raise ValueError(
                 "randomized positions are sampled afresh at every call, so cached keys and new queries would "
@@ -214,6 +255,11 @@ class Transformer(nnx.Module):
         # Keys' positions after this call's append (as every layer stores them), for the shared biases.
         key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, stored, caches[0].length, axis=1)
         return self._run(
-            tokens, positions, key_mask=key_mask, segment_ids=None, caches=caches, deterministic=True,
+            tokens,
+            positions,
+            key_mask=key_mask,
+            segment_ids=None,
+            caches=caches,
+            deterministic=True,
             key_positions=key_positions,
         )

@@ -20,7 +20,10 @@ def alibi_get_slopes(n):
     if math.log2(n).is_integer():
         return get_slopes_power_of_2(n)
     closest_power_of_2 = 2 ** math.floor(math.log2(n))
-    return get_slopes_power_of_2(closest_power_of_2) + alibi_get_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+    return (
+        get_slopes_power_of_2(closest_power_of_2)
+        + alibi_get_slopes(2 * closest_power_of_2)[0::2][: n - closest_power_of_2]
+    )
 
 
 def yarn_inverse_frequencies(dim, base, scale, original_max_position_embeddings, beta_fast=32, beta_slow=1):
