@@ -77,3 +77,19 @@ def test_relative_memory_benchmark_small_run():
     assert len(rows) == 6, result.stdout
     for row in rows:
         assert float(row.split()[-1]) < 1e-4, row  # fast path agrees with the materialising reference
+
+
+def test_packaging_metadata_agrees():
+    import tomllib
+
+    import posenc_jax
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "version" in project["dynamic"] and "version" not in project  # defined once, in posenc_jax
+    citation = (ROOT / "CITATION.cff").read_text()
+    assert f"\nversion: {posenc_jax.__version__}\n" in citation
+    assert project["license"] == "Apache-2.0" and "license: Apache-2.0" in citation
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert (ROOT / "posenc_jax" / "py.typed").exists()
+    assert f"## {posenc_jax.__version__}" in (ROOT / "CHANGELOG.md").read_text()
