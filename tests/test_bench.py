@@ -1,5 +1,6 @@
 """The extrapolation benchmark: smoke preset end to end, resume after a kill, bad input, tasks."""
 
+import dataclasses
 import json
 import pathlib
 import signal
@@ -7,9 +8,11 @@ import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from posenc_jax.bench import extrapolate
 from posenc_jax.bench.cli import main
 from posenc_jax.tasks import DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
 
@@ -105,6 +108,22 @@ def test_killed_run_resumes_to_the_same_results(tmp_path):
 def test_bad_input_says_why(tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
         main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), *args])
+
+
+def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path):
+    preset = dataclasses.replace(extrapolate.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
+    with jax.numpy_dtype_promotion("standard"):
+        extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    (meta,) = (tmp_path / "checkpoints").glob("*/counting_copy/alibi/seed0/1/meta/metadata")
+    meta = json.loads(meta.read_text())
+    assert meta["config"] == {
+        "settings": extrapolate.fingerprint(preset),
+        "task": "counting_copy",
+        "encoding": "alibi",
+        "seed": 0,
+        "encoding_configs": ["ALiBi(bidirectional=None)"],
+    }
+    assert meta["model"]["encodings"] == ["ALiBi(bidirectional=None)"] and meta["model"]["num_layers"] == 1
 
 
 def test_decoder_batches_end_with_eos_and_score_exact_match():

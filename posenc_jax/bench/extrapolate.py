@@ -448,10 +448,19 @@ def _run_cell(
     if mesh is not None:
         replicate(model, mesh)
         replicate(optimizer, mesh)
+    # Two steps kept, so a damaged newest one falls back to the one before (same results: the
+    # data of step k depends only on (seed, k)). Each records what it is a checkpoint of.
     ckpt = Checkpointer(
-        out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}", max_to_keep=1
+        out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}", max_to_keep=2
     )
-    start_step = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
+    recorded = {
+        "settings": fingerprint(preset),
+        "task": task_name,
+        "encoding": label,
+        "seed": seed,
+        "encoding_configs": [repr(c) for c in configs],
+    }
+    start_step = ckpt.restore(model, optimizer, config=recorded) if ckpt.latest_step() is not None else 0
     timings = {"task": task_name, "encoding": label, "seed": seed, "resumed_from_step": start_step}
 
     bar = None
@@ -482,7 +491,7 @@ def _run_cell(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.steps:
-            ckpt.save(step + 1, model, optimizer)
+            ckpt.save(step + 1, model, optimizer, config=recorded)
     if bar is not None:
         bar.close()
     ckpt.close()
