@@ -110,6 +110,20 @@ def test_bad_input_says_why(tmp_path, args, message):
         main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), *args])
 
 
+def test_an_unreachable_hub_corpus_says_what_failed_and_how_to_use_a_local_file(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(path, name=None, **kwargs):  # what datasets raises without a network
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit) as error:
+        main(["extrapolate", "--preset", "smoke", "--tasks", "text", "--corpus", "wikitext103", "--out", str(tmp_path)])
+    message = str(error.value)
+    assert "could not load wikitext103 (Salesforce/wikitext) from the Hugging Face hub" in message, message
+    assert "Couldn't reach 'Salesforce/wikitext' on the Hub" in message and "--corpus PATH" in message, message
+
+
 def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path):
     preset = dataclasses.replace(extrapolate.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
     with jax.numpy_dtype_promotion("standard"):
