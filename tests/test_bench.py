@@ -2,7 +2,9 @@
 
 import dataclasses
 import json
+import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
@@ -108,6 +110,24 @@ def test_killed_run_resumes_to_the_same_results(tmp_path):
 def test_bad_input_says_why(tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
         main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), *args])
+
+
+def test_an_unwritable_out_names_the_path_and_the_fix(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file where the folder should go")
+    with pytest.raises(SystemExit, match=f"--out {re.escape(str(taken))} is a file, not a folder; pass a folder"):
+        main(["extrapolate", "--preset", "smoke", "--out", str(taken)])
+    below = taken / "results"
+    with pytest.raises(SystemExit, match=f"cannot write to --out {re.escape(str(below))} .*; choose a folder you can"):
+        main(["extrapolate", "--preset", "smoke", "--out", str(below)])
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_names_the_path_and_the_fix(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(SystemExit, match=f"cannot write to --out {re.escape(str(locked))} .*Permission denied"):
+        main(["extrapolate", "--preset", "smoke", "--out", str(locked)])
 
 
 def test_an_unreachable_hub_corpus_says_what_failed_and_how_to_use_a_local_file(tmp_path, monkeypatch):

@@ -220,6 +220,22 @@ def fingerprint(preset: Preset) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _check_writable(out: pathlib.Path) -> None:
+    """Makes ``out`` and writes a file in it, so a path that cannot hold the results fails before any
+    training, with the path and what to do."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder; pass a folder for the results")
+    probe = out / ".write-test"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"cannot write to --out {out} ({error.strerror or error}); choose a folder you can write to"
+        ) from None
+
+
 def _done(results_path: pathlib.Path, settings: str) -> set:
     """Finished cells; refuses rows made with other settings, drops a half-written last line."""
     if not results_path.exists():
@@ -304,7 +320,7 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     """Runs (or resumes) every cell of ``preset``, writing into ``out``; returns the run record."""
     preset.validate()
     out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_writable(out)
     results_path = out / "results.jsonl"
     settings = fingerprint(preset)
     done = _done(results_path, settings)
