@@ -144,6 +144,22 @@ def test_an_unreachable_hub_corpus_says_what_failed_and_how_to_use_a_local_file(
     assert "Couldn't reach 'Salesforce/wikitext' on the Hub" in message and "--corpus PATH" in message, message
 
 
+def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path):
+    preset = dataclasses.replace(
+        extrapolate.PRESETS["smoke"], encodings=("nope",), tasks=("counting_copy",), steps=2, checkpoint_every=1
+    )
+    first, again = [], []
+    with jax.numpy_dtype_promotion("standard"):
+        extrapolate.run(preset, tmp_path, progress=False, log=first.append)
+        (tmp_path / "results.jsonl").unlink()  # as if killed after training, before any result was written
+        extrapolate.run(preset, tmp_path, progress=False, log=again.append)
+    assert re.search(r"loss \d+\.\d{3}", first[0]), first
+    assert "nan" not in again[0] and "resumed at step 2 of 2, no steps left" in again[0], again
+    strict = lambda constant: pytest.fail(f"run.json holds {constant}, which is not JSON")
+    record = json.loads((tmp_path / "run.json").read_text(), parse_constant=strict)
+    assert record["cells"][-1]["final_loss"] is None and record["cells"][-1]["resumed_from_step"] == 2
+
+
 def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path):
     preset = dataclasses.replace(extrapolate.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
     with jax.numpy_dtype_promotion("standard"):

@@ -491,7 +491,7 @@ def _run_cell(
             dynamic_ncols=True,
         )
     compile_seconds, train_seconds = 0.0, 0.0
-    loss = float("nan")
+    loss = None  # unknown when a resumed cell has no steps left
     for step in range(start_step, preset.steps):
         batch = {k: jnp.asarray(v) for k, v in _train_batch(task, preset, seed, step, train_tokens).items()}
         if mesh is not None:
@@ -540,8 +540,12 @@ def _run_cell(
         nnx.update(scaled, trained)  # the RoPE model's weights, other frequencies
         write(name, length, _evaluate(scaled, task, preset, seed, length, max_tokens))
     timings["eval_seconds"] = time.perf_counter() - began
+    if loss is None:
+        training = f"resumed at step {start_step} of {preset.steps}, no steps left"
+    else:
+        training = f"loss {loss:.3f}" + (f" (resumed from step {start_step})" if start_step else "")
     log(
-        f"{task_name:14s} {label:12s} seed {seed}: loss {loss:.3f}, "
+        f"{task_name:14s} {label:12s} seed {seed}: {training}, "
         f"compile {compile_seconds:.1f}s, train {train_seconds:.1f}s, eval {timings['eval_seconds']:.1f}s"
     )
     return timings
