@@ -1,23 +1,123 @@
 """Saving and restoring models and optimizers with orbax-checkpoint.
 
-:class:`Checkpointer` keeps the last N checkpoints of an NNX model and its
-optimizer (parameters, optimizer moments and step, RNG streams), so a restored
-model gives identical outputs and training resumed from a checkpoint continues
-exactly as it would have.
+:class:`Checkpointer` keeps the last N checkpoints of an NNX model and, when given, its
+optimizer (parameters, optimizer moments and step, RNG streams), so a restored model
+gives identical outputs and training resumed from a checkpoint continues exactly as it
+would have.
+
+Each step is a folder of three orbax items: ``model``, ``optimizer`` (when saved) and
+``meta``, a small JSON file (``<step>/meta/metadata``) that records
+
+* ``model``: the model's ``describe()`` (a :class:`~posenc_jax.nn.Transformer`'s settings
+  and encoding configs), when the model has that method;
+* ``config``: the dict the caller passed to ``save(..., config=...)``;
+* ``arrays``: for every saved array, its path, shape, dtype and the sha256 of its bytes,
+  computed on the host as it is saved.
+
+Before :meth:`Checkpointer.restore` changes anything it checks, in order, that the step
+exists; that the model's ``describe()`` and the ``config`` it is given equal the
+recorded ones; that the arrays have the recorded paths, shapes and dtypes; and, after
+reading them, that every array has its recorded sha256. A mismatch is a
+:class:`CheckpointError`, a damaged step a :class:`DamagedCheckpointError` (both are
+``ValueError``\\ s), each one line naming the step and the directory. Without an explicit
+step, a damaged newest step is skipped with a warning and the newest intact one restored.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import pathlib
+import warnings
+from collections.abc import Mapping
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-__all__ = ["Checkpointer"]
+__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError"]
+
+_FORMAT = 1  # of the meta item; a later layout would read older ones by this number
+_LISTED = 4  # differences named in an error; the rest are counted
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the restore asked of it: no such step, another model or
+    config, other arrays."""
+
+
+class DamagedCheckpointError(CheckpointError):
+    """A checkpoint step whose files cannot be read or whose arrays fail their recorded sha256."""
+
+    def __init__(self, where: str, reason: str):
+        super().__init__(f"{where} is damaged: {reason}")
+        self.reason = reason
+
+
+def _path_name(path) -> str:
+    return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+
+
+def _arrays(tree) -> dict:
+    """``{"blocks/0/mlp_in/kernel": array, ...}`` for the leaves of a pure-dict state."""
+    return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _is_key(x) -> bool:
+    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+
+
+def _layout(tree) -> dict[str, tuple]:
+    """Each array's path -> ``(shape, dtype)``; PRNG keys keep their key dtype (``key<fry>``)."""
+    layout = {}
+    for name, x in _arrays(tree).items():
+        x = x if hasattr(x, "dtype") else np.asarray(x)  # a Python number
+        layout[name] = (tuple(x.shape), str(x.dtype))
+    return layout
+
+
+def _digests(tree) -> dict[str, str]:
+    """Each array's path -> sha256 of its bytes, read back to the host (PRNG keys: their key data)."""
+    digests = {}
+    for name, x in _arrays(tree).items():
+        data = np.ascontiguousarray(jax.device_get(jax.random.key_data(x) if _is_key(x) else x))
+        digests[name] = hashlib.sha256(data.tobytes()).hexdigest()
+    return digests
+
+
+def _manifest(tree) -> dict[str, dict]:
+    """Each array's path -> its shape, dtype and sha256: what a step records of its arrays."""
+    digests = _digests(tree)
+    return {
+        name: {"shape": list(shape), "dtype": dtype, "sha256": digests[name]}
+        for name, (shape, dtype) in _layout(tree).items()
+    }
+
+
+def _listed(differences: list[str]) -> str:
+    more = len(differences) - _LISTED
+    return "; ".join(differences[:_LISTED]) + (f"; and {more} more" if more > 0 else "")
+
+
+def _as_json(value, what: str):
+    """``value`` as it reads back from JSON (tuples become lists), or a ValueError naming ``what``."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"{what} must be a JSON-serialisable dict (strings, numbers, booleans, lists, dicts): {error}"
+        ) from None
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:200] if text else ''}"
 
 
 class Checkpointer:
-    """An orbax ``CheckpointManager`` for ``(model, optimizer)`` pairs, keeping the last ``max_to_keep``.
+    """An orbax ``CheckpointManager`` for a model (and its optimizer), keeping the last ``max_to_keep``
+    steps; each step records the model's settings, the caller's config and a sha256 per array.
 
     Example:
       >>> import tempfile, optax
@@ -26,9 +126,19 @@ class Checkpointer:
       ...                     encoding="rope", rngs=nnx.Rngs(0))
       >>> optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
       >>> ckpt = Checkpointer(tempfile.mkdtemp(), max_to_keep=2)
-      >>> ckpt.save(10, model, optimizer)
+      >>> ckpt.save(10, model, optimizer, config={"run": "demo"})
       >>> ckpt.latest_step()
       10
+      >>> fresh = Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
+      ...                     encoding="rope", rngs=nnx.Rngs(1))
+      >>> ckpt.restore(fresh)  # the model alone, from a checkpoint with its optimizer
+      10
+      >>> other = Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
+      ...                     encoding="alibi", rngs=nnx.Rngs(1))
+      >>> ckpt.restore(other)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      posenc_jax.checkpoint.CheckpointError: step 10 in ... another model: encodings=[...] there, ['ALiBi...] here; ...
     """
 
     def __init__(self, directory, *, max_to_keep: int = 3):
@@ -46,31 +156,180 @@ class Checkpointer:
             state["optimizer"] = nnx.to_pure_dict(nnx.state(optimizer))
         return state
 
-    def save(self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None) -> None:
-        """Saves the model (and optimizer) at ``step`` and waits until it is on disk."""
-        self.manager.save(step, args=ocp.args.StandardSave(self._state(model, optimizer)))
+    @staticmethod
+    def _description(model):
+        describe = getattr(model, "describe", None)
+        return _as_json(describe(), "the model's describe()") if callable(describe) else None
+
+    def save(
+        self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, config: Mapping | None = None
+    ) -> None:
+        """Saves the model (and optimizer) at ``step`` and waits until it is on disk.
+
+        ``config``: a JSON-serialisable dict recorded with the step (say, the run's settings);
+        ``restore(..., config=...)`` then refuses a checkpoint saved with another one. Saving at
+        or before the newest saved step replaces that step and drops the later ones: they belong
+        to the run that restoring an earlier step abandoned (orbax alone would skip the save).
+        """
+        if config is not None and not isinstance(config, Mapping):
+            raise ValueError(f"config must be a JSON-serialisable dict, got {type(config).__name__}: {config!r}")
+        meta = {
+            "format": _FORMAT,
+            "model": self._description(model),
+            "config": None if config is None else _as_json(dict(config), "config"),
+        }
+        state = self._state(model, optimizer)
+        meta["arrays"] = {item: _manifest(tree) for item, tree in state.items()}
+        for stale in [s for s in self.all_steps() if s >= step]:
+            self.manager.delete(stale)
+        items = {item: ocp.args.StandardSave(tree) for item, tree in state.items()}
+        self.manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **items))
         self.manager.wait_until_finished()
 
     def latest_step(self) -> int | None:
+        """The newest saved step, or None; not yet verified (``restore`` verifies, and falls back)."""
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
-
-    def restore(self, model: nnx.Module, optimizer: nnx.Optimizer | None = None, step: int | None = None) -> int:
-        """Loads the checkpoint at ``step`` (default: latest) into ``model`` and ``optimizer`` in place."""
-        step = self.latest_step() if step is None else step
-        if step is None:
-            raise ValueError(f"no checkpoint in {self.directory}")
-        target = self._state(model, optimizer)
-        restored = self.manager.restore(step, args=ocp.args.StandardRestore(target))
-        for obj, key in ((model, "model"), (optimizer, "optimizer")):
-            if obj is None:
-                continue
-            state = nnx.state(obj)
-            nnx.replace_by_pure_dict(state, restored[key])
-            nnx.update(obj, state)
-        return step
+        return sorted(self.manager.all_steps())
 
     def close(self) -> None:
         self.manager.close()
+
+    def restore(
+        self,
+        model: nnx.Module,
+        optimizer: nnx.Optimizer | None = None,
+        step: int | None = None,
+        *,
+        config: Mapping | None = None,
+    ) -> int:
+        """Loads the checkpoint at ``step`` into ``model`` (and ``optimizer``) in place; returns the step.
+
+        Without ``step``, the newest intact step: damaged newer ones are skipped with a
+        warning naming them. The model alone restores from a checkpoint saved with its
+        optimizer. ``config``, when given, must equal the one saved with the step. Nothing
+        changes unless every check passes (see the module's docstring).
+        """
+        steps = self.all_steps()
+        if step is not None:
+            if step not in steps:
+                there = f"its steps are {steps}" if steps else "it holds no checkpoints"
+                raise CheckpointError(f"no step {step} in {self.directory}; {there}")
+            self._restore_step(step, model, optimizer, config)
+            return step
+        if not steps:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        damaged = []
+        for candidate in reversed(steps):
+            try:
+                self._restore_step(candidate, model, optimizer, config)
+            except DamagedCheckpointError as error:
+                damaged.append((candidate, error.reason))
+                continue
+            if damaged:
+                skipped = ", ".join(str(s) for s, _ in damaged)
+                reasons = "; ".join(f"{s}: {reason}" for s, reason in damaged)
+                warnings.warn(
+                    f"skipped damaged checkpoint step{'s' if len(damaged) > 1 else ''} {skipped} in "
+                    f"{self.directory} ({reasons}); restored step {candidate}",
+                    stacklevel=2,
+                )
+            return candidate
+        names = "; ".join(f"step {s} ({reason})" for s, reason in damaged)
+        raise CheckpointError(f"no intact checkpoint in {self.directory}: {names}; delete the folder to start over")
+
+    def _restore_step(self, step: int, model, optimizer, config) -> None:
+        """Checks step ``step`` against the model, optimizer and config, reads and verifies its
+        arrays, and only then loads them."""
+        meta = self._read_meta(step)
+        self._check_settings(step, meta, model, optimizer, config)
+        target = self._state(model, optimizer)
+        for item, tree in target.items():
+            self._check_layout(step, item, meta["arrays"][item], tree)
+        restored = self._read_arrays(step, target, meta["arrays"])
+        for obj, item in ((model, "model"), (optimizer, "optimizer")):
+            if obj is not None:
+                state = nnx.state(obj)
+                nnx.replace_by_pure_dict(state, restored[item])
+                nnx.update(obj, state)
+
+    def _where(self, step: int) -> str:
+        return f"step {step} in {self.directory}"
+
+    def _read_meta(self, step: int) -> dict:
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            if not isinstance(meta, dict) or meta.get("format") != _FORMAT or "arrays" not in meta:
+                raise ValueError(f"expected a dict of format {_FORMAT} with arrays")
+        except Exception as error:  # whatever orbax raises on a missing or garbled file
+            reason = f"its metadata cannot be read ({_first_line(error)}); written by an older version?"
+            raise DamagedCheckpointError(self._where(step), reason) from None
+        return meta
+
+    def _check_settings(self, step: int, meta: dict, model, optimizer, config) -> None:
+        """The model's description and the config against those recorded; the optimizer's presence."""
+        described = self._description(model)
+        if described is not None and meta.get("model") is not None and described != meta["model"]:
+            raise CheckpointError(
+                f"{self._where(step)} was saved from another model: "
+                f"{_listed(_differences(meta['model'], described))}; restore into a model built as it was "
+                f"saved (copy its parameters with nnx.update to try another)"
+            )
+        if config is not None:
+            wanted = _as_json(dict(config), "config")
+            if wanted != meta.get("config"):
+                raise CheckpointError(
+                    f"{self._where(step)} was saved with another config: "
+                    f"{_listed(_differences(meta.get('config') or {}, wanted))}; "
+                    f"restore with the config it was saved with, or use another directory"
+                )
+        if optimizer is not None and "optimizer" not in meta["arrays"]:
+            raise CheckpointError(
+                f"{self._where(step)} holds no optimizer state (saved as save(step, model)); restore the model alone"
+            )
+
+    def _check_layout(self, step: int, item: str, recorded: dict, tree) -> None:
+        """The paths, shapes and dtypes of ``tree`` against those recorded, naming a few differences."""
+        saved = {name: (tuple(a["shape"]), a["dtype"]) for name, a in recorded.items()}
+        here = _layout(tree)
+        if saved == here:
+            return
+        show = lambda layout: "missing" if layout is None else f"{layout[0]} {layout[1]}"
+        paths = sorted(saved.keys() | here.keys())
+        differences = [
+            f"{name}: {show(saved.get(name))} there, {show(here.get(name))} here"
+            for name in paths
+            if saved.get(name) != here.get(name)
+        ]
+        raise CheckpointError(
+            f"{self._where(step)}: the {item}'s arrays differ from the saved ones at {len(differences)} of "
+            f"{len(paths)} paths: {_listed(differences)}; build the {item} as it was when saved"
+        )
+
+    def _read_arrays(self, step: int, target: dict, recorded: dict) -> dict:
+        """The step's arrays for the items of ``target``, each checked against its recorded sha256."""
+        args = {item: ocp.args.StandardRestore(tree) for item, tree in target.items()}
+        try:
+            restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+        except Exception as error:  # unreadable array data
+            raise DamagedCheckpointError(
+                self._where(step), f"its arrays cannot be read ({_first_line(error)})"
+            ) from None
+        for item in target:
+            read = _digests(restored[item])
+            bad = [name for name, array in recorded[item].items() if read.get(name) != array["sha256"]]
+            if bad:
+                reason = f"{len(bad)} {item} array(s) differ from the sha256 saved with them: {_listed(bad)}"
+                raise DamagedCheckpointError(self._where(step), reason)
+        return restored
+
+
+def _differences(saved: Mapping, here: Mapping) -> list[str]:
+    """``key=<saved> there, <here> here`` for each key whose values differ."""
+    unset = "<unset>"
+    return [
+        f"{key}={saved.get(key, unset)!r} there, {here.get(key, unset)!r} here"
+        for key in sorted(saved.keys() | here.keys())
+        if saved.get(key, unset) != here.get(key, unset)
+    ]

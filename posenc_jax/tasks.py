@@ -293,7 +293,15 @@ def load_hub_corpus(name: str, **load_kwargs) -> tuple[str, str]:
     except ImportError:
         raise ValueError(f"--corpus {name} needs the datasets package: pip install -e '.[data]'") from None
     spec = HUB_CORPORA[name]
-    return text_from_dataset(datasets.load_dataset(spec["path"], spec["name"], **load_kwargs))
+    try:
+        dataset = datasets.load_dataset(spec["path"], spec["name"], **load_kwargs)
+    except OSError as error:  # what datasets raises offline: ConnectionError, or a hub file not found
+        raise ValueError(
+            f"--corpus {name}: could not load {name} ({spec['path']}) from the Hugging Face hub "
+            f"({type(error).__name__}: {error}); check the network, or download the text where there is one "
+            f"and pass the file or folder instead: --corpus PATH"
+        ) from None
+    return text_from_dataset(dataset)
 
 
 def _read_corpus(path) -> tuple[str, str]:

@@ -40,6 +40,10 @@ def warmup_cosine_adamw(
 ) -> optax.GradientTransformation:
     """AdamW with linear warmup to ``learning_rate`` and cosine decay to 0 at ``total_steps``.
 
+    The rate rises linearly from ``learning_rate / warmup_steps`` at the first step (a warmup
+    from 0 would make that step a no-op) to ``learning_rate`` at step ``warmup_steps``, then
+    follows a cosine down to 0 at ``total_steps``.
+
     Example:
       >>> tx = warmup_cosine_adamw(learning_rate=1e-3, total_steps=100, warmup_steps=10)
     """
@@ -50,7 +54,11 @@ def warmup_cosine_adamw(
     if not learning_rate > 0:
         raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps, decay_steps=total_steps, end_value=0.0
+        init_value=learning_rate / max(warmup_steps, 1),
+        peak_value=learning_rate,
+        warmup_steps=warmup_steps,
+        decay_steps=total_steps,
+        end_value=0.0,
     )
     adamw = optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay)
     return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)

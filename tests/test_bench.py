@@ -1,15 +1,20 @@
 """The extrapolation benchmark: smoke preset end to end, resume after a kill, bad input, tasks."""
 
+import dataclasses
 import json
+import os
 import pathlib
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import jax
 import numpy as np
 import pytest
 
+from posenc_jax.bench import extrapolate
 from posenc_jax.bench.cli import main
 from posenc_jax.tasks import DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
 
@@ -105,6 +110,70 @@ def test_killed_run_resumes_to_the_same_results(tmp_path):
 def test_bad_input_says_why(tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
         main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), *args])
+
+
+def test_an_unwritable_out_names_the_path_and_the_fix(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file where the folder should go")
+    with pytest.raises(SystemExit, match=f"--out {re.escape(str(taken))} is a file, not a folder; pass a folder"):
+        main(["extrapolate", "--preset", "smoke", "--out", str(taken)])
+    below = taken / "results"
+    with pytest.raises(SystemExit, match=f"cannot write to --out {re.escape(str(below))} .*; choose a folder you can"):
+        main(["extrapolate", "--preset", "smoke", "--out", str(below)])
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_out_names_the_path_and_the_fix(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    with pytest.raises(SystemExit, match=f"cannot write to --out {re.escape(str(locked))} .*Permission denied"):
+        main(["extrapolate", "--preset", "smoke", "--out", str(locked)])
+
+
+def test_an_unreachable_hub_corpus_says_what_failed_and_how_to_use_a_local_file(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+
+    def offline(path, name=None, **kwargs):  # what datasets raises without a network
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (LocalEntryNotFoundError)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(SystemExit) as error:
+        main(["extrapolate", "--preset", "smoke", "--tasks", "text", "--corpus", "wikitext103", "--out", str(tmp_path)])
+    message = str(error.value)
+    assert "could not load wikitext103 (Salesforce/wikitext) from the Hugging Face hub" in message, message
+    assert "Couldn't reach 'Salesforce/wikitext' on the Hub" in message and "--corpus PATH" in message, message
+
+
+def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path):
+    preset = dataclasses.replace(
+        extrapolate.PRESETS["smoke"], encodings=("nope",), tasks=("counting_copy",), steps=2, checkpoint_every=1
+    )
+    first, again = [], []
+    with jax.numpy_dtype_promotion("standard"):
+        extrapolate.run(preset, tmp_path, progress=False, log=first.append)
+        (tmp_path / "results.jsonl").unlink()  # as if killed after training, before any result was written
+        extrapolate.run(preset, tmp_path, progress=False, log=again.append)
+    assert re.search(r"loss \d+\.\d{3}", first[0]), first
+    assert "nan" not in again[0] and "resumed at step 2 of 2, no steps left" in again[0], again
+    strict = lambda constant: pytest.fail(f"run.json holds {constant}, which is not JSON")
+    record = json.loads((tmp_path / "run.json").read_text(), parse_constant=strict)
+    assert record["cells"][-1]["final_loss"] is None and record["cells"][-1]["resumed_from_step"] == 2
+
+
+def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path):
+    preset = dataclasses.replace(extrapolate.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
+    with jax.numpy_dtype_promotion("standard"):
+        extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    (meta,) = (tmp_path / "checkpoints").glob("*/counting_copy/alibi/seed0/1/meta/metadata")
+    meta = json.loads(meta.read_text())
+    assert meta["config"] == {
+        "settings": extrapolate.fingerprint(preset),
+        "task": "counting_copy",
+        "encoding": "alibi",
+        "seed": 0,
+        "encoding_configs": ["ALiBi(bidirectional=None)"],
+    }
+    assert meta["model"]["encodings"] == ["ALiBi(bidirectional=None)"] and meta["model"]["num_layers"] == 1
 
 
 def test_decoder_batches_end_with_eos_and_score_exact_match():

@@ -109,6 +109,17 @@ def test_training_reduces_the_loss():
     assert last < 0.5 * first
 
 
+def test_the_first_warmup_step_learns():
+    model = Transformer(encoding="rope", rngs=nnx.Rngs(0), **KW)
+    before = [np.array(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    tx = warmup_cosine_adamw(learning_rate=1e-2, total_steps=100, warmup_steps=10, weight_decay=0.0)
+    train_step(model, make_optimizer(model, tx), _batch())
+    after = [np.array(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    change = max(np.abs(a - b).max() for a, b in zip(after, before, strict=True))
+    # Adam's first update moves each parameter with a gradient by the learning rate, here 1e-2 / 10.
+    np.testing.assert_allclose(change, 1e-3, rtol=1e-3)
+
+
 def test_schedule_warms_up_then_decays():
     with pytest.raises(ValueError, match="0 <= warmup_steps < total_steps"):
         warmup_cosine_adamw(learning_rate=1e-3, total_steps=10, warmup_steps=10)

@@ -220,6 +220,22 @@ def fingerprint(preset: Preset) -> str:
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
+def _check_writable(out: pathlib.Path) -> None:
+    """Makes ``out`` and writes a file in it, so a path that cannot hold the results fails before any
+    training, with the path and what to do."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder; pass a folder for the results")
+    probe = out / ".write-test"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"cannot write to --out {out} ({error.strerror or error}); choose a folder you can write to"
+        ) from None
+
+
 def _done(results_path: pathlib.Path, settings: str) -> set:
     """Finished cells; refuses rows made with other settings, drops a half-written last line."""
     if not results_path.exists():
@@ -304,7 +320,7 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     """Runs (or resumes) every cell of ``preset``, writing into ``out``; returns the run record."""
     preset.validate()
     out = pathlib.Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_writable(out)
     results_path = out / "results.jsonl"
     settings = fingerprint(preset)
     done = _done(results_path, settings)
@@ -448,10 +464,19 @@ def _run_cell(
     if mesh is not None:
         replicate(model, mesh)
         replicate(optimizer, mesh)
+    # Two steps kept, so a damaged newest one falls back to the one before (same results: the
+    # data of step k depends only on (seed, k)). Each records what it is a checkpoint of.
     ckpt = Checkpointer(
-        out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}", max_to_keep=1
+        out / "checkpoints" / fingerprint(preset) / task_name / label.replace("|", "-") / f"seed{seed}", max_to_keep=2
     )
-    start_step = ckpt.restore(model, optimizer) if ckpt.latest_step() is not None else 0
+    recorded = {
+        "settings": fingerprint(preset),
+        "task": task_name,
+        "encoding": label,
+        "seed": seed,
+        "encoding_configs": [repr(c) for c in configs],
+    }
+    start_step = ckpt.restore(model, optimizer, config=recorded) if ckpt.latest_step() is not None else 0
     timings = {"task": task_name, "encoding": label, "seed": seed, "resumed_from_step": start_step}
 
     bar = None
@@ -466,7 +491,7 @@ def _run_cell(
             dynamic_ncols=True,
         )
     compile_seconds, train_seconds = 0.0, 0.0
-    loss = float("nan")
+    loss = None  # unknown when a resumed cell has no steps left
     for step in range(start_step, preset.steps):
         batch = {k: jnp.asarray(v) for k, v in _train_batch(task, preset, seed, step, train_tokens).items()}
         if mesh is not None:
@@ -482,7 +507,7 @@ def _run_cell(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.steps:
-            ckpt.save(step + 1, model, optimizer)
+            ckpt.save(step + 1, model, optimizer, config=recorded)
     if bar is not None:
         bar.close()
     ckpt.close()
@@ -515,8 +540,12 @@ def _run_cell(
         nnx.update(scaled, trained)  # the RoPE model's weights, other frequencies
         write(name, length, _evaluate(scaled, task, preset, seed, length, max_tokens))
     timings["eval_seconds"] = time.perf_counter() - began
+    if loss is None:
+        training = f"resumed at step {start_step} of {preset.steps}, no steps left"
+    else:
+        training = f"loss {loss:.3f}" + (f" (resumed from step {start_step})" if start_step else "")
     log(
-        f"{task_name:14s} {label:12s} seed {seed}: loss {loss:.3f}, "
+        f"{task_name:14s} {label:12s} seed {seed}: {training}, "
         f"compile {compile_seconds:.1f}s, train {train_seconds:.1f}s, eval {timings['eval_seconds']:.1f}s"
     )
     return timings

@@ -36,6 +36,13 @@ from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 __all__ = ["Block", "Transformer"]
 
 
+def _name_of(normalizer) -> str:
+    """A function by its import path, a config (URPE) by its repr: the same text in every process."""
+    if hasattr(normalizer, "__qualname__"):
+        return f"{normalizer.__module__}.{normalizer.__qualname__}"
+    return repr(normalizer)
+
+
 def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
     # Without dropout no "dropout" RNG stream is needed (e.g. under the Linen bridge).
     return nnx.Dropout(rate, rngs=rngs) if rate > 0 else nnx.Dropout(0.0)
@@ -132,6 +139,19 @@ class Transformer(nnx.Module):
             raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
         head_dim = model_dim // num_heads
         sizes = dict(num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
+        # Static and hashable (it is part of the graph definition); describe() returns it as a dict.
+        self._settings = (
+            ("vocab_size", vocab_size),
+            ("model_dim", model_dim),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("mlp_dim", mlp_dim),
+            ("encodings", tuple(repr(c) for c in configs)),
+            ("causal", causal),
+            ("num_kv_heads", num_kv_heads),
+            ("normalizer", _name_of(normalizer)),
+            ("dropout_rate", dropout_rate),
+        )
         self.causal = causal
         self.num_heads = num_heads
         self.embed = nnx.Embed(vocab_size, model_dim, rngs=rngs)
@@ -163,6 +183,19 @@ class Transformer(nnx.Module):
         self.final_norm = nnx.LayerNorm(model_dim, rngs=rngs)
         self.head = nnx.Linear(model_dim, vocab_size, rngs=rngs)
         self.dropout = _dropout(dropout_rate, rngs)
+
+    def describe(self) -> dict:
+        """The model's constructor settings as a JSON-able dict; encodings as their configs' reprs.
+
+        Checkpoints record it, so a checkpoint restores only into a model built the same way.
+
+        Example:
+          >>> model = Transformer(vocab_size=16, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64,
+          ...                     encoding="alibi", rngs=nnx.Rngs(0))
+          >>> model.describe()["encodings"], model.describe()["num_layers"]
+          (['ALiBi(bidirectional=None)'], 2)
+        """
+        return {name: list(value) if isinstance(value, tuple) else value for name, value in self._settings}
 
     def _run(self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions):
         for module in self.position_samplers:
