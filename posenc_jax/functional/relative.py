@@ -2,6 +2,9 @@
 
 Convention: the relative distance of query t and key s is ``key_pos[s] - query_pos[t]``
 (j - i), as in T5's reference code. A key in the past has a negative distance.
+Distances never wrap around: any two int32 positions are supported, the int32
+distance saturates at ``±(2**31 - 1)`` where the true one does not fit (see
+:func:`~posenc_jax.functional.positions.position_difference`).
 
 Positions are explicit arrays, so they may have offsets and gaps; the distance
 matrix is then not Toeplitz in the array indices. The memory-lean patterns here
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.positions import batched_positions, position_difference
 
 __all__ = [
     "bucket_relative",
@@ -33,8 +36,13 @@ __all__ = [
 ]
 
 
-def relative_positions(query_positions, key_positions) -> jax.Array:
-    """``rel[b, t, s] = key_pos[b, s] - query_pos[b, t]`` (j - i), int32 ``[B|1, T, S]``.
+def relative_positions(query_positions, key_positions, *, dtype=jnp.int32) -> jax.Array:
+    """``rel[b, t, s] = key_pos[b, s] - query_pos[b, t]`` (j - i), ``[B|1, T, S]``.
+
+    For any int32 positions, without wrap-around: int32 distances are exact up to
+    ``±(2**31 - 1)`` and saturate there (past every clip distance); ``dtype=jnp.float32``
+    gives the exact distance rounded once to float32, for encodings linear or
+    logarithmic in it (ALiBi, Kerple, FIRE).
 
     Example:
       >>> relative_positions(jnp.arange(3), jnp.arange(4))[0]
@@ -44,7 +52,7 @@ def relative_positions(query_positions, key_positions) -> jax.Array:
     """
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
-    return k[:, None, :] - q[:, :, None]
+    return position_difference(k[:, None, :], q[:, :, None], dtype=dtype)
 
 
 def check_max_distance(max_distance, name: str = "max_distance") -> int:

@@ -338,7 +338,9 @@ class RoPE(ParameterFree):
         key_positions = query_positions if same else check_positions(context.key_positions, "key_positions")
         _check_positions_fit(q, query_positions, "q")
         _check_positions_fit(k, key_positions, "k")
-        length = jnp.max(query_positions) + 1  # the current length, as transformers' dynamic RoPE takes it
+        # The current length, as transformers' dynamic RoPE takes it; in float32, as
+        # max + 1 leaves int32 at the last int32 position.
+        length = jnp.max(query_positions).astype(jnp.float32) + 1
 
         def angles_of(positions):
             return self.scaling.angles(positions, rotary_dim, self.base, length)

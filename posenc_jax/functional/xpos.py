@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
-from posenc_jax.functional.positions import batched_positions, check_positions
+from posenc_jax.functional.positions import batched_positions, check_positions, position_difference
 from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.rope import (
     Layout,
@@ -78,13 +78,14 @@ def apply_xpos_qk(
     freq = rope_inverse_frequencies(rotary_dim, base=base)
     log_zeta = jnp.asarray(np.log(xpos_decay_bases(rotary_dim, gamma=gamma)), jnp.float32)
     q_batched = batched_positions(query_positions)
-    centre = (q_batched.min(axis=-1, keepdims=True) + q_batched.max(axis=-1, keepdims=True)) // 2  # [B|1, 1]
+    low, high = q_batched.min(axis=-1, keepdims=True), q_batched.max(axis=-1, keepdims=True)
+    # floor((low + high) / 2) without forming low + high, which can leave int32.
+    centre = low // 2 + high // 2 + (low % 2 + high % 2) // 2  # [B|1, 1]
 
     def tables(positions, sign):
         cos, sin = rope_tables(positions, freq)
-        offset = (batched_positions(positions) - centre).astype(jnp.float32)[..., None] / jnp.float32(
-            scale_base
-        )  # [B|1, T, 1]
+        offset = position_difference(batched_positions(positions), centre, dtype=jnp.float32)
+        offset = offset[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
         # Clamped in log space so far-away (e.g. empty cache) slots stay finite.
         scale = jnp.exp(jnp.clip(sign * offset * log_zeta.reshape(1, 1, -1), -60.0, 60.0))
         if positions.ndim == 1 and centre.shape[0] == 1:

@@ -1,0 +1,95 @@
+"""Reliability: masked keys never leak, positions over the whole int32 range, exact FIRE
+distances, xPos in half precision, the KV cache's empty slots, and settings that are refused."""
+
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional import ALiBi, RoPE, dot_product_attention, encoding_config
+from posenc_jax.functional.alibi import alibi_bias, alibi_slopes
+from posenc_jax.functional.hooks import AttentionContext
+from posenc_jax.functional.kerple import kerple_bias
+from posenc_jax.functional.masks import causal_mask
+from posenc_jax.functional.positions import position_difference
+from posenc_jax.functional.relative import expand_relative_bias, relative_positions
+from posenc_jax.functional.xpos import apply_xpos_qk
+
+INT32_MAX = 2**31 - 1
+# Positions at both ends of int32 and around zero; pairwise differences need 33 bits.
+EXTREMES = np.array([-(2**31), -(2**31) + 1, -(2**30) - 1, -1, 0, 1, 2**30, 2**31 - 2, 2**31 - 1], np.int64)
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+    return jnp.asarray(rng.normal(size=shape), dtype)
+
+
+# ---------------------------------------------------------------- positions: the whole int32 range
+
+
+def test_position_differences_do_not_wrap():
+    a, b = np.meshgrid(EXTREMES, EXTREMES, indexing="ij")
+    true = a - b  # int64: exact
+    a32, b32 = jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32)
+    np.testing.assert_array_equal(position_difference(a32, b32), np.clip(true, -INT32_MAX, INT32_MAX))
+    np.testing.assert_array_equal(position_difference(a32, b32, dtype=jnp.float32), true.astype(np.float32))
+    rel = relative_positions(jnp.asarray(EXTREMES, jnp.int32), jnp.asarray(EXTREMES, jnp.int32))[0]
+    np.testing.assert_array_equal(np.sign(rel), np.sign(b - a))  # never the wrong side
+
+
+def test_causal_mask_and_attention_at_the_ends_of_int32(rng):
+    assert not bool(causal_mask(jnp.array([-1]), jnp.array([INT32_MAX]))[0, 0, 0, 0])
+    assert bool(causal_mask(jnp.array([INT32_MAX]), jnp.array([-(2**31)]))[0, 0, 0, 0])
+    q = EXTREMES.astype(np.int32)
+    want = EXTREMES[None, :] <= EXTREMES[:, None]
+    np.testing.assert_array_equal(causal_mask(q, q)[0, 0], want)
+    # A query at -1 sees the key at -5 and not the one at 2**31 - 1.
+    x, v = _normal(rng, (1, 1, 1, 4)), _normal(rng, (1, 2, 1, 4))
+    out = dot_product_attention(
+        x, v, v, query_positions=jnp.array([-1]), key_positions=jnp.array([INT32_MAX, -5]), causal=True
+    )
+    np.testing.assert_allclose(out[0, 0], v[0, 1], atol=1e-6)
+
+
+def test_linear_and_log_biases_at_the_ends_of_int32():
+    q, k = np.array([INT32_MAX, -(2**31)]), np.array([-(2**31), INT32_MAX])
+    distance = (k[None, :] - q[:, None]).astype(np.float64)  # key - query: up to ±(2**32 - 1)
+    slopes = alibi_slopes(8)[:, None, None]
+    np.testing.assert_allclose(alibi_bias(8, q, k)[0], slopes * distance, rtol=1e-6)
+    np.testing.assert_allclose(alibi_bias(8, q, k, bidirectional=True)[0], -slopes * np.abs(distance), rtol=1e-6)
+    r1, r2 = np.array([1.0, 0.5]), np.array([0.1, 1.0])
+    want = -r1[:, None, None] * np.log1p(r2[:, None, None] * np.abs(distance))
+    np.testing.assert_allclose(kerple_bias(jnp.asarray(r1), jnp.asarray(r2), q, k)[0], want, rtol=1e-6)
+
+
+def test_clipped_tables_saturate_at_the_far_end():
+    table = jnp.arange(5.0)[None]  # [N=1, 2k+1], k = 2: value = clipped distance + 2
+    bias = expand_relative_bias(table, jnp.array([-1, INT32_MAX]), jnp.array([INT32_MAX, -(2**31)]), 2)
+    np.testing.assert_array_equal(bias[0, 0], [[4.0, 0.0], [2.0, 0.0]])
+
+
+def test_xpos_and_dynamic_rope_at_the_last_int32_positions(rng):
+    q, k = _normal(rng, (1, 8, 1, 8)), _normal(rng, (1, 8, 1, 8))
+    offsets = jnp.arange(8)
+
+    def scores(positions):
+        rq, rk = apply_xpos_qk(q, k, positions, positions)
+        return np.einsum("TH,SH->TS", np.asarray(rq[0, :, 0], np.float64), np.asarray(rk[0, :, 0], np.float64))
+
+    # Scores depend on offsets only; at the end of int32 the centre must not wrap around.
+    np.testing.assert_allclose(scores(offsets + (INT32_MAX - 7)), scores(offsets), rtol=1e-4, atol=1e-5)
+    # Dynamic NTK reads the length max(position) + 1, which must not wrap to -2**31 either.
+    scaling = encoding_config("rope-dynamic-ntk", factor=2.0, original_context=4)
+    last = jnp.array([INT32_MAX])
+    context = AttentionContext(query_positions=last, key_positions=last)
+    scaled = scaling.rotate(q[:, :1], k[:, :1], context)
+    plain = RoPE().rotate(q[:, :1], k[:, :1], context)
+    assert np.abs(np.asarray(scaled[0]) - np.asarray(plain[0])).max() > 1e-2
+
+
+def test_alibi_hook_in_attention_at_the_ends_of_int32(rng):
+    x = _normal(rng, (1, 2, 8, 4))
+    pos = jnp.array([-(2**31), INT32_MAX])
+    _, weights = dot_product_attention(
+        x, x, x, query_positions=pos, key_positions=pos, encodings=[ALiBi(bidirectional=True)], return_weights=True
+    )
+    # 2**32 - 1 apart, every head's penalty (>= 1.7e7) leaves each query with itself.
+    np.testing.assert_allclose(weights[0, :, [0, 1], [0, 1]], 1.0, atol=1e-6)
