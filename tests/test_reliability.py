@@ -1,17 +1,21 @@
 """Reliability: masked keys never leak, positions over the whole int32 range, exact FIRE
 distances, xPos in half precision, the KV cache's empty slots, and settings that are refused."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from posenc_jax.functional import ALiBi, RoPE, dot_product_attention, encoding_config
 from posenc_jax.functional.alibi import alibi_bias, alibi_slopes
+from posenc_jax.functional.fire import fire_bias, fire_init
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.kerple import kerple_bias
 from posenc_jax.functional.masks import causal_mask
 from posenc_jax.functional.positions import position_difference
 from posenc_jax.functional.relative import expand_relative_bias, relative_positions
 from posenc_jax.functional.xpos import apply_xpos_qk
+from posenc_jax.reference import beyond_seeds as reference
 
 INT32_MAX = 2**31 - 1
 # Positions at both ends of int32 and around zero; pairwise differences need 33 bits.
@@ -93,3 +97,18 @@ def test_alibi_hook_in_attention_at_the_ends_of_int32(rng):
     )
     # 2**32 - 1 apart, every head's penalty (>= 1.7e7) leaves each query with itself.
     np.testing.assert_allclose(weights[0, :, [0, 1], [0, 1]], 1.0, atol=1e-6)
+
+
+# ---------------------------------------------------------------- FIRE: exact distances
+
+
+@pytest.mark.parametrize("start", [10**8, INT32_MAX - 40], ids=["1e8", "int32-end"])
+def test_fire_matches_the_float64_formula_at_large_positions(start):
+    params = fire_init(jax.random.key(0), 4)
+    query_positions = start + 3 * np.arange(12)  # gaps, past the threshold L = 512
+    key_positions = start - 5 + np.arange(16)
+    got = np.asarray(fire_bias(params, query_positions, key_positions))[0]
+    want = reference.fire_bias(params, query_positions, key_positions)
+    spread = want.max() - want.min()
+    assert spread > 1e-2  # the bias varies over these distances: the comparison means something
+    np.testing.assert_allclose(got, want, atol=1e-6 + 1e-5 * spread)
