@@ -6,16 +6,26 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax.functional import ALiBi, RoPE, dot_product_attention, encoding_config
+from posenc_jax.functional import (
+    ALiBi,
+    CoPE,
+    RoPE,
+    Shaw,
+    dot_product_attention,
+    encoding_config,
+)
 from posenc_jax.functional.alibi import alibi_bias, alibi_slopes
 from posenc_jax.functional.fire import fire_bias, fire_init
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.kerple import kerple_bias
 from posenc_jax.functional.masks import causal_mask
+from posenc_jax.functional.normalizers import URPE, normalizer_config
 from posenc_jax.functional.positions import position_difference
 from posenc_jax.functional.relative import expand_relative_bias, relative_positions
+from posenc_jax.functional.shaw import shaw_value_term
 from posenc_jax.functional.xpos import apply_xpos_qk
 from posenc_jax.reference import beyond_seeds as reference
+from small_encodings import small_config
 
 INT32_MAX = 2**31 - 1
 # Positions at both ends of int32 and around zero; pairwise differences need 33 bits.
@@ -112,3 +122,128 @@ def test_fire_matches_the_float64_formula_at_large_positions(start):
     spread = want.max() - want.min()
     assert spread > 1e-2  # the bias varies over these distances: the comparison means something
     np.testing.assert_allclose(got, want, atol=1e-6 + 1e-5 * spread)
+
+
+# ---------------------------------------------------------------- masked keys never leak
+
+B, T, N, K, H = 2, 6, 4, 2, 8
+POS = jnp.arange(T)
+POISONED = 3  # the key whose key or value vector is poisoned
+
+
+def _mask_settings(kind):
+    """Attention keyword arguments hiding key POISONED from some rows (or all), and the [B, N, T, S] mask."""
+    if kind == "key_mask":
+        key_mask = np.ones((B, T), bool)
+        key_mask[:, POISONED] = False
+        kwargs = dict(key_mask=jnp.asarray(key_mask))
+        mask = np.broadcast_to(key_mask[:, None, None, :], (B, N, T, T))
+    elif kind == "causal":
+        kwargs = dict(causal=True)
+        mask = np.broadcast_to(np.tril(np.ones((T, T), bool)), (B, N, T, T))
+    elif kind == "segments":
+        seg = jnp.asarray([[0, 0, 0, 1, 1, 1], [0, 0, 1, 1, 2, 2]])
+        kwargs = dict(query_segment_ids=seg, key_segment_ids=seg)
+        mask = np.broadcast_to((seg[:, :, None] == seg[:, None, :])[:, None], (B, N, T, T))
+    else:  # a general per-head mask, each row keeping its diagonal key
+        mask = np.random.default_rng(1).random((B, N, T, T)) < 0.5
+        mask = mask | np.eye(T, dtype=bool)
+        kwargs = dict(mask=jnp.asarray(mask))
+    return kwargs, np.asarray(mask)
+
+
+def _built(name, rng):
+    config = small_config(name)
+    return config.build(config.init(jax.random.key(0), num_heads=N, head_dim=H, model_dim=N * H))
+
+
+def _poison(x, value):
+    return x.at[:, POISONED].set(value)
+
+
+MASK_KINDS = ["key_mask", "causal", "segments", "general"]
+
+
+def _normalizers(rng):
+    urpe = URPE(jnp.asarray(rng.uniform(0.5, 1.5, (N, 7)), jnp.float32), max_distance=3)
+    return {
+        "softmax": normalizer_config("softmax"),
+        "l2": normalizer_config("l2"),
+        "relu2": normalizer_config("relu2"),
+        "urpe": urpe,
+    }
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("kind", MASK_KINDS)
+def test_a_masked_keys_value_never_reaches_the_output(rng, kind, poison):
+    q, k = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, K, H))
+    v = _normal(rng, (B, T, K, H))
+    kwargs, mask = _mask_settings(kind)
+    shaw = Shaw(max_distance=2, value_table=_normal(rng, (5, H)))  # a values hook as well
+    sees = mask[..., POISONED].transpose(0, 2, 1)  # [B, T, N]: whether the row may attend to the key
+
+    def attend(v, normalizer):
+        return dot_product_attention(
+            q, k, v, query_positions=POS, key_positions=POS, encodings=[shaw], normalizer=normalizer, **kwargs
+        )
+
+    for name, normalizer in _normalizers(rng).items():
+        clean, poisoned = np.asarray(attend(v, normalizer)), np.asarray(attend(_poison(v, poison), normalizer))
+        np.testing.assert_allclose(poisoned[~sees], clean[~sees], rtol=1e-5, atol=1e-6, err_msg=name)
+        assert np.isfinite(poisoned[~sees]).all(), name
+        if name != "relu2":  # relu² gives some visible keys weight 0, and 0 · inf is NaN by IEEE
+            assert not np.isfinite(poisoned[sees]).any(), name  # a row that sees the key sees what it holds
+
+
+@pytest.mark.parametrize("poison", [np.nan, np.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize(
+    "normalizer, encoding",
+    [
+        ("softmax", "none"),
+        ("l2", "none"),
+        ("relu2", "none"),
+        ("softmax", "cope"),
+        ("relu2", "cope"),
+        ("softmax", "deberta"),
+        ("softmax", "transformer-xl"),
+        ("softmax", "xpos"),
+    ],
+)
+def test_a_masked_keys_key_vector_never_reaches_other_scores_or_gradients(rng, normalizer, encoding, poison):
+    q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
+    kwargs, _ = _mask_settings("key_mask")  # key POISONED is padding
+    hooks = [] if encoding == "none" else [_built(encoding, rng)]
+    if encoding == "cope":  # embeddings that are not zero, so the gate counts matter
+        hooks = [CoPE(_normal(rng, (4, H)))]
+
+    def attend(q, k, v):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=POS,
+            key_positions=POS,
+            encodings=hooks,
+            normalizer=normalizer_config(normalizer),
+            causal=True,
+            return_weights=True,
+            **kwargs,
+        )
+
+    clean_out, clean_weights = attend(q, k, v)
+    out, weights = attend(q, _poison(k, poison), v)
+    np.testing.assert_allclose(weights, clean_weights, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out, clean_out, rtol=1e-5, atol=1e-6)
+    grads = jax.grad(lambda q, k, v: (attend(q, k, v)[0] ** 2).sum(), argnums=(0, 1, 2))(q, _poison(k, poison), v)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+
+
+def test_shaw_value_term_selects_the_weights_the_mask_keeps(rng):
+    weights = jnp.asarray(rng.random((1, 2, 4, 4)), jnp.float32)
+    mask = jnp.asarray(np.tril(np.ones((4, 4), bool)))[None, None]
+    table = _normal(rng, (5, H))
+    clean = shaw_value_term(jnp.where(mask, weights, 0.0), table, POS[:4], POS[:4], max_distance=2)
+    poisoned = shaw_value_term(jnp.where(mask, weights, jnp.nan), table, POS[:4], POS[:4], max_distance=2, mask=mask)
+    np.testing.assert_allclose(poisoned, clean, rtol=1e-6)

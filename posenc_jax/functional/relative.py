@@ -111,7 +111,9 @@ def by_query_blocks(block_fn, out_shape, dtype, *, block_elements: int = 1 << 20
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype))
 
 
-def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements: int = 1 << 20) -> jax.Array:
+def bucket_relative(
+    weights: jax.Array, index, num_slots: int, *, mask=None, block_elements: int = 1 << 20
+) -> jax.Array:
     """Sums attention weights by relative slot: ``out[b,n,t,r] = Σ_{s: index[b,t,s]=r} w[b,n,t,s]``.
 
     The transpose of :func:`gather_relative`: ``[B, N, T, S]`` weights become
@@ -125,6 +127,8 @@ def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements
         function ``(start, rows) -> [B|1, rows, S]`` giving the slots of query rows
         ``start .. start + rows - 1``, so that the full index is never stored.
       num_slots: R.
+      mask: optional boolean mask broadcastable to ``[B, N, T, S]``; the weights it hides
+        are left out by selection (a NaN weight there does not reach any bucket).
       block_elements: scatter temporaries budget, in elements.
     """
     batch, heads, q_len, k_len = weights.shape
@@ -133,8 +137,15 @@ def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements
     else:
         index_rows = lambda start, rows: jax.lax.dynamic_slice_in_dim(index, start, rows, axis=1)
 
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = jnp.broadcast_to(mask, mask.shape[:2] + (q_len, k_len))
+
     def block_sum(start, rows):
         w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)  # [B, N, rows, S]
+        if mask is not None:
+            w = jnp.where(jax.lax.dynamic_slice_in_dim(mask, start, rows, axis=2), w, jnp.zeros((), w.dtype))
         idx = index_rows(start, rows)  # [B|1, rows, S]
         flat_row = jnp.arange(batch * heads * rows, dtype=jnp.int32).reshape(batch, heads, rows, 1)
         segment = (flat_row * num_slots + idx[:, None]).reshape(-1)
