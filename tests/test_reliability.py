@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from posenc_jax.functional import (
     ALiBi,
@@ -15,6 +16,7 @@ from posenc_jax.functional import (
     encoding_config,
 )
 from posenc_jax.functional.alibi import alibi_bias, alibi_slopes
+from posenc_jax.functional.cache import KVCache
 from posenc_jax.functional.fire import fire_bias, fire_init
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.kerple import kerple_bias
@@ -24,6 +26,7 @@ from posenc_jax.functional.positions import position_difference
 from posenc_jax.functional.relative import expand_relative_bias, relative_positions
 from posenc_jax.functional.shaw import shaw_value_term
 from posenc_jax.functional.xpos import apply_xpos_qk
+from posenc_jax.nn import Transformer
 from posenc_jax.reference import beyond_seeds as reference
 from small_encodings import small_config
 
@@ -247,3 +250,41 @@ def test_shaw_value_term_selects_the_weights_the_mask_keeps(rng):
     clean = shaw_value_term(jnp.where(mask, weights, 0.0), table, POS[:4], POS[:4], max_distance=2)
     poisoned = shaw_value_term(jnp.where(mask, weights, jnp.nan), table, POS[:4], POS[:4], max_distance=2, mask=mask)
     np.testing.assert_allclose(poisoned, clean, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- the KV cache's empty slots
+
+
+def test_cache_tracks_valid_slots():
+    cache = KVCache.empty(batch=2, max_length=5, num_kv_heads=1, head_dim=2)
+    ones = jnp.ones((2, 2, 1, 2))
+    cache = cache.append(ones, ones, jnp.asarray([[0, 0], [0, 1]]), valid=jnp.asarray([[False, True], [True, True]]))
+    cache = cache.append(ones[:, :1], ones[:, :1], jnp.asarray([[1], [2]]))
+    np.testing.assert_array_equal(cache.valid, [[False, True, True, False, False], [True, True, True, False, False]])
+    with pytest.raises(ValueError, match="valid must be boolean"):
+        cache.append(ones, ones, jnp.zeros((2, 2), jnp.int32), valid=jnp.ones((2, 2)))
+
+
+@pytest.mark.parametrize("start", [2**30, INT32_MAX - 5], ids=["2**30", "int32-end"])
+@pytest.mark.parametrize("name", ["rope", "alibi", "xpos", "cope"])
+def test_decoding_at_and_beyond_2_30_equals_the_forward(rng, name, start):
+    model = Transformer(
+        vocab_size=16,
+        model_dim=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_dim=32,
+        encoding=small_config(name),
+        causal=True,
+        rngs=nnx.Rngs(0),
+    )
+    tokens = jnp.asarray(rng.integers(0, 16, (2, 6)), jnp.int32)
+    positions = jnp.broadcast_to(start + jnp.arange(6), (2, 6))
+    full = model(tokens, positions)
+    step = nnx.jit(lambda model, tokens, positions, caches: model.decode(tokens, positions, caches))
+    logits, caches = model.decode(tokens[:, :3], positions[:, :3], model.init_cache(2, 8))
+    outputs = [logits]
+    for t in range(3, 6):
+        logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+        outputs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=2e-4, rtol=1e-4)
