@@ -12,6 +12,7 @@ from posenc_jax.functional import (
     CoPE,
     RoPE,
     Shaw,
+    XPos,
     dot_product_attention,
     encoding_config,
 )
@@ -250,6 +251,47 @@ def test_shaw_value_term_selects_the_weights_the_mask_keeps(rng):
     clean = shaw_value_term(jnp.where(mask, weights, 0.0), table, POS[:4], POS[:4], max_distance=2)
     poisoned = shaw_value_term(jnp.where(mask, weights, jnp.nan), table, POS[:4], POS[:4], max_distance=2, mask=mask)
     np.testing.assert_allclose(poisoned, clean, rtol=1e-6)
+
+
+# ---------------------------------------------------------------- xPos in half precision
+
+
+@pytest.mark.parametrize("length", [20_000, 100_000])
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16], ids=["float16", "bfloat16"])
+def test_xpos_in_half_precision_over_long_spans(rng, dtype, length):
+    positions = np.arange(length)
+    q, k = _normal(rng, (1, length, 1, 4), dtype), _normal(rng, (1, length, 1, 4), dtype)
+    rq, rk = apply_xpos_qk(q, k, positions, positions)
+    assert np.isfinite(np.asarray(rq, np.float32)).all() and np.isfinite(np.asarray(rk, np.float32)).all()
+    # The scale is computed in float32 and kept there for float16 (bfloat16 has float32's range).
+    rq32, rk32 = apply_xpos_qk(q.astype(jnp.float32), k.astype(jnp.float32), positions, positions)
+    if dtype == jnp.float16:
+        assert rq.dtype == rk.dtype == jnp.float32
+        np.testing.assert_array_equal(rq, rq32)
+        np.testing.assert_array_equal(rk, rk32)
+    else:
+        assert rq.dtype == rk.dtype == jnp.bfloat16
+    # Scores of pairs spread over the span, where no factor is clamped, against float64.
+    centre = (length - 1) // 2
+    picked = centre + np.array([-length // 5, -10, 0, 3, length // 5])
+    q64, k64 = (np.asarray(x[0, picked, 0], np.float64) for x in (q, k))
+    want_q, want_k = reference.xpos_qk(q64, k64, picked, picked, centre)
+    want = want_q @ want_k.T
+    size = np.abs(want_q) @ np.abs(want_k).T  # the scale of each score's terms
+    got = np.asarray(rq[0, picked, 0], np.float64) @ np.asarray(rk[0, picked, 0], np.float64).T
+    tolerance = 1e-2 if dtype == jnp.bfloat16 else 1e-4
+    assert np.all(np.abs(got - want) <= tolerance * size)
+
+
+def test_xpos_attention_in_float16_over_20k_tokens(rng):
+    x = _normal(rng, (1, 2, 2, 8), jnp.float16)
+    pos = jnp.array([0, 19_999])
+    out = dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, encodings=[XPos()], causal=True)
+    assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
+    want = dot_product_attention(
+        *(x.astype(jnp.float32),) * 3, query_positions=pos, key_positions=pos, encodings=[XPos()], causal=True
+    )
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=2e-3)
 
 
 # ---------------------------------------------------------------- the KV cache's empty slots
