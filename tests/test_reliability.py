@@ -7,11 +7,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from posenc_jax.bench.extrapolate import _runs_on
 from posenc_jax.functional import (
     ALiBi,
     CoPE,
+    Kerple,
     RoPE,
+    SharedBias,
     Shaw,
+    T5Bias,
     XPos,
     dot_product_attention,
     encoding_config,
@@ -29,6 +33,7 @@ from posenc_jax.functional.shaw import shaw_value_term
 from posenc_jax.functional.xpos import apply_xpos_qk
 from posenc_jax.nn import Transformer
 from posenc_jax.reference import beyond_seeds as reference
+from posenc_jax.tasks import make_task
 from small_encodings import small_config
 
 INT32_MAX = 2**31 - 1
@@ -330,3 +335,115 @@ def test_decoding_at_and_beyond_2_30_equals_the_forward(rng, name, start):
         logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
         outputs.append(logits)
     np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=2e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- settings that are refused
+
+
+def _attend(q=None, k=None, **kwargs):
+    q = jnp.ones((1, 3, 2, 8)) if q is None else q
+    k = q if k is None else k
+    kwargs.setdefault("query_positions", jnp.arange(q.shape[1]))
+    kwargs.setdefault("key_positions", jnp.arange(k.shape[1]))
+    return lambda: dot_product_attention(q, k, k, **kwargs)
+
+
+def _scaled_rope(name, **settings):
+    return lambda: _attend(encodings=[encoding_config(name, **settings)])()
+
+
+# (what is refused, a call, the error it must raise: the value and the fix). Add rows freely.
+REFUSED = [
+    ("scale nan", _attend(scale=float("nan")), r"scale must be a finite number > 0 .*got nan"),
+    ("scale 0", _attend(scale=0.0), r"scale must be a finite number > 0 .*got 0.0"),
+    ("scale -1", _attend(scale=-1.0), r"scale must be a finite number > 0 .*got -1.0"),
+    (
+        "YaRN factor inf",
+        _scaled_rope("rope-yarn", factor=float("inf"), original_context=4),
+        r"scaling factor must be a number >= 1 and finite .*got inf",
+    ),
+    (
+        "PI factor nan",
+        _scaled_rope("rope-pi", factor=float("nan")),
+        r"scaling factor must be a number >= 1 and finite .*got nan",
+    ),
+    ("RoPE base inf", lambda: RoPE(base=float("inf")), r"base must be a finite number > 1 .*got inf"),
+    (
+        "RoPE base inf in attention",
+        lambda: _attend(encodings=[RoPE(base=float("inf"), rotary_dim=8)])(),
+        r"base must be a finite number > 1 .*got inf",
+    ),
+    (
+        "LongRoPE negative factors",
+        _scaled_rope(
+            "rope-longrope",
+            short_factor=(1.0, -1.0, 1.0, 1.0),
+            long_factor=(2.0,) * 4,
+            original_context=4,
+            max_context=16,
+        ),
+        r"LongRoPE short_factor must be finite numbers > 0 .*got \(1.0, -1.0, 1.0, 1.0\)",
+    ),
+    (
+        "LongRoPE nan factor",
+        _scaled_rope(
+            "rope-longrope",
+            short_factor=(1.0,) * 4,
+            long_factor=(2.0, float("nan"), 2.0, 2.0),
+            original_context=4,
+            max_context=16,
+        ),
+        r"LongRoPE long_factor must be finite numbers > 0",
+    ),
+    (
+        "CoPE bidirectional",
+        _attend(encodings=[CoPE(jnp.zeros((4, 8)))], causal=False),
+        r"CoPE has no bidirectional form .*causal=False; use it in causal attention \(causal=True",
+    ),
+    ("N=0 heads", _attend(jnp.ones((1, 3, 0, 8))), r"at least one head \(N >= 1, K >= 1\), got N=0 and K=0"),
+    ("K=0 heads", _attend(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 0, 8))), r"got N=2 and K=0"),
+    (
+        "T5 table for 4 heads, N=2",
+        _attend(encodings=[T5Bias(jnp.zeros((8, 4)), max_distance=16)]),
+        r"the T5 table \[num_buckets, N\] \(8, 4\) has 4 heads but the attention has N=2 query heads; make it for 2",
+    ),
+    (
+        "Kerple for 4 heads, N=2",
+        _attend(encodings=[Kerple(jnp.ones(4), jnp.ones(4))]),
+        r"Kerple's r1 \[N\] \(4,\) has 4 heads but the attention has N=2 query heads",
+    ),
+    (
+        "a shared bias for 4 heads, N=2",
+        _attend(encodings=[SharedBias(jnp.zeros((1, 4, 3, 3)))]),
+        r"SharedBias's logits term has shape \(1, 4, 3, 3\), which does not broadcast to the scores "
+        r"\[B, N, T, S\] = \(1, 2, 3, 3\)",
+    ),
+    (
+        "mask [1, 1, 3, 4] for S=3",
+        _attend(mask=jnp.ones((1, 1, 3, 4), bool)),
+        r"mask of shape \(1, 1, 3, 4\) does not broadcast to the scores \[B, N, T, S\] = \(1, 2, 3, 3\)",
+    ),
+    ("mask of rank 5", _attend(mask=jnp.ones((1, 1, 1, 3, 3), bool)), r"mask of shape \(1, 1, 1, 3, 3\)"),
+    (
+        "S=0 with causal",
+        _attend(k=jnp.ones((1, 0, 2, 8)), causal=True),
+        r"attention needs at least one key, got S=0 \(key shape \(1, 0, 2, 8\)\)",
+    ),
+    ("S=0", _attend(k=jnp.ones((1, 0, 2, 8))), r"at least one key, got S=0"),
+    (
+        "odd head dim with RoPE",
+        _attend(jnp.ones((1, 3, 2, 7)), encodings=[RoPE()]),
+        r"head_dim must be even for RoPE, got 7 .*use an even head dim",
+    ),
+]
+
+
+@pytest.mark.parametrize("call, message", [row[1:] for row in REFUSED], ids=[row[0] for row in REFUSED])
+def test_nonsense_settings_are_refused_with_the_value_and_the_fix(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_the_benchmark_runs_cope_on_decoder_tasks_only():
+    assert not _runs_on(make_task("probe"), "cope") and not _runs_on(make_task("parity"), "rope+cope")
+    assert _runs_on(make_task("counting_copy"), "cope") and _runs_on(make_task("probe"), "rope")

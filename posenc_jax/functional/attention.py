@@ -43,6 +43,7 @@ head n // (N / K)), H head dim.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import einops
@@ -150,6 +151,11 @@ def _as_scores(term: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:
     return term.reshape((1,) * (ndim - term.ndim) + term.shape) if term.ndim < ndim else term
 
 
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` (without growing ``target``)."""
+    return len(shape) <= len(target) and all(d in (1, t) for d, t in zip(shape[::-1], target[::-1], strict=False))
+
+
 def _check_shapes(query, key, value):
     if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
         raise ValueError(
@@ -157,6 +163,18 @@ def _check_shapes(query, key, value):
             f"(or unbatched [T, N, H], ...), got {query.shape}, {key.shape}, {value.shape}"
         )
     batch, _, num_heads, head_dim = query.shape
+    if num_heads < 1 or key.shape[2] < 1:
+        raise ValueError(
+            f"query and key/value need at least one head (N >= 1, K >= 1), got N={num_heads} and K={key.shape[2]} "
+            f"(shapes {query.shape}, {key.shape})"
+        )
+    if head_dim < 1:
+        raise ValueError(f"the head dim H must be >= 1, got {head_dim} (query shape {query.shape})")
+    if key.shape[1] < 1:
+        raise ValueError(
+            f"attention needs at least one key, got S=0 (key shape {key.shape}); with a KV cache, append the "
+            f"step's keys before attending"
+        )
     if key.shape[:3] != value.shape[:3]:
         raise ValueError(f"key and value must agree on [B, S, K], got {key.shape} and {value.shape}")
     if key.shape[0] != batch:
@@ -205,7 +223,7 @@ def _checked_positions(query_positions, key_positions, *, needed: bool, q_len: i
     return query_positions, key_positions
 
 
-def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k_len, batch):
+def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k_len, batch, num_heads):
     if (query_segment_ids is None) != (key_segment_ids is None):
         raise ValueError("pass both query_segment_ids and key_segment_ids (for self-attention, the same array twice)")
     if query_segment_ids is not None:
@@ -218,16 +236,29 @@ def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k
             f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; "
             f"an additive float bias belongs in an encoding's logits hook (e.g. SharedBias)"
         )
+    if mask is not None:
+        scores = (batch, num_heads, q_len, k_len)
+        if not _broadcasts_to(np.shape(mask), scores):
+            raise ValueError(
+                f"mask of shape {np.shape(mask)} does not broadcast to the scores [B, N, T, S] = {scores}; pass a "
+                f"boolean mask of shape [B|1, N|1, T|1, S|1] (True = attend)"
+            )
 
 
 def _score_scale(hooks, head_dim: int, scale: float | None) -> float:
     """An explicit scale, else the one an encoding prescribes (all must agree), else 1/√H."""
     if scale is not None:
-        return float(scale)
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0 (default 1/√H = {head_dim**-0.5:.4g}), got {scale}")
+        return scale
     prescribed = {float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)}
     if len(prescribed) > 1:
         raise ValueError(f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly")
-    return prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))
+    scale = prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"an encoding prescribes the score scale {scale}; it must be a finite number > 0")
+    return scale
 
 
 def _visible_keys(mask: jax.Array | None) -> jax.Array | None:
@@ -262,7 +293,13 @@ def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context:
     for hook in hooks:
         term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
         if term is not None:
-            scores = scores + _as_scores(term, scores.ndim)
+            term = _as_scores(term, scores.ndim)
+            if not _broadcasts_to(term.shape, scores.shape):
+                raise ValueError(
+                    f"{type(hook).__name__}'s logits term has shape {term.shape}, which does not broadcast to the "
+                    f"scores [B, N, T, S] = {scores.shape}; per-head parameters must be made for N={scores.shape[1]}"
+                )
+            scores = scores + term
     return scores
 
 
@@ -392,7 +429,9 @@ def _checked_call(
         k_len=k_len,
         batch=batch,
     )
-    _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch)
+    _check_masks(
+        key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch, num_heads=num_heads
+    )
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     full_mask = combine_masks(

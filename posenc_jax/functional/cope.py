@@ -102,6 +102,11 @@ class CoPE:
     scale: float | None = None
 
     def logits(self, q, k, context: AttentionContext):
+        if not context.causal:
+            raise ValueError(
+                "CoPE has no bidirectional form (its gates count the keys up to each query), got causal=False; "
+                "use it in causal attention (causal=True, a decoder), or another encoding in a bidirectional encoder"
+            )
         scale = context.scale if self.scale is None else self.scale
         return cope_logits(
             q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale, mask=context.mask

@@ -132,6 +132,14 @@ class AttentionContext:
         """An encoding's direction: its explicit ``setting``, else the attention's (not causal)."""
         return (not self.causal) if setting is None else bool(setting)
 
+    def check_heads(self, heads: int, what: str) -> None:
+        """Refuses a per-head parameter (``what``, for ``heads`` heads) that does not match N (when known)."""
+        if self.num_heads and heads != self.num_heads:
+            raise ValueError(
+                f"{what} has {heads} heads but the attention has N={self.num_heads} query heads; "
+                f"make it for {self.num_heads} heads (init(..., num_heads={self.num_heads}))"
+            )
+
 
 @runtime_checkable
 class Embed(Protocol):

@@ -101,6 +101,7 @@ class Kerple(BiasHook):
 
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
         return kerple_bias(self.r1, self.r2, context.query_positions, context.key_positions, variant=self.variant)
 
 

@@ -149,8 +149,12 @@ def inverse_frequencies(dim: int, *, base: float = 10000.0) -> np.ndarray:
     """
     if not isinstance(dim, (int, np.integer)) or dim < 2 or dim % 2:
         raise ValueError(f"dim must be an even integer >= 2, got {dim!r}")
-    if not base > 1.0:
-        raise ValueError(f"base must be a number > 1, got {base!r}")
+    try:
+        valid = not isinstance(base, (str, bytes)) and 1.0 < float(base) < math.inf
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise ValueError(f"base must be a finite number > 1 (the wavelength base, 10000 in the papers), got {base!r}")
     return np.power(float(base), -np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 
