@@ -202,6 +202,15 @@ def _encodings_for(name: str, head_dim: int, train_tokens: int, max_tokens: int)
     ]
 
 
+# Encodings with no bidirectional form, which refuse a bidirectional attention: not run on encoder tasks.
+_CAUSAL_ONLY = ("cope",)
+
+
+def _runs_on(task, name: str) -> bool:
+    """Whether the encoding ``name`` (``a+b`` for a hybrid) can run on ``task``."""
+    return task.kind != "encoder" or not any(part in _CAUSAL_ONLY for part in name.split("+"))
+
+
 def _length_dependent(name: str) -> bool:
     return any(encoding_info(part).length_dependent for part in name.split("+"))
 
@@ -350,6 +359,9 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
         eval_lengths, train_length = _lengths(task, preset)
         max_tokens = task.max_tokens(max(eval_lengths))
         for encoding_name in preset.encodings:
+            if not _runs_on(task, encoding_name):
+                log(f"{encoding_name} has no bidirectional form: not run on the encoder task {task_name}")
+                continue
             for normalizer in preset.normalizers:
                 label = row_label(encoding_name, normalizer)
                 for seed in preset.seeds:

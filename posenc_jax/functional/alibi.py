@@ -83,7 +83,8 @@ def alibi_bias(num_heads: int, query_positions, key_positions, *, bidirectional:
     slopes = alibi_slopes(num_heads) if slopes is None else slopes
     if np.shape(slopes) != (num_heads,):
         raise ValueError(f"slopes must have shape [{num_heads}], got {np.shape(slopes)}")
-    rel = relative_positions(query_positions, key_positions).astype(jnp.float32)[:, None]  # [B|1, 1, T, S]
+    # The exact distance, rounded once to float32: right for any int32 positions.
+    rel = relative_positions(query_positions, key_positions, dtype=jnp.float32)[:, None]  # [B|1, 1, T, S]
     if bidirectional:
         rel = -jnp.abs(rel)
     return jnp.asarray(slopes, jnp.float32).reshape(1, num_heads, 1, 1) * rel

@@ -11,6 +11,26 @@ Scaled dot-product attention written with the seed's einsums
    padding, segment ids, any extra) and the ``normalize`` hook (softmax by default);
 4. **output** (:func:`attention_output`): ``weights · v`` plus every ``values`` term.
 
+Masked keys never reach the output, whatever they hold. Weights are zeroed by
+selection (``jnp.where``), but ``0 · NaN`` is NaN, so the value product must not
+merely multiply masked values by zero weights either. What is exact and cheap:
+
+* keys that no query of the call may see (key padding, a KV cache's empty slots, a
+  fully masked key): their keys and values are replaced by zeros with one ``where``
+  on ``[B, S, K, H]`` before the scores and before the product; when the mask is per
+  key (``[B, 1, 1, S]``, e.g. ``key_mask`` alone, or a single decoding step) that is
+  the whole story and the product is the plain einsum;
+* keys that some queries see and others do not (causal, segments, a general mask):
+  their values are read by the product of every row, so a non-finite value there
+  would poison the rows that mask it. A ``lax.cond`` on one ``isfinite`` reduction
+  over v keeps the plain einsum when every value is finite; otherwise the einsum
+  takes the finite values and the non-finite ones are added as
+  ``Σ_s where(mask, w·v, 0)`` over blocks of query rows, a term not differentiated
+  (the rows it reaches are NaN or infinite). Measured on CPU (B=2, T=S=1024, N=8,
+  H=64, causal, RoPE) the forward and backward are no slower than the plain einsum.
+  Under ``vmap`` a ``cond`` with a batched predicate runs both branches: still
+  exact, slower.
+
 Logits terms are added to the *already scaled* scores: a term bilinear in q (Shaw,
 Transformer-XL) applies the context's scale itself, a bias (T5, ALiBi) is added as is.
 The hooks are the protocols of :mod:`posenc_jax.functional.hooks`.
@@ -23,6 +43,7 @@ head n // (N / K)), H head dim.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 
 import einops
@@ -46,6 +67,7 @@ from posenc_jax.functional.hooks import (
 )
 from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
 from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.relative import by_query_blocks
 
 __all__ = [
     "SharedBias",
@@ -123,10 +145,15 @@ def _attention_hooks(encodings: Sequence) -> list:
     return hooks
 
 
-def _as_scores(term: jax.Array, ndim: int) -> jax.Array:
-    """A logits term as float32, left-padded to the rank of the [B, N, T, S] scores."""
-    term = term.astype(jnp.float32)
+def _as_scores(term: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:
+    """A logits term (or a mask) as ``dtype``, left-padded to the rank of the [B, N, T, S] scores."""
+    term = term.astype(dtype)
     return term.reshape((1,) * (ndim - term.ndim) + term.shape) if term.ndim < ndim else term
+
+
+def _broadcasts_to(shape: tuple, target: tuple) -> bool:
+    """Whether an array of ``shape`` broadcasts to ``target`` (without growing ``target``)."""
+    return len(shape) <= len(target) and all(d in (1, t) for d, t in zip(shape[::-1], target[::-1], strict=False))
 
 
 def _check_shapes(query, key, value):
@@ -136,6 +163,18 @@ def _check_shapes(query, key, value):
             f"(or unbatched [T, N, H], ...), got {query.shape}, {key.shape}, {value.shape}"
         )
     batch, _, num_heads, head_dim = query.shape
+    if num_heads < 1 or key.shape[2] < 1:
+        raise ValueError(
+            f"query and key/value need at least one head (N >= 1, K >= 1), got N={num_heads} and K={key.shape[2]} "
+            f"(shapes {query.shape}, {key.shape})"
+        )
+    if head_dim < 1:
+        raise ValueError(f"the head dim H must be >= 1, got {head_dim} (query shape {query.shape})")
+    if key.shape[1] < 1:
+        raise ValueError(
+            f"attention needs at least one key, got S=0 (key shape {key.shape}); with a KV cache, append the "
+            f"step's keys before attending"
+        )
     if key.shape[:3] != value.shape[:3]:
         raise ValueError(f"key and value must agree on [B, S, K], got {key.shape} and {value.shape}")
     if key.shape[0] != batch:
@@ -184,7 +223,7 @@ def _checked_positions(query_positions, key_positions, *, needed: bool, q_len: i
     return query_positions, key_positions
 
 
-def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k_len, batch):
+def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k_len, batch, num_heads):
     if (query_segment_ids is None) != (key_segment_ids is None):
         raise ValueError("pass both query_segment_ids and key_segment_ids (for self-attention, the same array twice)")
     if query_segment_ids is not None:
@@ -197,20 +236,53 @@ def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k
             f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; "
             f"an additive float bias belongs in an encoding's logits hook (e.g. SharedBias)"
         )
+    if mask is not None:
+        scores = (batch, num_heads, q_len, k_len)
+        if not _broadcasts_to(np.shape(mask), scores):
+            raise ValueError(
+                f"mask of shape {np.shape(mask)} does not broadcast to the scores [B, N, T, S] = {scores}; pass a "
+                f"boolean mask of shape [B|1, N|1, T|1, S|1] (True = attend)"
+            )
 
 
 def _score_scale(hooks, head_dim: int, scale: float | None) -> float:
     """An explicit scale, else the one an encoding prescribes (all must agree), else 1/√H."""
     if scale is not None:
-        return float(scale)
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be a finite number > 0 (default 1/√H = {head_dim**-0.5:.4g}), got {scale}")
+        return scale
     prescribed = {float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)}
     if len(prescribed) > 1:
         raise ValueError(f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly")
-    return prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))
+    scale = prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"an encoding prescribes the score scale {scale}; it must be a finite number > 0")
+    return scale
+
+
+def _visible_keys(mask: jax.Array | None) -> jax.Array | None:
+    """``[B|1, S]``: whether any query (of any head) may attend to each key; None without a mask."""
+    if mask is None:
+        return None
+    return jnp.asarray(mask).any(axis=(1, 2))
+
+
+def _hide_unseen_keys(x: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """Keys or values ``[B, S, K, H]`` with zeros at keys no query may see (padding, empty cache slots)."""
+    visible = _visible_keys(mask)
+    if visible is None:
+        return x
+    return jnp.where(visible[:, :, None, None], x, jnp.zeros((), x.dtype))
 
 
 def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
-    """Stage 2: rotate q and k, then ``scale · q·k`` (float32 ``[B, N, T, S]``) plus every logits term."""
+    """Stage 2: rotate q and k, then ``scale · q·k`` (float32 ``[B, N, T, S]``) plus every logits term.
+
+    Keys that no query may see (``context.mask``) are zeroed first, so whatever they
+    hold reaches neither another key's score nor a gradient.
+    """
+    key = _hide_unseen_keys(key, context.mask)
     for hook in hooks:
         if isinstance(hook, Rotate):
             query, key = hook.rotate(query, key, context)
@@ -221,7 +293,13 @@ def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context:
     for hook in hooks:
         term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
         if term is not None:
-            scores = scores + _as_scores(term, scores.ndim)
+            term = _as_scores(term, scores.ndim)
+            if not _broadcasts_to(term.shape, scores.shape):
+                raise ValueError(
+                    f"{type(hook).__name__}'s logits term has shape {term.shape}, which does not broadcast to the "
+                    f"scores [B, N, T, S] = {scores.shape}; per-head parameters must be made for N={scores.shape[1]}"
+                )
+            scores = scores + term
     return scores
 
 
@@ -235,15 +313,64 @@ def attention_weights(scores: jax.Array, mask: jax.Array | None, normalizer, con
         weights = normalizer.normalize(scores, mask, context)
     else:
         weights = normalizer(scores, mask)
-    return weights.astype(jnp.float32)
+    weights = weights.astype(jnp.float32)
+    # Masked weights are zero by selection, whatever the normaliser did with masked scores.
+    return weights if mask is None else jnp.where(mask, weights, 0.0)
 
 
-def attention_output(weights: jax.Array, value: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
-    """Stage 4: ``weights · v`` plus every values term, float32 ``[B, T, N, H]``."""
+def _selected_product(weights: jax.Array, value: jax.Array, mask: jax.Array, *, block_elements: int = 1 << 22):
+    """``out[b,t,n] = Σ_s where(mask[b,n,t,s], w[b,n,t,s] · v[b,s,n], 0)``, float32 ``[B, T, N, H]``.
+
+    Exact whatever the masked values hold; elementwise, by blocks of query rows holding
+    about ``block_elements`` products, so only used when a value is not finite.
+    """
+    batch, num_heads, q_len, k_len = weights.shape
+    head_dim = value.shape[-1]
+    per_head = jnp.repeat(value, num_heads // value.shape[2], axis=2).astype(jnp.float32)
+    per_head = einops.rearrange(per_head, "B S N H -> B N 1 S H")
+
+    def block(start, rows):
+        w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)[..., None]  # [B, N, rows, S, 1]
+        m = jax.lax.dynamic_slice_in_dim(mask, start, rows, axis=2)[..., None]  # [B|1, N|1, rows, S, 1]
+        return jnp.where(m, w * per_head, 0.0).sum(axis=3)  # [B, N, rows, H]
+
+    mask = jnp.broadcast_to(mask, mask.shape[:2] + (q_len, k_len))
+    out = by_query_blocks(
+        block, (batch, num_heads, q_len, head_dim), jnp.float32, block_elements=max(1, block_elements // k_len)
+    )
+    return einops.rearrange(out, "B N T H -> B T N H")
+
+
+def _value_product(weights: jax.Array, value: jax.Array) -> jax.Array:
+    """``weights · v``: ``[B, N, T, S]`` by ``[B, S, K, H]``, float32 ``[B, T, N, H]`` (grouped heads)."""
     num_kv_heads = value.shape[2]
     grouped = einops.rearrange(weights, "B (K G) T S -> B K G T S", K=num_kv_heads).astype(value.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", grouped, value, preferred_element_type=jnp.float32)
-    out = einops.rearrange(out, "B T K G H -> B T (K G) H")
+    return einops.rearrange(out, "B T K G H -> B T (K G) H")
+
+
+def attention_output(weights: jax.Array, value: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
+    """Stage 4: ``weights · v`` plus every values term, float32 ``[B, T, N, H]``.
+
+    Masked keys (``context.mask``) never reach the output, whatever their values hold
+    (see the module docstring for how this stays cheap).
+    """
+    mask = context.mask
+    value = _hide_unseen_keys(value, mask)
+    if mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1):
+        out = _value_product(weights, value)
+    else:
+        # A key hidden from some queries only still enters their rows as 0 · v.
+        finite = jnp.isfinite(value)
+
+        def with_nonfinite(weights, value):
+            # The finite values by the einsum, the others only where they are seen; the latter
+            # term is not differentiated (the rows it reaches are NaN or infinite).
+            nonfinite = jax.lax.stop_gradient(jnp.where(finite, jnp.zeros((), value.dtype), value))
+            finite_part = _value_product(weights, jnp.where(finite, value, jnp.zeros((), value.dtype)))
+            return finite_part + _selected_product(jax.lax.stop_gradient(weights), nonfinite, mask)
+
+        out = jax.lax.cond(finite.all(), _value_product, with_nonfinite, weights, value)
     for hook in hooks:
         term = hook.values(weights, context) if isinstance(hook, Values) else None
         if term is not None:
@@ -302,14 +429,16 @@ def _checked_call(
         k_len=k_len,
         batch=batch,
     )
-    _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch)
+    _check_masks(
+        key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch, num_heads=num_heads
+    )
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     full_mask = combine_masks(
         causal_mask(query_positions, key_positions) if causal else None,
         key_padding_mask(key_mask) if key_mask is not None else None,
         segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
-        None if mask is None else jnp.asarray(mask),
+        None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
     )
     context = AttentionContext(
         query_positions=query_positions,
@@ -319,6 +448,7 @@ def _checked_call(
         num_heads=num_heads,
         causal=bool(causal),
         key_length=k_len,
+        mask=full_mask,
     )
     return _Call(query, key, value, hooks, full_mask, context)
 

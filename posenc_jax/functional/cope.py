@@ -8,9 +8,10 @@ interpolated from learned integer embeddings ``e[0..P-1]``; the term added to th
 scores is ``q_t · e[p[t, s]]``, computed as ``z = q · eᵀ`` (``[B, N, T, P]``) and two
 gathers, never as ``[T, S, H]``.
 
-Keys must be in position order (as in any causal sequence or cache); the gates
-see only the causal mask by position, so other masks (padding, segments) should
-also be expressed through positions. Causal only.
+Keys must be in position order (as in any causal sequence or cache). The gates
+count only the keys the query may see: the causal mask by position and, in an
+attention, the call's whole mask (padding, a cache's empty slots, segments), so a
+masked key changes no other key's position, whatever it holds. Causal only.
 
 Reference: Golovneva et al., "Contextual Position Encoding: Learning to Count
 What's Important", 2024, arXiv:2405.18719.
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
-from posenc_jax.functional.masks import causal_mask
+from posenc_jax.functional.masks import causal_mask, combine_masks
 from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import check_max_distance
 
@@ -40,7 +41,7 @@ COPE = Source.paper(
 )
 
 
-def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: float | None = None):
+def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: float | None = None, mask=None):
     """CoPE's logits term ``q_t · e[p[t, s]]``, ``[B, N, T, S]`` float32.
 
     Args:
@@ -48,6 +49,8 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
       query_positions, key_positions: integer positions (for the causal gates).
       embeddings: ``[P, H]`` shared or ``[N, P, H]`` per-head position embeddings.
       scale: gate logit scale, default ``1/√H`` (the scores' own scale).
+      mask: optional boolean mask broadcastable to ``[B, N, T, S]`` (True = attend);
+        keys it hides get no gate, on top of the causal mask by position.
 
     Example:
       >>> q = jnp.ones((1, 5, 2, 4))
@@ -68,8 +71,8 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
         scale = 1.0 / np.sqrt(head_dim)
     keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
     logits = jnp.einsum("BTNH,BSNH->BNTS", q, keys, preferred_element_type=jnp.float32) * jnp.float32(scale)
-    visible = causal_mask(query_positions, key_positions)  # [B|1, 1, T, S]
-    gates = jnp.where(visible, jax.nn.sigmoid(logits), 0.0)
+    visible = combine_masks(causal_mask(query_positions, key_positions), mask)  # [B|1, N|1, T, S]
+    gates = jnp.where(visible, jax.nn.sigmoid(logits), 0.0)  # selected: a masked key's NaN stays out
     counts = jnp.flip(jnp.cumsum(jnp.flip(gates, -1), axis=-1), -1)  # Σ over keys s' >= s
     counts = jnp.minimum(counts, num_positions - 1)
     spec = "BTNH,PH->BNTP" if np.ndim(embeddings) == 2 else "BTNH,NPH->BNTP"
@@ -99,8 +102,15 @@ class CoPE:
     scale: float | None = None
 
     def logits(self, q, k, context: AttentionContext):
+        if not context.causal:
+            raise ValueError(
+                "CoPE has no bidirectional form (its gates count the keys up to each query), got causal=False; "
+                "use it in causal attention (causal=True, a decoder), or another encoding in a bidirectional encoder"
+            )
         scale = context.scale if self.scale is None else self.scale
-        return cope_logits(q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale)
+        return cope_logits(
+            q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale, mask=context.mask
+        )
 
 
 @register_encoding(

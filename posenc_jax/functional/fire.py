@@ -5,7 +5,8 @@
 ``f_θ`` a small MLP (one hidden ReLU layer, one output per head). Dividing by
 ``ψ(max(L, i))`` maps every distance seen by query i into ``[0, 1]``, so a longer
 sequence interpolates rather than extrapolates. Causal: future keys (``j > i``)
-get distance 0 and are expected to be masked.
+get distance 0 and are expected to be masked. Distances are exact integers until
+the log (rounded once to float32), so the bias is right at any int32 position.
 
 The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
 activations are never stored whole.
@@ -32,7 +33,7 @@ from posenc_jax.functional.hooks import (
 )
 from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import by_query_blocks
+from posenc_jax.functional.relative import by_query_blocks, relative_positions
 
 __all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
 
@@ -103,9 +104,11 @@ def fire_bias(params: dict, query_positions, key_positions, *, block_elements: i
     batch = max(q.shape[0], k.shape[0])
 
     def block(start, rows):
-        qb = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1).astype(jnp.float32)  # [B|1, rows]
-        distance = jnp.maximum(qb[:, :, None] - k[:, None, :].astype(jnp.float32), 0.0)  # [B, rows, S]
-        x = psi(distance) / psi(jnp.maximum(threshold, qb))[:, :, None]
+        qb = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)  # int32 [B|1, rows]
+        # i - j as an exact integer, rounded once to float32 only for the log: a float32
+        # difference of float32 positions would be off by up to 8 at position 1e8.
+        distance = jnp.maximum(-relative_positions(qb, k, dtype=jnp.float32), 0.0)  # [B, rows, S]
+        x = psi(distance) / psi(jnp.maximum(threshold, qb.astype(jnp.float32)))[:, :, None]
         h = jax.nn.relu(x[..., None] * w1 + b1)  # [B, rows, S, hidden]
         out = jnp.einsum("BTSh,hN->BNTS", h, w2) + b2
         return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))

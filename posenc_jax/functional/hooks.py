@@ -20,8 +20,8 @@ forward and shares it across layers; a :class:`ScoreScale` prescribes the conten
 scale (DeBERTa's ``1/√(3H)``).
 
 Every attention hook receives one :class:`AttentionContext`: the query and key positions,
-the score scale, the head dim and head count, whether the attention is causal, and the
-key length. An encoding reads what it needs there (a term that shares the score scale
+the boolean mask, the score scale, the head dim and head count, whether the attention is
+causal, and the key length. An encoding reads what it needs there (a term that shares the score scale
 reads ``context.scale``; an encoding with a causal and a bidirectional form follows
 ``context.causal`` unless told otherwise); nothing rewrites an encoding's fields.
 
@@ -112,6 +112,11 @@ class AttentionContext:
       num_heads: N, the number of query heads.
       causal: whether keys after the query (by position) are masked.
       key_length: S, the number of keys of this call.
+      mask: the call's boolean mask ``[B|1, N|1, T, S]`` (True = attend), or None: the
+        causal mask, key padding (and a KV cache's empty slots), segments and any extra
+        mask, combined. A hook that sums over keys (CoPE's gates, a value term) must
+        leave masked keys out by selecting (``jnp.where``), not by multiplying by zero,
+        so that whatever a masked key holds (NaN, inf) never reaches the output.
     """
 
     query_positions: jax.Array = parameter()
@@ -121,10 +126,19 @@ class AttentionContext:
     num_heads: int = 0
     causal: bool = False
     key_length: int = 0
+    mask: jax.Array | None = parameter(default=None)
 
     def bidirectional(self, setting: bool | None) -> bool:
         """An encoding's direction: its explicit ``setting``, else the attention's (not causal)."""
         return (not self.causal) if setting is None else bool(setting)
+
+    def check_heads(self, heads: int, what: str) -> None:
+        """Refuses a per-head parameter (``what``, for ``heads`` heads) that does not match N (when known)."""
+        if self.num_heads and heads != self.num_heads:
+            raise ValueError(
+                f"{what} has {heads} heads but the attention has N={self.num_heads} query heads; "
+                f"make it for {self.num_heads} heads (init(..., num_heads={self.num_heads}))"
+            )
 
 
 @runtime_checkable

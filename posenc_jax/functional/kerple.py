@@ -58,7 +58,7 @@ def kerple_bias(r1, r2, query_positions, key_positions, *, variant: Literal["log
     if np.ndim(r1) != 1 or np.shape(r1) != np.shape(r2):
         raise ValueError(f"r1 and r2 must both have shape [N], got {np.shape(r1)} and {np.shape(r2)}")
     num_heads = np.shape(r1)[0]
-    distance = jnp.abs(relative_positions(query_positions, key_positions)).astype(jnp.float32)[:, None]
+    distance = jnp.abs(relative_positions(query_positions, key_positions, dtype=jnp.float32))[:, None]
     r1 = jnp.asarray(r1, jnp.float32).reshape(1, num_heads, 1, 1)
     r2 = jnp.asarray(r2, jnp.float32).reshape(1, num_heads, 1, 1)
     if variant == "log":
@@ -101,6 +101,7 @@ class Kerple(BiasHook):
 
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
         return kerple_bias(self.r1, self.r2, context.query_positions, context.key_positions, variant=self.variant)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.relative import relative_positions
+from posenc_jax.functional.positions import batched_positions
 
 __all__ = ["causal_mask", "combine_masks", "key_padding_mask", "segment_mask"]
 
@@ -25,6 +25,7 @@ def causal_mask(query_positions, key_positions) -> jax.Array:
     Causality is by position, not by array index, so a query decoding at
     position 37 against a cache of keys at 0..37 sees exactly those keys, and
     packed segments whose positions restart at 0 stay causal within each segment.
+    Positions are compared, not subtracted, so the mask is right for any int32 positions.
 
     Example:
       >>> causal_mask(jnp.arange(3), jnp.arange(3))[0, 0].astype(int)
@@ -32,7 +33,9 @@ def causal_mask(query_positions, key_positions) -> jax.Array:
              [1, 1, 0],
              [1, 1, 1]], dtype=int32)
     """
-    return relative_positions(query_positions, key_positions)[:, None] <= 0
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    return k[:, None, None, :] <= q[:, None, :, None]
 
 
 def _check_segment_ids(ids, name: str) -> jax.Array:

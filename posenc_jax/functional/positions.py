@@ -10,6 +10,16 @@ Why the angles need care: at position 100,000 the highest-frequency angle is
 :func:`position_angles` therefore reduces the angle modulo one turn in exact
 32-bit fixed-point integer arithmetic before it ever becomes a float, so the
 phase is right to ~1e-6 rad at any int32 position, on CPU, GPU and TPU alike.
+
+Supported range: every int32 position, ``-2**31 <= p <= 2**31 - 1`` (wider integer
+arrays are accepted when their values fit, and refused otherwise). Two such positions
+can be up to ``2**32 - 1`` apart, which int32 cannot hold, so distances are never
+taken with a plain int32 subtraction (it would wrap around and turn a far-future key
+into a past one): :func:`position_difference` gives them exactly in int32 when they
+fit (``|j - i| <= 2**31 - 1``, always the case for non-negative positions) and
+saturated at ``±(2**31 - 1)`` otherwise, which changes nothing for a mask or an
+encoding that clips distances; encodings linear or logarithmic in the distance
+(ALiBi, Kerple, FIRE) take it in float32, rounded once from the exact integer.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ __all__ = [
     "check_positions",
     "inverse_frequencies",
     "position_angles",
+    "position_difference",
 ]
 
 # Positions are split into four 8-bit digits; each digit's contribution to the
@@ -46,7 +57,8 @@ def check_positions(positions, name: str = "positions") -> jax.Array:
       ``positions`` as an int32 array.
 
     Raises:
-      ValueError: if ``positions`` is not an integer array or is a scalar.
+      ValueError: if ``positions`` is not an integer array, is a scalar, or holds a
+        value outside int32 (every int32 value is supported; see the module docstring).
     """
     if isinstance(positions, (list, tuple, range)):
         positions = np.asarray(positions)
@@ -82,6 +94,40 @@ def batched_positions(positions, name: str = "positions") -> jax.Array:
     return positions if positions.ndim >= 2 else positions[None]
 
 
+_INT32_LIMIT = 2**31 - 1
+
+
+def position_difference(minuend, subtrahend, *, dtype=jnp.int32) -> jax.Array:
+    """``minuend - subtrahend`` of int32 positions without int32 wrap-around (broadcasting).
+
+    The difference of two int32 positions needs 33 bits. With ``dtype=jnp.int32`` it
+    is exact when it fits (``|d| <= 2**31 - 1``) and saturated at ``±(2**31 - 1)``
+    otherwise (a distance beyond every clip distance and every mask's reach, with its
+    sign right); with ``dtype=jnp.float32`` it is the exact difference rounded once to
+    float32 (exact up to ``2**24``, relative error below ``2**-24`` beyond).
+
+    Example:
+      >>> position_difference(jnp.array([2**31 - 1, 5]), jnp.array([-1, 7]))
+      Array([2147483647,         -2], dtype=int32)
+      >>> position_difference(jnp.array([2**31 - 1]), jnp.array([-2**31]), dtype=jnp.float32)
+      Array([4.2949673e+09], dtype=float32)
+    """
+    a = jnp.asarray(minuend, jnp.int32)
+    b = jnp.asarray(subtrahend, jnp.int32)
+    if jnp.dtype(dtype) == jnp.float32:
+        # 16-bit halves: each partial difference is a small exact integer, so the sum rounds once.
+        high = (a >> 16) - (b >> 16)
+        low = (a & 0xFFFF) - (b & 0xFFFF)
+        return high.astype(jnp.float32) * jnp.float32(65536.0) + low.astype(jnp.float32)
+    if jnp.dtype(dtype) != jnp.int32:
+        raise ValueError(f"dtype must be jnp.int32 or jnp.float32, got {dtype}")
+    wrapped = a - b  # two's complement: wraps when the true difference needs 33 bits
+    overflow = ((a ^ b) & (a ^ wrapped)) < 0  # operands of different signs, result of the wrong sign
+    saturated = jnp.where(a >= 0, _INT32_LIMIT, -_INT32_LIMIT)
+    # -2**31 itself is clamped too, so negating a difference never wraps.
+    return jnp.where(overflow, saturated, jnp.maximum(wrapped, -_INT32_LIMIT))
+
+
 def inverse_frequencies(dim: int, *, base: float = 10000.0) -> np.ndarray:
     """The sinusoidal frequency ladder ``base ** (-2i / dim)`` for ``i < dim / 2``.
 
@@ -103,8 +149,12 @@ def inverse_frequencies(dim: int, *, base: float = 10000.0) -> np.ndarray:
     """
     if not isinstance(dim, (int, np.integer)) or dim < 2 or dim % 2:
         raise ValueError(f"dim must be an even integer >= 2, got {dim!r}")
-    if not base > 1.0:
-        raise ValueError(f"base must be a number > 1, got {base!r}")
+    try:
+        valid = not isinstance(base, (str, bytes)) and 1.0 < float(base) < math.inf
+    except (TypeError, ValueError):
+        valid = False
+    if not valid:
+        raise ValueError(f"base must be a finite number > 1 (the wavelength base, 10000 in the papers), got {base!r}")
     return np.power(float(base), -np.arange(0, dim, 2, dtype=np.float64) / dim)
 
 

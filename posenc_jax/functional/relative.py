@@ -2,6 +2,9 @@
 
 Convention: the relative distance of query t and key s is ``key_pos[s] - query_pos[t]``
 (j - i), as in T5's reference code. A key in the past has a negative distance.
+Distances never wrap around: any two int32 positions are supported, the int32
+distance saturates at ``±(2**31 - 1)`` where the true one does not fit (see
+:func:`~posenc_jax.functional.positions.position_difference`).
 
 Positions are explicit arrays, so they may have offsets and gaps; the distance
 matrix is then not Toeplitz in the array indices. The memory-lean patterns here
@@ -19,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.positions import batched_positions, position_difference
 
 __all__ = [
     "bucket_relative",
@@ -33,8 +36,13 @@ __all__ = [
 ]
 
 
-def relative_positions(query_positions, key_positions) -> jax.Array:
-    """``rel[b, t, s] = key_pos[b, s] - query_pos[b, t]`` (j - i), int32 ``[B|1, T, S]``.
+def relative_positions(query_positions, key_positions, *, dtype=jnp.int32) -> jax.Array:
+    """``rel[b, t, s] = key_pos[b, s] - query_pos[b, t]`` (j - i), ``[B|1, T, S]``.
+
+    For any int32 positions, without wrap-around: int32 distances are exact up to
+    ``±(2**31 - 1)`` and saturate there (past every clip distance); ``dtype=jnp.float32``
+    gives the exact distance rounded once to float32, for encodings linear or
+    logarithmic in it (ALiBi, Kerple, FIRE).
 
     Example:
       >>> relative_positions(jnp.arange(3), jnp.arange(4))[0]
@@ -44,7 +52,7 @@ def relative_positions(query_positions, key_positions) -> jax.Array:
     """
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
-    return k[:, None, :] - q[:, :, None]
+    return position_difference(k[:, None, :], q[:, :, None], dtype=dtype)
 
 
 def check_max_distance(max_distance, name: str = "max_distance") -> int:
@@ -103,7 +111,9 @@ def by_query_blocks(block_fn, out_shape, dtype, *, block_elements: int = 1 << 20
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype))
 
 
-def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements: int = 1 << 20) -> jax.Array:
+def bucket_relative(
+    weights: jax.Array, index, num_slots: int, *, mask=None, block_elements: int = 1 << 20
+) -> jax.Array:
     """Sums attention weights by relative slot: ``out[b,n,t,r] = Σ_{s: index[b,t,s]=r} w[b,n,t,s]``.
 
     The transpose of :func:`gather_relative`: ``[B, N, T, S]`` weights become
@@ -117,6 +127,8 @@ def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements
         function ``(start, rows) -> [B|1, rows, S]`` giving the slots of query rows
         ``start .. start + rows - 1``, so that the full index is never stored.
       num_slots: R.
+      mask: optional boolean mask broadcastable to ``[B, N, T, S]``; the weights it hides
+        are left out by selection (a NaN weight there does not reach any bucket).
       block_elements: scatter temporaries budget, in elements.
     """
     batch, heads, q_len, k_len = weights.shape
@@ -125,8 +137,15 @@ def bucket_relative(weights: jax.Array, index, num_slots: int, *, block_elements
     else:
         index_rows = lambda start, rows: jax.lax.dynamic_slice_in_dim(index, start, rows, axis=1)
 
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = jnp.broadcast_to(mask, mask.shape[:2] + (q_len, k_len))
+
     def block_sum(start, rows):
         w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)  # [B, N, rows, S]
+        if mask is not None:
+            w = jnp.where(jax.lax.dynamic_slice_in_dim(mask, start, rows, axis=2), w, jnp.zeros((), w.dtype))
         idx = index_rows(start, rows)  # [B|1, rows, S]
         flat_row = jnp.arange(batch * heads * rows, dtype=jnp.int32).reshape(batch, heads, rows, 1)
         segment = (flat_row * num_slots + idx[:, None]).reshape(-1)

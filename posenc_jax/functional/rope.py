@@ -71,7 +71,10 @@ def _check_head(x: jax.Array, rotary_dim: int | None, name: str) -> int:
         raise ValueError(f"{name} must have shape [..., T, N, H], got shape {x.shape}")
     head_dim = x.shape[-1]
     if head_dim % 2:
-        raise ValueError(f"head_dim must be even for RoPE, got {head_dim} ({name} shape {x.shape})")
+        raise ValueError(
+            f"head_dim must be even for RoPE, got {head_dim} ({name} shape {x.shape}); RoPE rotates pairs of "
+            f"features: use an even head dim"
+        )
     if rotary_dim is None:
         return head_dim
     if not isinstance(rotary_dim, (int, np.integer)) or rotary_dim < 2 or rotary_dim % 2:
@@ -295,8 +298,8 @@ class RoPE(ParameterFree):
         _check_layout(self.layout)
         if self.rotary_dim is not None:
             rope_inverse_frequencies(self.rotary_dim, base=self.base)
-        elif not self.base > 1.0:
-            raise ValueError(f"base must be a number > 1, got {self.base!r}")
+        else:
+            inverse_frequencies(2, base=self.base)  # validates the base
         if self.scaling is not None and not (
             hasattr(self.scaling, "inverse_frequencies") and hasattr(self.scaling, "angles")
         ):
@@ -318,6 +321,7 @@ class RoPE(ParameterFree):
         )
 
     def rotate(self, q, k, context: AttentionContext):
+        _check_head(q, self.rotary_dim, "q")  # before the frequencies: an odd head dim is named as such
         if self.scaling is None or not self.length_dependent:
             freq, factor = self.frequencies(q.shape[-1])
             return apply_rope_qk(
@@ -338,7 +342,9 @@ class RoPE(ParameterFree):
         key_positions = query_positions if same else check_positions(context.key_positions, "key_positions")
         _check_positions_fit(q, query_positions, "q")
         _check_positions_fit(k, key_positions, "k")
-        length = jnp.max(query_positions) + 1  # the current length, as transformers' dynamic RoPE takes it
+        # The current length, as transformers' dynamic RoPE takes it; in float32, as
+        # max + 1 leaves int32 at the last int32 position.
+        length = jnp.max(query_positions).astype(jnp.float32) + 1
 
         def angles_of(positions):
             return self.scaling.angles(positions, rotary_dim, self.base, length)

@@ -82,8 +82,10 @@ class RopeScaling:
 
 
 def _check_factor(factor):
-    if not isinstance(factor, (int, float, np.floating, np.integer)) or not factor >= 1.0:
-        raise ValueError(f"scaling factor must be a number >= 1 (the context-length multiple), got {factor!r}")
+    if not isinstance(factor, (int, float, np.floating, np.integer)) or not 1.0 <= factor < math.inf:
+        raise ValueError(
+            f"scaling factor must be a number >= 1 and finite (the context-length multiple), got {factor!r}"
+        )
 
 
 def _check_context(original_context):
@@ -255,6 +257,13 @@ class LongRoPEScaling(RopeScaling):
                 f"short_factor and long_factor must have one entry per frequency (rotary_dim / 2), got "
                 f"{len(self.short_factor)} and {len(self.long_factor)}"
             )
+        for name in ("short_factor", "long_factor"):
+            factors = np.asarray(getattr(self, name), np.float64)
+            if factors.ndim != 1 or not np.all(np.isfinite(factors) & (factors > 0)):
+                raise ValueError(
+                    f"LongRoPE {name} must be finite numbers > 0 (each frequency is divided by its factor), "
+                    f"got {getattr(self, name)!r}"
+                )
         if not self.max_context >= self.original_context:
             raise ValueError(f"max_context must be >= original_context={self.original_context}, got {self.max_context}")
 

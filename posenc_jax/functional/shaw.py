@@ -82,7 +82,7 @@ def shaw_key_logits(q, table, query_positions, key_positions, *, max_distance: i
 
 
 def shaw_value_term(
-    weights, table, query_positions, key_positions, *, max_distance: int, block_elements: int = 1 << 20
+    weights, table, query_positions, key_positions, *, max_distance: int, mask=None, block_elements: int = 1 << 20
 ):
     """Shaw's value term ``Σ_s w[t, s] · P_V[clip(key_pos[s] - query_pos[t], -k, k) + k]``.
 
@@ -91,6 +91,8 @@ def shaw_value_term(
       table: ``[2k+1, H]`` or ``[N, 2k+1, H]`` value-side relative vectors ``P_V``.
       query_positions, key_positions: integer position arrays.
       max_distance: the clip distance k >= 1.
+      mask: optional boolean mask broadcastable to ``[B, N, T, S]``; weights it hides
+        are left out by selection, whatever they hold.
       block_elements: about how many weights each block of query rows holds.
 
     Returns:
@@ -105,7 +107,7 @@ def shaw_value_term(
         return clipped_relative_index(block, key_positions, k)
 
     buckets = bucket_relative(
-        weights.astype(jnp.float32), index_rows, 2 * k + 1, block_elements=block_elements
+        weights.astype(jnp.float32), index_rows, 2 * k + 1, mask=mask, block_elements=block_elements
     )  # [B, N, T, 2k+1]
     spec = "BNTR,RH->BTNH" if np.ndim(table) == 2 else "BNTR,NRH->BTNH"
     return jnp.einsum(spec, buckets, table, preferred_element_type=jnp.float32)
@@ -157,7 +159,12 @@ class Shaw:
         if self.value_table is None:
             return None
         return shaw_value_term(
-            weights, self.value_table, context.query_positions, context.key_positions, max_distance=self.max_distance
+            weights,
+            self.value_table,
+            context.query_positions,
+            context.key_positions,
+            max_distance=self.max_distance,
+            mask=context.mask,
         )
 
 

@@ -170,6 +170,7 @@ class T5Bias(BiasHook):
 
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        context.check_heads(np.shape(self.table)[1], f"the T5 table [num_buckets, N] {np.shape(self.table)}")
         return t5_bias(
             self.table,
             context.query_positions,

@@ -7,7 +7,9 @@ carries ``ζ_i ** ((m - n) / scale_base)``: it depends on positions only through
 ``n - m`` and decays for past keys. The centre ``c`` (the midpoint of the query
 positions) cancels in every score and keeps the scale factors near 1; each factor
 is clamped to ``e^±60``, so far from the centre (about ``60 / |ln ζ_i| · scale_base``
-positions) the decay saturates instead of overflowing. Layout of pairs as in :mod:`posenc_jax.functional.rope`.
+positions) the decay saturates instead of overflowing. The scaled q and k are kept in
+float32 when the input is float16, whose range is too narrow for them. Layout of pairs
+as in :mod:`posenc_jax.functional.rope`.
 
 Reference: Sun et al., "A Length-Extrapolatable Transformer", ACL 2023,
 arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
-from posenc_jax.functional.positions import batched_positions, check_positions
+from posenc_jax.functional.positions import batched_positions, check_positions, position_difference
 from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.rope import (
     Layout,
@@ -50,6 +52,13 @@ def xpos_decay_bases(rotary_dim: int, *, gamma: float = 0.4) -> np.ndarray:
     return (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim + gamma) / (1 + gamma)
 
 
+def _wide_enough(x):
+    """``x`` in float32 if its dtype cannot hold xPos's scale factors (float16), else as is."""
+    if jnp.finfo(x.dtype).maxexp < jnp.finfo(jnp.float32).maxexp:  # float16: largest value 65504
+        return x.astype(jnp.float32)
+    return x
+
+
 def apply_xpos_qk(
     q,
     k,
@@ -62,6 +71,12 @@ def apply_xpos_qk(
     layout: Layout = "interleaved",
 ):
     """Rotates and scales queries ``[..., T, N, H]`` and keys ``[..., S, K, H]`` as xPos does.
+
+    Returns q and k in their dtype, except a dtype with a narrower range than float32
+    (float16, whose largest value is 65504): the scale factors reach ``e^±12`` over a
+    span of 10k tokens (and ``e^±60`` by design), which would overflow there and turn
+    the scores into NaN, so such q and k come back in float32 and the attention scores
+    them in float32. bfloat16 has float32's range and stays bfloat16.
 
     Example:
       >>> q = jnp.ones((1, 6, 2, 8))
@@ -78,13 +93,14 @@ def apply_xpos_qk(
     freq = rope_inverse_frequencies(rotary_dim, base=base)
     log_zeta = jnp.asarray(np.log(xpos_decay_bases(rotary_dim, gamma=gamma)), jnp.float32)
     q_batched = batched_positions(query_positions)
-    centre = (q_batched.min(axis=-1, keepdims=True) + q_batched.max(axis=-1, keepdims=True)) // 2  # [B|1, 1]
+    low, high = q_batched.min(axis=-1, keepdims=True), q_batched.max(axis=-1, keepdims=True)
+    # floor((low + high) / 2) without forming low + high, which can leave int32.
+    centre = low // 2 + high // 2 + (low % 2 + high % 2) // 2  # [B|1, 1]
 
     def tables(positions, sign):
         cos, sin = rope_tables(positions, freq)
-        offset = (batched_positions(positions) - centre).astype(jnp.float32)[..., None] / jnp.float32(
-            scale_base
-        )  # [B|1, T, 1]
+        offset = position_difference(batched_positions(positions), centre, dtype=jnp.float32)
+        offset = offset[..., None] / jnp.float32(scale_base)  # [B|1, T, 1]
         # Clamped in log space so far-away (e.g. empty cache) slots stay finite.
         scale = jnp.exp(jnp.clip(sign * offset * log_zeta.reshape(1, 1, -1), -60.0, 60.0))
         if positions.ndim == 1 and centre.shape[0] == 1:
@@ -93,6 +109,7 @@ def apply_xpos_qk(
             cos, sin = jnp.broadcast_to(cos, scale.shape), jnp.broadcast_to(sin, scale.shape)
         return cos * scale, sin * scale
 
+    q, k = _wide_enough(q), _wide_enough(k)
     q_cos, q_sin = tables(query_positions, 1.0)
     k_cos, k_sin = tables(key_positions, -1.0)
     return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)

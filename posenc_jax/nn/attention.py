@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import dot_product_attention, softmax_weights
-from posenc_jax.functional.cache import EMPTY_POSITION, KVCache
+from posenc_jax.functional.cache import KVCache
 from posenc_jax.functional.hooks import EncodingConfig, Normalize
 from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.nn.encoding import PositionEncoding
@@ -121,7 +121,7 @@ class MultiHeadAttention(nnx.Module):
           shared: extra encoding hooks for this call (a bias computed once per
             forward, e.g. ``SharedBias``).
           key_mask: ``[B, T]`` booleans, True for real tokens (with a cache: padding
-            tokens are cached where no query attends to them).
+            tokens are cached as invalid slots, which no query attends to).
           segment_ids: ``[B, T]`` ids of packed sequences.
           cache: a :class:`KVCache` to append to and attend over (causal decoding);
             the call then returns ``(output, new_cache)``.
@@ -143,12 +143,11 @@ class MultiHeadAttention(nnx.Module):
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
             positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
-            # Padding (key_mask False, e.g. left padding) is stored after every position: never attended.
-            stored = positions if key_mask is None else jnp.where(key_mask, positions, EMPTY_POSITION)
-            key_mask = None
-            new_cache = cache.append(k, v, stored)
+            # Padding (key_mask False, e.g. left padding) is stored as invalid slots: never attended.
+            new_cache = cache.append(k, v, positions, valid=key_mask)
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
+            key_mask = new_cache.valid  # empty slots and padding, whatever their positions
         encodings = [module() for module in self.encodings] + list(shared)
         use_dropout = self.dropout_rate > 0 and not deterministic
         out = dot_product_attention(

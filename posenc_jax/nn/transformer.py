@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import SharedBias, softmax_weights
-from posenc_jax.functional.cache import EMPTY_POSITION, KVCache
+from posenc_jax.functional.cache import KVCache
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.positions import check_positions
 from posenc_jax.nn.attention import MultiHeadAttention
@@ -264,8 +264,8 @@ class Transformer(nnx.Module):
         Use it for the prompt (t = prompt length) and then one token at a time; each
         call returns ``(logits [B, t, vocab], new_caches)``. The logits equal those of
         the full forward pass over the whole sequence. ``key_mask`` ``[B, t]`` marks
-        real tokens; padding (e.g. left padding of shorter prompts) is cached where
-        no later query attends to it.
+        real tokens; padding (e.g. left padding of shorter prompts) is cached as invalid
+        slots, which no later query attends to.
         """
         if not self.causal:
             raise ValueError(
@@ -284,9 +284,9 @@ class Transformer(nnx.Module):
                 "one-layer model, does decode exactly), or use a fixed scaling such as rope-yarn"
             )
         positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape)
-        stored = positions if key_mask is None else jnp.where(key_mask, positions, EMPTY_POSITION)
-        # Keys' positions after this call's append (as every layer stores them), for the shared biases.
-        key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, stored, caches[0].length, axis=1)
+        # Keys' positions after this call's append (as every layer stores them), for the shared biases;
+        # empty and padding slots are masked by the caches' validity, whatever their positions.
+        key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, positions, caches[0].length, axis=1)
         return self._run(
             tokens,
             positions,
