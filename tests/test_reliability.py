@@ -444,6 +444,9 @@ def test_nonsense_settings_are_refused_with_the_value_and_the_fix(call, message)
         call()
 
 
-def test_the_benchmark_runs_cope_on_decoder_tasks_only():
-    assert not _runs_on(make_task("probe"), "cope") and not _runs_on(make_task("parity"), "rope+cope")
-    assert _runs_on(make_task("counting_copy"), "cope") and _runs_on(make_task("probe"), "rope")
+def test_the_benchmark_runs_causal_only_encodings_on_decoder_tasks_only():
+    # Read from the metadata: CoPE, xPos and FIRE have no bidirectional form.
+    for name in ("cope", "xpos", "fire"):
+        assert not _runs_on(make_task("probe"), name) and not _runs_on(make_task("parity"), f"rope+{name}")
+        assert _runs_on(make_task("counting_copy"), name)
+    assert _runs_on(make_task("probe"), "rope") and _runs_on(make_task("probe"), "t5+randomized")

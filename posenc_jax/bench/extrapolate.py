@@ -203,12 +203,11 @@ def _encodings_for(name: str, head_dim: int, train_tokens: int, max_tokens: int)
 
 
 # Encodings with no bidirectional form, which refuse a bidirectional attention: not run on encoder tasks.
-_CAUSAL_ONLY = ("cope",)
 
 
 def _runs_on(task, name: str) -> bool:
     """Whether the encoding ``name`` (``a+b`` for a hybrid) can run on ``task``."""
-    return task.kind != "encoder" or not any(part in _CAUSAL_ONLY for part in name.split("+"))
+    return task.kind != "encoder" or all("bidirectional" in encoding_info(part).forms for part in name.split("+"))
 
 
 def _length_dependent(name: str) -> bool:
