@@ -216,15 +216,7 @@ def apply_rope_qk(
       [(1, 8, 4, 32), (1, 8, 2, 32)]
     """
     _check_layout(layout)
-    rotary_dim = _check_head(q, rotary_dim, "q")
-    _check_head(k, rotary_dim, "k")
-    if k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"q and k must share the head dim, got q {q.shape} and k {k.shape}")
-    same_positions = query_positions is key_positions
-    query_positions = check_positions(query_positions, "query_positions")
-    key_positions = query_positions if same_positions else check_positions(key_positions, "key_positions")
-    _check_positions_fit(q, query_positions, "q")
-    _check_positions_fit(k, key_positions, "k")
+    rotary_dim, query_positions, key_positions = _checked_qk(q, k, query_positions, key_positions, rotary_dim)
     inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
     return _rotate_qk(
         q,
@@ -235,6 +227,20 @@ def apply_rope_qk(
         layout,
         attention_factor,
     )
+
+
+def _checked_qk(q, k, query_positions, key_positions, rotary_dim):
+    """Validates q, k and their positions; returns the rotary dim and int32 positions (one array if shared)."""
+    rotary_dim = _check_head(q, rotary_dim, "q")
+    _check_head(k, rotary_dim, "k")
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k must share the head dim, got q {q.shape} and k {k.shape}")
+    same_positions = query_positions is key_positions
+    query_positions = check_positions(query_positions, "query_positions")
+    key_positions = query_positions if same_positions else check_positions(key_positions, "key_positions")
+    _check_positions_fit(q, query_positions, "q")
+    _check_positions_fit(k, key_positions, "k")
+    return rotary_dim, query_positions, key_positions
 
 
 def _rotate_qk(q, k, query_positions, key_positions, angles_of, layout: Layout, attention_factor: float):
@@ -276,9 +282,9 @@ class RoPE(ParameterFree):
     (linear / PI, NTK, dynamic NTK, YaRN, Llama 3, LongRoPE). Scalings that follow the
     sequence length (dynamic NTK, LongRoPE) take it as ``max(query_positions) + 1``, as
     Hugging Face transformers' ``modeling_rope_utils`` does, so a window of positions
-    2500-2599 is scaled as a sequence of 2600 tokens whatever the number of keys, and a
-    KV cache (which holds keys unrotated) decodes each token as the full forward pass of
-    its prefix does.
+    2500-2599 is scaled as a sequence of 2600 tokens whatever the number of keys, and one
+    attention layer with a KV cache (which holds keys unrotated) decodes each token as the
+    full forward pass of its prefix does.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -335,13 +341,9 @@ class RoPE(ParameterFree):
                 inverse_frequency=freq,
                 attention_factor=factor,
             )
-        rotary_dim = _check_head(q, self.rotary_dim, "q")
-        _check_head(k, rotary_dim, "k")
-        query_positions = check_positions(context.query_positions, "query_positions")
-        same = context.key_positions is context.query_positions
-        key_positions = query_positions if same else check_positions(context.key_positions, "key_positions")
-        _check_positions_fit(q, query_positions, "q")
-        _check_positions_fit(k, key_positions, "k")
+        rotary_dim, query_positions, key_positions = _checked_qk(
+            q, k, context.query_positions, context.key_positions, self.rotary_dim
+        )
         # The current length, as transformers' dynamic RoPE takes it; in float32, as
         # max + 1 leaves int32 at the last int32 position.
         length = jnp.max(query_positions).astype(jnp.float32) + 1
