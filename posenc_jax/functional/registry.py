@@ -101,7 +101,7 @@ class _Entry:
 _REGISTRY: dict[str, _Entry] = {}
 
 
-def dataclass_settings(config_type: type, fixed: Mapping = {}) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def dataclass_settings(config_type: type, fixed: Mapping = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """A dataclass's settings (its init fields less ``fixed``) and the required ones among them."""
     fields = [f for f in dataclasses.fields(config_type) if f.init and f.name not in fixed]
     missing = dataclasses.MISSING
