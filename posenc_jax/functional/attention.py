@@ -83,6 +83,7 @@ __all__ = [
     "attention_scores",
     "attention_weights",
     "dot_product_attention",
+    "goes_blockwise",
     "softmax_weights",
 ]
 
@@ -623,7 +624,22 @@ def _scores_exceed_limit(query: jax.Array, key: jax.Array) -> bool:
     if query.ndim != 4 or key.ndim != 4:
         return False  # stage 1 explains the shapes
     batch, q_len, num_heads, _ = query.shape
-    return 4 * batch * num_heads * q_len * key.shape[1] > MATERIALIZE_LIMIT_BYTES
+    return goes_blockwise("auto", batch=batch, num_heads=num_heads, query_length=q_len, key_length=key.shape[1])
+
+
+def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_length: int, key_length: int) -> bool:
+    """Whether ``implementation`` computes attention of these sizes in tiles.
+
+    ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed
+    ``MATERIALIZE_LIMIT_BYTES`` (and then falls back to materialising only for a hook or
+    normaliser without a blockwise form). A model uses it to decide whether to compute a
+    shared bias once as ``[B, N, T, S]`` or let each tile compute its own.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation != "auto":
+        return implementation == "blockwise"
+    return 4 * batch * num_heads * query_length * key_length > MATERIALIZE_LIMIT_BYTES
 
 
 def _has_blockwise_form(hooks, normalizer) -> bool:

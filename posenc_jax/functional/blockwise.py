@@ -51,15 +51,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.masks import sequence_key_counts
+from posenc_jax.functional.attention import _selected_product
 from posenc_jax.functional.hooks import (
     AttentionContext,
     CarriedLogits,
     Logits,
-    Normalize,
     Rotate,
     Values,
 )
+from posenc_jax.functional.masks import sequence_key_counts
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
 
@@ -134,13 +134,11 @@ def _tile_product(p: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax
     finite = jnp.isfinite(value)
 
     def selecting(p, value):
+        # The finite values by the einsum; the others only where seen, by blocks of query rows
+        # (never a [B, N, bq, bk, H] product), not differentiated (the rows they reach are not finite).
         finite_part = plain(p, jnp.where(finite, value, jnp.zeros((), value.dtype)))
-        groups = p.shape[1] // num_kv_heads
-        per_head = jnp.repeat(jnp.where(finite, 0.0, value.astype(jnp.float32)), groups, axis=2)  # [B, S, N, H]
-        per_head = einops.rearrange(jax.lax.stop_gradient(per_head), "B S N H -> B N 1 S H")
-        seen = jnp.broadcast_to(mask, p.shape)[..., None]  # [B, N, T, S, 1]
-        terms = jnp.where(seen, jax.lax.stop_gradient(p)[..., None] * per_head, 0.0)
-        return finite_part + einops.rearrange(terms.sum(3), "B N T H -> B T N H")
+        nonfinite = jax.lax.stop_gradient(jnp.where(finite, jnp.zeros((), value.dtype), value))
+        return finite_part + _selected_product(jax.lax.stop_gradient(p), nonfinite, mask, block_elements=1 << 18)
 
     return jax.lax.cond(finite.all(), plain, selecting, p, value)
 
@@ -286,10 +284,8 @@ def blockwise_attention(
                 m_new = jax.lax.stop_gradient(jnp.maximum(m, masked.max(-1)))
                 correction = jnp.exp(m - m_new)
                 p = jnp.where(visible, jnp.exp(masked - m_new[..., None]), 0.0)
-                if form == "l2":
-                    l_new = l * correction * correction + (p * p).sum(-1)
-                else:
-                    l_new = l * correction + p.sum(-1)
+                # L2 sums p² (rescaled by c²) and takes the root at the end; softmax and URPE sum p.
+                l_new = l * correction * correction + (p * p).sum(-1) if form == "l2" else l * correction + p.sum(-1)
                 if form == "urpe":
                     p = p * normalizer.tile_factor(tile_context)
             if dropout_rate > 0.0:
@@ -309,18 +305,19 @@ def blockwise_attention(
             vacc = tuple(a + t for a, t in zip(vacc, terms, strict=True))
             return (m_new, l_new, acc, vacc, tuple(new_hook_carry))
 
-        step = jax.checkpoint(step)
-
         def maybe_step(carry, kj):
             if not causal:
-                return step(carry, kj), None
-            # Every query of the block is before every key of the key block: nothing to see.
+                return step(carry, kj)
+            # Every query of the block is before every key of the key block: nothing to see, and a
+            # carried hook's sums pass through unchanged (the tile's gates are all masked).
             hidden = jnp.all(_tile(kpos, kj, block_k, 1).min(-1) > q_positions.max(-1))
-            if carried:  # a carried hook's sums pass through the skipped tile unchanged (it adds nothing)
-                return jax.lax.cond(hidden, lambda c, _: c, step, carry, kj), None
-            return jax.lax.cond(hidden, lambda c, _: c, step, carry, kj), None
+            return jax.lax.cond(hidden, lambda c, _: c, step, carry, kj)
 
-        (m, l, acc, vacc, _), _ = jax.lax.scan(maybe_step, carry, key_order)
+        # The checkpoint holds the cond too: a differentiated cond would keep its branch's residuals
+        # for every key block, and the backward pass's memory would grow with T x S.
+        maybe_step = jax.checkpoint(maybe_step)
+
+        (m, l, acc, vacc, _), _ = jax.lax.scan(lambda c, kj: (maybe_step(c, kj), None), carry, key_order)
         acc = acc + sum(vacc) if vacc else acc
         if form == "relu2":
             if length is not None:
