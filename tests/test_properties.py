@@ -17,6 +17,7 @@ from posenc_jax.functional import (
     ALiBi,
     ClippedRelativeBias,
     Kerple,
+    ReLU2,
     RoPE,
     Sandwich,
     T5Bias,
@@ -24,7 +25,6 @@ from posenc_jax.functional import (
     encoding_info,
     encoding_names,
     l2_normalized_weights,
-    ReLU2,
     relu2_weights,
     softmax_weights,
 )
