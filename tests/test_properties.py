@@ -1,8 +1,9 @@
 """Property-based checks of the attention against float64 references, and a finiteness grid.
 
 Hypothesis draws shapes (batch, query and key lengths, grouped heads, head dim), explicit
-positions with offsets and gaps, key padding, causal or not, an encoding and a normaliser;
-masked keys and values are filled with NaN, which must never reach the output.
+positions with offsets and gaps, key padding, causal or not, an encoding, a normaliser, and
+the implementation (materialising, or blockwise with block sizes that may not divide the
+lengths); masked keys and values are filled with NaN, which must never reach the output.
 """
 
 import jax
@@ -16,6 +17,7 @@ from posenc_jax.functional import (
     ALiBi,
     ClippedRelativeBias,
     Kerple,
+    ReLU2,
     RoPE,
     Sandwich,
     T5Bias,
@@ -33,7 +35,7 @@ from posenc_jax.reference.beyond_seeds import alibi_get_slopes
 from small_encodings import small_config
 
 ENCODINGS = ("none", "rope", "alibi", "t5", "clipped", "kerple", "sandwich")
-NORMALIZERS = {"softmax": softmax_weights, "l2": l2_normalized_weights, "relu2": relu2_weights}
+NORMALIZERS = {"softmax": softmax_weights, "l2": l2_normalized_weights, "relu2": relu2_weights, "gau": ReLU2()}
 
 
 def _reference_bias(name, params, num_heads, head_dim, q_pos, k_pos, causal):
@@ -65,10 +67,11 @@ def _hook(name, params):
     }[name]()
 
 
-def _reference_weights(normalizer, scores, mask):
+def _reference_weights(normalizer, scores, mask, sequence_length):
     scores = np.where(mask, scores, -np.inf)
-    if normalizer == "relu2":
-        count = np.maximum(mask.sum(-1, keepdims=True), 1)
+    if normalizer in ("relu2", "gau"):
+        # relu2: n = the row's unmasked keys; gau (Hua et al. 2022): n = the sequence's real keys.
+        count = np.maximum(mask.sum(-1, keepdims=True), 1) if normalizer == "relu2" else max(sequence_length, 1)
         return np.where(mask, np.maximum(scores, 0.0) ** 2, 0.0) / count
     row_max = np.max(scores, axis=-1, keepdims=True)
     e = np.where(mask, np.exp(scores - np.where(np.isfinite(row_max), row_max, 0.0)), 0.0)
@@ -99,6 +102,7 @@ def _cases(draw):
         seed=draw(st.integers(0, 2**16)),
         encoding=draw(st.sampled_from(ENCODINGS)),
         normalizer=draw(st.sampled_from(sorted(NORMALIZERS))),
+        blocks=draw(st.sampled_from([None, (1, 1), (2, 3), (4, 4), (5, 2)])),  # None: materialising
     )
 
 
@@ -130,6 +134,8 @@ def test_attention_matches_float64_references_and_masked_keys_never_leak(case):
         normalizer=NORMALIZERS[case["normalizer"]],
         causal=case["causal"],
         key_mask=jnp.asarray(key_mask),
+        implementation="materialize" if case["blocks"] is None else "blockwise",
+        **({} if case["blocks"] is None else dict(block_q=case["blocks"][0], block_k=case["blocks"][1])),
     )
     out = np.asarray(out, np.float64)
     assert np.isfinite(out).all()
@@ -145,7 +151,8 @@ def test_attention_matches_float64_references_and_masked_keys_never_leak(case):
         for n in range(num_heads):
             kv = n // groups
             scores = q[b, :, n] @ np.nan_to_num(k[b, :, kv]).T / np.sqrt(head_dim) + bias[n]
-            weights = _reference_weights(case["normalizer"], scores, np.broadcast_to(mask[b, 0], scores.shape))
+            visible = np.broadcast_to(mask[b, 0], scores.shape)
+            weights = _reference_weights(case["normalizer"], scores, visible, key_mask[b].sum())
             want[b, :, n] = weights @ np.nan_to_num(v[b, :, kv])
     np.testing.assert_allclose(out, want, atol=2e-4, rtol=2e-4)
 

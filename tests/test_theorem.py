@@ -1,4 +1,4 @@
-"""Seed 004's theorem, exactly, on randomly initialised models (no training).
+"""The blind spot of relative encodings (Luo et al. 2022), exactly, on random models (no training).
 
 On n identical tokens every position starts with the same vector. Feed-forward layers
 and layer norm act per position, so positions can only become different inside
@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.functional import URPE, ALiBi, dot_product_attention, l2_normalized_weights, relu2_weights
+from posenc_jax.functional import (
+    URPE,
+    ALiBi,
+    ReLU2,
+    dot_product_attention,
+    l2_normalized_weights,
+    relu2_weights,
+)
 from posenc_jax.functional.shaw import ShawConfig
 from posenc_jax.nn import Transformer
 from small_encodings import small_config
@@ -127,10 +134,22 @@ def test_l2_normalisation():
     assert spread > 1e-3
 
 
-def test_relu2_over_n():
-    # relu(s)^2 / n with n the number of unmasked keys: with equal scores every row sums to
-    # relu(s)^2 whatever n is, so NoPE stays blind, causal or not. (Dividing by the full
-    # length instead, as GAU does for causal language models, would not be.)
+def test_relu2_over_the_sequence_length_breaks_the_tie_when_causal():
+    # GAU's relu(s)^2 / n with n the sequence length (Hua et al. 2022): on equal scores a
+    # causal row t sums (t + 1) relu(s)^2 / n, which grows with t, so even NoPE sees where
+    # it is. Bidirectional, every row sums n relu(s)^2 / n alike: NoPE stays blind.
+    _, spread = _outputs(_config("nope"), causal=True, normalizer=ReLU2())
+    assert spread > 1e-3
+    _, spread = _outputs(_config("nope"), causal=False, normalizer=ReLU2())
+    assert spread < 1e-5
+    # An explicit n (e.g. the training length) keeps the growth, and also decodes with a cache.
+    _, spread = _outputs(_config("nope"), causal=True, normalizer=ReLU2(length=64))
+    assert spread > 1e-3
+
+
+def test_relu2_over_the_row_count():
+    # The per-row variant, n = the number of unmasked keys of the row: with equal scores every
+    # row sums to relu(s)^2 whatever n is, so NoPE stays blind, causal or not.
     for causal in (False, True):
         _, spread = _outputs(_config("nope"), causal=causal, normalizer=relu2_weights)
         assert spread < 1e-5

@@ -41,6 +41,7 @@ from posenc_jax.functional.nope import NoPE
 from posenc_jax.functional.normalizers import (
     NORMALIZERS,
     URPE,
+    ReLU2,
     URPEConfig,
     l2_normalized_weights,
     normalizer_config,
@@ -92,6 +93,7 @@ __all__ = [
     "SharedBias",
     "Source",
     "URPE",
+    "ReLU2",
     "URPEConfig",
     "Values",
     "causal_mask",

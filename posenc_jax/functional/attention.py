@@ -65,18 +65,32 @@ from posenc_jax.functional.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
+from posenc_jax.functional.masks import (
+    causal_mask,
+    combine_masks,
+    key_padding_mask,
+    segment_mask,
+    sequence_key_counts,
+)
 from posenc_jax.functional.positions import check_positions
 from posenc_jax.functional.relative import by_query_blocks
 
 __all__ = [
+    "IMPLEMENTATIONS",
+    "MATERIALIZE_LIMIT_BYTES",
     "SharedBias",
     "attention_output",
     "attention_scores",
     "attention_weights",
     "dot_product_attention",
+    "goes_blockwise",
     "softmax_weights",
 ]
+
+
+IMPLEMENTATIONS = ("auto", "materialize", "blockwise")
+# "auto" goes blockwise when the float32 [B, N, T, S] scores would exceed this many bytes.
+MATERIALIZE_LIMIT_BYTES = 1 << 30
 
 
 def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
@@ -415,8 +429,13 @@ def _checked_call(
     mask,
     scale,
     dropout_rate,
+    build_mask: bool = True,
 ) -> _Call:
-    """Stage 1: validates everything and builds the mask and the context."""
+    """Stage 1: validates everything and builds the mask and the context.
+
+    With ``build_mask=False`` (blockwise attention) the ``[B, N, T, S]`` mask is not built:
+    the context's mask is None and each tile builds its own.
+    """
     _check_shapes(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     k_len = key.shape[1]
@@ -434,12 +453,17 @@ def _checked_call(
     )
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    full_mask = combine_masks(
-        causal_mask(query_positions, key_positions) if causal else None,
-        key_padding_mask(key_mask) if key_mask is not None else None,
-        segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
-        None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
-    )
+    full_mask = None
+    if build_mask:
+        full_mask = combine_masks(
+            causal_mask(query_positions, key_positions) if causal else None,
+            key_padding_mask(key_mask) if key_mask is not None else None,
+            segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
+            None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
+        )
+    key_valid = None if key_mask is None else key_padding_mask(key_mask)[:, 0, 0, :]
+    # Unused terms cost nothing under jit (dead code); relu²/n reads the sequence lengths.
+    sequence_lengths = sequence_key_counts(key_valid, query_segment_ids, key_segment_ids)
     context = AttentionContext(
         query_positions=query_positions,
         key_positions=key_positions,
@@ -449,6 +473,7 @@ def _checked_call(
         causal=bool(causal),
         key_length=k_len,
         mask=full_mask,
+        sequence_lengths=sequence_lengths,
     )
     return _Call(query, key, value, hooks, full_mask, context)
 
@@ -471,6 +496,9 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
     return_weights: bool = False,
+    implementation: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
 ):
     """Multi-head scaled dot-product attention composing position-encoding hooks.
 
@@ -502,7 +530,15 @@ def dot_product_attention(
         CoPE, the functional relative encoding) read it from the context.
       dropout_rate: dropout on the attention weights (needs ``dropout_rng``).
       dropout_rng: PRNG key for dropout.
-      return_weights: also return the ``[B, N, T, S]`` float32 weights.
+      return_weights: also return the ``[B, N, T, S]`` float32 weights (materialising only).
+      implementation: ``"materialize"`` computes the ``[B, N, T, S]`` scores in one piece;
+        ``"blockwise"`` computes the same attention in tiles of ``block_q`` queries by
+        ``block_k`` keys with an online softmax, in memory linear in T and S (see
+        :mod:`posenc_jax.functional.blockwise`); ``"auto"`` (default) goes blockwise when
+        the float32 scores would take more than ``MATERIALIZE_LIMIT_BYTES`` (1 GiB) and every
+        hook and the normaliser have a blockwise form.
+      block_q, block_k: tile sizes for the blockwise path (default 512 each; any positive
+        size, dividing the lengths or not).
 
     Returns:
       ``[B, T, N, H]`` output in ``query``'s dtype (and the weights if asked).
@@ -524,6 +560,16 @@ def dot_product_attention(
         key_mask, query_segment_ids, key_segment_ids = (
             None if a is None else jnp.asarray(a)[None] for a in (key_mask, query_segment_ids, key_segment_ids)
         )
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "blockwise" and return_weights:
+        raise ValueError(
+            "return_weights=True needs the [B, N, T, S] weights, which blockwise attention never holds; use "
+            "implementation='materialize' to get them"
+        )
+    blockwise = implementation == "blockwise" or (
+        implementation == "auto" and not return_weights and _scores_exceed_limit(query, key)
+    )
     call = _checked_call(
         query,
         key,
@@ -539,7 +585,32 @@ def dot_product_attention(
         mask=mask,
         scale=scale,
         dropout_rate=dropout_rate,
+        build_mask=not blockwise,
     )
+    if blockwise and implementation == "auto" and not _has_blockwise_form(call.hooks, normalizer):
+        # A hook without a tiled form: the caller did not ask for blockwise, so materialise.
+        blockwise = False
+        call = dataclasses.replace(call, **_with_mask(call, causal, key_mask, query_segment_ids, key_segment_ids, mask))
+    if blockwise:
+        from posenc_jax.functional.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
+
+        out = blockwise_attention(
+            call.query,
+            call.key,
+            call.value,
+            hooks=call.hooks,
+            normalizer=normalizer,
+            context=call.context,
+            key_mask=key_mask,
+            query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids,
+            mask=mask,
+            block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
+            block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
+            dropout_rate=dropout_rate,
+            dropout_rng=dropout_rng,
+        ).astype(query.dtype)
+        return out[0] if unbatched else out
     scores = attention_scores(call.query, call.key, call.hooks, call.context)
     weights = attention_weights(scores, call.mask, normalizer, call.context)
     out = attention_output(_dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context)
@@ -547,3 +618,47 @@ def dot_product_attention(
     if unbatched:
         out, weights = out[0], weights[0]
     return (out, weights) if return_weights else out
+
+
+def _scores_exceed_limit(query: jax.Array, key: jax.Array) -> bool:
+    if query.ndim != 4 or key.ndim != 4:
+        return False  # stage 1 explains the shapes
+    batch, q_len, num_heads, _ = query.shape
+    return goes_blockwise("auto", batch=batch, num_heads=num_heads, query_length=q_len, key_length=key.shape[1])
+
+
+def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_length: int, key_length: int) -> bool:
+    """Whether ``implementation`` computes attention of these sizes in tiles.
+
+    ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed
+    ``MATERIALIZE_LIMIT_BYTES`` (and then falls back to materialising only for a hook or
+    normaliser without a blockwise form). A model uses it to decide whether to compute a
+    shared bias once as ``[B, N, T, S]`` or let each tile compute its own.
+    """
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation != "auto":
+        return implementation == "blockwise"
+    return 4 * batch * num_heads * query_length * key_length > MATERIALIZE_LIMIT_BYTES
+
+
+def _has_blockwise_form(hooks, normalizer) -> bool:
+    from posenc_jax.functional.blockwise import check_blockwise
+
+    try:
+        check_blockwise(hooks, normalizer)
+    except ValueError:
+        return False
+    return True
+
+
+def _with_mask(call: _Call, causal, key_mask, query_segment_ids, key_segment_ids, mask) -> dict:
+    """The fields of ``call`` with the full mask built (when "auto" falls back to materialising)."""
+    context = call.context
+    full_mask = combine_masks(
+        causal_mask(context.query_positions, context.key_positions) if causal else None,
+        key_padding_mask(key_mask) if key_mask is not None else None,
+        segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
+        None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
+    )
+    return {"mask": full_mask, "context": dataclasses.replace(context, mask=full_mask)}

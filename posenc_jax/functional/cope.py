@@ -66,6 +66,16 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
         raise ValueError(
             f"CoPE embeddings must have shape [P, H={head_dim}] or [N={num_heads}, P, H], got {np.shape(embeddings)}"
         )
+    term, _ = _cope_tile(q, k, query_positions, key_positions, embeddings, scale=scale, mask=mask, later=None)
+    return term
+
+
+def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later):
+    """CoPE's term for a tile of keys, given ``later`` ``[B, N, T]``: the gate sums of the keys after the tile.
+
+    Returns the term and the gate sums including this tile's keys (to pass to the tile before it).
+    """
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
     num_positions = np.shape(embeddings)[-2]
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
@@ -74,6 +84,10 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
     visible = combine_masks(causal_mask(query_positions, key_positions), mask)  # [B|1, N|1, T, S]
     gates = jnp.where(visible, jax.nn.sigmoid(logits), 0.0)  # selected: a masked key's NaN stays out
     counts = jnp.flip(jnp.cumsum(jnp.flip(gates, -1), axis=-1), -1)  # Σ over keys s' >= s
+    total = counts[..., 0]
+    if later is not None:
+        counts = counts + later[..., None]
+        total = total + later
     counts = jnp.minimum(counts, num_positions - 1)
     spec = "BTNH,PH->BNTP" if np.ndim(embeddings) == 2 else "BTNH,NPH->BNTP"
     per_position = jnp.einsum(spec, q, embeddings, preferred_element_type=jnp.float32)  # [B, N, T, P]
@@ -83,12 +97,23 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
     upper = jnp.minimum(lower + 1, num_positions - 1)
     at_lower = jnp.take_along_axis(per_position, lower, axis=-1)
     at_upper = jnp.take_along_axis(per_position, upper, axis=-1)
-    return at_lower * (1.0 - weight) + at_upper * weight
+    return at_lower * (1.0 - weight) + at_upper * weight, total
+
+
+def _check_causal(context: AttentionContext) -> None:
+    if not context.causal:
+        raise ValueError(
+            "CoPE has no bidirectional form (its gates count the keys up to each query), got causal=False; "
+            "use it in causal attention (causal=True, a decoder), or another encoding in a bidirectional encoder"
+        )
 
 
 @pytree_dataclass
 class CoPE:
     """CoPE as a ``logits`` hook; ``embeddings`` ``[P, H]`` or ``[N, P, H]`` is a parameter.
+
+    Also a :class:`~posenc_jax.functional.hooks.CarriedLogits`: in blockwise attention the
+    gate sums of later key tiles are carried to earlier ones.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -102,15 +127,31 @@ class CoPE:
     scale: float | None = None
 
     def logits(self, q, k, context: AttentionContext):
-        if not context.causal:
-            raise ValueError(
-                "CoPE has no bidirectional form (its gates count the keys up to each query), got causal=False; "
-                "use it in causal attention (causal=True, a decoder), or another encoding in a bidirectional encoder"
-            )
+        _check_causal(context)
         scale = context.scale if self.scale is None else self.scale
         return cope_logits(
             q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale, mask=context.mask
         )
+
+    def init_carry(self, q, context: AttentionContext):
+        """No gate counted yet: zeros ``[B, N, T]`` for a block of queries (blockwise attention)."""
+        return jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+    def carried_logits(self, q, k, context: AttentionContext, carry):
+        """One tile's term from the gate sums of the key tiles after it; the sums passed on."""
+        _check_causal(context)
+        scale = context.scale if self.scale is None else self.scale
+        term, total = _cope_tile(
+            q,
+            k,
+            context.query_positions,
+            context.key_positions,
+            self.embeddings,
+            scale=scale,
+            mask=context.mask,
+            later=carry,
+        )
+        return term, total
 
 
 @register_encoding(
@@ -118,7 +159,6 @@ class CoPE:
     description="Positions counted by learned gates on the context, interpolated between learned embeddings.",
     source=COPE,
     forms=("causal",),
-    blockwise=False,  # the gate sums run over all keys: a tile needs the sums carried from other key tiles
     small_settings=dict(num_positions=6),
 )
 @pytree_dataclass

@@ -44,6 +44,7 @@ __all__ = [
     "Embed",
     "EncodingConfig",
     "Logits",
+    "CarriedLogits",
     "Normalize",
     "ParameterFree",
     "Placement",
@@ -117,6 +118,13 @@ class AttentionContext:
         mask, combined. A hook that sums over keys (CoPE's gates, a value term) must
         leave masked keys out by selecting (``jnp.where``), not by multiplying by zero,
         so that whatever a masked key holds (NaN, inf) never reaches the output.
+      sequence_lengths: float32 ``[B|1, T]``, for each query the number of keys of its
+        sequence (real keys of its packed segment; the causal mask does not enter), or
+        None when every one of the ``key_length`` keys counts (relu²/n reads it).
+
+    In blockwise attention a hook sees one tile at a time: the positions, ``mask`` and
+    ``sequence_lengths`` are the tile's (``key_length`` stays the whole call's S), so a
+    hook that computes its term from the context's positions works unchanged in tiles.
     """
 
     query_positions: jax.Array = parameter()
@@ -127,6 +135,7 @@ class AttentionContext:
     causal: bool = False
     key_length: int = 0
     mask: jax.Array | None = parameter(default=None)
+    sequence_lengths: jax.Array | None = parameter(default=None)
 
     def bidirectional(self, setting: bool | None) -> bool:
         """An encoding's direction: its explicit ``setting``, else the attention's (not causal)."""
@@ -167,6 +176,24 @@ class Logits(Protocol):
     """A term added to the scaled ``[B, N, T, S]`` scores (float32, broadcastable), or None."""
 
     def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class CarriedLogits(Protocol):
+    """A ``logits`` term whose tile also depends on the key tiles after it (CoPE's gate sums).
+
+    Blockwise attention visits the key tiles of a query block last first: ``init_carry``
+    gives the carry for a query block (``q`` and ``context`` are the block's), and
+    ``carried_logits`` gives one tile's ``[B, N, bq, bk]`` term from the sums of the
+    tiles after it, and the sums passed on. The hook still fills ``logits`` for the
+    materialising path.
+    """
+
+    def init_carry(self, q: jax.Array, context: AttentionContext) -> Any: ...
+
+    def carried_logits(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext, carry: Any
+    ) -> tuple[jax.Array, Any]: ...
 
 
 @runtime_checkable

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from posenc_jax.functional.positions import batched_positions
 
-__all__ = ["causal_mask", "combine_masks", "key_padding_mask", "segment_mask"]
+__all__ = ["causal_mask", "combine_masks", "key_padding_mask", "segment_mask", "sequence_key_counts"]
 
 
 def _batched(x: jax.Array) -> jax.Array:
@@ -68,3 +68,33 @@ def combine_masks(*masks) -> jax.Array | None:
             continue
         result = mask if result is None else jnp.logical_and(result, mask)
     return result
+
+
+def sequence_key_counts(key_valid, query_segment_ids, key_segment_ids) -> jax.Array | None:
+    """For each query, the number of keys of its sequence, ``[B|1, T]`` float32, or None (all S keys).
+
+    Keys count when they are real (``key_valid``) and, with packed segments, in the query's
+    segment; the causal mask does not enter (relu²/n divides by the sequence length). Linear
+    memory: a sort of the key segment ids and two binary searches per query.
+    """
+    if query_segment_ids is None:
+        if key_valid is None:
+            return None
+        return key_valid.sum(-1, keepdims=True).astype(jnp.float32)
+    qseg = _batched(_check_segment_ids(query_segment_ids, "query_segment_ids"))
+    kseg = _batched(_check_segment_ids(key_segment_ids, "key_segment_ids"))
+    batch = max(qseg.shape[0], kseg.shape[0], 1 if key_valid is None else key_valid.shape[0])
+    qseg = jnp.broadcast_to(qseg, (batch, qseg.shape[1]))
+    kseg = jnp.broadcast_to(kseg, (batch, kseg.shape[1]))
+    valid = jnp.ones(kseg.shape, bool) if key_valid is None else jnp.broadcast_to(key_valid, kseg.shape)
+    # Invalid keys sort last (as the largest id); clipping both searches at the number of
+    # valid keys leaves them out even when a real segment id is that largest value.
+    ordered = jnp.sort(jnp.where(valid, kseg, jnp.iinfo(kseg.dtype).max), axis=-1)
+    num_valid = valid.sum(-1)
+
+    def count(sorted_ids, ids, n):
+        left = jnp.minimum(jnp.searchsorted(sorted_ids, ids, side="left"), n)
+        right = jnp.minimum(jnp.searchsorted(sorted_ids, ids, side="right"), n)
+        return right - left
+
+    return jax.vmap(count)(ordered, qseg, num_valid).astype(jnp.float32)

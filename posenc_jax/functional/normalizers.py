@@ -8,8 +8,13 @@ whose row sums can vary with position lift that limit:
 
 * :func:`softmax_weights` — ``exp(s) / Σ exp(s)`` (the default; rows sum to 1).
 * :func:`l2_normalized_weights` — ``exp(s) / ‖exp(s)‖₂`` per row.
-* :func:`relu2_weights` — ``relu(s)² / n`` with n the number of unmasked keys of
-  the row (GAU, Hua et al. 2022, divides by the length).
+* :class:`ReLU2` — ``relu(s)² / n`` with n the sequence length, the same for every
+  query row (gated attention units, Hua et al. 2022): the number of real keys of the
+  query's sequence (its packed segment, without padding), or an explicit ``length``
+  such as the training length. Under a causal mask row t sums ``t + 1`` terms over the
+  same n, so row sums grow with position and the tie on identical tokens breaks.
+  :func:`relu2_weights` is the per-row variant (n = the row's unmasked keys), whose rows
+  all sum alike; it stays for comparison.
 * :class:`URPE` — softmax weights multiplied elementwise by a learned Toeplitz
   matrix ``C[i, j] = c[clip(j - i, -k, k)]`` per head (Luo et al. 2022), ones at
   initialisation so it starts as softmax.
@@ -37,6 +42,7 @@ from posenc_jax.functional.relative import check_max_distance, expand_relative_b
 __all__ = [
     "NORMALIZERS",
     "URPE",
+    "ReLU2",
     "URPEConfig",
     "l2_normalized_weights",
     "normalizer_config",
@@ -62,11 +68,52 @@ def l2_normalized_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Arra
 
 
 def relu2_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """``w = relu(s)² / n``, n = the number of unmasked keys in the row (no softmax denominator)."""
+    """``w = relu(s)² / n``, n = the number of unmasked keys in the row (the per-row variant).
+
+    Not the published GAU normaliser (that is :class:`ReLU2`, n = the sequence length):
+    with n counted per row, every row of a causal attention sums alike on identical tokens.
+    """
     scores = scores.astype(jnp.float32)
     visible = jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
     count = visible.sum(-1, keepdims=True).astype(jnp.float32)
     return jnp.where(visible, jnp.square(jax.nn.relu(scores)), 0.0) / jnp.maximum(count, 1.0)
+
+
+@pytree_dataclass
+class ReLU2:
+    """``w = relu(s)² / n`` with n the sequence length (gated attention units, Hua et al. 2022).
+
+    A ``normalize`` hook. n is ``length`` when given (e.g. the training length, so that
+    decoding with a cache, which does not know the final length, matches the full forward),
+    else the number of real keys of the query's sequence: its packed segment without
+    padding (``context.sequence_lengths``), or all S keys. The causal mask does not change
+    n, so a causal row's weights sum over a growing number of keys.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 1, 2)); pos = jnp.arange(4)
+      >>> out = dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, causal=True,
+      ...                             normalizer=ReLU2())
+      >>> out[0, :, 0, 0]  # row t sums (t + 1) · relu(s)² / 4 with s = 1/√2: grows with t
+      Array([0.125, 0.25 , 0.375, 0.5  ], dtype=float32)
+    """
+
+    length: int | None = None
+
+    def __post_init__(self):
+        if self.length is not None and (not isinstance(self.length, (int, np.integer)) or self.length < 1):
+            raise ValueError(f"ReLU2 length must be a positive integer (e.g. the training length), got {self.length!r}")
+
+    def normalize(self, scores, mask, context: AttentionContext):
+        scores = scores.astype(jnp.float32)
+        visible = jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
+        if self.length is not None:
+            n = jnp.float32(self.length)
+        elif context.sequence_lengths is not None:
+            n = jnp.maximum(context.sequence_lengths[:, None, :, None], 1.0)  # [B|1, 1, T, 1]
+        else:
+            n = jnp.float32(max(context.key_length, 1) if context.key_length else scores.shape[-1])
+        return jnp.where(visible, jnp.square(jax.nn.relu(scores)), 0.0) / n
 
 
 @pytree_dataclass
@@ -97,8 +144,11 @@ class URPE:
     def normalize(self, scores, mask, context: AttentionContext):
         if np.shape(self.table)[0] != scores.shape[1]:
             raise ValueError(f"URPE table has {np.shape(self.table)[0]} heads but the scores have {scores.shape[1]}")
-        toeplitz = expand_relative_bias(self.table, context.query_positions, context.key_positions, self.max_distance)
-        return softmax_weights(scores, mask) * toeplitz
+        return softmax_weights(scores, mask) * self.tile_factor(context)
+
+    def tile_factor(self, context: AttentionContext) -> jax.Array:
+        """The Toeplitz factor ``C`` ``[B|1, N, T, S]`` for the context's positions (a tile's, blockwise)."""
+        return expand_relative_bias(self.table, context.query_positions, context.key_positions, self.max_distance)
 
 
 @pytree_dataclass
@@ -121,7 +171,7 @@ class URPEConfig(EncodingConfig):
 NORMALIZERS = {
     "softmax": softmax_weights,
     "l2": l2_normalized_weights,
-    "relu2": relu2_weights,
+    "relu2": ReLU2(),
     "urpe": URPEConfig(),
 }
 

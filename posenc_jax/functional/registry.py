@@ -66,8 +66,8 @@ class EncodingInfo:
         attention's ``causal`` unless set), or the one form it is defined for.
       kv_cache: whether decoding with a KV cache gives the logits of the full forward.
       length_dependent: whether it reads the sequence length (``max(position) + 1``).
-      blockwise: whether every hook can be evaluated on one tile of queries × keys from
-        the tile's positions alone.
+      blockwise: whether blockwise attention can compute it tile by tile (read off the
+        built hook: False only when the hook says ``blockwise = False``).
       settings: the names ``encoding_config(name, ...)`` accepts.
       required: those of them without a default.
       small_settings: settings for a tiny model (head dim 8, up to 16 tokens) that
@@ -117,7 +117,6 @@ def register_encoding(
     forms: tuple[str, ...] = FORMS,
     kv_cache: bool = True,
     length_dependent: bool = False,
-    blockwise: bool = True,
     small_settings: Mapping | None = None,
     fixed: Mapping | None = None,
     factory: Callable | None = None,
@@ -128,7 +127,7 @@ def register_encoding(
 
     Args:
       name: the name users pass to ``encoding_config``, models and the benchmark.
-      description, source, forms, kv_cache, length_dependent, blockwise, small_settings:
+      description, source, forms, kv_cache, length_dependent, small_settings:
         the metadata (see :class:`EncodingInfo`).
       fixed: settings this name fixes (``kerple-log`` fixes ``variant="log"``); they are
         not among the name's settings.
@@ -159,7 +158,6 @@ def register_encoding(
             forms=tuple(forms),
             kv_cache=kv_cache,
             length_dependent=length_dependent,
-            blockwise=blockwise,
             small_settings=dict(small_settings or {}),
         )
         _REGISTRY[name] = _Entry(factory=make, config_type=config_type, metadata=metadata)
@@ -215,4 +213,10 @@ def encoding_info(name: str) -> EncodingInfo:
     # instance), so they cannot drift from it.
     config = entry.factory(**entry.metadata["small_settings"])
     hook = config.build(config.init(jax.random.key(0), num_heads=2, head_dim=8, model_dim=16))
-    return EncodingInfo(name=name, acts_on=entry.config_type.acts_on, hooks=hook_names(hook), **entry.metadata)
+    return EncodingInfo(
+        name=name,
+        acts_on=entry.config_type.acts_on,
+        hooks=hook_names(hook),
+        blockwise=bool(getattr(hook, "blockwise", True)),
+        **entry.metadata,
+    )

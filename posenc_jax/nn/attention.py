@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.attention import dot_product_attention, softmax_weights
+from posenc_jax.functional.attention import IMPLEMENTATIONS, dot_product_attention, softmax_weights
 from posenc_jax.functional.cache import KVCache
 from posenc_jax.functional.hooks import EncodingConfig, Normalize
 from posenc_jax.functional.normalizers import normalizer_config
@@ -41,6 +41,10 @@ class MultiHeadAttention(nnx.Module):
         parameters (``URPEConfig``), which this layer then holds.
       dropout_rate: dropout on the attention weights.
       use_bias: biases in the projections.
+      implementation: ``"auto"`` (default), ``"materialize"`` or ``"blockwise"``, passed to
+        :func:`~posenc_jax.functional.dot_product_attention` (blockwise: tiles of
+        ``block_q`` × ``block_k``, memory linear in the length); a call may override it.
+      block_q, block_k: blockwise tile sizes (default 512).
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout`` when training with dropout).
 
     Example:
@@ -61,8 +65,14 @@ class MultiHeadAttention(nnx.Module):
         normalizer: Callable = softmax_weights,
         dropout_rate: float = 0.0,
         use_bias: bool = False,
+        implementation: str = "auto",
+        block_q: int | None = None,
+        block_k: int | None = None,
         rngs: nnx.Rngs,
     ):
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
             if model_dim % num_heads:
@@ -113,6 +123,7 @@ class MultiHeadAttention(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         deterministic: bool = True,
+        implementation: str | None = None,
     ):
         """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -126,6 +137,7 @@ class MultiHeadAttention(nnx.Module):
           cache: a :class:`KVCache` to append to and attend over (causal decoding);
             the call then returns ``(output, new_cache)``.
           deterministic: no dropout.
+          implementation: overrides the layer's ``implementation`` for this call.
 
         Returns:
           ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
@@ -164,6 +176,9 @@ class MultiHeadAttention(nnx.Module):
             key_segment_ids=segment_ids,
             dropout_rate=self.dropout_rate if use_dropout else 0.0,
             dropout_rng=self.dropout_rngs.dropout() if use_dropout else None,
+            implementation=self.implementation if implementation is None else implementation,
+            block_q=self.block_q,
+            block_k=self.block_k,
         )
         out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)

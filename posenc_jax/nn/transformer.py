@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.attention import SharedBias, softmax_weights
+from posenc_jax.functional.attention import SharedBias, goes_blockwise, softmax_weights
 from posenc_jax.functional.cache import KVCache
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.positions import check_positions
@@ -61,6 +61,9 @@ class Block(nnx.Module):
         encodings: Sequence,
         normalizer: Callable,
         dropout_rate: float,
+        implementation: str = "auto",
+        block_q: int | None = None,
+        block_k: int | None = None,
         rngs: nnx.Rngs,
     ):
         self.attention_norm = nnx.LayerNorm(model_dim, rngs=rngs)
@@ -71,6 +74,9 @@ class Block(nnx.Module):
             encodings=encodings,
             normalizer=normalizer,
             dropout_rate=dropout_rate,
+            implementation=implementation,
+            block_q=block_q,
+            block_k=block_k,
             rngs=rngs,
         )
         self.mlp_norm = nnx.LayerNorm(model_dim, rngs=rngs)
@@ -78,7 +84,9 @@ class Block(nnx.Module):
         self.mlp_out = nnx.Linear(mlp_dim, model_dim, rngs=rngs)
         self.dropout = _dropout(dropout_rate, rngs)
 
-    def __call__(self, x, positions, *, causal, shared, key_mask, segment_ids, cache, deterministic):
+    def __call__(
+        self, x, positions, *, causal, shared, key_mask, segment_ids, cache, deterministic, implementation=None
+    ):
         attended = self.attention(
             self.attention_norm(x),
             positions,
@@ -88,6 +96,7 @@ class Block(nnx.Module):
             segment_ids=segment_ids,
             cache=cache,
             deterministic=deterministic,
+            implementation=implementation,
         )
         if cache is not None:
             attended, cache = attended
@@ -109,6 +118,12 @@ class Transformer(nnx.Module):
       num_kv_heads: grouped-query attention (default: num_heads).
       normalizer: the attention ``normalize`` hook.
       dropout_rate: dropout on embeddings, residual branches and attention weights.
+      implementation: the attention's ``"auto"`` (default), ``"materialize"`` or
+        ``"blockwise"`` (tiles of ``block_q`` × ``block_k``: memory linear in the length,
+        for evaluating far beyond the training length); a call may override it. In
+        blockwise attention the shared biases are computed per tile by every layer instead
+        of once as ``[B, N, T, S]``.
+      block_q, block_k: blockwise tile sizes (default 512).
       rngs: ``nnx.Rngs``.
 
     Example:
@@ -131,6 +146,9 @@ class Transformer(nnx.Module):
         num_kv_heads: int | None = None,
         normalizer: Callable = softmax_weights,
         dropout_rate: float = 0.0,
+        implementation: str = "auto",
+        block_q: int | None = None,
+        block_k: int | None = None,
         rngs: nnx.Rngs,
     ):
         specs = [encoding] if isinstance(encoding, str) or not isinstance(encoding, Sequence) else encoding
@@ -154,6 +172,7 @@ class Transformer(nnx.Module):
         )
         self.causal = causal
         self.num_heads = num_heads
+        self.implementation = implementation
         self.embed = nnx.Embed(vocab_size, model_dim, rngs=rngs)
         placed = {
             place: [c for c in configs if c.acts_on == place] for place in ("positions", "embeddings", "shared_bias")
@@ -175,6 +194,9 @@ class Transformer(nnx.Module):
                     encodings=per_layer,
                     normalizer=normalizer,
                     dropout_rate=dropout_rate,
+                    implementation=implementation,
+                    block_q=block_q,
+                    block_k=block_k,
                     rngs=rngs,
                 )
                 for _ in range(num_layers)
@@ -197,7 +219,9 @@ class Transformer(nnx.Module):
         """
         return {name: list(value) if isinstance(value, tuple) else value for name, value in self._settings}
 
-    def _run(self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions):
+    def _run(
+        self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions, implementation=None
+    ):
         for module in self.position_samplers:
             positions = module().sample(self.position_rngs.default(), positions, train=not deterministic)
             key_positions = positions
@@ -216,7 +240,15 @@ class Transformer(nnx.Module):
             causal=self.causal,
             key_length=key_positions.shape[-1],
         )
-        shared = [SharedBias(module().bias(context)) for module in self.shared]
+        tiled = goes_blockwise(
+            self.implementation if implementation is None else implementation,
+            batch=tokens.shape[0],
+            num_heads=self.num_heads,
+            query_length=positions.shape[-1],
+            key_length=key_positions.shape[-1],
+        )
+        # In tiles, each tile computes its own bias: a [B, N, T, S] bias would undo the point.
+        shared = [module() if tiled else SharedBias(module().bias(context)) for module in self.shared]
         new_caches = []
         for i, block in enumerate(self.blocks):
             x, cache = block(
@@ -228,13 +260,27 @@ class Transformer(nnx.Module):
                 segment_ids=segment_ids,
                 cache=None if caches is None else caches[i],
                 deterministic=deterministic,
+                implementation=implementation,
             )
             new_caches.append(cache)
         logits = self.head(self.final_norm(x))
         return logits, new_caches
 
-    def __call__(self, tokens, positions, *, key_mask=None, segment_ids=None, deterministic: bool = True):
-        """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``."""
+    def __call__(
+        self,
+        tokens,
+        positions,
+        *,
+        key_mask=None,
+        segment_ids=None,
+        deterministic: bool = True,
+        implementation: str | None = None,
+    ):
+        """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``.
+
+        ``implementation`` overrides the model's attention implementation for this call
+        (e.g. ``"blockwise"`` to evaluate at 64k tokens a model trained on 256).
+        """
         positions = check_positions(positions)
         logits, _ = self._run(
             tokens,
@@ -244,6 +290,7 @@ class Transformer(nnx.Module):
             caches=None,
             deterministic=deterministic,
             key_positions=positions,
+            implementation=implementation,
         )
         return logits
 

@@ -1,0 +1,368 @@
+"""Blockwise attention equals the materialising path, for every encoding and normaliser.
+
+Each case runs both implementations in one jitted function on the same awkward inputs:
+T != S, gapped and offset positions, grouped-query heads, key padding, packed segments, and
+block sizes that do not divide the lengths; forward to 1e-5 and gradients (queries, keys,
+values and the encoding's parameters) to 1e-4, relative to the largest entry. The float64
+references are checked for the blockwise path in ``test_properties.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from posenc_jax.functional import (
+    URPE,
+    ALiBi,
+    CoPE,
+    ReLU2,
+    dot_product_attention,
+    encoding_info,
+    encoding_names,
+    l2_normalized_weights,
+    relu2_weights,
+    softmax_weights,
+)
+from small_encodings import small_config
+
+B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
+ATTENTION_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on in ("attention", "shared_bias")]
+CASES = [
+    (name, causal)
+    for name in ATTENTION_NAMES
+    for causal in (True, False)
+    if ("causal" if causal else "bidirectional") in encoding_info(name).forms
+]
+
+
+def _inputs(seed=0):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(B, S, K, H)), jnp.float32)
+    # Cross-attention with gapped, offset positions: queries at 7, 9, ..., keys at 1, 3, ...
+    query_positions = jnp.asarray(7 + 2 * np.arange(T))
+    key_positions = jnp.asarray(1 + 2 * np.arange(S))
+    key_mask = jnp.ones((B, S), bool).at[1, -3:].set(False)
+    query_segments = jnp.asarray([[0] * 5 + [1] * 4, [0] * 9])
+    key_segments = jnp.asarray([[0] * 6 + [1] * 5, [0] * 11])
+    return (
+        q,
+        k,
+        v,
+        dict(
+            query_positions=query_positions,
+            key_positions=key_positions,
+            key_mask=key_mask,
+            query_segment_ids=query_segments,
+            key_segment_ids=key_segments,
+        ),
+    )
+
+
+def _both(hook_of, params, q, k, v, weight, block_q=4, block_k=3, **kwargs):
+    """Outputs and gradients of both implementations, in one compiled function."""
+
+    def run(implementation, params, q, k, v):
+        extra = dict(block_q=block_q, block_k=block_k) if implementation == "blockwise" else {}
+        out = dot_product_attention(
+            q, k, v, encodings=hook_of(params), implementation=implementation, **extra, **kwargs
+        )
+        return jnp.sum(out * weight), out
+
+    @jax.jit
+    def both(params, q, k, v):
+        results = []
+        for implementation in ("materialize", "blockwise"):
+            (_, out), grads = jax.value_and_grad(
+                lambda *a, i=implementation: run(i, *a), argnums=(0, 1, 2, 3), has_aux=True
+            )(params, q, k, v)
+            results.append((out, grads))
+        return results
+
+    return both(params, q, k, v)
+
+
+def _assert_close(want, got, tol, what):
+    want, got = np.asarray(want, np.float64), np.asarray(got, np.float64)
+    assert np.isfinite(got).all(), what
+    size = max(np.abs(want).max(), 1e-6)
+    np.testing.assert_allclose(got / size, want / size, atol=tol, rtol=0, err_msg=what)
+
+
+def _check(results, what):
+    (want, want_grads), (got, got_grads) = results
+    _assert_close(want, got, 1e-5, f"{what}: forward")
+    # Relative to the largest gradient entry: a parameter whose exact gradient is zero (a
+    # per-head constant under softmax) has only rounding noise to compare.
+    size = max(float(np.abs(np.asarray(leaf)).max()) for leaf in jax.tree.leaves(want_grads))
+    for i, (a, b) in enumerate(zip(jax.tree.leaves(want_grads), jax.tree.leaves(got_grads), strict=True)):
+        assert np.isfinite(np.asarray(b)).all(), f"{what}: gradient {i}"
+        np.testing.assert_allclose(
+            np.asarray(b) / size, np.asarray(a) / size, atol=1e-4, err_msg=f"{what}: gradient {i}"
+        )
+
+
+@pytest.mark.parametrize(("name", "causal"), CASES, ids=[f"{n}-{'causal' if c else 'bidir'}" for n, c in CASES])
+def test_every_encoding_blockwise_equals_materialising(name, causal):
+    config = small_config(name)
+    params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    if name == "cope":  # zeros at init would make its term vanish: give it something to carry
+        params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
+    q, k, v, kwargs = _inputs()
+    weight = jax.random.normal(jax.random.key(3), (B, T, N, H))
+    results = _both(lambda p: [config.build(p)], params, q, k, v, weight, causal=causal, **kwargs)
+    _check(results, name)
+
+
+NORMALIZERS = {
+    "softmax": softmax_weights,
+    "l2": l2_normalized_weights,
+    "relu2 (sequence length)": ReLU2(),
+    "relu2 (explicit n)": ReLU2(length=16),
+    "relu2 (per row)": relu2_weights,
+}
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("normalizer", list(NORMALIZERS) + ["urpe"])
+def test_every_normalizer_blockwise_equals_materialising(normalizer, causal):
+    q, k, v, kwargs = _inputs(seed=4)
+    weight = jax.random.normal(jax.random.key(5), (B, T, N, H))
+    if normalizer == "urpe":
+        table = 1.0 + 0.3 * jax.random.normal(jax.random.key(6), (N, 7))
+        results = _both(
+            lambda table: [ALiBi()],
+            table,
+            q,
+            k,
+            v,
+            weight,
+            causal=causal,
+            normalizer=URPE(table, max_distance=3),
+            **kwargs,
+        )
+        _check(results[:2], normalizer)  # the table's gradient: below
+        return
+    results = _both(
+        lambda _: [ALiBi()], {}, q, k, v, weight, causal=causal, normalizer=NORMALIZERS[normalizer], **kwargs
+    )
+    _check(results, normalizer)
+
+
+def test_urpe_table_gradient_blockwise_equals_materialising():
+    q, k, v, kwargs = _inputs(seed=7)
+    weight = jax.random.normal(jax.random.key(8), (B, T, N, H))
+
+    def loss(table, implementation):
+        extra = dict(block_q=4, block_k=3) if implementation == "blockwise" else {}
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            normalizer=URPE(table, max_distance=3),
+            causal=True,
+            implementation=implementation,
+            **extra,
+            **kwargs,
+        )
+        return jnp.sum(out * weight)
+
+    table = 1.0 + 0.3 * jax.random.normal(jax.random.key(9), (N, 7))
+    want = jax.grad(loss)(table, "materialize")
+    got = jax.grad(loss)(table, "blockwise")
+    _assert_close(want, got, 1e-4, "URPE table gradient")
+
+
+@pytest.mark.parametrize(("block_q", "block_k"), [(3, 11), (9, 1), (64, 64)], ids=["divides", "one-key", "one-tile"])
+def test_block_sizes_that_divide_the_lengths_or_cover_them(block_q, block_k):
+    config = small_config("shaw")
+    params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    q, k, v, kwargs = _inputs(seed=10)
+    weight = jax.random.normal(jax.random.key(11), (B, T, N, H))
+    results = _both(
+        lambda p: [config.build(p)], params, q, k, v, weight, block_q=block_q, block_k=block_k, causal=True, **kwargs
+    )
+    _check(results, f"blocks {block_q}x{block_k}")
+
+
+def test_self_attention_with_an_extra_mask_and_unbatched_positions():
+    rng = np.random.default_rng(12)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 10, 2, 8)), jnp.float32) for _ in range(3))
+    pos = jnp.arange(10)
+    extra = jnp.asarray(rng.random((1, 2, 10, 10)) < 0.7)
+    outs = [
+        dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            causal=True,
+            mask=extra,
+            implementation=impl,
+            block_q=3,
+            block_k=4,
+        )
+        if impl == "blockwise"
+        else dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True, mask=extra)
+        for impl in ("materialize", "blockwise")
+    ]
+    _assert_close(outs[0], outs[1], 1e-5, "extra mask")
+
+
+def test_masked_nan_keys_never_leak_and_empty_rows_are_zero():
+    q, k, v, kwargs = _inputs(seed=13)
+    # Padding holds NaN; and a key hidden from some queries only (by the causal mask) holds inf in v.
+    k = jnp.where(kwargs["key_mask"][:, :, None, None], k, jnp.nan)
+    v = jnp.where(kwargs["key_mask"][:, :, None, None], v, jnp.nan)
+    v = v.at[0, 10].set(jnp.inf)  # key position 21: seen only by queries at 21 and later
+    want = dot_product_attention(q, k, v, causal=True, **kwargs)
+    got = dot_product_attention(q, k, v, causal=True, implementation="blockwise", block_q=4, block_k=3, **kwargs)
+    np.testing.assert_array_equal(np.isfinite(got), np.isfinite(want))
+    finite = np.isfinite(np.asarray(want))
+    np.testing.assert_allclose(np.asarray(got)[finite], np.asarray(want)[finite], atol=1e-5)
+    assert not finite.all() and finite[1].all()  # the inf reaches exactly the rows that see it
+    # Query 0 (position 7) sees keys 1, 3, 5, 7 of its segment; a query before every key sees none.
+    early = dot_product_attention(
+        q,
+        k,
+        v,
+        query_positions=jnp.zeros(T, jnp.int32),
+        key_positions=kwargs["key_positions"] + 1,
+        causal=True,
+        key_mask=kwargs["key_mask"],
+        implementation="blockwise",
+        block_q=4,
+        block_k=3,
+    )
+    np.testing.assert_array_equal(np.asarray(early), 0.0)
+
+
+def test_auto_goes_blockwise_above_the_budget(monkeypatch):
+    import posenc_jax.functional.attention as attention
+
+    q, k, v, kwargs = _inputs(seed=14)
+    plain = dot_product_attention(q, k, v, causal=True, **kwargs)
+    monkeypatch.setattr(attention, "MATERIALIZE_LIMIT_BYTES", 16)
+    lowered = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True, **kwargs)).lower(q, k, v)
+    assert "while" in lowered.as_text()  # the key-block loop: the auto choice went blockwise
+    _assert_close(plain, lowered.compile()(q, k, v), 1e-5, "auto")
+    # A normaliser without a tiled form falls back to materialising under "auto" ...
+    custom = lambda s, m: softmax_weights(s, m)
+    lowered = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, normalizer=custom, **kwargs)).lower(q, k, v)
+    assert "while" not in lowered.as_text()
+
+
+def test_what_cannot_run_in_tiles_is_refused_by_name():
+    q, k, v, kwargs = _inputs(seed=15)
+    with pytest.raises(ValueError, match="the normalizer <lambda> has no blockwise form"):
+        dot_product_attention(q, k, v, normalizer=lambda s, m: s, implementation="blockwise", **kwargs)
+
+    class Opaque(ALiBi):
+        blockwise = False
+
+    Opaque.__name__ = "Opaque"
+    with pytest.raises(ValueError, match="Opaque cannot be computed per tile"):
+        dot_product_attention(q, k, v, encodings=[Opaque()], implementation="blockwise", **kwargs)
+    with pytest.raises(ValueError, match="return_weights=True needs the"):
+        dot_product_attention(q, k, v, implementation="blockwise", return_weights=True, **kwargs)
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        dot_product_attention(q, k, v, implementation="flash", **kwargs)
+    with pytest.raises(ValueError, match="block_k must be a positive integer, got 0"):
+        dot_product_attention(q, k, v, implementation="blockwise", block_k=0, **kwargs)
+    with pytest.raises(ValueError, match="CoPE has no bidirectional form"):
+        dot_product_attention(
+            q, k, v, encodings=[CoPE(jnp.zeros((6, H)))], implementation="blockwise", causal=False, **kwargs
+        )
+
+
+def test_dropout_in_tiles_keeps_the_expectation():
+    q, k, v, kwargs = _inputs(seed=16)
+    plain = dot_product_attention(q, k, v, causal=True, **kwargs)
+
+    def dropped(key):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            causal=True,
+            implementation="blockwise",
+            block_q=4,
+            block_k=3,
+            dropout_rate=0.3,
+            dropout_rng=key,
+            **kwargs,
+        )
+
+    mean = jnp.mean(jax.vmap(jax.jit(dropped))(jax.random.split(jax.random.key(0), 400)), axis=0)
+    np.testing.assert_allclose(np.asarray(mean), np.asarray(plain), atol=0.12)
+    assert not np.allclose(np.asarray(dropped(jax.random.key(1))), np.asarray(plain), atol=1e-3)
+
+
+def _temp_bytes(length, gradient=False, **kwargs):
+    shape = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
+    pos = jnp.arange(length)
+
+    def f(q, k, v):
+        return dot_product_attention(
+            q, k, v, query_positions=pos, key_positions=pos, causal=True, encodings=[ALiBi()], **kwargs
+        )
+
+    if gradient:
+        f = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v)), argnums=(0, 1, 2))
+    return jax.jit(f).lower(shape, shape, shape).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("gradient", [False, True], ids=["forward", "gradient"])
+def test_blockwise_temp_memory_grows_linearly(gradient):
+    small = _temp_bytes(1024, gradient, implementation="blockwise", block_q=128, block_k=128)
+    large = _temp_bytes(4096, gradient, implementation="blockwise", block_q=128, block_k=128)
+    materialized = _temp_bytes(4096, gradient, implementation="materialize")
+    assert large <= 4.5 * small, (small, large)
+    assert materialized > 10 * large, (materialized, large)
+
+
+def test_transformer_and_attention_module_pass_the_choice_down():
+    from flax import nnx
+
+    from posenc_jax.nn import MultiHeadAttention, Transformer
+
+    tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, 16)
+    pos = jnp.arange(13) + 3
+    key_mask = jnp.ones((2, 13), bool).at[1, -4:].set(False)
+    model = Transformer(
+        vocab_size=16,
+        model_dim=32,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=32,
+        encoding=["t5", "shaw"],
+        causal=True,
+        block_q=4,
+        block_k=5,
+        rngs=nnx.Rngs(0),
+    )
+    want = model(tokens, pos, key_mask=key_mask, implementation="materialize")
+    got = model(tokens, pos, key_mask=key_mask, implementation="blockwise")
+    _assert_close(want, got, 1e-5, "Transformer")
+    tiled = Transformer(
+        vocab_size=16,
+        model_dim=32,
+        num_layers=2,
+        num_heads=4,
+        mlp_dim=32,
+        encoding=["t5", "shaw"],
+        causal=True,
+        implementation="blockwise",
+        block_q=4,
+        block_k=5,
+        rngs=nnx.Rngs(0),
+    )
+    _assert_close(want, tiled(tokens, pos, key_mask=key_mask), 1e-5, "Transformer(implementation='blockwise')")
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        MultiHeadAttention(32, 4, implementation="fast", rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(32, 4, encodings=["alibi"], implementation="blockwise", block_q=3, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(1), (2, 13, 32))
+    _assert_close(mha(x, pos, causal=True, implementation="materialize"), mha(x, pos, causal=True), 1e-5, "module")
