@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import re
 import shutil
 import sys
 import tomllib
@@ -70,9 +71,12 @@ def _with_url(tmp_path, url):
         shutil.copy(ROOT / "colabs" / f"{stem}.ipynb", tmp_path / "colabs")
     shutil.copy(ROOT / "README.md", tmp_path)
     pyproject = (ROOT / "pyproject.toml").read_text()
-    # This test adds the table; once the project has its URL, replace it there instead.
-    assert "urls" not in tomllib.loads(pyproject)["project"]
-    (tmp_path / "pyproject.toml").write_text(pyproject + f'\n[project.urls]\nRepository = "{url}"\n')
+    if "Repository" in tomllib.loads(pyproject)["project"].get("urls", {}):
+        pyproject = re.sub(r"(?m)^Repository\s*=.*$", f'Repository = "{url}"', pyproject)
+    else:
+        pyproject += f'\n[project.urls]\nRepository = "{url}"\n'
+    assert tomllib.loads(pyproject)["project"]["urls"]["Repository"] == url
+    (tmp_path / "pyproject.toml").write_text(pyproject)
     return tmp_path
 
 
@@ -91,9 +95,12 @@ def test_setting_the_url_rewrites_every_badge_install_cell_and_the_readme(tmp_pa
         assert '"POSENC_JAX_SOURCE", "git+https://github.com/example-owner/example-repo.git"' in _text(
             _cell(after, sync.INSTALL_CELL_ID)
         )
-        # Every other cell, saved outputs included, is untouched.
-        others = [c for c in before["cells"] if c.get("id") not in (sync.BADGE_CELL_ID, sync.INSTALL_CELL_ID)]
-        assert others == [c for c in after["cells"] if c.get("id") not in (sync.BADGE_CELL_ID, sync.INSTALL_CELL_ID)]
+        # Every other cell, saved outputs included, is untouched; so is the install cell but for its source.
+        for old_cell, new_cell in zip(before["cells"], after["cells"], strict=True):
+            if old_cell["id"] != sync.BADGE_CELL_ID:
+                assert {**old_cell, "source": None} == {**new_cell, "source": None}
+            if old_cell["id"] not in (sync.BADGE_CELL_ID, sync.INSTALL_CELL_ID):
+                assert old_cell == new_cell
     readme = (root / "README.md").read_text()
     assert sync.PLACEHOLDER not in readme and readme.count("github/example-owner/example-repo/blob/main") == 5
 

@@ -193,8 +193,7 @@ def _source_lines(text: str) -> list[str]:
 def synced_notebook(notebook: dict, stem: str, url: str | None) -> dict:
     """``notebook`` (nbformat JSON) with its badge and install cells written from ``url``.
 
-    The badge cell and the install cell are found by their ids; an edited install cell loses
-    its saved outputs (they belonged to other code)."""
+    The badge cell and the install cell are found by their ids."""
     cells = {cell.get("id"): cell for cell in notebook["cells"]}
     missing = [i for i in (BADGE_CELL_ID, INSTALL_CELL_ID) if i not in cells]
     if missing:
@@ -205,10 +204,8 @@ def synced_notebook(notebook: dict, stem: str, url: str | None) -> dict:
     notebook = json.loads(json.dumps(notebook))  # a copy
     cells = {cell.get("id"): cell for cell in notebook["cells"]}
     cells[BADGE_CELL_ID]["source"] = _source_lines(badge(stem, url))
-    install = cells[INSTALL_CELL_ID]
-    new = _source_lines(install_cell(url))
-    if "".join(install["source"]) != "".join(new):
-        install["source"], install["outputs"], install["execution_count"] = new, [], None
+    # The install cell keeps no outputs (see save_executed), so a new URL leaves nothing stale behind.
+    cells[INSTALL_CELL_ID]["source"] = _source_lines(install_cell(url))
     return notebook
 
 
