@@ -16,7 +16,23 @@ API_PAGES = {
     "api/checkpoint/index.html": ["posenc_jax.checkpoint"],
     "api/linen/index.html": ["posenc_jax.linen"],
     "api/reference/index.html": ["posenc_jax.reference"],
+    "api/tasks/index.html": ["posenc_jax.tasks"],
 }
+# Packages whose modules' own ``__all__`` names not exported by the package go on the helpers page.
+HELPER_PACKAGES = ("posenc_jax.functional", "posenc_jax.nn")
+
+
+def _helper_names() -> list[str]:
+    """``module.name`` of every name in a module's ``__all__`` that its package does not export."""
+    import pkgutil
+
+    names = []
+    for package_name in HELPER_PACKAGES:
+        package = importlib.import_module(package_name)
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package_name}.{info.name}")
+            names += [f"{module.__name__}.{n}" for n in getattr(module, "__all__", []) if n not in package.__all__]
+    return names
 
 
 def _encodings_markdown() -> str:
@@ -68,6 +84,8 @@ def _encodings_markdown() -> str:
 def on_page_markdown(markdown, page, config, files):
     if page.file.src_uri == "encodings.md":
         return markdown.replace("<!-- encodings -->", _encodings_markdown())
+    if page.file.src_uri == "api/helpers.md":
+        return markdown.replace("<!-- helpers -->", "\n\n".join(f"::: {name}" for name in _helper_names()))
     return markdown
 
 
@@ -81,5 +99,7 @@ def on_post_build(config):
             for name in module.__all__:
                 if f'id="{module_name}.{name}"' not in text:
                     missing.append(f"{module_name}.{name} (on {page})")
+    helpers = html.unescape((site / "api/helpers/index.html").read_text())
+    missing += [f"{name} (on api/helpers/index.html)" for name in _helper_names() if f'id="{name}"' not in helpers]
     if missing:
         raise SystemExit(f"public names without an API entry: {', '.join(missing)}")

@@ -675,3 +675,24 @@ def test_deberta_single_term_needs_only_its_table():
 def test_deberta_v1_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="DeBERTa v1 configs are not supported"):
         from_hf_config(dict(DEBERTA_V3_BASE, model_type="deberta"))
+
+
+@pytest.mark.parametrize("config", [T5_SMALL, DEBERTA_V3_BASE, LLAMA_3_1_8B], ids=["t5", "deberta-v3", "llama3"])
+def test_loaded_encodings_build_a_transformer(config):
+    from flax import nnx
+
+    from posenc_jax.nn import Transformer
+
+    loaded = from_hf_config(config)
+    model = Transformer(
+        vocab_size=8,
+        model_dim=16,
+        num_layers=1,
+        num_heads=2,
+        mlp_dim=32,
+        encoding=list(loaded.encodings),
+        causal=False,
+        rngs=nnx.Rngs(0),
+    )
+    logits = model(jnp.zeros((1, 6), jnp.int32), jnp.arange(6))
+    assert logits.shape == (1, 6, 8) and bool(jnp.all(jnp.isfinite(logits)))
