@@ -2,9 +2,10 @@
 
 * :func:`make_attention_fn` gives an ``attention_fn`` for
   ``flax.linen.MultiHeadDotProductAttention`` that applies parameter-free encodings
-  (NoPE, RoPE and its scalings, xPos, ALiBi, Sandwich, the functional relative encoding).
-  Linen's attention passes no positions, so the factory takes them (default
-  ``arange`` over the query and key lengths).
+  (NoPE, RoPE and its scalings, xPos, ALiBi, Sandwich, the functional relative encoding)
+  or built hooks with fixed arrays (``T5Bias(table)``). Linen's attention passes no
+  positions, so they are taken per call: ``arange`` for a full forward, the cache index
+  for a ``decode=True`` step (see :mod:`posenc_jax.nn.flax_attention`).
 * :func:`to_linen` wraps any NNX module of :mod:`posenc_jax.nn` (attention,
   Transformer, any learned encoding) as a Linen module via ``flax.nnx.bridge``;
   :func:`load_linen_params` puts its Linen parameters into an NNX module.
@@ -14,12 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.attention import SharedBias, dot_product_attention
-from posenc_jax.functional.hooks import ParameterFree
-from posenc_jax.nn.encoding import resolve_config
+from posenc_jax.nn.flax_attention import make_attention_fn as nn_make_attention_fn
 
 __all__ = ["load_linen_params", "make_attention_fn", "to_linen"]
 
@@ -27,11 +25,16 @@ __all__ = ["load_linen_params", "make_attention_fn", "to_linen"]
 def make_attention_fn(encodings: Sequence = (), *, causal: bool = False, query_positions=None, key_positions=None):
     """An ``attention_fn`` for ``flax.linen.MultiHeadDotProductAttention`` with these encodings.
 
+    The same function as :func:`posenc_jax.nn.make_attention_fn` (which also serves
+    ``flax.nnx.MultiHeadAttention``): positions are taken per call, ``arange`` for a full
+    forward and the cache index for a ``decode=True`` step, so Linen's cache decodes with
+    RoPE, ALiBi or T5 and gives the full forward's outputs.
+
     Args:
-      encodings: parameter-free encodings, by name or object (``["rope", "alibi"]``).
+      encodings: parameter-free encodings, by name or object (``["rope", "alibi"]``), or
+        built hooks with fixed arrays (``T5Bias(table)``).
       causal: add a causal mask by position (Linen's own ``mask`` is applied too).
-      query_positions, key_positions: integer positions; default ``arange(T)`` and
-        ``arange(S)`` for each call.
+      query_positions, key_positions: fixed integer positions instead of per-call ones.
 
     Example:
       >>> import flax.linen as nn
@@ -42,58 +45,7 @@ def make_attention_fn(encodings: Sequence = (), *, causal: bool = False, query_p
       >>> layer.apply(variables, x).shape
       (1, 5, 16)
     """
-    hooks = []
-    for encoding in encodings:
-        config = resolve_config(encoding)
-        if not isinstance(config, ParameterFree):
-            raise ValueError(
-                f"{config!r} has parameters; wrap the NNX MultiHeadAttention with posenc_jax.linen.to_linen instead"
-            )
-        if config.acts_on not in ("attention", "shared_bias"):
-            raise ValueError(f"{type(config).__name__} acts on the {config.acts_on}, not inside attention")
-        hooks.append(config.build({}))
-
-    def attention_fn(
-        query,
-        key,
-        value,
-        bias=None,
-        mask=None,
-        broadcast_dropout=True,
-        dropout_rng=None,
-        dropout_rate=0.0,
-        deterministic=False,
-        dtype=None,
-        precision=None,
-        module=None,
-        **unused,
-    ):
-        q_len, k_len = query.shape[-3], key.shape[-3]
-        if q_len != k_len and (query_positions is None or key_positions is None):
-            raise ValueError(
-                f"{q_len} queries against {k_len} keys (Linen's decode cache?): the positions are not implied; "
-                f"pass query_positions and key_positions to make_attention_fn"
-            )
-        q_pos = jnp.arange(q_len) if query_positions is None else query_positions
-        # The same array for self-attention, so rotation tables are computed once.
-        k_pos = q_pos if key_positions is None else key_positions
-        extra = [] if bias is None else [SharedBias(bias)]
-        use_dropout = dropout_rate > 0.0 and not deterministic
-        out = dot_product_attention(
-            query,
-            key,
-            value,
-            query_positions=q_pos,
-            key_positions=k_pos,
-            encodings=[*hooks, *extra],
-            causal=causal,
-            mask=mask,
-            dropout_rate=dropout_rate if use_dropout else 0.0,
-            dropout_rng=dropout_rng if use_dropout else None,
-        )
-        return out if dtype is None else out.astype(dtype)
-
-    return attention_fn
+    return nn_make_attention_fn(encodings, causal=causal, query_positions=query_positions, key_positions=key_positions)
 
 
 def to_linen(module_cls, *args, **kwargs):

@@ -10,6 +10,9 @@ GPUs, and gives the same loss.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Iterable, Mapping
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 __all__ = [
     "cross_entropy_loss",
     "data_parallel_mesh",
+    "fit",
     "make_optimizer",
     "replicate",
     "shard_batch",
@@ -92,10 +96,123 @@ def cross_entropy_loss(model: nnx.Module, batch: dict, *, deterministic: bool = 
 
 @nnx.jit
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
-    """One jitted optimisation step on ``batch``; returns the loss before the update."""
+    """One jitted optimisation step on ``batch``; returns the loss before the update.
+
+    ``batch`` is a dict of arrays:
+
+    ==================  ==============  =====================================================
+    key                 shape, dtype    meaning
+    ==================  ==============  =====================================================
+    ``inputs``          ``[B, T]`` int  tokens fed to the model
+    ``targets``         ``[B, T]`` int  the token to predict at each position (for a
+                                        language model, ``inputs`` shifted by one)
+    ``positions``       ``[T]`` or      each token's position (explicit, so offsets, packing
+                        ``[B, T]`` int  and randomized positions need nothing else)
+    ``weights``         ``[B, T]``      optional: 1 where the target counts in the loss, 0
+                                        where not (padding, the prompt part); default all 1
+    ``segment_ids``     ``[B, T]`` int  optional: packed sequences (a token attends only to
+                                        its own segment)
+    ``key_mask``        ``[B, T]`` bool optional: True for real tokens, False for padding
+    ==================  ==============  =====================================================
+
+    The loss is :func:`cross_entropy_loss`, the mean over the weighted targets. The step
+    compiles once per batch shape.
+    """
     loss, grads = nnx.value_and_grad(lambda m: cross_entropy_loss(m, batch))(model)
-    optimizer.update(model, grads)
+    # optax mixes Python floats with int32 step counts, which strict dtype promotion refuses.
+    with jax.numpy_dtype_promotion("standard"):
+        optimizer.update(model, grads)
     return loss
+
+
+def fit(
+    model: nnx.Module,
+    optimizer: nnx.Optimizer,
+    batches: Iterable[dict],
+    *,
+    steps: int,
+    log_every: int = 100,
+    checkpointer=None,
+    checkpoint_every: int | None = None,
+    checkpoint_config: Mapping | None = None,
+    start_step: int = 0,
+    progress: bool = False,
+    log: Callable[[str], None] | None = print,
+) -> list[float]:
+    """Trains ``model`` with :func:`train_step` on batches from an iterable, up to step ``steps``.
+
+    Args:
+      model, optimizer: as for :func:`train_step` (``make_optimizer(model, tx)``).
+      batches: an iterable of batch dicts in :func:`train_step`'s format; it must last
+        ``steps - start_step`` batches (fewer is an error that says how many it gave).
+      steps: the step to train up to.
+      log_every: log ``step N/steps  loss L  (S steps/s)`` every this many steps (and at
+        the end) through ``log``; None or 0 for no log lines.
+      checkpointer: a :class:`posenc_jax.checkpoint.Checkpointer`; the model and optimizer
+        are saved every ``checkpoint_every`` steps and at the end.
+      checkpoint_every: steps between checkpoints (default: only at the end).
+      checkpoint_config: recorded with each checkpoint (``Checkpointer.save``'s ``config``).
+      start_step: the step to count from (after ``Checkpointer.restore``, its step).
+      progress: show a tqdm progress bar (needs ``tqdm``, in the ``bench`` extra).
+      log: where log lines go (default ``print``).
+
+    Returns:
+      The loss of every step run, as floats.
+
+    Example:
+      >>> from posenc_jax.nn import Transformer
+      >>> model = Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
+      ...                     encoding="rope", rngs=nnx.Rngs(0))
+      >>> optimizer = make_optimizer(model, warmup_cosine_adamw(learning_rate=1e-2, total_steps=5, warmup_steps=1))
+      >>> tokens = jnp.arange(18).reshape(2, 9) % 8
+      >>> batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.arange(8)}
+      >>> losses = fit(model, optimizer, [batch] * 5, steps=5, log_every=0)
+      >>> len(losses), losses[-1] < losses[0]
+      (5, True)
+    """
+    if not isinstance(steps, int) or steps < 1 or not 0 <= start_step <= steps:
+        raise ValueError(
+            f"need steps >= 1 and 0 <= start_step <= steps, got steps={steps!r}, start_step={start_step!r}"
+        )
+    if checkpoint_every is not None and (checkpointer is None or checkpoint_every < 1):
+        raise ValueError(
+            f"checkpoint_every={checkpoint_every!r} needs a checkpointer and a value >= 1 (steps between saves)"
+        )
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, initial=start_step, unit="step")
+    losses: list[float] = []
+    iterator = iter(batches)
+    began = time.perf_counter()
+    step = start_step
+    try:
+        while step < steps:
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                raise ValueError(
+                    f"batches ran out after {step - start_step} batches; training to step {steps} from step "
+                    f"{start_step} needs {steps - start_step}"
+                ) from None
+            loss = float(train_step(model, optimizer, batch))
+            losses.append(loss)
+            step += 1
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}")
+            if log is not None and log_every and (step % log_every == 0 or step == steps):
+                rate = (step - start_step) / max(time.perf_counter() - began, 1e-9)
+                log(f"step {step}/{steps}  loss {loss:.4f}  ({rate:.1f} steps/s)")
+            if checkpointer is not None and (
+                step == steps or (checkpoint_every is not None and step % checkpoint_every == 0)
+            ):
+                checkpointer.save(step, model, optimizer, config=checkpoint_config)
+    finally:
+        if bar is not None:
+            bar.close()
+    return losses
 
 
 def data_parallel_mesh(devices=None) -> Mesh:

@@ -26,7 +26,7 @@ from flax import nnx
 from posenc_jax.checkpoint import Checkpointer
 from posenc_jax.functional.normalizers import NORMALIZERS, normalizer_config
 from posenc_jax.functional.registry import encoding_config, encoding_info, encoding_names
-from posenc_jax.nn import Transformer
+from posenc_jax.nn import Transformer, with_encoding
 from posenc_jax.tasks import TextTask, make_task, task_names
 from posenc_jax.training import (
     data_parallel_mesh,
@@ -545,10 +545,8 @@ def _run_cell(
     for length in todo:
         pad = task.max_tokens(length) if length_dependent else max_tokens
         write(label, length, _evaluate(model, task, preset, seed, length, pad))
-    trained = nnx.state(model, nnx.Param)
     for name, length in scaled_todo:
-        scaled = _model(task, preset, _scaled_rope(name, length, train_length), seed, normalizer)
-        nnx.update(scaled, trained)  # the RoPE model's weights, other frequencies
+        scaled = with_encoding(model, _scaled_rope(name, length, train_length))  # the RoPE model's weights
         write(name, length, _evaluate(scaled, task, preset, seed, length, max_tokens))
     timings["eval_seconds"] = time.perf_counter() - began
     if loss is None:

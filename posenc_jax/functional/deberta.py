@@ -134,8 +134,10 @@ def deberta_logits(
     Args:
       q: ``[B, T, N, H]``; k: ``[B, S, K, H]`` (N a multiple of K).
       query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
-      pos_query: ``Q_r`` ``[2·span, N, H]`` (relative embeddings through the query projection).
-      pos_key: ``K_r`` ``[2·span, N, H]`` (through the key projection).
+      pos_query: ``Q_r`` ``[2·span, N, H]`` (relative embeddings through the query projection);
+        read by p2c only, None without it.
+      pos_key: ``K_r`` ``[2·span, N, H]`` (through the key projection); read by c2p only, None
+        without it.
       span: attention span (``position_buckets`` if > 0, else ``max_relative_positions``, in DeBERTa-v2).
       position_buckets: log-bucket size; 0 for raw clipped distances.
       max_relative_positions: the log buckets' reach.
@@ -150,7 +152,15 @@ def deberta_logits(
     """
     terms = _check_terms(terms)
     head_dim, num_heads = q.shape[-1], q.shape[-2]
-    for name, table in (("pos_query", pos_query), ("pos_key", pos_key)):
+    # c2p reads K_r only and p2c Q_r only: a term left out needs no table (None).
+    needed = (("pos_key", pos_key, "c2p"), ("pos_query", pos_query, "p2c"))
+    for name, table, term in needed:
+        if term not in terms:
+            continue
+        if table is None:
+            raise ValueError(
+                f"DeBERTa's {term} term needs {name} [2*span, N, H]; got None (or leave {term} out of terms)"
+            )
         if tuple(np.shape(table)) != (2 * span, num_heads, head_dim):
             raise ValueError(
                 f"{name} must have shape [2*span={2 * span}, N={num_heads}, H={head_dim}], got {np.shape(table)}; "
@@ -223,8 +233,8 @@ class DeBERTa:
       (1, 4, 2, 8)
     """
 
-    pos_query: jax.Array = parameter()
-    pos_key: jax.Array = parameter()
+    pos_query: jax.Array | None = parameter(default=None)
+    pos_key: jax.Array | None = parameter(default=None)
     span: int = 256
     position_buckets: int = 0
     max_relative_positions: int = 512
@@ -234,6 +244,11 @@ class DeBERTa:
     def __post_init__(self):
         _check_terms(self.terms)
         _check_span(self.span, self.position_buckets)
+        for name, term in (("pos_key", "c2p"), ("pos_query", "p2c")):
+            if term in self.terms and getattr(self, name) is None:
+                raise ValueError(
+                    f"DeBERTa's {term} term needs {name} [2*span, N, H]; pass it or leave {term} out of terms"
+                )
 
     def score_scale(self, head_dim: int) -> float:
         """``1/√(H · (1 + number of position terms))``, for the content score too."""
@@ -263,29 +278,38 @@ class DeBERTa:
 )
 @pytree_dataclass
 class DeBERTaConfig(EncodingConfig):
-    """DeBERTa position tables ``Q_r``, ``K_r`` ``[2·span, N, H]``; span = buckets if bucketed."""
+    """DeBERTa position tables ``Q_r``, ``K_r`` ``[2·span, N, H]``; span = buckets if bucketed.
+
+    ``terms`` (DeBERTa-v2's ``pos_att_type``) picks c2p, p2c or both; only the tables the
+    chosen terms read are made (``K_r`` for c2p, ``Q_r`` for p2c).
+    """
 
     span: int = 256
     position_buckets: int = 0
     max_relative_positions: int = 512
     init_std: float = 0.02
+    terms: tuple[str, ...] = _TERMS
 
     def __post_init__(self):
         _check_span(self.span, self.position_buckets)
+        _check_terms(self.terms)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         k1, k2 = jax.random.split(key)
         shape = (2 * self.span, num_heads, head_dim)
-        return {
-            "pos_query": jax.random.normal(k1, shape, jnp.float32) * self.init_std,
-            "pos_key": jax.random.normal(k2, shape, jnp.float32) * self.init_std,
-        }
+        params = {}
+        if "p2c" in self.terms:
+            params["pos_query"] = jax.random.normal(k1, shape, jnp.float32) * self.init_std
+        if "c2p" in self.terms:
+            params["pos_key"] = jax.random.normal(k2, shape, jnp.float32) * self.init_std
+        return params
 
     def build(self, params: dict) -> DeBERTa:
         return DeBERTa(
-            params["pos_query"],
-            params["pos_key"],
+            params.get("pos_query"),
+            params.get("pos_key"),
             self.span,
             position_buckets=self.position_buckets,
             max_relative_positions=self.max_relative_positions,
+            terms=tuple(self.terms),
         )

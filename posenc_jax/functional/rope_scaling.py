@@ -168,12 +168,24 @@ class DynamicNTKScaling(RopeScaling):
 
 @dataclasses.dataclass(frozen=True)
 class YaRNScaling(RopeScaling):
-    """YaRN: NTK-by-parts interpolation with β = 32, α = 1 and attention factor ``0.1 ln s + 1``."""
+    """YaRN: NTK-by-parts interpolation with β = 32, α = 1 and attention factor ``0.1 ln s + 1``.
+
+    The optional fields are those of Hugging Face transformers' ``rope_scaling`` for
+    ``rope_type="yarn"``: ``attention_scaling`` fixes the attention factor (their
+    ``attention_factor``); otherwise, with both ``mscale`` and ``mscale_all_dim`` set
+    (DeepSeek-V2/V3), it is ``m(s, mscale) / m(s, mscale_all_dim)`` with
+    ``m(s, a) = 0.1 · a · ln s + 1``, and ``m(s, 1)`` without them. ``truncate=False``
+    keeps the ramp bounds unrounded (gpt-oss).
+    """
 
     factor: float
     original_context: int
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    attention_scaling: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
     name: ClassVar[str] = "yarn"
 
     def __post_init__(self):
@@ -181,6 +193,8 @@ class YaRNScaling(RopeScaling):
         _check_context(self.original_context)
         if not self.beta_fast > self.beta_slow > 0:
             raise ValueError(f"need beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
+        if self.attention_scaling is not None and not 0 < self.attention_scaling < math.inf:
+            raise ValueError(f"attention_scaling must be a finite number > 0 (or None), got {self.attention_scaling!r}")
 
     def _correction_dim(self, rotations: float, rotary_dim: int, base: float) -> float:
         # The dimension index whose wavelength makes `rotations` turns over the original context.
@@ -188,8 +202,11 @@ class YaRNScaling(RopeScaling):
 
     def extrapolation_weight(self, rotary_dim: int, base: float) -> np.ndarray:
         """Per frequency, 1 where RoPE is kept (high frequency) and 0 where interpolated (low)."""
-        low = max(math.floor(self._correction_dim(self.beta_fast, rotary_dim, base)), 0)
-        high = min(math.ceil(self._correction_dim(self.beta_slow, rotary_dim, base)), rotary_dim - 1)
+        low = self._correction_dim(self.beta_fast, rotary_dim, base)
+        high = self._correction_dim(self.beta_slow, rotary_dim, base)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
         if low == high:
             high += 0.001
         ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
@@ -201,7 +218,15 @@ class YaRNScaling(RopeScaling):
         return plain / self.factor * (1.0 - keep) + plain * keep
 
     def attention_factor(self, length: int | None = None) -> float:
-        return 0.1 * math.log(self.factor) + 1.0 if self.factor > 1 else 1.0
+        if self.attention_scaling is not None:
+            return float(self.attention_scaling)
+
+        def magnitude(scale: float, mscale: float = 1.0) -> float:
+            return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return magnitude(self.factor, self.mscale) / magnitude(self.factor, self.mscale_all_dim)
+        return magnitude(self.factor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,12 +266,19 @@ class Llama3Scaling(RopeScaling):
 
 @dataclasses.dataclass(frozen=True)
 class LongRoPEScaling(RopeScaling):
-    """LongRoPE: per-frequency factors, ``short_factor`` up to the original context, ``long_factor`` beyond."""
+    """LongRoPE: per-frequency factors, ``short_factor`` up to the original context, ``long_factor`` beyond.
+
+    The attention factor is ``sqrt(1 + ln(s) / ln(original_context))`` with ``s = factor`` when
+    given (transformers' optional ``factor``), else ``max_context / original_context``;
+    ``attention_scaling`` fixes it instead (their ``attention_factor``).
+    """
 
     short_factor: tuple[float, ...]
     long_factor: tuple[float, ...]
     original_context: int
     max_context: int
+    factor: float | None = None
+    attention_scaling: float | None = None
     name: ClassVar[str] = "longrope"
     length_dependent: ClassVar[bool] = True
 
@@ -266,6 +298,10 @@ class LongRoPEScaling(RopeScaling):
                 )
         if not self.max_context >= self.original_context:
             raise ValueError(f"max_context must be >= original_context={self.original_context}, got {self.max_context}")
+        if self.factor is not None and not 0 < self.factor < math.inf:
+            raise ValueError(f"LongRoPE factor must be a finite number > 0 (or None), got {self.factor!r}")
+        if self.attention_scaling is not None and not 0 < self.attention_scaling < math.inf:
+            raise ValueError(f"attention_scaling must be a finite number > 0 (or None), got {self.attention_scaling!r}")
 
     def inverse_frequencies(self, rotary_dim: int, base: float, length: int | None = None) -> np.ndarray:
         if len(self.short_factor) != rotary_dim // 2:
@@ -295,7 +331,9 @@ class LongRoPEScaling(RopeScaling):
         )
 
     def attention_factor(self, length: int | None = None) -> float:
-        scale = self.max_context / self.original_context
+        if self.attention_scaling is not None:
+            return float(self.attention_scaling)
+        scale = self.factor if self.factor is not None else self.max_context / self.original_context
         if scale <= 1.0:
             return 1.0
         return math.sqrt(1 + math.log(scale) / math.log(self.original_context))

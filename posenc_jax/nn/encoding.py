@@ -47,6 +47,8 @@ class PositionEncoding(nnx.Module):
 
     def __init__(self, encoding, *, num_heads: int, head_dim: int, model_dim: int, rngs: nnx.Rngs):
         self.config = resolve_config(encoding)
+        # The sizes the parameters are made for, so another encoding can be checked against them.
+        self.sizes = (("num_heads", num_heads), ("head_dim", head_dim), ("model_dim", model_dim))
         params = self.config.init(rngs.params(), num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
         self.param_names = tuple(sorted(params))
         for name in self.param_names:

@@ -1,0 +1,105 @@
+"""MkDocs hooks: the encodings page from the registry, and a check that every public name is documented."""
+
+from __future__ import annotations
+
+import html
+import importlib
+import inspect
+import pathlib
+
+# The modules whose ``__all__`` the API pages cover; the build fails if a name lacks its entry.
+API_PAGES = {
+    "api/functional/index.html": ["posenc_jax.functional"],
+    "api/nn/index.html": ["posenc_jax.nn"],
+    "api/hf/index.html": ["posenc_jax.hf"],
+    "api/training/index.html": ["posenc_jax.training", "posenc_jax.generation"],
+    "api/checkpoint/index.html": ["posenc_jax.checkpoint"],
+    "api/linen/index.html": ["posenc_jax.linen"],
+    "api/reference/index.html": ["posenc_jax.reference"],
+    "api/tasks/index.html": ["posenc_jax.tasks"],
+}
+# Packages whose modules' own ``__all__`` names not exported by the package go on the helpers page.
+HELPER_PACKAGES = ("posenc_jax.functional", "posenc_jax.nn")
+
+
+def _helper_names() -> list[str]:
+    """``module.name`` of every name in a module's ``__all__`` that its package does not export."""
+    import pkgutil
+
+    names = []
+    for package_name in HELPER_PACKAGES:
+        package = importlib.import_module(package_name)
+        for info in pkgutil.iter_modules(package.__path__):
+            module = importlib.import_module(f"{package_name}.{info.name}")
+            names += [f"{module.__name__}.{n}" for n in getattr(module, "__all__", []) if n not in package.__all__]
+    return names
+
+
+def _encodings_markdown() -> str:
+    from posenc_jax.functional import encoding_info, encoding_names
+    from posenc_jax.functional.registry import _entry
+
+    parts = []
+    for name in encoding_names():
+        info = encoding_info(name)
+        config_type = _entry(name).config_type
+        module = inspect.getmodule(config_type)
+        if name.startswith("rope-") and config_type.__name__ == "RoPE":  # a RoPE scaling: defined there
+            module = importlib.import_module("posenc_jax.functional.rope_scaling")
+        source = info.source
+        arxiv = f" [arXiv:{source.arxiv}](https://arxiv.org/abs/{source.arxiv})" if source.arxiv else ""
+        settings = ", ".join(f"`{s}`" + (" (required)" if s in info.required else "") for s in info.settings)
+        parts += [
+            f"## `{name}`",
+            "",
+            info.description,
+            "",
+            "| | |",
+            "|---|---|",
+            f"| acts on | `{info.acts_on}` |",
+            f"| hooks | {', '.join(f'`{h}`' for h in info.hooks) or 'none'} |",
+            f"| forms | {', '.join(info.forms)} |",
+            f"| KV cache | {'exact' if info.kv_cache else 'no'} |",
+            f"| length-dependent | {'yes' if info.length_dependent else 'no'} |",
+            f"| config | `{config_type.__module__}.{config_type.__qualname__}` |",
+            f"| settings | {settings or 'none'} |",
+            f"| source | {source.authors.replace(' and ', ', ')} ({source.year}), *{source.title}*.{arxiv} |",
+            "",
+            "**Definition** (from `" + module.__name__ + "`):",
+            "",
+            "```text",
+            inspect.cleandoc(module.__doc__ or "").strip(),
+            "```",
+            "",
+            "**BibTeX**:",
+            "",
+            "```bibtex",
+            source.bibtex,
+            "```",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri == "encodings.md":
+        return markdown.replace("<!-- encodings -->", _encodings_markdown())
+    if page.file.src_uri == "api/helpers.md":
+        return markdown.replace("<!-- helpers -->", "\n\n".join(f"::: {name}" for name in _helper_names()))
+    return markdown
+
+
+def on_post_build(config):
+    site = pathlib.Path(config["site_dir"])
+    missing = []
+    for page, modules in API_PAGES.items():
+        text = html.unescape((site / page).read_text())
+        for module_name in modules:
+            module = importlib.import_module(module_name)
+            for name in module.__all__:
+                if f'id="{module_name}.{name}"' not in text:
+                    missing.append(f"{module_name}.{name} (on {page})")
+    helpers = html.unescape((site / "api/helpers/index.html").read_text())
+    missing += [f"{name} (on api/helpers/index.html)" for name in _helper_names() if f'id="{name}"' not in helpers]
+    if missing:
+        raise SystemExit(f"public names without an API entry: {', '.join(missing)}")
