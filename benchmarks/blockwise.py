@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from posenc_jax.functional import dot_product_attention, encoding_config
 
-ENCODINGS = ("nope", "rope", "alibi", "t5", "shaw", "deberta")
+ENCODINGS = ("rope", "alibi", "t5", "shaw", "deberta", "nope")
 LENGTHS = (1024, 4096, 16384, 65536, 131072)
 B, N, H = 1, 4, 64
 
@@ -66,9 +66,10 @@ def _bytes(compiled) -> int:
     return memory.temp_size_in_bytes + memory.argument_size_in_bytes + memory.output_size_in_bytes
 
 
-def _time(compiled, hooks, length: int, rounds: int) -> float:
+def _time(compiled, hooks, length: int, rounds: int, warm_up: bool = True) -> float:
     q, k, v = (jax.random.normal(jax.random.key(i), (B, length, N, H)) for i in range(3))
-    compiled(q, k, v, hooks).block_until_ready()  # first run: allocation, caches
+    if warm_up:  # a first run (allocation, caches) is not counted; skipped when one run takes minutes
+        compiled(q, k, v, hooks).block_until_ready()
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -89,6 +90,9 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=5, help="timed runs per cell (fewer when one run is long)")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="skip timing a cell estimated above this")
     parser.add_argument("--memory-limit-gib", type=float, default=20.0, help="do not run programs needing more")
+    parser.add_argument(
+        "--time-materialize-up-to", type=int, default=4096, help="time the materialising path up to this length"
+    )
     args = parser.parse_args(argv)
     limit = args.memory_limit_gib * 2**30
 
@@ -110,11 +114,14 @@ def main(argv=None) -> None:
                 estimate = per_element.get(name, 0.0) * length * length / 2
                 if need > limit:
                     cells[implementation] = (need, None, "does not fit")
+                elif implementation == "materialize" and length > args.time_materialize_up_to:
+                    cells[implementation] = (need, None, "not timed")
                 elif estimate > args.max_seconds:
                     cells[implementation] = (need, None, f"~{estimate:.0f} s, not timed")
                 else:
                     rounds = args.rounds if estimate < 5 else 1
-                    seconds = _time(compiled, hooks, length, rounds)
+                    long = estimate > 30 or (not estimate and length > 16384)
+                    seconds = _time(compiled, hooks, length, rounds, warm_up=not long)
                     if implementation == "blockwise":
                         per_element[name] = seconds / (length * length / 2)
                     cells[implementation] = (need, seconds, f"{seconds:.3g}")
