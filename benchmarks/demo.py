@@ -3,11 +3,11 @@
     python benchmarks/demo.py [--out results/demo]
 
 It prints, computed now on this machine:
-  1. the sinusoidal table against d2l's (seed 002) and the shift-by-k rotation (seeds 001/002);
-  2. the neighbour similarity <PE(t), PE(t+k)> (seed 001), symmetric and decaying;
+  1. the sinusoidal table against d2l's and the shift-by-k rotation;
+  2. the neighbour similarity <PE(t), PE(t+k)>, symmetric and decaying;
   3. RoPE: scores depend only on n - m; the phase error at position 100,000,
      exact-modulo-2π phases versus a plain float32 product;
-  4. a learned absolute table asked for a position past its end (seed 003): an error.
+  4. a learned absolute table asked for a position past its end: an error.
 and writes two PNGs (needs matplotlib, the ``bench`` extra): the sinusoidal heat map
 of d2l §11.6 and the neighbour-similarity curve.
 
@@ -94,7 +94,7 @@ def _rope() -> None:
         f"{np.abs(scores(pos) - scores(pos + 50_000)).max():.2e}"
     )
     print(
-        f"    agreement with Su's pseudocode (seed 000): max |diff| = "
+        f"    agreement with Su's pseudocode: max |diff| = "
         f"{np.abs(np.asarray(apply_rope(q, pos)) - su_rope(np.asarray(q), np.asarray(pos))).max():.2e}"
     )
     freq = rope_inverse_frequencies(128)

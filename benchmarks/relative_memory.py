@@ -6,7 +6,7 @@ For each relative encoding, one head, H = 64, clip distance / span k = 128:
 
 * compiled temporary memory (``jax.jit(f).lower(...).compile().memory_analysis()``)
   at T = S = ``--length`` of the fast path and of a reference-style version that
-  materialises the relative tensor as the seed's pseudocode does (``R[T, S, H]``,
+  materialises the relative tensor as the survey's pseudocode does (``R[T, S, H]``,
   or the ``[T, S]`` bucket matrix for the bias encodings), each as a ratio to plain
   attention's;
 * steady-state time of the fast path at T = S = ``--time-length`` as a ratio to
@@ -89,7 +89,7 @@ def _cases(rng):
     def shaw_index(qp, kp):
         return jnp.clip(_rel(qp, kp), -K_CLIP, K_CLIP) + K_CLIP
 
-    # Reference styles: the seed's einsums over a materialised R[i, j, :].
+    # Reference styles: the survey's einsums over a materialised R[i, j, :].
     shaw_ref = _attention(
         lambda q, k, qp, kp: jnp.einsum("BTNH,TSH->BNTS", q, pk[shaw_index(qp, kp)]) * scale,
         lambda w, qp, kp: jnp.einsum("BNTS,TSH->BTNH", w, pv[shaw_index(qp, kp)]),

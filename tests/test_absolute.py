@@ -20,7 +20,7 @@ from posenc_jax.reference import d2l_positional_encoding
 
 @pytest.mark.parametrize("dim", [2, 32, 100])
 def test_sinusoidal_matches_d2l_table(dim, maybe_jit):
-    # Seed 002: d2l's PositionalEncoding with max_len=1000 (its default).
+    # d2l §11.6: its PositionalEncoding with max_len=1000 (its default).
     fn = maybe_jit(lambda p: sinusoidal_encoding(p, dim))
     got = fn(jnp.arange(1000))
     chex.assert_shape(got, (1000, dim))
@@ -42,7 +42,7 @@ def test_sinusoidal_any_positions_no_ceiling(maybe_jit):
 
 
 def _shift_matrix(k, dim, base=10000.0):
-    """M_k of seed 001/002: the block rotation taking PE(t) to PE(t+k), built from k alone."""
+    """M_k of the shift-by-k proof: the block rotation taking PE(t) to PE(t+k), built from k alone."""
     M = np.zeros((dim, dim))
     for i, w in enumerate(np.power(base, -np.arange(0, dim, 2) / dim)):
         c, s = np.cos(k * w), np.sin(k * w)
@@ -61,7 +61,7 @@ def test_shift_is_a_rotation_independent_of_t(k):
     # M_k is orthogonal with determinant 1: a rotation.
     np.testing.assert_allclose(M @ M.T, np.eye(dim), atol=1e-12)
     assert np.linalg.det(M) == pytest.approx(1.0)
-    # Seed 001's proof solves, for each sin/cos pair, for the 2x2 map (u1, v1; u2, v2) taking
+    # The shift-by-k proof solves, for each sin/cos pair, for the 2x2 map (u1, v1; u2, v2) taking
     # PE(t) to PE(t+k). Fitting it by least squares on early positions alone recovers M_k's
     # block, and that same block maps late positions too: the map does not depend on t.
     early, late = np.arange(300, 1100), np.arange(1500, 2000)
@@ -73,7 +73,7 @@ def test_shift_is_a_rotation_independent_of_t(k):
 
 
 def test_neighbour_similarity_symmetric_depends_only_on_offset_and_decays():
-    # Seed 001: <PE(t), PE(t+k)> = sum_i cos(k w_i) is symmetric in k, the same for every t,
+    # <PE(t), PE(t+k)> = sum_i cos(k w_i) is symmetric in k, the same for every t,
     # and decays as |k| grows over the first offsets.
     dim = 128
     P = np.asarray(sinusoidal_encoding(jnp.arange(0, 600), dim), np.float64)

@@ -1,4 +1,4 @@
-"""Relative encodings: fast paths against the seed-pseudocode references, any positions."""
+"""Relative encodings: fast paths against the pseudocode references, any positions."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""RoPE against Su's pseudocode (seed 000) and the properties the paper proves."""
+"""RoPE against Su's pseudocode and the properties the paper proves."""
 
 import math
 

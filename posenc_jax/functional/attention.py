@@ -1,6 +1,6 @@
 """The one attention function every encoding plugs into.
 
-Scaled dot-product attention written with the seed's einsums
+Scaled dot-product attention written with the survey pseudocode's einsums
 (``'BTNH,BSNH->BNTS'`` then ``'BNTS,BSNH->BTNH'``), in four named stages:
 
 1. **checks** (:func:`_checked_call`): shapes, positions, masks, and the

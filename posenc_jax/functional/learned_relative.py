@@ -1,4 +1,4 @@
-"""Learned clipped relative bias (seed 003): one learned scalar per head and distance.
+"""Learned clipped relative bias (T5-style, without buckets): one learned scalar per head and distance.
 
 ``logits[n, t, s] += table[clip(key_pos[s] - query_pos[t], -k, k) + k, n]`` with a
 ``[2k+1, N]`` table; distances beyond ±k share the end rows. Like T5 without the
@@ -85,13 +85,13 @@ class ClippedRelativeBias(BiasHook):
 
 @register_encoding(
     "clipped-bias",
-    description="A learned scalar per head and distance, distances clipped to [-k, k] (seed 003).",
+    description="A learned scalar per head and distance, distances clipped to [-k, k].",
     source=SHAW,
     small_settings=dict(max_distance=3),
 )
 @pytree_dataclass
 class ClippedBiasConfig(EncodingConfig):
-    """Learned clipped relative bias ``[2k+1, N]``, N(0, 0.02) as in seed 003."""
+    """Learned clipped relative bias ``[2k+1, N]``, N(0, 0.02) at init."""
 
     max_distance: int = 128
     init_std: float = 0.02

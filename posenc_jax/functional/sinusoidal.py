@@ -1,4 +1,4 @@
-"""The sinusoidal absolute encoding (Vaswani et al. 2017; seeds 001 and 002).
+"""The sinusoidal absolute encoding (Vaswani et al. 2017; d2l §11.6).
 
 It fills the ``embed`` hook: added to the token embeddings ``x`` ``[B, T, D]`` before
 the first layer, so the attention itself stays position-blind.
@@ -37,7 +37,7 @@ def sinusoidal_encoding(positions, dim: int, *, base: float = 10000.0) -> jax.Ar
     """The fixed sinusoidal position encoding of Vaswani et al. 2017.
 
     ``P[t, 2i] = sin(t / base**(2i/dim))`` and ``P[t, 2i+1] = cos(t / base**(2i/dim))``:
-    sines on even columns, cosines on odd ones, as in d2l §11.6 (seed 002).
+    sines on even columns, cosines on odd ones, as in d2l §11.6.
     Any integer positions work (negative, offset, gapped, past any training
     length); there is no ``max_len``. For a fixed offset k, ``P[t+k] = M_k P[t]``
     with ``M_k`` a block rotation that does not depend on t.

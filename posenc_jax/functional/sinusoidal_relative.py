@@ -1,8 +1,8 @@
 """Functional (sinusoidal) relative encoding: a fixed sinusoid of the distance as R.
 
 ``logits[t, s] = scale · q_t · PE(key_pos[s] - query_pos[t])`` where ``PE`` is the
-parameter-free sinusoidal table of seed 002 evaluated at the relative distance
-(seed 003's functional relative encoding, used as Shaw's R without parameters).
+parameter-free sinusoidal table of d2l §11.6 evaluated at the relative distance
+(the functional relative encoding of the RoPE derivation tutorial, used as Shaw's R without parameters).
 
 Computed without any ``[T, S, H]`` tensor, exactly, for any positions: with
 ``α = query_pos · ω`` and ``β = key_pos · ω``, ``sin(β - α)`` and ``cos(β - α)``
@@ -44,7 +44,7 @@ def sinusoidal_relative_logits(
 
     ``PE(d)`` is the sinusoidal encoding of width D at distance d: sines and
     cosines of ``d · base**(-2i/D)``, interleaved (``[sin, cos, sin, cos, ...]``,
-    seed 002) or concatenated (``[sin..., cos...]``, Transformer-XL).
+    d2l §11.6) or concatenated (``[sin..., cos...]``, Transformer-XL).
 
     Args:
       g: ``[B, T, N, D]`` per-query coefficients (D even).
@@ -89,12 +89,12 @@ def sinusoidal_relative_logits(
 
 @register_encoding(
     "functional-relative",
-    description="The query dotted with the sinusoidal table of j - i (seed 003's functional relative encoding).",
+    description="The query dotted with the sinusoidal table of j - i (a functional relative encoding: Shaw's R as a fixed function).",
     source=VASWANI,
 )
 @pytree_dataclass
 class SinusoidalRelative(ParameterFree):
-    """Parameter-free functional relative encoding as a ``logits`` hook (seed 003).
+    """Parameter-free functional relative encoding as a ``logits`` hook.
 
     ``logits[t, s] = scale · q_t · PE(key_pos[s] - query_pos[t])`` with ``PE`` the
     interleaved sinusoidal table of width H; ``scale`` defaults to the

@@ -2,7 +2,7 @@
 
 These are the obviously-correct references that every fast path in
 ``posenc_jax.functional`` is tested against. They follow the seeds line by line
-(d2l's ``PositionalEncoding``, Su's RoPE pseudocode, the seed's attention and
+(d2l's ``PositionalEncoding``, Su's RoPE pseudocode, the survey's attention and
 relative-encoding einsums) or the reference code a docstring names, may
 materialise whatever they like, and are not meant to be fast.
 """

@@ -1,4 +1,4 @@
-"""Reference sinusoidal table: d2l §11.6 ``PositionalEncoding`` (seed 002), in float64."""
+"""Reference sinusoidal table: d2l §11.6 ``PositionalEncoding``, in float64."""
 
 import numpy as np
 
@@ -6,7 +6,7 @@ import numpy as np
 def d2l_positional_encoding(max_len: int, num_hiddens: int) -> np.ndarray:
     """``P`` of d2l's ``PositionalEncoding``: ``[max_len, num_hiddens]`` float64.
 
-    Transliterated from the seed::
+    Transliterated from the source::
 
         X = arange(max_len).reshape(-1, 1) / power(10000, arange(0, num_hiddens, 2) / num_hiddens)
         P[:, :, 0::2] = sin(X)

@@ -1,4 +1,4 @@
-"""Reference attention: the seed's einsums (seed 000), in float64."""
+"""Reference attention: the survey pseudocode's einsums, in float64."""
 
 import numpy as np
 
@@ -8,7 +8,7 @@ def seed_attention(Q, K, V, mask=None, bias=None):
 
     Q: ``[b, i, k]``, K and V: ``[b, j, k]`` (one head per leading index),
     mask: boolean ``[b, i, j]`` (True = attend), bias: ``[b, i, j]`` added after
-    the scaling. Fully masked rows give zeros. Transliterated from the seed::
+    the scaling. Fully masked rows give zeros. Transliterated from the source::
 
         Attn = softmax(einsum("bik,bjk->bij", Q, K) / sqrt(d))
         O = einsum("bij,bjk->bik", Attn, V)

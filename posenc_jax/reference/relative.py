@@ -1,8 +1,8 @@
 """Reference relative encodings, float64 NumPy, materialising R as ``[T, S, ...]`` on purpose.
 
-Each follows the seed's einsum pseudocode (seed 000) or the reference code named
+Each follows the survey's einsum pseudocode or the reference code named
 in its docstring. Positions are 1-D: ``q_pos`` ``[T]`` and ``k_pos`` ``[S]``; tensors
-carry a leading batch-of-heads axis ``b`` as in the seed (``Q`` ``[b, i, k]``).
+carry a leading batch-of-heads axis ``b`` as in that pseudocode (``Q`` ``[b, i, k]``).
 """
 
 import math
@@ -20,7 +20,7 @@ def _softmax(logits, mask):
 
 
 def shaw_attention(Q, K, V, P_K, P_V, q_pos, k_pos, max_distance, mask=None):
-    """Shaw et al. 2018, the seed's pseudocode with ``R[i, j] = P[clip(k_pos[j] - q_pos[i], -k, k) + k]``::
+    """Shaw et al. 2018, the survey's pseudocode with ``R[i, j] = P[clip(k_pos[j] - q_pos[i], -k, k) + k]``::
 
         Attn = softmax((einsum("bik,bjk->bij", Q, K) + einsum("bik,ijk->bij", Q, R_K)) / sqrt(d))
         O = einsum("bij,bjk->bik", Attn, V) + einsum("bij,ijk->bik", Attn, R_V)
@@ -57,7 +57,7 @@ def sinusoid(distance, dim, layout="interleaved", base=10000.0):
 
 
 def functional_relative_logits(Q, q_pos, k_pos, base=10000.0):
-    """Seed 003's functional relative encoding as Shaw's fixed R: ``einsum("bik,ijk->bij", Q, R) / sqrt(d)``."""
+    """The functional relative encoding as Shaw's fixed R: ``einsum("bik,ijk->bij", Q, R) / sqrt(d)``."""
     Q = np.asarray(Q, np.float64)
     d = Q.shape[-1]
     R = sinusoid(np.asarray(k_pos)[None, :] - np.asarray(q_pos)[:, None], d, base=base)  # [i, j, d]
@@ -65,7 +65,7 @@ def functional_relative_logits(Q, q_pos, k_pos, base=10000.0):
 
 
 def transformer_xl_logits(q, k, W_R, u, v, q_pos, k_pos, base=10000.0):
-    """All four Transformer-XL terms (Dai et al. 2019, appendix B), seed 000's XLNet pseudocode::
+    """All four Transformer-XL terms (Dai et al. 2019, appendix B), the survey's XLNet pseudocode::
 
         (einsum("bik,bjk->bij", Q, K) + einsum("bik,ijk->bij", Q, R)
          + einsum("bik,bjk->bij", u, K) + einsum("bik,ijk->bij", v, R)) / sqrt(d)
@@ -117,7 +117,7 @@ def t5_bias(table, q_pos, k_pos, bidirectional=True, max_distance=128):
 
 
 def clipped_relative_bias(table, q_pos, k_pos, max_positions):
-    """Seed 003's ``RelativePositionalBias.forward``: clamp, shift, look up, permute to ``[N, T, S]``."""
+    """A PyTorch ``RelativePositionalBias.forward`` (the RoPE tutorial's): clamp, shift, look up, permute to ``[N, T, S]``."""
     relative_position = np.asarray(k_pos)[None, :] - np.asarray(q_pos)[:, None]
     relative_position = np.clip(relative_position, -max_positions, max_positions) + max_positions
     return np.asarray(table, np.float64)[relative_position].transpose(2, 0, 1)
@@ -146,7 +146,7 @@ def deberta_c2p_p2c(q, k, pos_query, pos_key, q_pos, k_pos, span, position_bucke
     ``relative_pos = q_ids - k_ids``; c2p gathers ``q · pos_keyᵀ`` at
     ``clamp(relative_pos + span)``; p2c gathers ``k · pos_queryᵀ`` at
     ``clamp(-r_pos + span)`` with ``r_pos = k_ids - q_ids`` laid out ``[key, query]``,
-    then transposes. Materialised here as ``R[i, j]`` tensors as in the seed's
+    then transposes. Materialised here as ``R[i, j]`` tensors as in the survey's
     pseudocode. q: ``[T, N, H]``, k: ``[S, N, H]``, pos_*: ``[2·span, N, H]``.
     Returns ``[N, T, S]`` including the ``1/√(3H)`` scale.
     """

@@ -1,4 +1,4 @@
-"""Reference RoPE: Su's pseudocode (seed 000) and the explicit rotation-matrix form, in float64."""
+"""Reference RoPE: Su's pseudocode and the explicit rotation-matrix form, in float64."""
 
 import numpy as np
 
@@ -16,7 +16,7 @@ def _sinusoidal_pos(positions: np.ndarray, hidden_size: int, base: float) -> np.
 def su_rope(qw: np.ndarray, positions: np.ndarray, base: float = 10000.0) -> np.ndarray:
     """Su's RoPE pseudocode, line for line, for ``qw`` of shape ``[batch, seq_len, heads, d]``.
 
-    From seed 000 (the RoFormer authors' reference)::
+    From the RoFormer authors' reference pseudocode::
 
         cos_pos = repeat_elements(sinusoidal_pos[..., None, 1::2], rep=2, axis=-1)
         sin_pos = repeat_elements(sinusoidal_pos[..., None, ::2], rep=2, axis=-1)
