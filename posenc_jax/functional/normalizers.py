@@ -3,7 +3,8 @@
 With softmax every row of attention weights sums to 1. On n identical tokens all
 values are equal, so every position receives the same mixture, and a model whose
 only positional information sits in the logits (NoPE, T5, ALiBi, RoPE, ...) gives
-the same output at every position (Su 2022, "a theoretical flaw of relative position encodings"; Luo et al. 2022). Normalisers
+the same output at every position (Su 2022, on a theoretical flaw of relative
+position encodings; Luo et al. 2022). Normalisers
 whose row sums can vary with position lift that limit:
 
 * :func:`softmax_weights` — ``exp(s) / Σ exp(s)`` (the default; rows sum to 1).

@@ -89,7 +89,7 @@ def sinusoidal_relative_logits(
 
 @register_encoding(
     "functional-relative",
-    description="The query dotted with the sinusoidal table of j - i (a functional relative encoding: Shaw's R as a fixed function).",
+    description="The query dotted with the sinusoidal table of j - i (Shaw's R as a fixed function).",
     source=VASWANI,
 )
 @pytree_dataclass

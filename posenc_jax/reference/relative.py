@@ -117,7 +117,7 @@ def t5_bias(table, q_pos, k_pos, bidirectional=True, max_distance=128):
 
 
 def clipped_relative_bias(table, q_pos, k_pos, max_positions):
-    """A PyTorch ``RelativePositionalBias.forward`` (the RoPE tutorial's): clamp, shift, look up, permute to ``[N, T, S]``."""
+    """A PyTorch ``RelativePositionalBias.forward``: clamp, shift, look up, permute to ``[N, T, S]``."""
     relative_position = np.asarray(k_pos)[None, :] - np.asarray(q_pos)[:, None]
     relative_position = np.clip(relative_position, -max_positions, max_positions) + max_positions
     return np.asarray(table, np.float64)[relative_position].transpose(2, 0, 1)
