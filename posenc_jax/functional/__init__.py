@@ -56,7 +56,7 @@ from posenc_jax.functional.registry import (
     encoding_names,
     register_encoding,
 )
-from posenc_jax.functional.rope import RoPE, apply_rope, apply_rope_qk
+from posenc_jax.functional.rope import RoPE, RotaryTable, apply_rope, apply_rope_qk
 from posenc_jax.functional.rope_scaling import (
     DynamicNTKScaling,
     LinearScaling,
@@ -133,6 +133,7 @@ __all__ = [
     "NoPE",
     "RandomizedPositions",
     "RoPE",
+    "RotaryTable",
     "Sandwich",
     "Shaw",
     "ShawConfig",
