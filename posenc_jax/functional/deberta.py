@@ -23,6 +23,7 @@ Disentangled Attention", ICLR 2021, arXiv:2006.03654.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -39,7 +40,14 @@ from posenc_jax.functional.relative import (
     relative_positions,
 )
 
-__all__ = ["DeBERTa", "DeBERTaConfig", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
+__all__ = [
+    "DeBERTa",
+    "DeBERTaConfig",
+    "deberta_key_projection",
+    "deberta_log_bucket",
+    "deberta_logits",
+    "deberta_relative_index",
+]
 
 DEBERTA = Source.paper(
     "he2021deberta",
@@ -128,6 +136,7 @@ def deberta_logits(
     terms: tuple[str, ...] = _TERMS,
     scale: float | None = None,
     block_elements: int = 1 << 20,
+    key_projection=None,
 ):
     """DeBERTa's c2p and p2c terms, ``[B, N, T, S]`` float32, already scaled.
 
@@ -142,6 +151,10 @@ def deberta_logits(
       terms: any of ``"c2p"``, ``"p2c"``.
       scale: default ``1/√(H · (1 + len(terms)))``.
       block_elements: about how many scores each block of query rows holds.
+      key_projection: optional :func:`deberta_key_projection` of the keys, computed earlier
+        (a KV cache stores it); p2c then reads it instead of projecting every key. It holds
+        the slots of keys at or before the query only: valid in causal attention, where
+        later keys are masked.
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); r = jnp.ones((8, 2, 4))
@@ -162,7 +175,9 @@ def deberta_logits(
     c2p = p2c = None
     if "c2p" in terms:
         c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)  # [B, N, T, 2span]
-    if "p2c" in terms:
+    if "p2c" in terms and key_projection is not None:
+        p2c = jnp.swapaxes(key_projection, 1, 2)  # [B, N, S, span]: slots span .. 2span - 1
+    elif "p2c" in terms:
         keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
         p2c = jnp.einsum("BSNH,RNH->BNSR", keys, pos_query, preferred_element_type=jnp.float32)  # [B, N, S, 2span]
 
@@ -180,13 +195,31 @@ def deberta_logits(
         total = 0.0
         if c2p is not None:
             total = total + gather_relative(jax.lax.dynamic_slice_in_dim(c2p, start, rows, axis=2), index)
-        if p2c is not None:
+        if p2c is not None and key_projection is not None:
+            total = total + gather_relative_transposed(p2c, jnp.maximum(index - span, 0))
+        elif p2c is not None:
             total = total + gather_relative_transposed(p2c, index)
         return total * jnp.float32(scale)
 
     batch = max(q.shape[0], query_positions.shape[0])
     out_shape = (batch, num_heads, q.shape[1], k.shape[1])
     return by_query_blocks(block, out_shape, jnp.float32, block_elements=block_elements)
+
+
+def deberta_key_projection(k, pos_query, *, span: int) -> jax.Array:
+    """Each key's position-to-content projections ``k_s · Q_r[span + j]``, ``[B, S, N, span]`` float32.
+
+    The slots ``span .. 2·span - 1`` are those of keys at or before the query (DeBERTa's
+    slot is ``clip(bucket(query_pos - key_pos) + span, 0, 2·span - 1)``); they depend on the
+    key alone, so a KV cache computes them once per key instead of at every step.
+
+    Example:
+      >>> deberta_key_projection(jnp.ones((1, 5, 2, 4)), jnp.ones((8, 2, 4)), span=4).shape
+      (1, 5, 2, 4)
+    """
+    num_heads = np.shape(pos_query)[1]
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    return jnp.einsum("BSNH,RNH->BSNR", keys, pos_query[span:], preferred_element_type=jnp.float32)
 
 
 def _check_span(span, position_buckets):
@@ -230,16 +263,32 @@ class DeBERTa:
     max_relative_positions: int = 512
     terms: tuple[str, ...] = _TERMS
     scale: float | None = None
+    key_projection: jax.Array | None = parameter(default=None)
 
     def __post_init__(self):
         _check_terms(self.terms)
         _check_span(self.span, self.position_buckets)
+
+    def key_features(self, k, key_positions):
+        """What a KV cache stores per key: :func:`deberta_key_projection` (None without the p2c term)."""
+        if "p2c" not in self.terms:
+            return None
+        return deberta_key_projection(k, self.pos_query, span=self.span)
+
+    def with_key_features(self, features) -> DeBERTa:
+        """This hook reading every key's p2c projections from ``features`` (a KV cache's); causal only."""
+        return dataclasses.replace(self, key_projection=features)
 
     def score_scale(self, head_dim: int) -> float:
         """``1/√(H · (1 + number of position terms))``, for the content score too."""
         return _score_scale(head_dim, self.terms) if self.scale is None else self.scale
 
     def logits(self, q, k, context: AttentionContext):
+        if self.key_projection is not None and not context.causal:
+            raise ValueError(
+                "DeBERTa's cached key projections hold the slots of earlier keys only, so they need causal "
+                "attention (causal=True), got causal=False"
+            )
         return deberta_logits(
             q,
             k,
@@ -252,6 +301,7 @@ class DeBERTa:
             max_relative_positions=self.max_relative_positions,
             terms=self.terms,
             scale=context.scale if self.scale is None else self.scale,
+            key_projection=self.key_projection,
         )
 
 

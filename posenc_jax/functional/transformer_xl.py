@@ -22,13 +22,15 @@ arXiv:1906.08237.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.sinusoidal_relative import sinusoidal_relative_logits
+from posenc_jax.functional.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "rel_shift", "transformer_xl_logits"]
 
@@ -90,6 +92,7 @@ def transformer_xl_logits(
     position_bias,
     scale: float | None = None,
     base: float = 10000.0,
+    key_features: dict | None = None,
 ):
     """Terms (b) + (c) + (d) of Transformer-XL attention, ``[B, N, T, S]`` float32.
 
@@ -101,6 +104,9 @@ def transformer_xl_logits(
       content_bias: ``u`` ``[N, H]``; position_bias: ``v`` ``[N, H]``.
       scale: default ``1/√H`` (the paper scales all four terms together).
       base: sinusoid base.
+      key_features: optional per-key parts computed earlier (a KV cache stores them, see
+        :meth:`TransformerXL.key_features`): ``"sinusoids"`` ``[B, S, D]`` and ``"content"``
+        ``[B, S, N]`` (``u · k_s``); computed from ``k`` and ``key_positions`` when None.
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); k = jnp.ones((1, 5, 2, 4))
@@ -111,15 +117,28 @@ def transformer_xl_logits(
       (1, 2, 3, 5)
     """
     _check_params(q, position_projection, content_bias, position_bias)
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    head_dim = q.shape[-1]
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
-    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
-    content = jnp.einsum("NH,BSNH->BNS", content_bias, keys, preferred_element_type=jnp.float32)[:, :, None, :]
+    if key_features is None:
+        key_features = _key_features(k, key_positions, content_bias, np.shape(position_projection)[0], base)
+    content = jnp.swapaxes(key_features["content"], 1, 2)[:, :, None, :]  # [B, N, 1, S]
     shifted_q = q.astype(jnp.float32) + jnp.asarray(position_bias, jnp.float32)[None, None]
     g = jnp.einsum("BTNH,DNH->BTND", shifted_q, position_projection, preferred_element_type=jnp.float32)
-    position = sinusoidal_relative_logits(g, query_positions, key_positions, sign=-1, layout="half", base=base)
+    position = sinusoidal_relative_logits(
+        g, query_positions, key_positions, sign=-1, layout="half", base=base, key_features=key_features["sinusoids"]
+    )
     return (content + position) * jnp.float32(scale)
+
+
+def _key_features(k, key_positions, content_bias, dim: int, base: float) -> dict:
+    """The per-key parts of the Transformer-XL terms: the key sinusoids and ``u · k_s`` per head."""
+    num_heads = np.shape(content_bias)[0]
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    return {
+        "sinusoids": key_sinusoids(key_positions, dim, base=base),  # [B|1, S, D]
+        "content": jnp.einsum("NH,BSNH->BSN", content_bias, keys, preferred_element_type=jnp.float32),
+    }
 
 
 @pytree_dataclass
@@ -143,6 +162,17 @@ class TransformerXL:
     position_bias: jax.Array = parameter()
     scale: float | None = None
     base: float = 10000.0
+    cached_keys: dict | None = parameter(default=None)
+
+    def key_features(self, k, key_positions) -> dict:
+        """What a KV cache stores per key: the key sinusoids ``[B, S, D]`` and ``u · k_s`` ``[B, S, N]``."""
+        features = _key_features(k, key_positions, self.content_bias, np.shape(self.position_projection)[0], self.base)
+        sinusoids = features["sinusoids"]
+        return {**features, "sinusoids": jnp.broadcast_to(sinusoids, (k.shape[0],) + sinusoids.shape[1:])}
+
+    def with_key_features(self, features: dict) -> TransformerXL:
+        """This hook reading the per-key parts of every key from ``features`` (a KV cache's)."""
+        return dataclasses.replace(self, cached_keys=features)
 
     def logits(self, q, k, context: AttentionContext):
         return transformer_xl_logits(
@@ -155,6 +185,7 @@ class TransformerXL:
             position_bias=self.position_bias,
             scale=context.scale if self.scale is None else self.scale,
             base=self.base,
+            key_features=self.cached_keys,
         )
 
 
