@@ -250,7 +250,7 @@ def _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k: i
     # offset first keeps the sum in int32 and changes no slot.
     reach = k + q_len + k_len
     offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)  # [B|1, 1]
-    distance = offset + jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1)  # [B|1, T + S - 1]
+    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
     slots = jnp.broadcast_to(jnp.clip(distance, -k, k) + k, (batch, q_len + k_len - 1))
     return jax.ops.segment_sum(
         jnp.moveaxis(sums, 1, -1).reshape(-1, sums.shape[1]), slots.reshape(-1), num_segments=num_slots
