@@ -22,6 +22,7 @@ from posenc_jax.functional import (
     rel_shift,
     shaw_value_term,
     t5_relative_bucket,
+    transformer_xl_logits,
 )
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.positions import batched_positions
@@ -489,3 +490,37 @@ def test_diagonal_sums_match_numpy(rng):
     got = np.asarray(diagonal_sums(jnp.asarray(x, jnp.float32)))
     want = np.stack([[np.trace(row, offset=c - 4) for c in range(12)] for row in x])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "query_positions, key_positions",
+    [
+        (np.arange(2, 7), np.arange(7)),
+        (np.arange(5) + 300, np.arange(5) + 300),
+        (np.array([0, 1, 4, 5, 6]), np.arange(7)),
+    ],
+    ids=["last-keys", "self-offset", "gaps"],
+)
+def test_transformer_xl_causal_ladder_equals_the_identity_with_gradients(rng, query_positions, key_positions):
+    # Causal attention with queries the last T of S consecutive keys takes the paper's ladder and shift;
+    # other positions the sinusoid identity. On the keys a query sees, values and gradients agree.
+    q = jnp.asarray(rng.normal(size=(2, 5, N, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, len(key_positions), N, H)), jnp.float32)
+    params = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((12, N, H), (N, H), (N, H))]
+    qp, kp = jnp.asarray(query_positions), jnp.asarray(key_positions)
+    seen = jnp.asarray(key_positions[None, :] <= query_positions[:, None])
+    weights = jnp.asarray(rng.normal(size=(2, N, 5, len(key_positions))), jnp.float32)
+
+    def loss(q, k, w_r, u, v, causal):
+        logits = transformer_xl_logits(
+            q, k, qp, kp, position_projection=w_r, content_bias=u, position_bias=v, causal=causal
+        )
+        return (jnp.where(seen, logits, 0.0) * weights).sum()
+
+    for causal_grad, identity_grad in zip(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)(q, k, *params, True),
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, *params, False),
+        strict=True,
+    ):
+        np.testing.assert_allclose(causal_grad, identity_grad, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(loss(q, k, *params, True), loss(q, k, *params, False), rtol=1e-5)

@@ -4,10 +4,12 @@ Pure: ``append`` returns a new cache. What a decoding step would otherwise recom
 for every cached key is stored once, when the key arrives:
 
 * keys after rotation, when every ``rotate`` hook of the layer rotates a key by its own
-  position alone (RoPE and its fixed scalings, axial RoPE: ``rotates_per_token``), which
-  is exact; otherwise (dynamic NTK and LongRoPE follow the current length, xPos the
-  queries' centre) keys are stored as projected and rotated again at every step, so each
-  token decodes exactly as the full forward pass of its prefix does;
+  position alone (RoPE and its fixed scalings, axial RoPE: ``rotates_per_token``) or by
+  its own position and a fixed reference (xPos, scaled about the first cached token's
+  position instead of the queries' centre, which cancels in every score); otherwise
+  (dynamic NTK and LongRoPE follow the current length) keys are stored as projected and
+  rotated again at every step, so each token decodes exactly as the full forward pass of
+  its prefix does;
 * per-key terms of the layer's encodings (``features``): DeBERTa's position-to-content
   projections of each key, Transformer-XL's sinusoids of each key position and its
   content-bias term (see :class:`CachedKeyTerm`).

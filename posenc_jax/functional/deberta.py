@@ -135,8 +135,9 @@ def deberta_logits(
     max_relative_positions: int = 512,
     terms: tuple[str, ...] = _TERMS,
     scale: float | None = None,
-    block_elements: int = 1 << 20,
+    block_elements: int | None = None,
     key_projection=None,
+    causal: bool = False,
 ):
     """DeBERTa's c2p and p2c terms, ``[B, N, T, S]`` float32, already scaled.
 
@@ -150,11 +151,17 @@ def deberta_logits(
       max_relative_positions: the log buckets' reach.
       terms: any of ``"c2p"``, ``"p2c"``.
       scale: default ``1/√(H · (1 + len(terms)))``.
-      block_elements: about how many scores each block of query rows holds.
+      block_elements: None (the default) computes the term in one piece, whose gathers XLA
+        fuses into the attention's score computation under ``jax.jit`` (no ``[B, N, T, S]``
+        term is stored); a number computes it by blocks of query rows holding about that
+        many scores each (a ``fori_loop``; the whole term is then stored once).
       key_projection: optional :func:`deberta_key_projection` of the keys, computed earlier
         (a KV cache stores it); p2c then reads it instead of projecting every key. It holds
         the slots of keys at or before the query only: valid in causal attention, where
         later keys are masked.
+      causal: the attention masks keys after the query (by position). Every key a query
+        sees is then at or before it, in the slots ``span .. 2·span - 1``: only those are
+        projected (half the work); the values at masked keys are finite but meaningless.
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); r = jnp.ones((8, 2, 4))
@@ -172,18 +179,17 @@ def deberta_logits(
     if scale is None:
         scale = _score_scale(head_dim, terms)
     query_positions = batched_positions(query_positions, "query_positions")
+    # With causal attention (or cached key projections) only the slots of earlier keys are needed.
+    first_slot = span if (causal or key_projection is not None) else 0
     c2p = p2c = None
     if "c2p" in terms:
-        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)  # [B, N, T, 2span]
+        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key[first_slot:], preferred_element_type=jnp.float32)
     if "p2c" in terms and key_projection is not None:
         p2c = jnp.swapaxes(key_projection, 1, 2)  # [B, N, S, span]: slots span .. 2span - 1
     elif "p2c" in terms:
-        keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
-        p2c = jnp.einsum("BSNH,RNH->BNSR", keys, pos_query, preferred_element_type=jnp.float32)  # [B, N, S, 2span]
+        p2c = jnp.swapaxes(deberta_key_projection(k, pos_query, span=first_slot), 1, 2)  # [B, N, S, slots]
 
     def block(start, rows):
-        # Both gathers for a block of query rows; the [T, S] slots and the two
-        # gathered terms are never stored whole, only their scaled sum.
         block_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
         index = deberta_relative_index(
             block_positions,
@@ -192,17 +198,18 @@ def deberta_logits(
             position_buckets=position_buckets,
             max_relative_positions=max_relative_positions,
         )
+        index = jnp.maximum(index - first_slot, 0)
         total = 0.0
         if c2p is not None:
             total = total + gather_relative(jax.lax.dynamic_slice_in_dim(c2p, start, rows, axis=2), index)
-        if p2c is not None and key_projection is not None:
-            total = total + gather_relative_transposed(p2c, jnp.maximum(index - span, 0))
-        elif p2c is not None:
+        if p2c is not None:
             total = total + gather_relative_transposed(p2c, index)
         return total * jnp.float32(scale)
 
     batch = max(q.shape[0], query_positions.shape[0])
     out_shape = (batch, num_heads, q.shape[1], k.shape[1])
+    if block_elements is None:
+        return jnp.broadcast_to(block(0, q.shape[1]), out_shape)
     return by_query_blocks(block, out_shape, jnp.float32, block_elements=block_elements)
 
 
@@ -211,7 +218,8 @@ def deberta_key_projection(k, pos_query, *, span: int) -> jax.Array:
 
     The slots ``span .. 2·span - 1`` are those of keys at or before the query (DeBERTa's
     slot is ``clip(bucket(query_pos - key_pos) + span, 0, 2·span - 1)``); they depend on the
-    key alone, so a KV cache computes them once per key instead of at every step.
+    key alone, so a KV cache computes them once per key instead of at every step. With
+    ``span=0``, all ``len(pos_query)`` slots.
 
     Example:
       >>> deberta_key_projection(jnp.ones((1, 5, 2, 4)), jnp.ones((8, 2, 4)), span=4).shape
@@ -302,6 +310,7 @@ class DeBERTa:
             terms=self.terms,
             scale=context.scale if self.scale is None else self.scale,
             key_projection=self.key_projection,
+            causal=context.causal,
         )
 
 

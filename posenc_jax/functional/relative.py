@@ -31,6 +31,7 @@ __all__ = [
     "by_query_blocks",
     "check_max_distance",
     "clipped_relative_index",
+    "consecutive_rows",
     "diagonal_sums",
     "expand_relative_bias",
     "gather_relative",
@@ -209,7 +210,7 @@ def _expand_backward(k: int, residuals, cotangent):
     def by_diagonals(cotangent):
         return _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k, per_distance.shape[1])
 
-    runs = _consecutive(query_positions) & _consecutive(key_positions)
+    runs = consecutive_rows(query_positions) & consecutive_rows(key_positions)
     grad = jax.lax.cond(runs, by_diagonals, by_scatter, cotangent.astype(jnp.float32))
     return grad.astype(per_distance.dtype), None, None
 
@@ -217,8 +218,17 @@ def _expand_backward(k: int, residuals, cotangent):
 _expand.defvjp(_expand_forward, _expand_backward)
 
 
-def _consecutive(positions: jax.Array) -> jax.Array:
-    """Whether every row of ``positions`` ``[B, T]`` counts up by exactly one."""
+def consecutive_rows(positions) -> jax.Array:
+    """Whether every row of ``positions`` (``[T]`` or ``[B, T]``) counts up by exactly one: a boolean scalar.
+
+    Then distances depend on array indices alone (``key_pos[s] - query_pos[t]`` is a row
+    offset plus ``s - t``), which lets Toeplitz shortcuts replace gathers and scatters.
+
+    Example:
+      >>> bool(consecutive_rows(jnp.arange(5) + 7)), bool(consecutive_rows(jnp.array([0, 1, 3])))
+      (True, False)
+    """
+    positions = batched_positions(positions)
     if positions.shape[-1] < 2:
         return jnp.bool_(True)
     return jnp.all(position_difference(positions[:, 1:], positions[:, :-1]) == 1)

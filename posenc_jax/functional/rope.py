@@ -302,8 +302,8 @@ class RoPE(ParameterFree):
     sequence length (dynamic NTK, LongRoPE) take it as ``max(query_positions) + 1``, as
     Hugging Face transformers' ``modeling_rope_utils`` does, so a window of positions
     2500-2599 is scaled as a sequence of 2600 tokens whatever the number of keys, and one
-    attention layer with a KV cache (which holds keys unrotated) decodes each token as the
-    full forward pass of its prefix does.
+    attention layer with a KV cache (which then holds keys unrotated, see
+    :attr:`rotates_per_token`) decodes each token as the full forward pass of its prefix does.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention

@@ -89,7 +89,9 @@ def sinusoidal_relative_logits(
     coef_cos = g_cos * cos_a - g_sin * sin_a
     coef = jnp.concatenate([coef_sin, coef_cos], axis=-1)  # [B, T, N, 2F]
     key_features = jnp.broadcast_to(_batched(key_features), (coef.shape[0],) + key_features.shape[-2:])
-    return jnp.einsum("BTNF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
+    # Heads ahead of queries before the contraction, so the product comes out [B, N, T, S] as laid out.
+    coef = jnp.swapaxes(coef, 1, 2)  # [B, N, T, 2F]
+    return jnp.einsum("BNTF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
 
 
 def key_sinusoids(key_positions, dim: int, *, base: float = 10000.0) -> jax.Array:

@@ -30,9 +30,10 @@ __all__ = ["KVCache", "MultiHeadAttention"]
 
 
 def _stores_rotated_keys(hooks: Sequence) -> bool:
-    """Whether a cache may hold keys rotated: every rotate hook rotates by each token's own position alone."""
+    """Whether a cache may hold keys rotated: every rotate hook rotates by each token's own position alone
+    (``rotates_per_token``), or does given a fixed reference position (``rotate_about``, xPos's centre)."""
     return all(
-        getattr(hook, "rotates_per_token", False) and hook_names(hook) == ("rotate",)
+        (getattr(hook, "rotates_per_token", False) or hasattr(hook, "rotate_about")) and hook_names(hook) == ("rotate",)
         for hook in hooks
         if isinstance(hook, Rotate)
     )
@@ -168,7 +169,9 @@ class MultiHeadAttention(nnx.Module):
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
             positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
-            q, k, encodings, terms = self._rotate_new_tokens(q, k, positions, encodings)
+            # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
+            reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
+            q, k, encodings, terms = self._rotate_new_tokens(q, k, positions, encodings, reference)
             if len(terms) != len(cache.features):
                 terms = []  # a cache made without this layer's per-key terms: they are computed from the keys
             features = tuple(hook.key_features(k, positions) for hook in terms)
@@ -209,8 +212,10 @@ class MultiHeadAttention(nnx.Module):
             )
         return [module() if hook is None else hook for module, hook in zip(self.encodings, prepared, strict=True)]
 
-    def _rotate_new_tokens(self, q, k, positions, hooks):
+    def _rotate_new_tokens(self, q, k, positions, hooks, reference):
         """A decoding step's queries and new keys rotated now, when a cache may hold keys rotated.
+
+        ``reference`` (int32 ``[B, 1]``) is the fixed position a ``rotate_about`` hook rotates about.
 
         Returns ``(q, k, hooks left for the attention, hooks whose per-key terms the cache stores)``.
         """
@@ -226,7 +231,9 @@ class MultiHeadAttention(nnx.Module):
             key_length=k.shape[1],
         )
         for hook in hooks:
-            if isinstance(hook, Rotate):
+            if isinstance(hook, Rotate) and hasattr(hook, "rotate_about"):
+                q, k = hook.rotate_about(q, k, context, reference)
+            elif isinstance(hook, Rotate):
                 q, k = hook.rotate(q, k, context)
         rest = [hook for hook in hooks if not isinstance(hook, Rotate)]
         return q, k, rest, _cached_terms(rest)
