@@ -1,5 +1,7 @@
 """NNX modules: shapes, decoding with a KV cache, packing, causality, every encoding in a model."""
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import pytest
 from flax import nnx
 
 from posenc_jax.functional import T5Config, encoding_info, encoding_names
-from posenc_jax.nn import MultiHeadAttention, PositionEncoding, Transformer
+from posenc_jax.nn import KVCache, MultiHeadAttention, PositionEncoding, Transformer, decode_step
 from small_encodings import small_config
 
 VOCAB, D, LAYERS, HEADS = 32, 32, 2, 4
@@ -198,7 +200,7 @@ def test_shared_bias_is_one_table_for_all_layers():
     assert len(key_tables) == LAYERS
 
 
-@pytest.mark.parametrize("name", ["rope", "t5", "alibi", "sinusoidal"])
+@pytest.mark.parametrize("name", ["rope", "t5", "alibi", "sinusoidal", "deberta", "transformer-xl"])
 def test_left_padded_batch_decodes_like_each_row_alone(rng, name):
     model = _model(_config(name))
     short, long = _tokens(rng, 1, 3), _tokens(rng, 1, 5)
@@ -261,3 +263,72 @@ def test_randomized_positions_are_resampled_in_training_and_evaluation(rng):
     np.testing.assert_allclose(fixed(tokens, jnp.arange(7)), plain(tokens, jnp.arange(7)), atol=1e-6)
     with pytest.raises(ValueError, match=r"positions must lie in \[0, 7\), got 3..9"):
         model(tokens, jnp.arange(7) + 3)
+
+
+@pytest.mark.parametrize("name", ["rope", "xpos", "deberta", "transformer-xl", "t5"])
+def test_split_state_decode_step_equals_the_forward_and_compiles_once_per_shape(rng, name):
+    model = _model(_config(name))
+    tokens = _tokens(rng, 2, 10)
+    positions = jnp.broadcast_to(jnp.arange(10) + 2, (2, 10))
+    full = model(tokens, positions)
+    traces = []
+    step = decode_step(model, on_trace=lambda: traces.append(1))
+    caches = model.init_cache(2, 12)
+    logits, caches = step(tokens[:, :4], positions[:, :4], caches)  # prefill
+    outputs = [logits]
+    for t in range(4, 10):
+        logits, caches = step(tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+        outputs.append(logits)
+    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=2e-4, rtol=1e-4)
+    assert len(traces) == 2  # the prefill's shape and the step's
+
+
+def _trig_sizes(fn, *args):
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    sizes = []
+    for computation in text.split("\n\n"):
+        if " sine(" in computation or " cosine(" in computation:
+            result = computation.strip().split("\n")[0].split("->")[-1]
+            sizes += [int(np.prod([int(d) for d in m.split(",") if d])) for m in re.findall(r"\[([\d,]*)\]", result)]
+    return sizes
+
+
+def test_decoding_step_rotates_only_the_new_tokens():
+    # RoPE's and xPos's caches hold keys rotated: a step's sin/cos cover its own token, not the 64
+    # cached keys. Dynamic NTK follows the current length, so its cache holds keys unrotated (the check
+    # can fail).
+    def largest_trig(name):
+        model = _model(_config(name), num_layers=1)
+        graphdef, state = nnx.split(model)
+        step = lambda state, t, p, c: nnx.merge(graphdef, state).decode(t, p, c)
+        return max(
+            _trig_sizes(
+                step, state, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), model.init_cache(2, 64)
+            )
+        )
+
+    head_dim = D // HEADS
+    assert largest_trig("rope") <= 2 * head_dim
+    assert largest_trig("xpos") <= 2 * head_dim
+    assert largest_trig("rope-dynamic-ntk") >= 2 * 64 * head_dim // 2
+
+
+@pytest.mark.parametrize(
+    "name, shapes", [("deberta", [(2, 16, HEADS, 4)]), ("transformer-xl", [(2, 16, HEADS), (2, 16, D)])]
+)
+def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes):
+    model = _model(_config(name))
+    caches = model.init_cache(2, 16)
+    assert sorted(leaf.shape for leaf in jax.tree.leaves(caches[0].features)) == sorted(shapes)
+    tokens = _tokens(rng, 2, 7)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    full = model(tokens, positions)
+    # A cache made without the per-key terms (KVCache.empty) decodes the same, recomputing them.
+    plain = [KVCache.empty(2, 16, HEADS, D // HEADS) for _ in range(LAYERS)]
+    for empty in (caches, plain):
+        logits, caches = model.decode(tokens[:, :5], positions[:, :5], empty)
+        outputs = [logits]
+        for t in (5, 6):
+            logits, caches = model.decode(tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+            outputs.append(logits)
+        np.testing.assert_allclose(jnp.concatenate(outputs, 1), full, atol=2e-4, rtol=1e-4)

@@ -22,9 +22,17 @@ from posenc_jax.functional import (
     rel_shift,
     shaw_value_term,
     t5_relative_bucket,
+    transformer_xl_logits,
 )
 from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.relative import bucket_relative, by_query_blocks, clipped_relative_index
+from posenc_jax.functional.positions import batched_positions
+from posenc_jax.functional.relative import (
+    bucket_relative,
+    by_query_blocks,
+    clipped_relative_index,
+    diagonal_sums,
+    expand_relative_bias,
+)
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -418,3 +426,101 @@ def test_explicit_scale_reaches_terms_that_share_it(rng, qkv):
             q, k, v, query_positions=jnp.asarray(qp), key_positions=jnp.asarray(kp), encodings=[enc]
         )
         assert np.abs(np.asarray(scaled) - np.asarray(default)).max() > 1e-3
+
+
+def _gather_gradient(per_distance, query_positions, key_positions, k, cotangent):
+    """The plain autodiff gradient of the table lookup (the scatter), the reference for the custom VJP."""
+
+    def lookup(p):
+        index = clipped_relative_index(query_positions, key_positions, k)
+        return jnp.moveaxis(jnp.take(p, index, axis=1, mode="clip"), 0, 1)
+
+    return jax.vjp(lookup, per_distance)[1](cotangent)[0]
+
+
+@pytest.mark.parametrize(
+    "query_positions, key_positions",
+    [
+        (np.arange(9), np.arange(9)),  # self-attention
+        (np.arange(4) + 1000, np.arange(11) + 993),  # offsets, T != S
+        (np.array([[0, 1, 2, 3], [50, 51, 52, 53]]), np.array([[0, 1, 2, 3, 4, 5], [40, 41, 42, 43, 44, 45]])),
+        (np.array([2**31 - 4, 2**31 - 3, 2**31 - 2]), np.arange(-(2**31), -(2**31) + 5)),  # distances past int32
+        (np.array([0, 3, 4, 9]), np.arange(10)),  # gapped: the scatter path
+        (np.array([[0, 1, 2, 3], [5, 5, 6, 7]]), np.arange(6)),  # one row not a run: the scatter path
+    ],
+    ids=["self", "offsets", "batched-runs", "int32-limits", "gaps", "repeat"],
+)
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_table_gradient_equals_plain_autodiff(rng, query_positions, key_positions, jit):
+    k = 3
+    per_distance = jnp.asarray(rng.normal(size=(2, 2 * k + 1)), jnp.float32)
+    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+    shape = expand_relative_bias(per_distance, qp, kp, k).shape
+    cotangent = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    grad_fn = jax.grad(lambda p, qp, kp: (expand_relative_bias(p, qp, kp, k) * cotangent).sum())
+    got = (jax.jit(grad_fn) if jit else grad_fn)(per_distance, qp, kp)
+    want = _gather_gradient(per_distance, batched_positions(qp), batched_positions(kp), k, cotangent)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(want)).max() > 0.1  # a gradient that can be wrong
+
+
+def test_table_gradient_under_vmap_and_in_a_model_loss(rng):
+    k = 4
+    per_distance = jnp.asarray(rng.normal(size=(3, 2 * k + 1)), jnp.float32)
+    positions = jnp.asarray(np.arange(24).reshape(3, 8) + np.array([[0], [7], [100]]), jnp.int32)
+    weights = jnp.asarray(rng.normal(size=(3, 3, 8, 8)), jnp.float32)
+
+    def loss(p, pos, w):
+        return (jnp.tanh(expand_relative_bias(p, pos, pos, k)) * w).sum()
+
+    per_row = jax.vmap(jax.grad(loss), in_axes=(None, 0, 0))(per_distance, positions, weights[:, None])
+    for row in range(3):
+        row_positions, row_weights = positions[row : row + 1], weights[row][None]
+        plain = jax.grad(lambda p, pos, w: (jnp.tanh(_expand_plain(p, pos, k)) * w).sum())
+        np.testing.assert_allclose(per_row[row], plain(per_distance, row_positions, row_weights), rtol=1e-5, atol=1e-5)
+
+
+def _expand_plain(per_distance, positions, k):
+    index = clipped_relative_index(positions, positions, k)
+    return jnp.moveaxis(jnp.take(per_distance, index, axis=1, mode="clip"), 0, 1)
+
+
+def test_diagonal_sums_match_numpy(rng):
+    x = rng.normal(size=(2, 5, 8))
+    got = np.asarray(diagonal_sums(jnp.asarray(x, jnp.float32)))
+    want = np.stack([[np.trace(row, offset=c - 4) for c in range(12)] for row in x])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "query_positions, key_positions",
+    [
+        (np.arange(2, 7), np.arange(7)),
+        (np.arange(5) + 300, np.arange(5) + 300),
+        (np.array([0, 1, 4, 5, 6]), np.arange(7)),
+    ],
+    ids=["last-keys", "self-offset", "gaps"],
+)
+def test_transformer_xl_causal_ladder_equals_the_identity_with_gradients(rng, query_positions, key_positions):
+    # Causal attention with queries the last T of S consecutive keys takes the paper's ladder and shift;
+    # other positions the sinusoid identity. On the keys a query sees, values and gradients agree.
+    q = jnp.asarray(rng.normal(size=(2, 5, N, H)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(2, len(key_positions), N, H)), jnp.float32)
+    params = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((12, N, H), (N, H), (N, H))]
+    qp, kp = jnp.asarray(query_positions), jnp.asarray(key_positions)
+    seen = jnp.asarray(key_positions[None, :] <= query_positions[:, None])
+    weights = jnp.asarray(rng.normal(size=(2, N, 5, len(key_positions))), jnp.float32)
+
+    def loss(q, k, w_r, u, v, causal):
+        logits = transformer_xl_logits(
+            q, k, qp, kp, position_projection=w_r, content_bias=u, position_bias=v, causal=causal
+        )
+        return (jnp.where(seen, logits, 0.0) * weights).sum()
+
+    for causal_grad, identity_grad in zip(
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)), static_argnums=5)(q, k, *params, True),
+        jax.grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, *params, False),
+        strict=True,
+    ):
+        np.testing.assert_allclose(causal_grad, identity_grad, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(loss(q, k, *params, True), loss(q, k, *params, False), rtol=1e-5)

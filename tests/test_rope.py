@@ -1,6 +1,7 @@
 """RoPE against Su's pseudocode and the properties the paper proves."""
 
 import math
+import re
 
 import chex
 import jax
@@ -9,7 +10,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from posenc_jax.functional import RoPE, apply_rope, apply_rope_qk
+from posenc_jax.functional import RoPE, RotaryTable, apply_rope, apply_rope_qk
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.positions import position_angles
 from posenc_jax.functional.rope import rope_inverse_frequencies
@@ -243,3 +244,81 @@ def test_bad_input_names_the_value():
         RoPE(layout="neox")
     with pytest.raises(ValueError, match="rotary_dim must be an even integer >= 2 for RoPE, got 7"):
         RoPE(rotary_dim=7)
+
+
+def _trig_output_sizes(fn, *args) -> list[int]:
+    """The output sizes (elements) of the compiled computations of ``fn`` that evaluate sin or cos."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    sizes = []
+    for computation in text.split("\n\n"):
+        if re.search(r"\b(sine|cosine)\(", computation):
+            result = computation.strip().split("\n")[0].split("->")[-1]
+            shapes = re.findall(r"\[([\d,]*)\]", result)
+            sizes.append(max(math.prod(int(d) for d in dims.split(",") if d) for dims in shapes))
+    return sizes
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("layout", ["interleaved", "half"])
+def test_compiled_program_computes_the_table_once_per_position(dtype, layout):
+    # sin and cos run on [T, R/2] tables only, never inside the [B, T, N, H] rotation loops
+    # (XLA:CPU counts them as cheap and would otherwise recompute them per element of q and k).
+    q = jnp.zeros((2, 64, 4, 32), dtype)
+    k = jnp.zeros((2, 64, 2, 32), dtype)
+    positions = jnp.arange(64)
+    sizes = _trig_output_sizes(lambda q, k, p: apply_rope_qk(q, k, p, p, layout=layout), q, k, positions)
+    assert sizes and max(sizes) <= 64 * 32, sizes  # the [T, R] table (or its [T, R/2] halves)
+
+    # The check can fail: the plain elementwise formulation puts sin/cos in the big loops.
+    def elementwise(q, p):
+        angles = position_angles(p, rope_inverse_frequencies(32))[None, :, None]
+        first, second = q[..., 0::2], q[..., 1::2]
+        return jnp.stack([first * jnp.cos(angles) - second * jnp.sin(angles), second * jnp.cos(angles)], -1)
+
+    assert max(_trig_output_sizes(elementwise, q.astype(jnp.float32), positions)) >= 2 * 64 * 4 * 16
+
+
+def test_model_computes_the_table_once_for_all_layers():
+    from flax import nnx
+
+    from posenc_jax.nn import Transformer
+
+    def trig_elements(num_layers):
+        model = Transformer(
+            vocab_size=16,
+            model_dim=64,
+            num_layers=num_layers,
+            num_heads=2,
+            mlp_dim=64,
+            encoding="rope",
+            rngs=nnx.Rngs(0),
+        )
+        graphdef, state = nnx.split(model)
+        forward = lambda state, t, p: nnx.merge(graphdef, state)(t, p)
+        return _trig_output_sizes(forward, state, jnp.zeros((2, 128), jnp.int32), jnp.arange(128))
+
+    one, three = trig_elements(1), trig_elements(3)
+    assert sum(one) == sum(three) <= 128 * 32, (one, three)
+
+
+@pytest.mark.parametrize("scaling", [None, "yarn", "dynamic-ntk"])
+def test_prepared_table_rotates_as_rope_and_falls_back_for_other_positions(rng, scaling):
+    from posenc_jax.functional import encoding_config
+
+    rope = RoPE() if scaling is None else encoding_config(f"rope-{scaling}", factor=4.0, original_context=8)
+    q, k = _normal(rng, (2, 12, 4, 16)), _normal(rng, (2, 12, 2, 16))
+    positions = jnp.broadcast_to(jnp.arange(12) + 5, (2, 12))
+    hook = rope.prepare(positions, head_dim=16)
+    assert isinstance(hook, RotaryTable) and hook.rotates_per_token == (scaling != "dynamic-ntk")
+    context = AttentionContext(query_positions=positions, key_positions=positions)
+    for got, want in zip(
+        jax.jit(lambda h, q, k, c: h.rotate(q, k, c))(hook, q, k, context), rope.rotate(q, k, context), strict=True
+    ):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    # Other positions (a cache's keys): rotated from the context, not by the stored table.
+    keys = jnp.broadcast_to(jnp.arange(12) * 3, (2, 12))
+    other = AttentionContext(query_positions=positions, key_positions=keys)
+    for got, want in zip(hook.rotate(q, k, other), rope.rotate(q, k, other), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    with pytest.raises(ValueError, match="head_dim must be even for RoPE, got 15"):
+        rope.prepare(positions, head_dim=15)

@@ -57,7 +57,7 @@ from posenc_jax.functional.registry import (
     encoding_names,
     register_encoding,
 )
-from posenc_jax.functional.rope import RoPE, apply_rope, apply_rope_qk
+from posenc_jax.functional.rope import RoPE, RotaryTable, apply_rope, apply_rope_qk
 from posenc_jax.functional.rope_scaling import (
     DynamicNTKScaling,
     LinearScaling,
@@ -135,6 +135,7 @@ __all__ = [
     "NoPE",
     "RandomizedPositions",
     "RoPE",
+    "RotaryTable",
     "Sandwich",
     "Shaw",
     "ShawConfig",

@@ -8,6 +8,7 @@ Transformer", arXiv:2403.13298, its "axial" variant).
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +82,8 @@ class AxialRoPE(ParameterFree):
     grid_width: int
     base: float = 10000.0
     layout: Layout = "interleaved"
+    # A key's rotation depends on its own position alone: a KV cache may hold it rotated.
+    rotates_per_token: ClassVar[bool] = True
 
     def __post_init__(self):
         _check_layout(self.layout)

@@ -1,9 +1,18 @@
 """A key/value cache for decoding: a pytree of arrays, positions and slot validity included.
 
-Pure: ``append`` returns a new cache. Keys are stored as projected, before any
-``rotate`` hook, so an encoding that rotates by the current sequence length
-(dynamic NTK, LongRoPE) rotates the whole cache at every step and decodes each
-token exactly as the full forward pass of its prefix does.
+Pure: ``append`` returns a new cache. What a decoding step would otherwise recompute
+for every cached key is stored once, when the key arrives:
+
+* keys after rotation, when every ``rotate`` hook of the layer rotates a key by its own
+  position alone (RoPE and its fixed scalings, axial RoPE: ``rotates_per_token``) or by
+  its own position and a fixed reference (xPos, scaled about the first cached token's
+  position instead of the queries' centre, which cancels in every score); otherwise
+  (dynamic NTK and LongRoPE follow the current length) keys are stored as projected and
+  rotated again at every step, so each token decodes exactly as the full forward pass of
+  its prefix does;
+* per-key terms of the layer's encodings (``features``): DeBERTa's position-to-content
+  projections of each key, Transformer-XL's sinusoids of each key position and its
+  content-bias term (see :class:`CachedKeyTerm`).
 
 Which slots hold a real token is tracked explicitly (``valid``), and the attention
 takes it as a key mask: an empty slot, or a padding token appended with
@@ -13,20 +22,38 @@ slots with a far-future position instead would fail for queries at or beyond it.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["KVCache"]
+__all__ = ["CachedKeyTerm", "KVCache"]
+
+
+@runtime_checkable
+class CachedKeyTerm(Protocol):
+    """A ``logits`` hook with a per-key part that a KV cache can store.
+
+    ``key_features(k, key_positions)`` gives, for keys ``[B, S, K, H]`` at positions
+    ``[B, S]``, a pytree of float arrays ``[B, S, ...]`` (or None when there is nothing to
+    store) that depends on each key and its position alone; ``with_key_features(features)``
+    is the same hook reading those arrays for all S keys of an attention call instead of
+    recomputing them from the keys. The two must give the same logits.
+    """
+
+    def key_features(self, k: jax.Array, key_positions: jax.Array): ...
+
+    def with_key_features(self, features): ...
 
 
 class KVCache(NamedTuple):
     """Keys and values decoded so far: ``key``/``value`` ``[B, L, K, H]``, ``positions`` ``[B, L]``,
     ``valid`` ``[B, L]`` (True where a slot holds a real token: the key mask of the cache),
     ``length`` (int32 scalar): the slots ``0..length-1`` are filled. Empty slots hold
-    position 0 and are not valid.
+    position 0 and are not valid. ``features``: a tuple of pytrees of ``[B, L, ...]`` arrays,
+    the per-key terms of the layer's encodings (:class:`CachedKeyTerm`), zero where a slot
+    is empty or padding.
 
     Example:
       >>> cache = KVCache.empty(batch=1, max_length=4, num_kv_heads=2, head_dim=8)
@@ -40,23 +67,38 @@ class KVCache(NamedTuple):
     positions: jax.Array
     valid: jax.Array
     length: jax.Array
+    features: tuple = ()
 
     @classmethod
-    def empty(cls, batch: int, max_length: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32) -> KVCache:
+    def empty(
+        cls, batch: int, max_length: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32, features=()
+    ) -> KVCache:
+        """An empty cache of ``max_length`` slots.
+
+        ``features``: a tuple of pytrees of ``jax.ShapeDtypeStruct`` ``[B, 1, ...]`` (the
+        per-key terms of one key, e.g. from ``jax.eval_shape``), each stored ``[B, L, ...]``.
+        """
         shape = (batch, max_length, num_kv_heads, head_dim)
+        stored = tuple(
+            jax.tree.map(lambda s: jnp.zeros((batch, max_length) + tuple(s.shape[2:]), s.dtype), spec)
+            for spec in features
+        )
         return cls(
             jnp.zeros(shape, dtype),
             jnp.zeros(shape, dtype),
             jnp.zeros((batch, max_length), jnp.int32),
             jnp.zeros((batch, max_length), jnp.bool_),
             jnp.zeros((), jnp.int32),
+            stored,
         )
 
-    def append(self, key: jax.Array, value: jax.Array, positions: jax.Array, valid=None) -> KVCache:
+    def append(self, key: jax.Array, value: jax.Array, positions: jax.Array, valid=None, features=()) -> KVCache:
         """Writes ``[B, T, K, H]`` keys/values at positions ``[B, T]`` into the next T slots.
 
         ``valid`` (boolean ``[B, T]``, default all True) marks real tokens; a slot written
-        with False (padding) is masked like an empty one.
+        with False (padding) is masked like an empty one. ``features`` (one pytree of
+        ``[B, T, ...]`` arrays per entry of the cache's ``features``) are the new keys'
+        per-key terms; they are stored as zeros where a token is not valid.
 
         Overflowing the cache is an error (raised at once for a concrete length, or when
         the computation runs under jit), never a silent overwrite.
@@ -82,8 +124,18 @@ class KVCache(NamedTuple):
         except jax.errors.TracerArrayConversionError:
             jax.debug.callback(check, self.length)
 
+        if len(features) != len(self.features):
+            raise ValueError(
+                f"this cache stores {len(self.features)} per-key terms but {len(features)} were given; make the "
+                f"cache with the layer's init_cache (or Transformer.init_cache)"
+            )
+
         def update(buffer, new):
             return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), self.length, axis=1)
+
+        def update_feature(buffer, new):
+            keep = valid.reshape(valid.shape + (1,) * (new.ndim - 2))
+            return update(buffer, jnp.where(keep, new, jnp.zeros((), new.dtype)))
 
         return KVCache(
             update(self.key, key),
@@ -91,4 +143,5 @@ class KVCache(NamedTuple):
             update(self.positions, positions),
             update(self.valid, valid),
             self.length + new,
+            tuple(jax.tree.map(update_feature, old, fresh) for old, fresh in zip(self.features, features, strict=True)),
         )

@@ -23,6 +23,7 @@ Disentangled Attention", ICLR 2021, arXiv:2006.03654.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -39,7 +40,14 @@ from posenc_jax.functional.relative import (
     relative_positions,
 )
 
-__all__ = ["DeBERTa", "DeBERTaConfig", "deberta_log_bucket", "deberta_logits", "deberta_relative_index"]
+__all__ = [
+    "DeBERTa",
+    "DeBERTaConfig",
+    "deberta_key_projection",
+    "deberta_log_bucket",
+    "deberta_logits",
+    "deberta_relative_index",
+]
 
 DEBERTA = Source.paper(
     "he2021deberta",
@@ -127,7 +135,9 @@ def deberta_logits(
     max_relative_positions: int = 512,
     terms: tuple[str, ...] = _TERMS,
     scale: float | None = None,
-    block_elements: int = 1 << 20,
+    block_elements: int | None = None,
+    key_projection=None,
+    causal: bool = False,
 ):
     """DeBERTa's c2p and p2c terms, ``[B, N, T, S]`` float32, already scaled.
 
@@ -143,7 +153,17 @@ def deberta_logits(
       max_relative_positions: the log buckets' reach.
       terms: any of ``"c2p"``, ``"p2c"``.
       scale: default ``1/√(H · (1 + len(terms)))``.
-      block_elements: about how many scores each block of query rows holds.
+      block_elements: None (the default) computes the term in one piece, whose gathers XLA
+        fuses into the attention's score computation under ``jax.jit`` (no ``[B, N, T, S]``
+        term is stored); a number computes it by blocks of query rows holding about that
+        many scores each (a ``fori_loop``; the whole term is then stored once).
+      key_projection: optional :func:`deberta_key_projection` of the keys, computed earlier
+        (a KV cache stores it); p2c then reads it instead of projecting every key. It holds
+        the slots of keys at or before the query only: valid in causal attention, where
+        later keys are masked.
+      causal: the attention masks keys after the query (by position). Every key a query
+        sees is then at or before it, in the slots ``span .. 2·span - 1``: only those are
+        projected (half the work); the values at masked keys are finite but meaningless.
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); r = jnp.ones((8, 2, 4))
@@ -169,16 +189,17 @@ def deberta_logits(
     if scale is None:
         scale = _score_scale(head_dim, terms)
     query_positions = batched_positions(query_positions, "query_positions")
+    # With causal attention (or cached key projections) only the slots of earlier keys are needed.
+    first_slot = span if (causal or key_projection is not None) else 0
     c2p = p2c = None
     if "c2p" in terms:
-        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key, preferred_element_type=jnp.float32)  # [B, N, T, 2span]
-    if "p2c" in terms:
-        keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
-        p2c = jnp.einsum("BSNH,RNH->BNSR", keys, pos_query, preferred_element_type=jnp.float32)  # [B, N, S, 2span]
+        c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key[first_slot:], preferred_element_type=jnp.float32)
+    if "p2c" in terms and key_projection is not None:
+        p2c = jnp.swapaxes(key_projection, 1, 2)  # [B, N, S, span]: slots span .. 2span - 1
+    elif "p2c" in terms:
+        p2c = jnp.swapaxes(deberta_key_projection(k, pos_query, span=first_slot), 1, 2)  # [B, N, S, slots]
 
     def block(start, rows):
-        # Both gathers for a block of query rows; the [T, S] slots and the two
-        # gathered terms are never stored whole, only their scaled sum.
         block_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
         index = deberta_relative_index(
             block_positions,
@@ -187,6 +208,7 @@ def deberta_logits(
             position_buckets=position_buckets,
             max_relative_positions=max_relative_positions,
         )
+        index = jnp.maximum(index - first_slot, 0)
         total = 0.0
         if c2p is not None:
             total = total + gather_relative(jax.lax.dynamic_slice_in_dim(c2p, start, rows, axis=2), index)
@@ -196,7 +218,26 @@ def deberta_logits(
 
     batch = max(q.shape[0], query_positions.shape[0])
     out_shape = (batch, num_heads, q.shape[1], k.shape[1])
+    if block_elements is None:
+        return jnp.broadcast_to(block(0, q.shape[1]), out_shape)
     return by_query_blocks(block, out_shape, jnp.float32, block_elements=block_elements)
+
+
+def deberta_key_projection(k, pos_query, *, span: int) -> jax.Array:
+    """Each key's position-to-content projections ``k_s · Q_r[span + j]``, ``[B, S, N, span]`` float32.
+
+    The slots ``span .. 2·span - 1`` are those of keys at or before the query (DeBERTa's
+    slot is ``clip(bucket(query_pos - key_pos) + span, 0, 2·span - 1)``); they depend on the
+    key alone, so a KV cache computes them once per key instead of at every step. With
+    ``span=0``, all ``len(pos_query)`` slots.
+
+    Example:
+      >>> deberta_key_projection(jnp.ones((1, 5, 2, 4)), jnp.ones((8, 2, 4)), span=4).shape
+      (1, 5, 2, 4)
+    """
+    num_heads = np.shape(pos_query)[1]
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    return jnp.einsum("BSNH,RNH->BSNR", keys, pos_query[span:], preferred_element_type=jnp.float32)
 
 
 def _check_span(span, position_buckets):
@@ -240,6 +281,7 @@ class DeBERTa:
     max_relative_positions: int = 512
     terms: tuple[str, ...] = _TERMS
     scale: float | None = None
+    key_projection: jax.Array | None = parameter(default=None)
 
     def __post_init__(self):
         _check_terms(self.terms)
@@ -250,11 +292,26 @@ class DeBERTa:
                     f"DeBERTa's {term} term needs {name} [2*span, N, H]; pass it or leave {term} out of terms"
                 )
 
+    def key_features(self, k, key_positions):
+        """What a KV cache stores per key: :func:`deberta_key_projection` (None without the p2c term)."""
+        if "p2c" not in self.terms:
+            return None
+        return deberta_key_projection(k, self.pos_query, span=self.span)
+
+    def with_key_features(self, features) -> DeBERTa:
+        """This hook reading every key's p2c projections from ``features`` (a KV cache's); causal only."""
+        return dataclasses.replace(self, key_projection=features)
+
     def score_scale(self, head_dim: int) -> float:
         """``1/√(H · (1 + number of position terms))``, for the content score too."""
         return _score_scale(head_dim, self.terms) if self.scale is None else self.scale
 
     def logits(self, q, k, context: AttentionContext):
+        if self.key_projection is not None and not context.causal:
+            raise ValueError(
+                "DeBERTa's cached key projections hold the slots of earlier keys only, so they need causal "
+                "attention (causal=True), got causal=False"
+            )
         return deberta_logits(
             q,
             k,
@@ -267,6 +324,8 @@ class DeBERTa:
             max_relative_positions=self.max_relative_positions,
             terms=self.terms,
             scale=context.scale if self.scale is None else self.scale,
+            key_projection=self.key_projection,
+            causal=context.causal,
         )
 
 

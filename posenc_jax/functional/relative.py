@@ -18,6 +18,8 @@ hold for any positions and never build a ``[T, S, H]`` tensor:
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,6 +31,8 @@ __all__ = [
     "by_query_blocks",
     "check_max_distance",
     "clipped_relative_index",
+    "consecutive_rows",
+    "diagonal_sums",
     "expand_relative_bias",
     "gather_relative",
     "gather_relative_transposed",
@@ -165,7 +169,99 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
     ``bias[b, n, t, s] = per_distance[n, clip(key_pos - query_pos, -k, k) + k]``:
     the Toeplitz pattern of T5 and learned clipped biases, computed once from
     ``2k+1`` distinct values and expanded by a gather, for any positions.
+
+    Gradient: the plain transpose of that gather scatters every one of the ``T·S`` (per
+    batch row) cotangents into the table, one at a time on a CPU. Where every row of
+    query and key positions is a run of consecutive integers (the usual training batch),
+    the bias depends on ``s - t`` alone, so the cotangent is first summed along its
+    ``T + S - 1`` diagonals (a dense pad-reshape-sum, no scatter) and only those sums go
+    to the table; gapped positions keep the scatter. Both give the plain autodiff
+    gradient (``tests/test_relative.py`` compares them).
     """
-    index = clipped_relative_index(query_positions, key_positions, max_distance)  # [B|1, T, S]
-    bias = jnp.take(per_distance.astype(jnp.float32), index, axis=1, mode="clip")  # [N, B|1, T, S]
+    k = check_max_distance(max_distance)
+    q = batched_positions(query_positions, "query_positions")
+    kp = batched_positions(key_positions, "key_positions")
+    return _expand(per_distance.astype(jnp.float32), q, kp, k)
+
+
+def _expand_by_gather(per_distance, query_positions, key_positions, k: int) -> jax.Array:
+    index = clipped_relative_index(query_positions, key_positions, k)  # [B|1, T, S]
+    bias = jnp.take(per_distance, index, axis=1, mode="clip")  # [N, B|1, T, S]
     return jnp.moveaxis(bias, 0, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand(per_distance, query_positions, key_positions, k: int) -> jax.Array:
+    return _expand_by_gather(per_distance, query_positions, key_positions, k)
+
+
+def _expand_forward(per_distance, query_positions, key_positions, k: int):
+    bias = _expand_by_gather(per_distance, query_positions, key_positions, k)
+    return bias, (per_distance, query_positions, key_positions)
+
+
+def _expand_backward(k: int, residuals, cotangent):
+    per_distance, query_positions, key_positions = residuals
+
+    def by_scatter(cotangent):
+        _, transpose = jax.vjp(lambda p: _expand_by_gather(p, query_positions, key_positions, k), per_distance)
+        return transpose(cotangent)[0]
+
+    def by_diagonals(cotangent):
+        return _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k, per_distance.shape[1])
+
+    runs = consecutive_rows(query_positions) & consecutive_rows(key_positions)
+    grad = jax.lax.cond(runs, by_diagonals, by_scatter, cotangent.astype(jnp.float32))
+    return grad.astype(per_distance.dtype), None, None
+
+
+_expand.defvjp(_expand_forward, _expand_backward)
+
+
+def consecutive_rows(positions) -> jax.Array:
+    """Whether every row of ``positions`` (``[T]`` or ``[B, T]``) counts up by exactly one: a boolean scalar.
+
+    Then distances depend on array indices alone (``key_pos[s] - query_pos[t]`` is a row
+    offset plus ``s - t``), which lets Toeplitz shortcuts replace gathers and scatters.
+
+    Example:
+      >>> bool(consecutive_rows(jnp.arange(5) + 7)), bool(consecutive_rows(jnp.array([0, 1, 3])))
+      (True, False)
+    """
+    positions = batched_positions(positions)
+    if positions.shape[-1] < 2:
+        return jnp.bool_(True)
+    return jnp.all(position_difference(positions[:, 1:], positions[:, :-1]) == 1)
+
+
+def diagonal_sums(x: jax.Array) -> jax.Array:
+    """``out[..., c] = Σ_t x[..., t, c - (T - 1) + t]``: sums along the ``T + S - 1`` diagonals of ``[..., T, S]``.
+
+    Diagonal ``c`` holds the entries with ``s - t = c - (T - 1)``. Computed by a skew: the
+    rows, last first, padded with T zeros and read back ``T + S - 1`` wide, so diagonal c
+    becomes column c; then one sum over rows. No scatter.
+
+    Example:
+      >>> diagonal_sums(jnp.arange(6.0).reshape(2, 3))  # [[0, 1, 2], [3, 4, 5]]
+      Array([3., 4., 6., 2.], dtype=float32)
+    """
+    *lead, rows, cols = x.shape
+    width = rows + cols - 1
+    padded = jnp.pad(x[..., ::-1, :], [(0, 0)] * len(lead) + [(0, 0), (0, rows)])  # [..., T, S + T]
+    flat = padded.reshape(*lead, rows * (cols + rows))[..., : rows * width]
+    return flat.reshape(*lead, rows, width).sum(axis=-2)
+
+
+def _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k: int, num_slots: int) -> jax.Array:
+    """The table gradient ``[N, 2k+1]`` from a bias cotangent ``[B|1, N, T, S]`` when positions are runs."""
+    batch, _, q_len, k_len = cotangent.shape
+    sums = diagonal_sums(cotangent)  # [B|1, N, T + S - 1]
+    # Row b's diagonal c is at distance (key_pos[b, 0] - query_pos[b, 0]) + c - (T - 1); clipping the
+    # offset first keeps the sum in int32 and changes no slot.
+    reach = k + q_len + k_len
+    offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)  # [B|1, 1]
+    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
+    slots = jnp.broadcast_to(jnp.clip(distance, -k, k) + k, (batch, q_len + k_len - 1))
+    return jax.ops.segment_sum(
+        jnp.moveaxis(sums, 1, -1).reshape(-1, sums.shape[1]), slots.reshape(-1), num_segments=num_slots
+    ).T

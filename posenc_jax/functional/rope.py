@@ -27,12 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
+from posenc_jax.functional.hooks import AttentionContext, ParameterFree, parameter, pytree_dataclass
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.registry import Source, register_encoding
 
 __all__ = [
     "RoPE",
+    "RotaryTable",
     "apply_rope",
     "apply_rope_qk",
     "rope_inverse_frequencies",
@@ -84,25 +85,46 @@ def _check_head(x: jax.Array, rotary_dim: int | None, name: str) -> int:
     return int(rotary_dim)
 
 
-def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, layout: Layout) -> jax.Array:
-    """Rotates the first R features of ``x`` [..., T, N, H] by the [..., T, R/2] tables."""
-    rotary_dim = 2 * cos.shape[-1]
-    # [..., T, R/2] -> [..., T, 1, R/2], left-padded to x's rank (no implicit rank promotion).
-    table_shape = (1,) * (x.ndim - 1 - cos.ndim) + cos.shape[:-1] + (1, cos.shape[-1])
-    cos, sin = cos.reshape(table_shape), sin.reshape(table_shape)
-    rot = x[..., :rotary_dim].astype(jnp.float32)
-    if layout == "interleaved":
-        pairs = rot.reshape(*rot.shape[:-1], rotary_dim // 2, 2)
-        even, odd = pairs[..., 0], pairs[..., 1]
-        rotated = jnp.stack([even * cos - odd * sin, odd * cos + even * sin], axis=-1)
-        rotated = rotated.reshape(rot.shape)
-    else:
-        first, second = rot[..., : rotary_dim // 2], rot[..., rotary_dim // 2 :]
-        rotated = jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
-    rotated = rotated.astype(x.dtype)
+def _pair_table(cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """RoPE's table ``[..., T, R]`` float32 from ``[..., T, R/2]`` cos and sin: ``[cos, sin]``.
+
+    Why one concatenation along the last axis: XLA fuses elementwise producers into their
+    consumers and, on CPU, counts sin and cos as cheap, so tables computed elementwise are
+    recomputed inside every ``[B, T, N, H]`` loop that reads them (sin and cos once per
+    element of q and of k instead of once per position). A concatenation along the minor
+    axis is kept as its own buffer by XLA:CPU's fusion rules, so the table is computed
+    once and the rotation loops only read it. ``tests/test_rope.py`` checks the compiled
+    program for this.
+    """
+    return jnp.concatenate([cos, sin], axis=-1)
+
+
+def _rotate_by_table(x: jax.Array, table: jax.Array, layout: Layout) -> jax.Array:
+    """Rotates the first R features of ``x`` ``[..., T, N, H]`` by a ``[..., T, R]`` table (see :func:`_pair_table`)."""
+    half = table.shape[-1] // 2  # R / 2 pairs
+    rotary_dim = 2 * half
+    # [..., T, R] -> [..., T, 1, 2, R/2] (cos, sin), left-padded to x's rank (no implicit rank promotion).
+    lead = (1,) * (x.ndim - table.ndim - 1) + table.shape[:-1]
+    table = table.reshape(*lead, 1, 2, half)
+    cos, sin = table[..., 0, :], table[..., 1, :]
+    rot = x[..., :rotary_dim] if rotary_dim < x.shape[-1] else x
+    if layout == "interleaved":  # pair i is features (2i, 2i + 1)
+        pairs = rot.astype(jnp.float32).reshape(*rot.shape[:-1], half, 2)
+        first, second = pairs[..., 0], pairs[..., 1]
+        rotated = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=-1)
+    else:  # pair i is features (i, i + R/2)
+        pairs = rot.astype(jnp.float32).reshape(*rot.shape[:-1], 2, half)
+        first, second = pairs[..., 0, :], pairs[..., 1, :]
+        rotated = jnp.stack([first * cos - second * sin, first * sin + second * cos], axis=-2)
+    rotated = rotated.reshape(rot.shape).astype(x.dtype)
     if rotary_dim == x.shape[-1]:
         return rotated
     return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
+def _rotate(x: jax.Array, cos: jax.Array, sin: jax.Array, layout: Layout) -> jax.Array:
+    """Rotates the first R features of ``x`` [..., T, N, H] by the [..., T, R/2] cos and sin tables."""
+    return _rotate_by_table(x, _pair_table(cos, sin), layout)
 
 
 def _frequencies(inverse_frequency, rotary_dim: int, base: float):
@@ -244,20 +266,17 @@ def _checked_qk(q, k, query_positions, key_positions, rotary_dim):
 
 
 def _rotate_qk(q, k, query_positions, key_positions, angles_of, layout: Layout, attention_factor: float):
-    """Rotates checked q and k by ``angles_of(positions)`` (``[..., T, R/2]``); tables once if positions are shared."""
-    q_cos, q_sin = _tables(angles_of(query_positions), attention_factor)
-    if key_positions is query_positions:
-        k_cos, k_sin = q_cos, q_sin
-    else:
-        k_cos, k_sin = _tables(angles_of(key_positions), attention_factor)
-    return _rotate(q, q_cos, q_sin, layout), _rotate(k, k_cos, k_sin, layout)
+    """Rotates checked q and k by ``angles_of(positions)`` (``[..., T, R/2]``); one table if positions are shared."""
+    q_table = _table(angles_of(query_positions), attention_factor)
+    k_table = q_table if key_positions is query_positions else _table(angles_of(key_positions), attention_factor)
+    return _rotate_by_table(q, q_table, layout), _rotate_by_table(k, k_table, layout)
 
 
-def _tables(angles, attention_factor: float):
+def _table(angles, attention_factor: float):
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     if attention_factor != 1.0:
         cos, sin = cos * attention_factor, sin * attention_factor
-    return cos, sin
+    return _pair_table(cos, sin)
 
 
 ROFORMER = Source.paper(
@@ -283,8 +302,8 @@ class RoPE(ParameterFree):
     sequence length (dynamic NTK, LongRoPE) take it as ``max(query_positions) + 1``, as
     Hugging Face transformers' ``modeling_rope_utils`` does, so a window of positions
     2500-2599 is scaled as a sequence of 2600 tokens whatever the number of keys, and one
-    attention layer with a KV cache (which holds keys unrotated) decodes each token as the
-    full forward pass of its prefix does.
+    attention layer with a KV cache (which then holds keys unrotated, see
+    :attr:`rotates_per_token`) decodes each token as the full forward pass of its prefix does.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -326,24 +345,21 @@ class RoPE(ParameterFree):
             float(self.scaling.attention_factor(length)),
         )
 
-    def rotate(self, q, k, context: AttentionContext):
-        _check_head(q, self.rotary_dim, "q")  # before the frequencies: an odd head dim is named as such
-        if self.scaling is None or not self.length_dependent:
-            freq, factor = self.frequencies(q.shape[-1])
-            return apply_rope_qk(
-                q,
-                k,
-                context.query_positions,
-                context.key_positions,
-                base=self.base,
-                rotary_dim=self.rotary_dim,
-                layout=self.layout,
-                inverse_frequency=freq,
-                attention_factor=factor,
-            )
-        rotary_dim, query_positions, key_positions = _checked_qk(
-            q, k, context.query_positions, context.key_positions, self.rotary_dim
-        )
+    @property
+    def rotates_per_token(self) -> bool:
+        """Whether a key's rotation depends on its own position alone, so a KV cache may hold it rotated.
+
+        True unless the frequencies follow the sequence length (dynamic NTK, LongRoPE), which
+        re-rotates every cached key as the sequence grows.
+        """
+        return not self.length_dependent
+
+    def _angles(self, head_dim: int, query_positions: jax.Array):
+        """``(angles_of, attention_factor)``: ``angles_of(positions)`` gives ``[..., T, R/2]`` float32 angles."""
+        if not self.length_dependent:
+            freq, factor = self.frequencies(head_dim)
+            return (lambda positions: position_angles(positions, freq)), factor
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
         # The current length, as transformers' dynamic RoPE takes it; in float32, as
         # max + 1 leaves int32 at the last int32 position.
         length = jnp.max(query_positions).astype(jnp.float32) + 1
@@ -351,8 +367,42 @@ class RoPE(ParameterFree):
         def angles_of(positions):
             return self.scaling.angles(positions, rotary_dim, self.base, length)
 
-        factor = float(self.scaling.attention_factor(None))
+        return angles_of, float(self.scaling.attention_factor(None))
+
+    def rotate(self, q, k, context: AttentionContext):
+        _check_head(q, self.rotary_dim, "q")  # before the frequencies: an odd head dim is named as such
+        _, query_positions, key_positions = _checked_qk(
+            q, k, context.query_positions, context.key_positions, self.rotary_dim
+        )
+        angles_of, factor = self._angles(q.shape[-1], query_positions)
         return _rotate_qk(q, k, query_positions, key_positions, angles_of, self.layout, factor)
+
+    def prepare(self, positions, head_dim: int) -> RotaryTable:
+        """This RoPE with its table for ``positions`` computed now, as a ``rotate`` hook.
+
+        A model computes it once per forward pass and gives it to every layer, so the
+        cos/sin table is computed once for all layers (like a shared bias), not once per
+        layer. The hook uses the table when the attention's query and key positions are
+        this very array (self-attention at ``positions``, or a decoding step rotating its
+        new queries and keys) and rotates from scratch otherwise.
+
+        Example:
+          >>> from posenc_jax.functional import dot_product_attention
+          >>> pos = jnp.arange(8); q = k = v = jnp.ones((1, 8, 2, 16))
+          >>> hook = RoPE().prepare(pos, head_dim=16)
+          >>> hook.table.shape
+          (8, 16)
+          >>> dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[hook]).shape
+          (1, 8, 2, 16)
+        """
+        positions = check_positions(positions)
+        if not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {head_dim!r}")
+        rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
+        if rotary_dim > head_dim:
+            raise ValueError(f"rotary_dim must be <= head_dim {head_dim}, got {rotary_dim}")
+        angles_of, factor = self._angles(head_dim, positions)
+        return RotaryTable(positions, _table(angles_of(positions), factor), self)
 
     def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> RoPE:
         """A scaling's factor and original context set from the training and the longest test length."""
@@ -363,3 +413,39 @@ class RoPE(ParameterFree):
             self,
             scaling=self.scaling.for_lengths(train_length=train_length, max_length=max_length, rotary_dim=rotary_dim),
         )
+
+
+@pytree_dataclass
+class RotaryTable:
+    """RoPE with its ``[..., T, R]`` table computed for one array of positions (:meth:`RoPE.prepare`).
+
+    A ``rotate`` hook. When the attention's query and key positions are ``positions``
+    itself (the same array object, as when a model hands one positions array to every
+    layer), q and k are rotated by the stored table; otherwise ``rope`` rotates them
+    from the context's positions, so the hook is never wrong, only slower.
+
+    Attributes:
+      positions: int32 ``[T]`` or ``[B, T]``, the positions the table was computed for.
+      table: float32 ``[T, R]`` or ``[B, T, R]``: cos then sin of every pair's angle.
+      rope: the :class:`RoPE` settings (layout, rotary dim, scaling).
+    """
+
+    positions: jax.Array = parameter()
+    table: jax.Array = parameter()
+    rope: RoPE = dataclasses.field(default_factory=RoPE)
+
+    @property
+    def rotates_per_token(self) -> bool:
+        """As :attr:`RoPE.rotates_per_token`."""
+        return self.rope.rotates_per_token
+
+    def rotate(self, q, k, context: AttentionContext):
+        if context.query_positions is not self.positions or context.key_positions is not self.positions:
+            return self.rope.rotate(q, k, context)
+        rotary_dim, _, _ = _checked_qk(q, k, self.positions, self.positions, self.rope.rotary_dim)
+        if self.table.shape[-1] != rotary_dim:
+            raise ValueError(
+                f"this RoPE table rotates {self.table.shape[-1]} features but q has rotary dim {rotary_dim} "
+                f"(shape {q.shape}); prepare it with head_dim={q.shape[-1]}"
+            )
+        return _rotate_by_table(q, self.table, self.rope.layout), _rotate_by_table(k, self.table, self.rope.layout)

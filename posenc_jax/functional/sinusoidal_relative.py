@@ -24,7 +24,7 @@ from posenc_jax.functional.positions import check_positions, inverse_frequencies
 from posenc_jax.functional.registry import register_encoding
 from posenc_jax.functional.sinusoidal import VASWANI
 
-__all__ = ["SinusoidalRelative", "sinusoidal_relative_logits"]
+__all__ = ["SinusoidalRelative", "key_sinusoids", "sinusoidal_relative_logits"]
 
 
 def _batched(x):
@@ -39,6 +39,7 @@ def sinusoidal_relative_logits(
     sign: int = 1,
     layout: Literal["interleaved", "half"] = "interleaved",
     base: float = 10000.0,
+    key_features: jax.Array | None = None,
 ) -> jax.Array:
     """``out[b, n, t, s] = g[b, t, n] · PE(sign · (key_pos[s] - query_pos[t]))``, ``[B, N, T, S]``.
 
@@ -52,6 +53,8 @@ def sinusoidal_relative_logits(
       sign: +1 for key minus query (j - i), -1 for query minus key (i - j).
       layout: where the sines and cosines sit in D.
       base: wavelength base.
+      key_features: optional ``[B|1, S, D]`` :func:`key_sinusoids` of the key positions,
+        computed earlier (a KV cache stores them); computed here when None.
 
     Returns:
       ``[B, N, T, S]`` float32; no ``[T, S, D]`` tensor is formed.
@@ -70,7 +73,10 @@ def sinusoidal_relative_logits(
         raise ValueError(f"the sinusoid width must be even, got {dim}")
     freq = inverse_frequencies(dim, base=base)
     alpha = _batched(position_angles(check_positions(query_positions, "query_positions"), freq))  # [B|1, T, F]
-    beta = _batched(position_angles(check_positions(key_positions, "key_positions"), freq))  # [B|1, S, F]
+    if key_features is None:
+        key_features = key_sinusoids(key_positions, dim, base=base)
+    elif key_features.shape[-1] != dim:
+        raise ValueError(f"key_features must have width D={dim} (the width of g), got shape {key_features.shape}")
     g = g.astype(jnp.float32)
     if layout == "interleaved":
         g_sin, g_cos = g[..., 0::2], g[..., 1::2]
@@ -82,9 +88,26 @@ def sinusoidal_relative_logits(
     coef_sin = g_sin * cos_a + g_cos * sin_a  # [B, T, N, F]
     coef_cos = g_cos * cos_a - g_sin * sin_a
     coef = jnp.concatenate([coef_sin, coef_cos], axis=-1)  # [B, T, N, 2F]
-    key_features = jnp.concatenate([jnp.sin(beta), jnp.cos(beta)], axis=-1)  # [B|1, S, 2F]
-    key_features = jnp.broadcast_to(key_features, (coef.shape[0],) + key_features.shape[1:])
-    return jnp.einsum("BTNF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
+    key_features = jnp.broadcast_to(_batched(key_features), (coef.shape[0],) + key_features.shape[-2:])
+    # Heads ahead of queries before the contraction, so the product comes out [B, N, T, S] as laid out.
+    coef = jnp.swapaxes(coef, 1, 2)  # [B, N, T, 2F]
+    return jnp.einsum("BNTF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
+
+
+def key_sinusoids(key_positions, dim: int, *, base: float = 10000.0) -> jax.Array:
+    """``[sin β, cos β]`` of the key angles ``β = key_pos · base**(-2i/D)``, float32 ``[B|1, S, D]``.
+
+    The per-key half of :func:`sinusoidal_relative_logits`: it depends on each key's
+    position alone, so a KV cache computes it once per key.
+
+    Example:
+      >>> key_sinusoids(jnp.arange(5), 8).shape
+      (1, 5, 8)
+    """
+    beta = _batched(
+        position_angles(check_positions(key_positions, "key_positions"), inverse_frequencies(dim, base=base))
+    )
+    return jnp.concatenate([jnp.sin(beta), jnp.cos(beta)], axis=-1)
 
 
 @register_encoding(

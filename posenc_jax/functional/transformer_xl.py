@@ -22,13 +22,23 @@ arXiv:1906.08237.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
+from posenc_jax.functional.positions import (
+    batched_positions,
+    inverse_frequencies,
+    position_angles,
+    position_difference,
+)
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.sinusoidal_relative import sinusoidal_relative_logits
+from posenc_jax.functional.relative import consecutive_rows
+from posenc_jax.functional.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "rel_shift", "transformer_xl_logits"]
 
@@ -90,8 +100,18 @@ def transformer_xl_logits(
     position_bias,
     scale: float | None = None,
     base: float = 10000.0,
+    key_features: dict | None = None,
+    causal: bool = False,
 ):
     """Terms (b) + (c) + (d) of Transformer-XL attention, ``[B, N, T, S]`` float32.
+
+    Two exact ways to the position term: for any positions, the sinusoid product
+    identity, a contraction over the sinusoid width D for every (query, key) pair
+    (``D / H`` times the content score's work); in causal attention whose queries are the
+    last T of S consecutive keys (training, evaluation), the paper's own way, checked at
+    run time: the sinusoids of the S distances projected once (``[S, N, H]``), scored
+    against every query (the work of one content score) and moved into place by
+    :func:`rel_shift`.
 
     Args:
       q: ``[B, T, N, H]`` queries; k: ``[B, S, K, H]`` keys (N a multiple of K).
@@ -101,6 +121,10 @@ def transformer_xl_logits(
       content_bias: ``u`` ``[N, H]``; position_bias: ``v`` ``[N, H]``.
       scale: default ``1/√H`` (the paper scales all four terms together).
       base: sinusoid base.
+      key_features: optional per-key parts computed earlier (a KV cache stores them, see
+        :meth:`TransformerXL.key_features`): ``"sinusoids"`` ``[B, S, D]`` and ``"content"``
+        ``[B, S, N]`` (``u · k_s``); computed from ``k`` and ``key_positions`` when None.
+      causal: the attention masks keys after each query (their entries are then filler).
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); k = jnp.ones((1, 5, 2, 4))
@@ -111,15 +135,102 @@ def transformer_xl_logits(
       (1, 2, 3, 5)
     """
     _check_params(q, position_projection, content_bias, position_bias)
-    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    head_dim = q.shape[-1]
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
-    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
-    content = jnp.einsum("NH,BSNH->BNS", content_bias, keys, preferred_element_type=jnp.float32)[:, :, None, :]
+    cached = key_features is not None  # a decoding step against a cache: never the ladder's layout
+    if key_features is None:
+        key_features = _key_features(k, key_positions, content_bias, np.shape(position_projection)[0], base)
+    content = jnp.swapaxes(key_features["content"], 1, 2)[:, :, None, :]  # [B, N, 1, S]
     shifted_q = q.astype(jnp.float32) + jnp.asarray(position_bias, jnp.float32)[None, None]
-    g = jnp.einsum("BTNH,DNH->BTND", shifted_q, position_projection, preferred_element_type=jnp.float32)
-    position = sinusoidal_relative_logits(g, query_positions, key_positions, sign=-1, layout="half", base=base)
+
+    def by_identity(shifted_q):
+        g = jnp.einsum("BTNH,DNH->BTND", shifted_q, position_projection, preferred_element_type=jnp.float32)
+        return sinusoidal_relative_logits(
+            g, query_positions, key_positions, sign=-1, layout="half", base=base, key_features=key_features["sinusoids"]
+        )
+
+    q_len, k_len = q.shape[1], k.shape[1]
+    if causal and q_len <= k_len and not cached:
+        ladder = functools.partial(_position_term_by_ladder, position_projection=position_projection, base=base)
+        query_positions = batched_positions(query_positions, "query_positions")
+        key_positions = batched_positions(key_positions, "key_positions")
+        # Queries are the last T of S consecutive keys, in every row.
+        last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
+        standard = consecutive_rows(query_positions) & consecutive_rows(key_positions) & last_keys
+        position = jax.lax.cond(standard, lambda x: ladder(x, k_len), by_identity, shifted_q)
+    else:
+        position = by_identity(shifted_q)
     return (content + position) * jnp.float32(scale)
+
+
+def _position_term_by_ladder(shifted_q, key_length: int, *, position_projection, base: float) -> jax.Array:
+    """``(q + v) · W_R R_{i-j}`` for queries that are the last T of S consecutive keys: ``[B, N, T, S]``.
+
+    The sinusoids of the distances ``S-1, ..., 1, 0`` are projected by ``W_R`` once
+    (``[S, N, H]``), scored against every query, and each score is moved to its key as
+    :func:`rel_shift` does (by one gather); entries of keys after the query are filler
+    (masked in causal attention).
+    """
+    dim = np.shape(position_projection)[0]
+    distances = jnp.arange(key_length - 1, -1, -1)
+    angles = position_angles(distances, inverse_frequencies(dim, base=base))  # [S, D/2]
+    ladder = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [S, D], Transformer-XL's layout
+    projected = jnp.einsum("LD,DNH->LNH", ladder, position_projection, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(
+        "BNTH,NLH->BNTL",
+        jnp.swapaxes(shifted_q, 1, 2),  # heads first, so the product comes out [B, N, T, L] as laid out
+        jnp.swapaxes(projected, 0, 1),
+        preferred_element_type=jnp.float32,
+    )
+    return _shift_to_keys(scores)
+
+
+def _ladder_columns(q_len: int, k_len: int) -> jax.Array:
+    """``[T, S]``: the ladder column of key s for query t, ``T - 1 - t + s`` (distance ``S - T + t - s``), capped."""
+    column = jnp.arange(k_len)[None, :] - jnp.arange(q_len)[:, None] + (q_len - 1)
+    return jnp.minimum(column, k_len - 1)
+
+
+@jax.custom_vjp
+def _shift_to_keys(scores: jax.Array) -> jax.Array:
+    """:func:`rel_shift`'s result by one gather: ``out[..., t, s] = scores[..., t, min(T - 1 - t + s, S - 1)]``.
+
+    A gather XLA fuses into its consumer; its transpose (below) is a gather and a masked
+    sum, not the scatter autodiff would make of it.
+    """
+    q_len, k_len = scores.shape[-2:]
+    return jnp.take_along_axis(scores, _ladder_columns(q_len, k_len)[None, None], axis=-1)
+
+
+def _shift_forward(scores):
+    return _shift_to_keys(scores), None
+
+
+def _shift_backward(_, cotangent):
+    q_len, k_len = cotangent.shape[-2:]
+    # Column c < S - 1 of row t receives key s = c - (T - 1 - t) alone; column S - 1 receives every key
+    # from S - T + t on (the capped ones).
+    source = jnp.arange(k_len)[None, :] - (q_len - 1) + jnp.arange(q_len)[:, None]  # [T, S]
+    inside = (source >= 0) & (jnp.arange(k_len)[None, :] < k_len - 1)
+    moved = jnp.take_along_axis(cotangent, jnp.clip(source, 0, k_len - 1)[None, None], axis=-1)
+    grad = jnp.where(inside[None, None], moved, 0.0)
+    capped = jnp.arange(k_len)[None, :] >= (k_len - q_len) + jnp.arange(q_len)[:, None]  # [T, S]
+    tail = jnp.where(capped[None, None], cotangent, 0.0).sum(axis=-1)  # [B, N, T]
+    return (grad.at[..., k_len - 1].add(tail),)
+
+
+_shift_to_keys.defvjp(_shift_forward, _shift_backward)
+
+
+def _key_features(k, key_positions, content_bias, dim: int, base: float) -> dict:
+    """The per-key parts of the Transformer-XL terms: the key sinusoids and ``u · k_s`` per head."""
+    num_heads = np.shape(content_bias)[0]
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    return {
+        "sinusoids": key_sinusoids(key_positions, dim, base=base),  # [B|1, S, D]
+        "content": jnp.einsum("NH,BSNH->BSN", content_bias, keys, preferred_element_type=jnp.float32),
+    }
 
 
 @pytree_dataclass
@@ -143,6 +254,17 @@ class TransformerXL:
     position_bias: jax.Array = parameter()
     scale: float | None = None
     base: float = 10000.0
+    cached_keys: dict | None = parameter(default=None)
+
+    def key_features(self, k, key_positions) -> dict:
+        """What a KV cache stores per key: the key sinusoids ``[B, S, D]`` and ``u · k_s`` ``[B, S, N]``."""
+        features = _key_features(k, key_positions, self.content_bias, np.shape(self.position_projection)[0], self.base)
+        sinusoids = features["sinusoids"]
+        return {**features, "sinusoids": jnp.broadcast_to(sinusoids, (k.shape[0],) + sinusoids.shape[1:])}
+
+    def with_key_features(self, features: dict) -> TransformerXL:
+        """This hook reading the per-key parts of every key from ``features`` (a KV cache's)."""
+        return dataclasses.replace(self, cached_keys=features)
 
     def logits(self, q, k, context: AttentionContext):
         return transformer_xl_logits(
@@ -155,6 +277,8 @@ class TransformerXL:
             position_bias=self.position_bias,
             scale=context.scale if self.scale is None else self.scale,
             base=self.base,
+            key_features=self.cached_keys,
+            causal=context.causal,
         )
 
 

@@ -69,8 +69,15 @@ def apply_xpos_qk(
     scale_base: float = 512.0,
     gamma: float = 0.4,
     layout: Layout = "interleaved",
+    centre=None,
 ):
     """Rotates and scales queries ``[..., T, N, H]`` and keys ``[..., S, K, H]`` as xPos does.
+
+    ``centre`` (integer ``[B|1, 1]``, default the midpoint of the query positions) is the
+    position where the scale factors are 1. It cancels in every score, so any centre gives
+    the same scores as long as no factor reaches the ``e^±60`` clamp (about
+    ``60 / |ln ζ_i| · scale_base`` positions from it); a KV cache keeps keys scaled about
+    one fixed centre, so each key is rotated once.
 
     Returns q and k in their dtype, except a dtype with a narrower range than float32
     (float16, whose largest value is 65504): the scale factors reach ``e^±12`` over a
@@ -92,10 +99,13 @@ def apply_xpos_qk(
     key_positions = check_positions(key_positions, "key_positions")
     freq = rope_inverse_frequencies(rotary_dim, base=base)
     log_zeta = jnp.asarray(np.log(xpos_decay_bases(rotary_dim, gamma=gamma)), jnp.float32)
-    q_batched = batched_positions(query_positions)
-    low, high = q_batched.min(axis=-1, keepdims=True), q_batched.max(axis=-1, keepdims=True)
-    # floor((low + high) / 2) without forming low + high, which can leave int32.
-    centre = low // 2 + high // 2 + (low % 2 + high % 2) // 2  # [B|1, 1]
+    if centre is None:
+        q_batched = batched_positions(query_positions)
+        low, high = q_batched.min(axis=-1, keepdims=True), q_batched.max(axis=-1, keepdims=True)
+        # floor((low + high) / 2) without forming low + high, which can leave int32.
+        centre = low // 2 + high // 2 + (low % 2 + high % 2) // 2  # [B|1, 1]
+    else:
+        centre = jnp.asarray(centre, jnp.int32).reshape(-1, 1)
 
     def tables(positions, sign):
         cos, sin = rope_tables(positions, freq)
@@ -144,6 +154,15 @@ class XPos(ParameterFree):
             raise ValueError(f"scale_base and gamma must be > 0, got {self.scale_base}, {self.gamma}")
 
     def rotate(self, q, k, context: AttentionContext):
+        return self.rotate_about(q, k, context, None)
+
+    def rotate_about(self, q, k, context: AttentionContext, centre):
+        """:meth:`rotate` with the scale factors 1 at ``centre`` (``[B|1, 1]``; None: the queries' midpoint).
+
+        With a fixed centre each key's rotation depends on its own position alone, so a KV
+        cache may hold keys rotated (see :func:`apply_xpos_qk` for the range where the
+        centre cancels exactly).
+        """
         return apply_xpos_qk(
             q,
             k,
@@ -153,4 +172,5 @@ class XPos(ParameterFree):
             scale_base=self.scale_base,
             gamma=self.gamma,
             layout=self.layout,
+            centre=centre,
         )

@@ -5,7 +5,11 @@ and the per-layer encodings' parameters; the computation is
 :func:`posenc_jax.functional.dot_product_attention`.
 
 Decoding uses an explicit :class:`KVCache` (a pytree of arrays, positions
-included), so a step compiles once and runs for any position.
+included), so a step compiles once and runs for any position. The cache holds what
+does not change as decoding goes on: keys after rotation when every rotation of the
+layer depends on each key's own position alone (RoPE, its fixed scalings, axial RoPE),
+and the per-key terms of encodings that have them (:class:`CachedKeyTerm`: DeBERTa,
+Transformer-XL), so a step computes them for its new tokens only.
 """
 
 from __future__ import annotations
@@ -17,12 +21,29 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import IMPLEMENTATIONS, dot_product_attention, softmax_weights
-from posenc_jax.functional.cache import KVCache
-from posenc_jax.functional.hooks import EncodingConfig, Normalize
+from posenc_jax.functional.cache import CachedKeyTerm, KVCache
+from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, Normalize, Rotate, hook_names
 from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.nn.encoding import PositionEncoding
 
 __all__ = ["KVCache", "MultiHeadAttention"]
+
+
+def _stores_rotated_keys(hooks: Sequence) -> bool:
+    """Whether a cache may hold keys rotated: every rotate hook rotates by each token's own position alone
+    (``rotates_per_token``), or does given a fixed reference position (``rotate_about``, xPos's centre)."""
+    return all(
+        (getattr(hook, "rotates_per_token", False) or hasattr(hook, "rotate_about")) and hook_names(hook) == ("rotate",)
+        for hook in hooks
+        if isinstance(hook, Rotate)
+    )
+
+
+def _cached_terms(hooks: Sequence) -> list:
+    """The hooks whose per-key terms a cache stores (only where keys are stored as the hooks see them)."""
+    if not _stores_rotated_keys(hooks):
+        return []
+    return [hook for hook in hooks if isinstance(hook, CachedKeyTerm)]
 
 
 class MultiHeadAttention(nnx.Module):
@@ -124,6 +145,7 @@ class MultiHeadAttention(nnx.Module):
         cache: KVCache | None = None,
         deterministic: bool = True,
         implementation: str | None = None,
+        prepared: Sequence | None = None,
     ):
         """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -135,9 +157,12 @@ class MultiHeadAttention(nnx.Module):
             tokens are cached as invalid slots, which no query attends to).
           segment_ids: ``[B, T]`` ids of packed sequences.
           cache: a :class:`KVCache` to append to and attend over (causal decoding);
-            the call then returns ``(output, new_cache)``.
+            the call then returns ``(output, new_cache)``. Make it with :meth:`init_cache`.
           deterministic: no dropout.
           implementation: overrides the layer's ``implementation`` for this call.
+          prepared: hooks computed once for the whole forward pass by the model, one per
+            encoding of this layer (None where the layer builds its own), e.g. RoPE with
+            its table (:meth:`~posenc_jax.functional.RoPE.prepare`).
 
         Returns:
           ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
@@ -146,6 +171,7 @@ class MultiHeadAttention(nnx.Module):
         q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.value(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        encodings = self._hooks(prepared) + list(shared)
         query_positions = positions
         key_positions = positions
         new_cache = None
@@ -155,12 +181,19 @@ class MultiHeadAttention(nnx.Module):
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
             positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+            # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
+            reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
+            q, k, encodings, terms = self._rotate_new_tokens(q, k, positions, encodings, reference)
+            if len(terms) != len(cache.features):
+                terms = []  # a cache made without this layer's per-key terms: they are computed from the keys
+            features = tuple(hook.key_features(k, positions) for hook in terms)
             # Padding (key_mask False, e.g. left padding) is stored as invalid slots: never attended.
-            new_cache = cache.append(k, v, positions, valid=key_mask)
+            new_cache = cache.append(k, v, positions, valid=key_mask, features=features)
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
             key_mask = new_cache.valid  # empty slots and padding, whatever their positions
-        encodings = [module() for module in self.encodings] + list(shared)
+            stored = dict(zip(map(id, terms), new_cache.features, strict=True))
+            encodings = [hook.with_key_features(stored[id(hook)]) if id(hook) in stored else hook for hook in encodings]
         use_dropout = self.dropout_rate > 0 and not deterministic
         out = dot_product_attention(
             q,
@@ -182,3 +215,49 @@ class MultiHeadAttention(nnx.Module):
         )
         out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
+
+    def _hooks(self, prepared: Sequence | None) -> list:
+        """This layer's encoding hooks, in order; a model's prepared hook replaces the layer's own."""
+        if prepared is None:
+            return [module() for module in self.encodings]
+        if len(prepared) != len(self.encodings):
+            raise ValueError(
+                f"prepared has {len(prepared)} entries but this layer has {len(self.encodings)} encodings; pass one "
+                f"per encoding (None where the layer builds its own)"
+            )
+        return [module() if hook is None else hook for module, hook in zip(self.encodings, prepared, strict=True)]
+
+    def _rotate_new_tokens(self, q, k, positions, hooks, reference):
+        """A decoding step's queries and new keys rotated now, when a cache may hold keys rotated.
+
+        ``reference`` (int32 ``[B, 1]``) is the fixed position a ``rotate_about`` hook rotates about.
+
+        Returns ``(q, k, hooks left for the attention, hooks whose per-key terms the cache stores)``.
+        """
+        if not _stores_rotated_keys(hooks):
+            return q, k, hooks, []
+        context = AttentionContext(
+            query_positions=positions,
+            key_positions=positions,  # the new keys are the new tokens: one table for both
+            scale=float(self.head_dim) ** -0.5,
+            head_dim=self.head_dim,
+            num_heads=self.num_heads,
+            causal=True,
+            key_length=k.shape[1],
+        )
+        for hook in hooks:
+            if isinstance(hook, Rotate) and hasattr(hook, "rotate_about"):
+                q, k = hook.rotate_about(q, k, context, reference)
+            elif isinstance(hook, Rotate):
+                q, k = hook.rotate(q, k, context)
+        rest = [hook for hook in hooks if not isinstance(hook, Rotate)]
+        return q, k, rest, _cached_terms(rest)
+
+    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
+        """An empty :class:`KVCache` of ``max_length`` slots for this layer, with room for its encodings'
+        per-key terms (DeBERTa's key projections, Transformer-XL's key sinusoids)."""
+        terms = _cached_terms(self._hooks(None))
+        key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
+        positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+        features = tuple(jax.eval_shape(hook.key_features, key, positions) for hook in terms)
+        return KVCache.empty(batch, max_length, self.num_kv_heads, self.head_dim, dtype, features=features)

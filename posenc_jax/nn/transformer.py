@@ -14,12 +14,19 @@ and placed where their config's ``acts_on`` says:
 Encodings with a causal and a bidirectional form (T5, ALiBi) take the model's
 ``causal`` unless their config sets a direction.
 
+RoPE (and its fixed scalings) has no parameters, so its cos/sin table is computed once
+per forward pass (:meth:`~posenc_jax.functional.RoPE.prepare`) and every layer rotates by
+it, like the shared biases.
+
 Positions are explicit: ``model(tokens, positions)``. Decoding: ``init_cache`` then
-``decode(tokens, positions, cache)`` for the prompt and for each new token.
+``decode(tokens, positions, cache)`` for the prompt and for each new token; in a loop,
+:func:`decode_step` runs it as Flax recommends for hot loops (``jax.jit`` over the
+model's split state, the caches donated).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -28,12 +35,12 @@ from flax import nnx
 
 from posenc_jax.functional.attention import SharedBias, goes_blockwise, softmax_weights
 from posenc_jax.functional.cache import KVCache
-from posenc_jax.functional.hooks import AttentionContext
+from posenc_jax.functional.hooks import AttentionContext, ParameterFree
 from posenc_jax.functional.positions import check_positions
 from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
-__all__ = ["Block", "Transformer"]
+__all__ = ["Block", "Transformer", "decode_step"]
 
 
 def _name_of(normalizer) -> str:
@@ -85,7 +92,18 @@ class Block(nnx.Module):
         self.dropout = _dropout(dropout_rate, rngs)
 
     def __call__(
-        self, x, positions, *, causal, shared, key_mask, segment_ids, cache, deterministic, implementation=None
+        self,
+        x,
+        positions,
+        *,
+        causal,
+        shared,
+        key_mask,
+        segment_ids,
+        cache,
+        deterministic,
+        implementation=None,
+        prepared=None,
     ):
         attended = self.attention(
             self.attention_norm(x),
@@ -97,6 +115,7 @@ class Block(nnx.Module):
             cache=cache,
             deterministic=deterministic,
             implementation=implementation,
+            prepared=prepared,
         )
         if cache is not None:
             attended, cache = attended
@@ -249,6 +268,14 @@ class Transformer(nnx.Module):
         )
         # In tiles, each tile computes its own bias: a [B, N, T, S] bias would undo the point.
         shared = [module() if tiled else SharedBias(module().bias(context)) for module in self.shared]
+        # Parameter-free rotations (RoPE): their tables once for this forward, used by every layer.
+        prepared = [
+            module.config.prepare(positions, head_dim)
+            if isinstance(module.config, ParameterFree) and hasattr(module.config, "prepare")
+            else None
+            for module in self.blocks[0].attention.encodings
+        ]
+        prepared = prepared if any(hook is not None for hook in prepared) else None
         new_caches = []
         for i, block in enumerate(self.blocks):
             x, cache = block(
@@ -261,6 +288,7 @@ class Transformer(nnx.Module):
                 cache=None if caches is None else caches[i],
                 deterministic=deterministic,
                 implementation=implementation,
+                prepared=prepared,
             )
             new_caches.append(cache)
         logits = self.head(self.final_norm(x))
@@ -300,10 +328,7 @@ class Transformer(nnx.Module):
             raise ValueError(
                 "this Transformer is a bidirectional encoder; only a causal decoder can decode step by step"
             )
-        attention = self.blocks[0].attention
-        return [
-            KVCache.empty(batch, max_length, attention.num_kv_heads, attention.head_dim, dtype) for _ in self.blocks
-        ]
+        return [block.attention.init_cache(batch, max_length, dtype) for block in self.blocks]
 
     def decode(self, tokens, positions, caches: list[KVCache], *, key_mask=None):
         """Runs ``tokens`` ``[B, t]`` at ``positions`` ``[B, t]`` against the caches and appends to them.
@@ -343,3 +368,45 @@ class Transformer(nnx.Module):
             deterministic=True,
             key_positions=key_positions,
         )
+
+
+def decode_step(model: Transformer, *, donate: bool = True, on_trace: Callable[[], None] | None = None):
+    """``model.decode`` as a ``jax.jit`` over the model's split state, for decoding loops.
+
+    ``nnx.jit`` re-walks the module graph on every call, which costs about as much as a
+    small model's decoding step itself; Flax recommends, for hot loops, splitting the
+    model once (``nnx.split``) and jitting a function of the state that merges it back.
+    The state is captured when ``decode_step`` is called: make a new step after changing
+    the model's parameters.
+
+    Args:
+      model: a causal :class:`Transformer`.
+      donate: donate the caches to the step, so their buffers are updated in place; the
+        caches passed in must then not be used again (use the returned ones).
+      on_trace: called each time the step is traced (to count compilations).
+
+    Returns:
+      ``step(tokens, positions, caches, *, key_mask=None) -> (logits, new_caches)`` with the
+      arguments and results of :meth:`Transformer.decode`.
+
+    Example:
+      >>> model = Transformer(vocab_size=16, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64,
+      ...                     rngs=nnx.Rngs(0))
+      >>> step, caches = decode_step(model), model.init_cache(1, 8)
+      >>> logits, caches = step(jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None], caches)  # prompt
+      >>> logits, caches = step(jnp.zeros((1, 1), jnp.int32), jnp.array([[3]]), caches)  # one token
+      >>> logits.shape, int(caches[0].length)
+      ((1, 1, 16), 4)
+    """
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, donate_argnums=(3,) if donate else ())
+    def step(state, tokens, positions, caches, key_mask):
+        if on_trace is not None:
+            on_trace()
+        return nnx.merge(graphdef, state).decode(tokens, positions, caches, key_mask=key_mask)
+
+    def run(tokens, positions, caches, *, key_mask=None):
+        return step(state, tokens, positions, caches, key_mask)
+
+    return run
