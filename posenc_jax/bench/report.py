@@ -148,7 +148,7 @@ def write_report(
     if record and record.get("text_corpus"):
         lines += [f"Text corpus: {record['text_corpus']}.", ""]
     if record:
-        version = record["versions"].get("posenc_jax", "unrecorded")
+        version = record["versions"].get("posenc_jax", "(version not recorded)")
         lines += [
             f"Device: {record['device']['kind']} x {record['device']['count']}; posenc_jax {version}, "
             f"jax {record['versions']['jax']}; commit {record.get('git_commit')}.",
