@@ -24,6 +24,11 @@ answer, where no query looks), and says how to score a prediction:
   where there is internet (:func:`load_hub_corpus`, extra ``data``).
 
 The length of an example is the length of ``x`` (for ``text``: the context).
+
+Every task implements :class:`Task`, the one protocol the benchmark runner uses: how to
+draw training lengths, make a batch, score a model's outputs, what chance is, and
+whether a length can be served at all (a corpus too short for the windows asked of it
+is refused before any training).
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import dataclasses
 import hashlib
 import pathlib
 import sysconfig
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import numpy as np
 
@@ -41,6 +46,7 @@ __all__ = [
     "EncoderTask",
     "ProbeTask",
     "TASKS",
+    "Task",
     "TextTask",
     "load_hub_corpus",
     "make_task",
@@ -54,6 +60,71 @@ SEP, BLANK, PAD, EOS = NUM_SYMBOLS, NUM_SYMBOLS + 1, NUM_SYMBOLS + 2, NUM_SYMBOL
 ALGO_VOCAB = NUM_SYMBOLS + 4
 
 
+class Task(Protocol):
+    """What the benchmark asks of a task (every task of :data:`TASKS` implements it).
+
+    Attributes:
+      name: the registered name.
+      kind: ``"decoder"`` (a causal model) or ``"encoder"`` (a bidirectional one).
+      metric: the name of the score (``"exact_match"``, ``"accuracy"``, ``"bits_per_char"``).
+      higher_is_better: the score's direction.
+      vocab_size: the model's number of tokens.
+      scored_on: the model output :meth:`score` reads: ``"predictions"`` (argmax ids
+        ``[B, T]``) or ``"target_log_probs"`` (the targets' log-probabilities ``[B, T]``, nats).
+      length_family: ``"algorithmic"`` or ``"text"``: which of a benchmark preset's length
+        settings apply (symbols of ``x``, or characters of context).
+      fixed_eval_shape: True when every evaluation length is padded to the longest (one
+        compilation; padding is masked or causally unseen), False when each length runs at
+        its own size.
+    """
+
+    name: str
+    kind: str
+    metric: str
+    higher_is_better: bool
+    vocab_size: int
+    scored_on: str
+    length_family: str
+    fixed_eval_shape: bool
+
+    def max_tokens(self, n: int) -> int:
+        """Model input length for an example of length ``n``."""
+
+    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
+        """The lengths of one training batch's examples."""
+
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
+        """One example of each length in ``lengths`` (``split``: ``"train"`` or ``"test"``)."""
+
+    def score(self, outputs: np.ndarray, batch: dict) -> np.ndarray:
+        """The metric per example, from the model output named by ``scored_on``."""
+
+    def chance(self, n: int) -> float | None:
+        """The score of guessing uniformly at length ``n``, or None where no such line is meaningful."""
+
+    def check_lengths(self, train_length: int, eval_lengths) -> None:
+        """Raises ValueError, naming the length and the fix, if the task cannot serve these lengths."""
+
+
+class _Generated:
+    """What the generated (algorithmic) tasks share: lengths 1..L in training, fresh examples
+    from the random generator (``split`` only names the use: train and test draw from
+    different generators, so they never repeat by construction)."""
+
+    scored_on: ClassVar[str] = "predictions"
+    length_family: ClassVar[str] = "algorithmic"
+    fixed_eval_shape: ClassVar[bool] = True
+
+    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
+        """Lengths drawn uniformly from 1..``train_length``."""
+        return rng.integers(1, train_length + 1, batch_size)
+
+    def check_lengths(self, train_length: int, eval_lengths) -> None:
+        lengths = [train_length, *eval_lengths]
+        if min(lengths) < 1:
+            raise ValueError(f"{self.name}: lengths must be >= 1, got {min(lengths)}")
+
+
 def _pad(rows, length, value):
     longest = max(len(row) for row in rows)
     if longest > length:
@@ -65,7 +136,7 @@ def _pad(rows, length, value):
 
 
 @dataclasses.dataclass(frozen=True)
-class DecoderTask:
+class DecoderTask(_Generated):
     """``x SEP y EOS`` with ``y = f(x)``, causal, exact match over ``y EOS``.
 
     The end token is part of the answer: knowing when to stop is what makes
@@ -98,7 +169,7 @@ class DecoderTask:
         """Model input length for an example of length n (``x SEP y EOS`` less the last token)."""
         return n + 1 + (2 * n if self.name == "duplicate" else n)
 
-    def batch(self, rng: np.random.Generator, lengths, *, pad_to: int | None = None) -> dict:
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         """A batch with one example of each length in ``lengths``, padded to the longest
         (or to ``pad_to`` input tokens, for a fixed shape)."""
         seqs, weights = [], []
@@ -124,9 +195,13 @@ class DecoderTask:
         correct = (predictions == batch["targets"]) | ~w
         return correct.all(axis=-1).astype(np.float64)
 
+    def chance(self, n: int) -> float | None:
+        """None: guessing a whole answer right is vanishingly rare (below 10^-n)."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
-class EncoderTask:
+class EncoderTask(_Generated):
     """``x`` then blanks; the answer is read from the blanks; per-token accuracy."""
 
     name: str
@@ -166,7 +241,7 @@ class EncoderTask:
             return n + 2
         return 2 * n
 
-    def batch(self, rng: np.random.Generator, lengths, *, pad_to: int | None = None) -> dict:
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         seqs, weights, targets = [], [], []
         for n in lengths:
             x, y = self._example(rng, int(n))
@@ -193,9 +268,13 @@ class EncoderTask:
         w = batch["weights"]
         return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
 
+    def chance(self, n: int) -> float | None:
+        """Uniform guessing: 1/2 for the binary answers (parity, missing duplicate), 1/10 per symbol."""
+        return 0.5 if self.name in ("parity", "missing_duplicate") else 1.0 / NUM_SYMBOLS
+
 
 @dataclasses.dataclass(frozen=True)
-class ProbeTask:
+class ProbeTask(_Generated):
     """Seed 004's probe: n identical tokens, the target at position i is i (optionally [CLS] ... [SEP])."""
 
     name: str
@@ -212,7 +291,7 @@ class ProbeTask:
     def max_tokens(self, n: int) -> int:
         return n + (2 if self.boundary else 0)
 
-    def batch(self, rng: np.random.Generator, lengths, *, pad_to: int | None = None) -> dict:
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         total = self.max_tokens(max(lengths)) if pad_to is None else pad_to
         inputs = np.full((len(lengths), total), PAD, np.int32)
         targets = np.zeros((len(lengths), total), np.int32)
@@ -237,6 +316,19 @@ class ProbeTask:
     def score(self, predictions, batch):
         w = batch["weights"]
         return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
+
+    def chance(self, n: int) -> float | None:
+        """1/n: what a model that cannot tell the positions apart scores at best (seed 004)."""
+        return 1.0 / n
+
+    def check_lengths(self, train_length: int, eval_lengths) -> None:
+        super().check_lengths(train_length, eval_lengths)
+        longest = max(train_length, *eval_lengths)
+        if longest > self.max_length:
+            raise ValueError(
+                f"{self.name}: length {longest} needs {longest} position classes but the task has "
+                f"{self.max_length}; make it with make_task({self.name!r}, max_length={longest})"
+            )
 
 
 def stdlib_corpus(fraction_test: float = 0.1) -> tuple[str, str, list[str]]:
@@ -324,12 +416,19 @@ def _read_corpus(path) -> tuple[str, str]:
 
 
 class TextTask:
-    """Character-level language modelling; bytes as tokens, scored in bits per character."""
+    """Character-level language modelling; bytes as tokens, scored in bits per character.
+
+    Trains on windows of exactly the training context and evaluates each length on
+    windows of that length from the test split.
+    """
 
     kind = "decoder"
     metric = "bits_per_char"
     higher_is_better = False
     vocab_size = 128
+    scored_on = "target_log_probs"
+    length_family = "text"
+    fixed_eval_shape = False
 
     def __init__(self, corpus: str | None = None):
         self.name = "text"
@@ -355,6 +454,25 @@ class TextTask:
 
     def max_tokens(self, n: int) -> int:
         return n
+
+    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
+        """Every window is the training context."""
+        return np.full(batch_size, train_length)
+
+    def chance(self, n: int) -> float | None:
+        """None: uniform guessing (7 bits per character) is no useful line on a text plot."""
+        return None
+
+    def check_lengths(self, train_length: int, eval_lengths) -> None:
+        """The train split must hold a window of the training context and the test split one of
+        the longest evaluation length (each plus the next character to predict)."""
+        for split, data, length in (("train", self.train, train_length), ("test", self.test, max(eval_lengths))):
+            if len(data) < length + 2:
+                raise ValueError(
+                    f"the {split} split of the text corpus ({self.corpus_description}) has {len(data)} characters, "
+                    f"too few for windows of {length}; pass a larger --corpus, or shorter lengths "
+                    f"(--text-context, --text-lengths)"
+                )
 
     def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         data = self.train if split == "train" else self.test

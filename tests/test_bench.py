@@ -1,4 +1,9 @@
-"""The extrapolation benchmark: smoke preset end to end, resume after a kill, bad input, tasks."""
+"""The extrapolation benchmark: end to end, resume after a kill, seeds trained together, bad input,
+the ledger, the CLI, reports and plots, tasks.
+
+Runs happen in this process (``main([...])``) wherever they can, so they share its compilations;
+only the kill test needs a subprocess.
+"""
 
 import dataclasses
 import json
@@ -13,10 +18,14 @@ import time
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
-from posenc_jax.bench import extrapolate
+from posenc_jax.bench import cell as bench_cell
+from posenc_jax.bench import extrapolate, presets, report
 from posenc_jax.bench.cli import main
-from posenc_jax.tasks import DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
+from posenc_jax.bench.ledger import Ledger, fingerprint
+from posenc_jax.tasks import TASKS, DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
+from posenc_jax.training import train_step
 
 CLI = [sys.executable, "-m", "posenc_jax.bench.cli", "extrapolate"]
 
@@ -25,56 +34,57 @@ def _rows(path):
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines() if line.strip()]
 
 
-def test_smoke_preset_writes_every_output(tmp_path):
-    result = subprocess.run(
-        CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def _values(path):
+    return {(r["task"], r["encoding"], r["seed"], r["length"]): r["value"] for r in _rows(path)}
+
+
+@pytest.fixture
+def standard_promotion():
+    """The benchmark runs as a user runs it, with jax's default dtype promotion."""
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
+    args = ["extrapolate", "--preset", "smoke", "--encodings", "nope,rope", "--text-lengths", "16,32"]
+    args += ["--out", str(tmp_path), "--no-progress"]
+    assert main(args) == 0
     rows = _rows(tmp_path / "results.jsonl")
-    # 3 encodings x counting_copy at 4 lengths, 3 encodings x text at 3 lengths, 3 eval-only RoPE rows x 3 lengths.
-    assert len(rows) == 3 * 4 + 3 * 3 + 3 * 3
+    # 2 encodings x counting_copy at 4 lengths, 2 encodings x text at 2 lengths, 3 eval-only RoPE rows x 2 lengths.
+    assert len(rows) == 2 * 4 + 2 * 2 + 3 * 2
     assert {r["task"] for r in rows} == {"counting_copy", "text"}
     assert all(0.0 <= r["value"] <= 1.0 for r in rows if r["metric"] == "exact_match")
     assert all(0.0 < r["value"] < 10.0 for r in rows if r["metric"] == "bits_per_char")
     record = json.loads((tmp_path / "run.json").read_text())
     assert record["preset"]["name"] == "smoke" and record["versions"]["jax"]
-    assert all("compile_seconds" in cell and "train_seconds" in cell for cell in record["cells"])
-    report = (tmp_path / "report.md").read_text()
-    assert "## counting_copy" in report and "## text" in report and "published" in report
+    assert record["versions"]["posenc_jax"] == __import__("posenc_jax").__version__
+    assert all(cell["seeds"] == [0] and cell["compile_seconds"] > 0 for cell in record["cells"])
+    printed = capsys.readouterr().out
+    assert re.search(r"\[cell 1 of 4, [\dms]+ elapsed, about [\dms]+ left\] counting_copy", printed), printed
+    assert "[cell 4 of 4" in printed
+    report_text = (tmp_path / "report.md").read_text()
+    assert "A pipeline check, not a result" in report_text and "published" not in report_text
+    assert "±" not in report_text and "one seed, so no spread is shown" in report_text
     assert (tmp_path / "counting_copy.png").stat().st_size > 1000 and (tmp_path / "text.png").exists()
     # Re-running the finished command trains and evaluates nothing again.
-    again = subprocess.run(
-        CLI + ["--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert again.returncode == 0
+    assert main([*args, "--no-plots"]) == 0
     assert len(_rows(tmp_path / "results.jsonl")) == len(rows)
+    assert len(json.loads((tmp_path / "run.json").read_text())["cells"]) == len(record["cells"])
 
 
-def test_killed_run_resumes_to_the_same_results(tmp_path):
-    args = [
-        "--preset",
-        "smoke",
-        "--encodings",
-        "rope",
-        "--tasks",
-        "counting_copy",
-        "--steps",
-        "400",
-        "--no-progress",
-        "--no-plots",
-    ]
+def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"], encodings=("rope",), tasks=("counting_copy",), steps=400, checkpoint_every=10
+    )
     reference = tmp_path / "uninterrupted"
-    subprocess.run(CLI + args + ["--out", str(reference)], check=True, capture_output=True, timeout=600)
+    extrapolate.run(preset, reference, progress=False, log=lambda line: None)
 
     interrupted = tmp_path / "interrupted"
+    args = ["--preset", "smoke", "--encodings", "rope", "--tasks", "counting_copy", "--steps", "400"]
     process = subprocess.Popen(
-        CLI + args + ["--out", str(interrupted)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        CLI + args + ["--no-progress", "--no-plots", "--out", str(interrupted)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     saved = lambda: [p for p in (interrupted / "checkpoints").glob("*/counting_copy/rope/seed0/*") if p.name.isdigit()]
     deadline = time.time() + 300
@@ -89,37 +99,180 @@ def test_killed_run_resumes_to_the_same_results(tmp_path):
     steps = [int(p.name) for p in saved()]
     assert steps and max(steps) < 400  # killed mid-training
 
-    subprocess.run(CLI + args + ["--out", str(interrupted)], check=True, capture_output=True, timeout=600)
-    record = json.loads((interrupted / "run.json").read_text())
+    record = extrapolate.run(preset, interrupted, progress=False, log=lambda line: None)
     assert record["cells"][-1]["resumed_from_step"] == max(steps)
-    resumed = {(r["encoding"], r["length"]): r["value"] for r in _rows(interrupted / "results.jsonl")}
-    expected = {(r["encoding"], r["length"]): r["value"] for r in _rows(reference / "results.jsonl")}
-    assert resumed == expected
+    assert _values(interrupted / "results.jsonl") == _values(reference / "results.jsonl")
+
+
+def _tiny_cell(encoding="rope+randomized"):
+    preset = dataclasses.replace(presets.PRESETS["smoke"], dropout_rate=0.1)
+    task = make_task("counting_copy")
+    cell = bench_cell.Cell("counting_copy", task, encoding, "softmax", preset.lengths(task))
+    head_dim = preset.model_dim // preset.num_heads
+    configs = bench_cell.encodings_for(encoding, head_dim, cell.train_tokens, cell.max_tokens)
+    return preset, cell, configs
+
+
+def _leaves(model):
+    keys = lambda x: jax.random.key_data(x) if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key) else x
+    return [np.asarray(keys(x)) for x in jax.tree.leaves(nnx.state(model))]
+
+
+def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotion):
+    """Dropout and randomized positions included (both draw from the model's RNG streams).
+    ``lax.map`` runs each seed's unbatched step: bitwise equal. ``vmap`` batches the seeds'
+    products, which XLA rounds differently: equal to float32 rounding (a few ulps after 4 steps)."""
+    preset, cell, configs = _tiny_cell()
+    seeds, steps = (0, 1, 2), 4
+    reference = {}
+    for seed in seeds:
+        model, optimizer = bench_cell.build(cell, preset, configs, seed)
+        batches = [bench_cell.train_batch(cell.task, preset, seed, k, cell.lengths) for k in range(steps)]
+        losses = [float(train_step(model, optimizer, batch)) for batch in batches]
+        reference[seed] = (np.array(losses, np.float32), _leaves(model))
+    # Not vacuous: the seeds' models differ from one another.
+    assert not all(np.array_equal(a, b) for a, b in zip(reference[0][1], reference[1][1], strict=True))
+    for batched in (False, True):
+        pairs = [bench_cell.build(cell, preset, configs, seed) for seed in seeds]
+        group = bench_cell.SeedGroup([m for m, _ in pairs], [o for _, o in pairs], batched=batched)
+        together = []
+        for k in range(steps):
+            per_seed = [bench_cell.train_batch(cell.task, preset, seed, k, cell.lengths) for seed in seeds]
+            together.append(np.asarray(group.step({n: np.stack([b[n] for b in per_seed]) for n in per_seed[0]})))
+        together = np.array(together)
+        for i, seed in enumerate(seeds):
+            losses, leaves = reference[seed]
+            trained = _leaves(group.seed(i)[0])
+            if batched:
+                np.testing.assert_allclose(together[:, i], losses, rtol=2e-6, atol=1e-6)
+                for a, b in zip(trained, leaves, strict=True):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+            else:
+                np.testing.assert_array_equal(together[:, i], losses)
+                for a, b in zip(trained, leaves, strict=True):
+                    np.testing.assert_array_equal(a, b)
+
+
+def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_promotion):
+    preset = dataclasses.replace(presets.PRESETS["smoke"], steps=5, checkpoint_every=5)
+    _, cell, _ = _tiny_cell("alibi")
+    bars = []
+
+    class Bar:
+        def __init__(self, total, initial, description):
+            self.total, self.initial, self.description, self.n = total, initial, description, initial
+            bars.append(self)
+
+        def update(self, n):
+            self.n += n
+
+        def set_postfix(self, **kwargs):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    rows = []
+    todo = {0: [(None, 2)], 1: [(None, 6)]}
+    records = bench_cell.train_and_evaluate(
+        cell, preset, [0, 1], todo, out=tmp_path, settings="test", write=rows.append, bar=Bar
+    )
+    (bar,) = bars
+    assert (bar.total, bar.initial, bar.n, bar.closed) == (5, 1, 5, True)  # created after the first step
+    assert "seeds 0,1" in bar.description
+    assert [(r["seed"], r["length"]) for r in rows] == [(0, 2), (1, 6)]
+    assert records[0]["seeds"] == [0, 1] and len(records[0]["final_loss"]) == 2
+
+
+def test_seeds_left_at_different_steps_resume_together_from_their_common_step(tmp_path, standard_promotion):
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"],
+        encodings=("nope",),
+        tasks=("counting_copy",),
+        seeds=(0, 1),
+        steps=3,
+        checkpoint_every=1,
+    )
+    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    first = _values(tmp_path / "results.jsonl")
+    # As if killed after seed 0 saved step 3 and before seed 1 did, with no row written.
+    (seed1,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1")
+    subprocess.run(["rm", "-rf", str(seed1 / "3")], check=True)
+    (tmp_path / "results.jsonl").unlink()
+    record = extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    assert record["cells"][-1]["seeds"] == [0, 1] and record["cells"][-1]["resumed_from_step"] == 2
+    assert _values(tmp_path / "results.jsonl") == first
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--encodings", "rope,ropee"], "unknown encodings \\['ropee'\\]; known encodings: alibi"),
+        (["--encodings", ","], "no encodings given; name at least one"),
+        (["--tasks", ","], "no tasks given; name at least one"),
+        (["--seeds", "1,1"], "seeds \\[1\\] named twice"),
         (["--tasks", "copyy"], "unknown tasks \\['copyy'\\]; known tasks: counting_copy"),
         (["--steps", "0"], "steps must be >= 1, got 0"),
         (["--eval-lengths", "2,3", "--train-length", "4"], "must reach beyond the training length 4"),
-        (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, paper"),
+        (["--text-lengths", "16,40"], "--text-lengths 16,40: each must be a multiple of the text context 16"),
+        (["--tasks", "text", "--eval-lengths", "8,64"], "has only the text task; .* --text-lengths"),
+        (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, colab-tpu, paper"),
     ],
 )
 def test_bad_input_says_why(tmp_path, args, message):
     with pytest.raises(SystemExit, match=message):
-        main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), *args])
+        main(["extrapolate", "--preset", "smoke", "--out", str(tmp_path), "--no-progress", "--no-plots", *args])
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_a_corpus_too_small_for_the_lengths_is_refused_before_training(tmp_path):
+    corpus = tmp_path / "tiny.txt"
+    corpus.write_text("x" * 400)  # the last 10%, 40 characters, is the test split
+    args = ["--preset", "smoke", "--tasks", "counting_copy,text", "--corpus", str(corpus), "--out", str(tmp_path / "o")]
+    with pytest.raises(
+        SystemExit, match=r"test split of the text corpus .* has 40 characters, too few for windows of 64"
+    ):
+        main(["extrapolate", *args, "--no-progress", "--no-plots"])
+    assert not (tmp_path / "o" / "checkpoints").exists()
+
+
+def test_the_text_task_takes_its_lengths_from_text_lengths(tmp_path, standard_promotion):
+    args = ["--preset", "smoke", "--encodings", "alibi", "--tasks", "text", "--text-lengths", "16,48", "--steps", "2"]
+    assert main(["extrapolate", *args, "--out", str(tmp_path), "--no-progress", "--no-plots"]) == 0
+    assert {r["length"] for r in _rows(tmp_path / "results.jsonl")} == {16, 48}
+
+
+def test_version_help_and_a_missing_bench_extra(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == "posenc-bench (posenc_jax) 0.1.0"
+    with pytest.raises(SystemExit):
+        main(["extrapolate", "--help"])
+    text = capsys.readouterr().out
+    for preset in presets.PRESETS:
+        assert re.search(rf"^  {preset} ", text, re.M), preset
+    assert re.search(
+        r"cpu-full .*\n.*25 encodings x 11 tasks x 3 seeds \(\d+ cells\); about [\d.]+ h on a 2-core", text
+    )
+    assert "counting_copy      decoder, exact match" in text and "transformer-xl" in text
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a))
+    with pytest.raises(
+        SystemExit, match=r'tqdm \(for the progress bars\) not installed.*\n.*pip install -e "\.\[bench\]"'
+    ):
+        main(["extrapolate", "--preset", "smoke", "--no-plots"])
 
 
 def test_an_unwritable_out_names_the_path_and_the_fix(tmp_path):
     taken = tmp_path / "taken"
     taken.write_text("a file where the folder should go")
     with pytest.raises(SystemExit, match=f"--out {re.escape(str(taken))} is a file, not a folder; pass a folder"):
-        main(["extrapolate", "--preset", "smoke", "--out", str(taken)])
+        main(["extrapolate", "--preset", "smoke", "--out", str(taken), "--no-progress", "--no-plots"])
     below = taken / "results"
     with pytest.raises(SystemExit, match=f"cannot write to --out {re.escape(str(below))} .*; choose a folder you can"):
-        main(["extrapolate", "--preset", "smoke", "--out", str(below)])
+        main(["extrapolate", "--preset", "smoke", "--out", str(below), "--no-progress", "--no-plots"])
 
 
 @pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes into read-only folders")
@@ -127,7 +280,7 @@ def test_a_read_only_out_names_the_path_and_the_fix(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(SystemExit, match=f"cannot write to --out {re.escape(str(locked))} .*Permission denied"):
-        main(["extrapolate", "--preset", "smoke", "--out", str(locked)])
+        main(["extrapolate", "--preset", "smoke", "--out", str(locked), "--no-progress", "--no-plots"])
 
 
 def test_an_unreachable_hub_corpus_says_what_failed_and_how_to_use_a_local_file(tmp_path, monkeypatch):
@@ -144,36 +297,145 @@ def test_an_unreachable_hub_corpus_says_what_failed_and_how_to_use_a_local_file(
     assert "Couldn't reach 'Salesforce/wikitext' on the Hub" in message and "--corpus PATH" in message, message
 
 
-def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path):
+def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path, standard_promotion):
     preset = dataclasses.replace(
-        extrapolate.PRESETS["smoke"], encodings=("nope",), tasks=("counting_copy",), steps=2, checkpoint_every=1
+        presets.PRESETS["smoke"], encodings=("nope",), tasks=("counting_copy",), steps=2, checkpoint_every=1
     )
     first, again = [], []
-    with jax.numpy_dtype_promotion("standard"):
-        extrapolate.run(preset, tmp_path, progress=False, log=first.append)
-        (tmp_path / "results.jsonl").unlink()  # as if killed after training, before any result was written
-        extrapolate.run(preset, tmp_path, progress=False, log=again.append)
-    assert re.search(r"loss \d+\.\d{3}", first[0]), first
+    extrapolate.run(preset, tmp_path, progress=False, log=first.append)
+    (tmp_path / "results.jsonl").unlink()  # as if killed after training, before any result was written
+    extrapolate.run(preset, tmp_path, progress=False, log=again.append)
+    assert re.search(r"seeds 0: loss \d+\.\d{3}", first[0]), first
     assert "nan" not in again[0] and "resumed at step 2 of 2, no steps left" in again[0], again
     strict = lambda constant: pytest.fail(f"run.json holds {constant}, which is not JSON")
     record = json.loads((tmp_path / "run.json").read_text(), parse_constant=strict)
     assert record["cells"][-1]["final_loss"] is None and record["cells"][-1]["resumed_from_step"] == 2
 
 
-def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path):
-    preset = dataclasses.replace(extrapolate.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
-    with jax.numpy_dtype_promotion("standard"):
-        extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path, standard_promotion):
+    preset = dataclasses.replace(presets.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
+    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
     (meta,) = (tmp_path / "checkpoints").glob("*/counting_copy/alibi/seed0/1/meta/metadata")
     meta = json.loads(meta.read_text())
     assert meta["config"] == {
-        "settings": extrapolate.fingerprint(preset),
+        "settings": fingerprint(preset),
         "task": "counting_copy",
         "encoding": "alibi",
         "seed": 0,
         "encoding_configs": ["ALiBi(bidirectional=None)"],
     }
     assert meta["model"]["encodings"] == ["ALiBi(bidirectional=None)"] and meta["model"]["num_layers"] == 1
+
+
+def test_fingerprints_of_published_runs_stay_and_new_settings_change_them():
+    # docs/extrapolation-cpu was made with 1b3710b692c1; a changed hash would refuse to resume such runs.
+    assert fingerprint(presets.PRESETS["cpu"]) == "1b3710b692c1"
+    assert fingerprint(presets.PRESETS["smoke"]) == "6e40c54a8dc5"
+    assert fingerprint(presets.PRESETS["paper"]) == "05c08d0e8e5d"
+    smoke = presets.PRESETS["smoke"]
+    assert fingerprint(dataclasses.replace(smoke, seeds=(3, 4), eval_only_tasks=())) == "6e40c54a8dc5"
+    assert fingerprint(dataclasses.replace(smoke, blockwise_from=64)) != "6e40c54a8dc5"
+
+
+def test_the_ledger_repairs_a_cut_last_row_and_refuses_other_settings(tmp_path):
+    row = {"task": "copy", "encoding": "nope", "seed": 0, "length": 4, "value": 1.0, "settings": "abc"}
+    path = tmp_path / "results.jsonl"
+    path.write_text(json.dumps(row))  # the last row lacks its newline
+    ledger = Ledger(tmp_path, "abc")
+    assert ledger.done("copy", "nope", 0, 4) and path.read_text().endswith("}\n")
+    ledger.write({**row, "length": 6})
+    assert [r["length"] for r in _rows(path)] == [4, 6]
+    path.write_text(path.read_text() + '{"task": "copy", "enc')  # killed mid-write
+    assert not Ledger(tmp_path, "abc").done("copy", "nope", 0, 8) and len(_rows(path)) == 2
+    with pytest.raises(ValueError, match=r"holds results made with other settings \(\['abc'\], now xyz\)"):
+        Ledger(tmp_path, "xyz")
+
+
+def test_cpu_long_is_refused_before_training_until_blockwise_evaluation_is_connected(tmp_path):
+    long = presets.PRESETS["cpu-long"]
+    assert long.text_context == 256 and long.text_context * max(long.text_multiples) == 32_768
+    assert long.implementation_at(1024) == "materialize" and long.implementation_at(2048) == "blockwise"
+    with pytest.raises(ValueError, match="evaluates text at 2048 with blockwise attention .* cannot run yet"):
+        extrapolate.run(long, tmp_path, progress=False)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_presets_validate_and_the_colab_tpu_estimate_is_about_a_quarter_hour():
+    for preset in presets.PRESETS.values():
+        preset.validate()
+    tpu = presets.PRESETS["colab-tpu"]
+    assert tpu.batch_size % 8 == 0  # the 8 cores of a v2-8 share each batch
+    assert 10 * 60 < presets.expected_seconds(tpu, **presets.TPU_ESTIMATE) < 20 * 60
+
+
+def _synthetic_rows(task, lengths, train_length, metric, seeds=(0, 1)):
+    rng = np.random.default_rng(0)
+    return [
+        {
+            "task": task,
+            "encoding": encoding,
+            "seed": seed,
+            "length": n,
+            "metric": metric,
+            "value": float(rng.uniform(0.2, 0.9)),
+            "train_length": train_length,
+            "in_distribution": n <= train_length,
+        }
+        for encoding in ("nope", "rope", "alibi")
+        for seed in seeds
+        for n in lengths
+    ]
+
+
+def test_plots_a_researcher_can_read():
+    import matplotlib.pyplot as plt
+
+    rows = _synthetic_rows("parity", [4, 8, 12, 16], 8, "accuracy")
+    fig = report.figure("parity", rows)
+    ax = fig.axes[0]
+    assert ax.get_xscale() == "linear" and ax.get_ylim() == (-0.02, 1.02)
+    assert any(np.allclose(line.get_ydata(), 0.5) for line in ax.get_lines())  # chance
+    assert any(list(line.get_xdata()) == [8, 8] for line in ax.get_lines())  # the training length
+    legend = ax.get_legend()
+    assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1  # outside the data
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels[:3] == ["nope", "rope", "alibi"] and "chance" in labels and "± 1 std over 2 seeds" in labels
+    styles = {(line.get_marker(), line.get_linestyle(), line.get_color()) for line in ax.get_lines()[:3]}
+    assert len(styles) == 3
+    assert "Parity" in ax.get_title()
+    plt.close(fig)
+    text = report.figure("text", _synthetic_rows("text", [16, 32, 64], 16, "bits_per_char", seeds=(0,)))
+    ax = text.axes[0]
+    assert ax.get_xscale() == "log" and "± 1 std" not in [t.get_text() for t in ax.get_legend().get_texts()]
+    plt.close(text)
+
+
+def test_reports_say_what_the_spread_is_and_the_smoke_report_that_it_is_a_check(tmp_path):
+    rows = _synthetic_rows("counting_copy", [4, 8, 12], 8, "exact_match")
+    cpu = dataclasses.asdict(presets.PRESETS["cpu"])
+    text = report.write_report(rows, tmp_path, preset=cpu, plots=False)
+    assert "mean ± standard deviation over seeds (2 seeds; the plot's band is the same" in text
+    assert "published, test 21-40" in text and re.search(r"\| nope \| 0\.\d{3} ± 0\.\d{3} \|", text)
+    smoke = dataclasses.asdict(presets.PRESETS["smoke"])
+    text = report.write_report([r for r in rows if r["seed"] == 0], tmp_path, preset=smoke, plots=False)
+    assert "A pipeline check, not a result" in text and "published" not in text and "±" not in text
+
+
+def test_the_probe_heat_map_puts_softmax_first_and_marks_what_is_expected(tmp_path):
+    from posenc_jax.bench import probe
+
+    rows = [
+        {"task": task, "encoding": label, "seed": 0, "length": n, "value": 0.5, "in_distribution": n <= 4}
+        for label in ("alibi|urpe", "alibi", "nope|l2", "nope")
+        for task in ("probe", "probe_boundary")
+        for n in (4, 8)
+    ]
+    encodings, columns = probe._order(rows)
+    assert encodings == ["alibi", "nope"] and columns[:2] == [("softmax", "probe"), ("softmax", "probe_boundary")]
+    assert [c[0] for c in columns] == ["softmax", "softmax", "l2", "l2", "urpe", "urpe"]
+    text = probe.write_probe_report(rows, tmp_path)
+    assert text.index("| alibi | softmax | no |") < text.index("| alibi | urpe | no |")
+    assert probe.heat_map(rows, tmp_path).stat().st_size > 1000
 
 
 def test_decoder_batches_end_with_eos_and_score_exact_match():
@@ -221,6 +483,24 @@ def test_probe_targets_are_positions_with_and_without_boundaries():
         np.testing.assert_array_equal(batch["targets"][0][w] - batch["targets"][0][w][0], np.arange(5))
 
 
+def test_every_task_speaks_the_one_protocol():
+    rng = np.random.default_rng(0)
+    for name in TASKS:
+        task = make_task(name)
+        assert task.scored_on in ("predictions", "target_log_probs") and task.length_family in ("algorithmic", "text")
+        lengths = task.train_lengths(rng, 8, 5)
+        assert len(lengths) == 5 and min(lengths) >= 1 and max(lengths) <= 8
+        batch = task.batch(rng, lengths, pad_to=task.max_tokens(8))
+        assert batch["inputs"].shape == (5, task.max_tokens(8))
+        perfect = np.where(batch["weights"] > 0, batch["targets"], 0)
+        output = perfect if task.scored_on == "predictions" else np.zeros(perfect.shape)  # log-prob 0: certain
+        np.testing.assert_allclose(task.score(output, batch), 1.0 if task.higher_is_better else 0.0)
+    assert make_task("parity").chance(9) == 0.5 and make_task("probe").chance(8) == 1 / 8
+    assert make_task("copy").chance(9) is None and make_task("text").chance(64) is None
+    with pytest.raises(ValueError, match="length 300 needs 300 position classes but the task has 256"):
+        make_task("probe").check_lengths(16, [32, 300])
+
+
 def test_stdlib_corpus_is_fixed_and_split_by_file():
     train, test, names = stdlib_corpus()
     assert len(train) > 10 * len(test) > 0 and names == sorted(names)
@@ -231,30 +511,15 @@ def test_stdlib_corpus_is_fixed_and_split_by_file():
         make_task("text", corpus="/no/such/path")
 
 
-def test_probe_smoke_preset_writes_report_and_heat_map(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "posenc_jax.bench.cli",
-            "probe",
-            "--preset",
-            "smoke",
-            "--out",
-            str(tmp_path),
-            "--no-progress",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_probe_smoke_preset_writes_report_and_heat_map(tmp_path, standard_promotion, capsys):
+    from posenc_jax.bench.cli import main as cli
+
+    assert cli(["probe", "--preset", "smoke", "--encodings", "alibi", "--out", str(tmp_path), "--no-progress"]) == 0
     rows = _rows(tmp_path / "results.jsonl")
-    labels = {r["encoding"] for r in rows}
-    assert labels == {"nope", "sinusoidal", "alibi", "nope|urpe", "sinusoidal|urpe", "alibi|urpe"}
+    assert {r["encoding"] for r in rows} == {"alibi", "alibi|urpe"}
     assert {r["task"] for r in rows} == {"probe", "probe_boundary"}
-    report = (tmp_path / "report.md").read_text()
-    assert "| nope | softmax | no |" in report and "blind: chance 1/n" in report
+    text = (tmp_path / "report.md").read_text()
+    assert "| alibi | softmax | no |" in text and "blind: chance 1/n" in text and "pipeline check" in text
     assert (tmp_path / "probe_heatmap.png").stat().st_size > 1000
 
 
@@ -289,34 +554,23 @@ def test_hub_corpus_loading_code_on_a_small_local_file(tmp_path, monkeypatch):
         load_hub_corpus("wiki")
 
 
-def test_hybrids_with_randomized_positions_run_and_are_sized_from_the_sampler(tmp_path):
-    from posenc_jax.bench.extrapolate import _encodings_for
-
-    sampler, learned = _encodings_for("randomized+learned", head_dim=8, train_tokens=12, max_tokens=42)
+def test_hybrids_with_randomized_positions_run_and_are_sized_from_the_sampler(tmp_path, standard_promotion):
+    sampler, learned = bench_cell.encodings_for("randomized+learned", head_dim=8, train_tokens=12, max_tokens=42)
     assert sampler.max_length == 4 * 42 and learned.max_positions == sampler.max_length
-    (rope,) = _encodings_for("rope-yarn", head_dim=8, train_tokens=12, max_tokens=48)
+    (rope,) = bench_cell.encodings_for("rope-yarn", head_dim=8, train_tokens=12, max_tokens=48)
     assert (rope.scaling.factor, rope.scaling.original_context) == (4.0, 12)
-    result = subprocess.run(
-        CLI
-        + [
-            "--preset",
-            "smoke",
-            "--out",
-            str(tmp_path),
-            "--no-progress",
-            "--no-plots",
-            "--encodings",
-            "rope+randomized,learned+randomized",
-            "--tasks",
-            "counting_copy",
-            "--steps",
-            "3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["--preset", "smoke", "--encodings", "rope+randomized,learned+randomized", "--tasks", "counting_copy"]
+    assert main(["extrapolate", *args, "--steps", "3", "--out", str(tmp_path), "--no-progress", "--no-plots"]) == 0
     rows = _rows(tmp_path / "results.jsonl")
     assert {r["encoding"] for r in rows} == {"rope+randomized", "learned+randomized"}
     assert all(0.0 <= r["value"] <= 1.0 for r in rows)
+
+
+def test_eval_only_variants_are_structured_and_sized_per_length():
+    preset = presets.PRESETS["cpu-full"]
+    variants = preset.eval_variants("copy", "rope", "softmax")
+    assert [v.label for v in variants] == ["rope+pi@eval", "rope+ntk@eval", "rope+yarn@eval"]
+    assert preset.eval_variants("copy", "alibi", "softmax") == () and preset.eval_variants("copy", "rope", "l2") == ()
+    assert presets.PRESETS["cpu"].eval_variants("counting_copy", "rope", "softmax") == ()
+    yarn = variants[2].config(train_tokens=21, eval_tokens=84, head_dim=16)
+    assert (yarn.scaling.factor, yarn.scaling.original_context) == (4.0, 21)

@@ -4,27 +4,86 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import pathlib
 import sys
+import textwrap
 import time
 
 __all__ = ["main"]
 
+_INSTALL = 'pip install -e ".[bench]"  (from a clone; or: pip install "posenc_jax[bench]")'
+
 
 def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in text.split(",") if x.strip())
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
-def _extrapolate(args) -> int:
-    from posenc_jax.bench import extrapolate, report
+def _require_bench_extra(*, progress: bool, plots: bool, command: str) -> None:
+    """Stops at once, with the line that fixes it, when the bench extra is missing, rather than
+    at the first progress bar or after the whole run at the first plot."""
+    needed = [("tqdm", "progress bars", progress), ("matplotlib", "plots", plots)]
+    missing = [(name, use) for name, use, wanted in needed if wanted and importlib.util.find_spec(name) is None]
+    if missing:
+        what = ", ".join(f"{name} (for the {use})" for name, use in missing)
+        raise SystemExit(
+            f"posenc-bench {command}: {what} not installed; install the bench extra:\n    {_INSTALL}\n"
+            f"or run without them: --no-progress --no-plots"
+        )
 
-    if args.preset not in extrapolate.PRESETS:
-        raise SystemExit(f"unknown preset {args.preset!r}; presets: {', '.join(extrapolate.PRESETS)}")
-    preset = extrapolate.PRESETS[args.preset]
+
+def _minutes(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _catalogue() -> str:
+    """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
+    from posenc_jax.bench.presets import CPU_ESTIMATE, PRESETS, TPU_ESTIMATE, cost, expected_seconds
+    from posenc_jax.functional.registry import encoding_names
+    from posenc_jax.tasks import make_task, task_names
+
+    lines = ["presets (expected times are estimates from each preset's FLOPs; seeds train together):"]
+    for name, p in PRESETS.items():
+        c = cost(p)
+        size = f"{p.num_layers} x {p.model_dim}, {p.steps} steps, batch {p.batch_size}"
+        shape = f"{len(p.encodings)} encodings x {len(p.tasks)} tasks x {len(p.seeds)} seeds ({c.cells} cells)"
+        if p.target == "cpu":
+            when = f"about {_minutes(expected_seconds(p, **CPU_ESTIMATE))} on a 2-core CPU"
+        elif p.target == "colab-tpu":
+            when = f"about {_minutes(expected_seconds(p, **TPU_ESTIMATE))} on a Colab TPU v2-8 (assumed rate)"
+        else:
+            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training: for a GPU or TPU"
+        lines.append(f"  {name:10s} {p.description}")
+        lines.append(f"  {'':10s} {size}; {shape}; {when}")
+    lines.append("")
+    lines.append("tasks:")
+    for name in task_names():
+        task = make_task(name)
+        family = "characters of context" if task.length_family == "text" else "symbols"
+        lines.append(f"  {name:18s} {task.kind}, {task.metric.replace('_', ' ')}; lengths in {family}")
+    lines.append("")
+    lines.append("encodings (a+b for a hybrid, e.g. rope+randomized):")
+    lines += textwrap.wrap(", ".join(encoding_names()), width=100, initial_indent="  ", subsequent_indent="  ")
+    return "\n".join(lines)
+
+
+def _preset_from(args):
+    from posenc_jax.bench import presets
+
+    if args.preset not in presets.PRESETS:
+        raise SystemExit(f"unknown preset {args.preset!r}; presets: {', '.join(presets.PRESETS)}")
+    preset = presets.PRESETS[args.preset]
     overrides = {
         "encodings": args.encodings,
         "tasks": args.tasks,
@@ -40,6 +99,27 @@ def _extrapolate(args) -> int:
         "learning_rate": args.learning_rate,
     }
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
+    if args.text_lengths is not None:
+        bad = [n for n in args.text_lengths if n < preset.text_context or n % preset.text_context]
+        if bad or not args.text_lengths:
+            raise SystemExit(
+                f"posenc-bench extrapolate: --text-lengths {','.join(map(str, args.text_lengths))}: each must be a "
+                f"multiple of the text context {preset.text_context} (set it with --text-context), got {bad or 'none'}"
+            )
+        preset = dataclasses.replace(preset, text_multiples=tuple(n // preset.text_context for n in args.text_lengths))
+    if args.eval_lengths is not None and preset.tasks == ("text",):
+        raise SystemExit(
+            "posenc-bench extrapolate: --eval-lengths sets the algorithmic tasks' lengths and this run has only "
+            "the text task; give the text task's lengths in characters with --text-lengths"
+        )
+    return preset
+
+
+def _extrapolate(args) -> int:
+    _require_bench_extra(progress=not args.no_progress, plots=not args.no_plots, command="extrapolate")
+    from posenc_jax.bench import extrapolate, report
+
+    preset = _preset_from(args)
     try:
         preset.validate()
     except ValueError as error:
@@ -65,6 +145,7 @@ def _extrapolate(args) -> int:
 
 
 def _probe(args) -> int:
+    _require_bench_extra(progress=not args.no_progress, plots=True, command="probe")
     from posenc_jax.bench import extrapolate, probe, report
 
     try:
@@ -90,18 +171,39 @@ def _probe(args) -> int:
     return 0
 
 
+class _Catalogue(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's layout; the catalogue is computed only when help is shown."""
+
+    def _format_text(self, text):
+        if text == "<catalogue>":
+            text = _catalogue()
+        return super()._format_text(text)
+
+
 def main(argv=None) -> int:
+    import posenc_jax
+
     parser = argparse.ArgumentParser(prog="posenc-bench", description="Benchmarks of posenc_jax.")
+    parser.add_argument("--version", action="version", version=f"posenc-bench (posenc_jax) {posenc_jax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("extrapolate", help="train short, test long, for each encoding and task")
-    ex.add_argument("--preset", default="cpu", help="smoke, cpu (default), cpu-full or paper")
+    ex = sub.add_parser(
+        "extrapolate",
+        help="train short, test long, for each encoding and task",
+        description="Train small Transformers on short inputs with each positional encoding and test them on "
+        "longer ones. Re-running a command resumes it.",
+        epilog="<catalogue>",
+        formatter_class=_Catalogue,
+    )
+    from posenc_jax.bench.presets import PRESETS
+
+    ex.add_argument("--preset", default="cpu", help=f"one of {', '.join(PRESETS)} (default cpu; listed below)")
     ex.add_argument(
         "--encodings",
         type=_names,
         help="comma-separated registered encoding names; a+b for a hybrid (e.g. rope+randomized)",
     )
-    ex.add_argument("--tasks", type=_names, help="comma-separated task names")
-    ex.add_argument("--seeds", type=_ints, help="comma-separated seeds")
+    ex.add_argument("--tasks", type=_names, help="comma-separated task names (listed below)")
+    ex.add_argument("--seeds", type=_ints, help="comma-separated seeds (trained together)")
     ex.add_argument("--out", help="output folder (default results/extrapolation/<preset>)")
     ex.add_argument("--steps", type=int)
     ex.add_argument("--model-dim", type=int)
@@ -110,15 +212,22 @@ def main(argv=None) -> int:
     ex.add_argument("--batch-size", type=int)
     ex.add_argument("--learning-rate", type=float)
     ex.add_argument("--train-length", type=int, help="longest training length of the algorithmic tasks")
-    ex.add_argument("--eval-lengths", type=_ints, help="comma-separated evaluation lengths")
-    ex.add_argument("--text-context", type=int, help="training context of the text task")
+    ex.add_argument(
+        "--eval-lengths", type=_ints, help="comma-separated evaluation lengths of the algorithmic tasks (symbols)"
+    )
+    ex.add_argument("--text-context", type=int, help="training context of the text task (characters)")
+    ex.add_argument(
+        "--text-lengths",
+        type=_ints,
+        help="comma-separated evaluation lengths of the text task (characters, multiples of --text-context)",
+    )
     ex.add_argument(
         "--corpus",
         help="a text file or folder for the text task, or wikitext103 / tinyshakespeare "
         "(Hugging Face hub, needs the data extra); default: Python's stdlib sources",
     )
-    ex.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    ex.add_argument("--no-progress", action="store_true", help="no progress bars (needs no tqdm)")
+    ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
     ex.set_defaults(handler=_extrapolate)
     pr = sub.add_parser("probe", help="seed 004's probe: positions of n identical tokens, per encoding x normaliser")
     pr.add_argument("--preset", default="default", help="smoke or default")

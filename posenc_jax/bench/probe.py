@@ -15,7 +15,8 @@ import pathlib
 
 import numpy as np
 
-from posenc_jax.bench.extrapolate import Preset
+from posenc_jax.bench.presets import Preset
+from posenc_jax.functional.normalizers import NORMALIZERS
 from posenc_jax.functional.registry import encoding_info
 
 __all__ = ["PROBE_PRESETS", "expected_outcome", "heat_map", "write_probe_report"]
@@ -83,6 +84,25 @@ def _split(label: str):
     return encoding, normalizer or "softmax"
 
 
+def _short(expected: str) -> str:
+    """The expected outcome in a word or two, for the heat map."""
+    if expected.startswith("blind"):
+        return "blind (≤ 1/n)"
+    if expected.startswith("edges"):
+        return "edges only"
+    return "solvable"
+
+
+def _order(rows):
+    """Encodings in the order they were run; normalisers softmax first (the registry's order);
+    plain before boundary tokens."""
+    encodings = list(dict.fromkeys(_split(row["encoding"])[0] for row in rows))
+    normalizers = sorted({_split(row["encoding"])[1] for row in rows}, key=lambda n: list(NORMALIZERS).index(n))
+    columns = [(n, task) for n in normalizers for task in ("probe", "probe_boundary")]
+    present = {(_split(row["encoding"])[1], row["task"]) for row in rows}
+    return encodings, [c for c in columns if c in present]
+
+
 def _table(rows):
     cells = collections.defaultdict(lambda: collections.defaultdict(list))
     for row in rows:
@@ -101,18 +121,26 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
             f"{list(preset['eval_lengths'])}; per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}.",
             "",
         ]
+        if preset["name"] == "probe-smoke":
+            lines += ["**A pipeline check, not a result**: tiny models, a few steps; the numbers mean nothing.", ""]
     lines += [
         "| encoding | normaliser | boundary tokens | in distribution | longer n | expected |",
         "|---|---|---|---|---|---|",
     ]
-    for (label, task), values in sorted(_table(rows).items()):
-        encoding, normalizer = _split(label)
-        boundary = task == "probe_boundary"
-        lines.append(
-            f"| {encoding} | {normalizer} | {'yes' if boundary else 'no'} | {np.mean(values['in']):.3f} | "
-            f"{np.mean(values['out']) if values['out'] else float('nan'):.3f} | "
-            f"{expected_outcome(encoding, normalizer, boundary)} |"
-        )
+    cells = _table(rows)
+    encodings, columns = _order(rows)
+    for encoding in encodings:
+        for normalizer, task in columns:
+            label = encoding if normalizer == "softmax" else f"{encoding}|{normalizer}"
+            if (label, task) not in cells:
+                continue
+            values = cells[(label, task)]
+            boundary = task == "probe_boundary"
+            lines.append(
+                f"| {encoding} | {normalizer} | {'yes' if boundary else 'no'} | {np.mean(values['in']):.3f} | "
+                f"{np.mean(values['out']) if values['out'] else float('nan'):.3f} | "
+                f"{expected_outcome(encoding, normalizer, boundary)} |"
+            )
     lines += ["", "![accuracy heat map](probe_heatmap.png)", ""]
     text = "\n".join(lines)
     (pathlib.Path(out) / "report.md").write_text(text)
@@ -120,44 +148,52 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
 
 
 def heat_map(rows, out: pathlib.Path) -> pathlib.Path:
-    """A PNG: encodings x (normaliser, boundary), in-distribution accuracy in each cell."""
+    """A PNG of two panels, in distribution and at longer n: encodings x (normaliser, boundary),
+    softmax first, each cell's measured accuracy above the outcome the mathematics expects."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cells = _table(rows)
-    encodings = sorted({_split(label)[0] for label, _ in cells})
-    columns = sorted({(_split(label)[1], task) for label, task in cells})
-    grid = np.full((len(encodings), len(columns)), np.nan)
-    for (label, task), values in cells.items():
-        encoding, normalizer = _split(label)
-        grid[encodings.index(encoding), columns.index((normalizer, task))] = np.mean(values["in"])
-    fig, ax = plt.subplots(figsize=(1.2 + 0.9 * len(columns), 0.8 + 0.5 * len(encodings)))
-    image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
-    ax.set_xticks(
-        range(len(columns)),
-        [f"{n}\n{'[CLS]..[SEP]' if t == 'probe_boundary' else 'plain'}" for n, t in columns],
-        fontsize=7,
-    )
-    ax.set_yticks(range(len(encodings)), encodings, fontsize=8)
-    for i in range(len(encodings)):
-        for j in range(len(columns)):
-            if not np.isnan(grid[i, j]):
+    encodings, columns = _order(rows)
+    width = 1.6 + 0.95 * len(columns)
+    fig, axes = plt.subplots(1, 2, figsize=(2 * width + 1.2, 1.2 + 0.62 * len(encodings)), squeeze=False)
+    for ax, (part, title) in zip(
+        axes[0], (("in", "in distribution"), ("out", "longer n (beyond training)")), strict=True
+    ):
+        grid = np.full((len(encodings), len(columns)), np.nan)
+        for i, encoding in enumerate(encodings):
+            for j, (normalizer, task) in enumerate(columns):
+                label = encoding if normalizer == "softmax" else f"{encoding}|{normalizer}"
+                values = cells.get((label, task), {}).get(part)
+                if values:
+                    grid[i, j] = np.mean(values)
+        image = ax.imshow(grid, vmin=0, vmax=1, cmap="viridis", aspect="auto")
+        ax.set_xticks(
+            range(len(columns)),
+            [f"{n}\n{'[CLS]..[SEP]' if t == 'probe_boundary' else 'plain'}" for n, t in columns],
+            fontsize=7,
+        )
+        ax.set_yticks(range(len(encodings)), encodings, fontsize=8)
+        for i, encoding in enumerate(encodings):
+            for j, (normalizer, task) in enumerate(columns):
+                if np.isnan(grid[i, j]):
+                    continue
+                expected = _short(expected_outcome(encoding, normalizer, task == "probe_boundary"))
                 ax.text(
                     j,
                     i,
-                    f"{grid[i, j]:.2f}",
+                    f"{grid[i, j]:.2f}\nexp. {expected}",
                     ha="center",
                     va="center",
-                    fontsize=7,
+                    fontsize=6,
                     color="white" if grid[i, j] < 0.5 else "black",
                 )
-    ax.set_title("probe accuracy, in distribution")
-    fig.colorbar(image, ax=ax)
-    fig.tight_layout()
+        ax.set_title(f"probe accuracy, {title}", fontsize=9)
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.025, label="per-token accuracy")
     path = pathlib.Path(out) / "probe_heatmap.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
 

@@ -1,16 +1,23 @@
-"""Tables and plots from ``results.jsonl``: ours, with published figures beside them."""
+"""Tables and plots from ``results.jsonl``: ours, with published figures beside them.
+
+Every summary is the mean over seeds with ± one standard deviation over seeds (of each
+seed's mean over the lengths in a table, of each length's value in a plot): the tables
+and the plots' shaded bands say the same thing, and a single seed shows no spread.
+"""
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import pathlib
 
 import numpy as np
 
 from posenc_jax.functional.registry import encoding_names
+from posenc_jax.tasks import make_task
 
-__all__ = ["PUBLISHED", "load_results", "plot", "write_report"]
+__all__ = ["PUBLISHED", "TITLES", "figure", "load_results", "plot", "write_report"]
 
 # Kazemnejad et al. 2023, mean exact match over test lengths 21-40, 3 seeds (BENCHMARKS.md).
 # Their "APE" is the sinusoidal absolute encoding.
@@ -28,6 +35,26 @@ TEXT_REFERENCE = (
     "training length (20.05 at 512 -> 406 at 15512), rotary degrades slowly (20.07 -> 79.25), T5 holds a while "
     "(19.65 -> 43.08 at 8512), ALiBi stays flat (19.73 -> 18.31)."
 )
+# Titles a reader can parse: the task, then the model and the metric.
+TITLES = {
+    "counting_copy": "Counting copy: one symbol repeated n times, copy it (decoder)",
+    "copy": "Copy a random string (decoder)",
+    "duplicate": "Duplicate a random string, y = x x (decoder)",
+    "reverse": "Reverse a random string (decoder)",
+    "reverse_string": "Reverse string (encoder)",
+    "missing_duplicate": "Missing duplicate: which bit of w w is hidden (encoder)",
+    "parity": "Parity of a bit string (encoder)",
+    "bucket_sort": "Bucket sort (encoder)",
+    "probe": "Probe: index of each of n identical tokens (encoder)",
+    "probe_boundary": "Probe with [CLS] ... [SEP] boundary tokens (encoder)",
+    "text": "Character-level language modelling (decoder)",
+}
+_BOUNDED = ("exact_match", "accuracy")  # metrics in [0, 1]
+# The order labels take their styles in: the cpu preset's encodings and the RoPE scalings at
+# evaluation first (10 distinct colours), then the rest of the registry.
+_FIRST = ["nope", "sinusoidal", "learned", "rope", "t5", "alibi", "rope+pi@eval", "rope+ntk@eval", "rope+yarn@eval"]
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
+_LINESTYLES = ("-", "--", "-.", ":")
 
 
 def load_results(path) -> list[dict]:
@@ -35,17 +62,25 @@ def load_results(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-_EVAL_ONLY_ROWS = ["rope+pi@eval", "rope+ntk@eval", "rope+yarn@eval"]
-
-
-def _colour(encoding: str):
-    """A colour per encoding that is the same in every plot (registry order, 40 colours)."""
+def _style(label: str, others: list[str]) -> dict:
+    """Colour, marker and line style of a row label, the same in every plot of every run: the
+    labels of ``_FIRST``, then the registry's other names, then labels no name matches (hybrids,
+    normalisers) in sorted order. Colours: tab10, then tab20b, then tab20c (50); 11 markers and
+    4 line styles, so no two of the first 44 labels share both a marker and a line style."""
     import matplotlib
 
-    names = encoding_names() + _EVAL_ONLY_ROWS
-    index = names.index(encoding) if encoding in names else len(names)
-    palette = "tab20" if index % 40 < 20 else "tab20b"
-    return matplotlib.colormaps[palette](index % 20)
+    names = _FIRST + [n for n in encoding_names() if n not in _FIRST]
+    extra = sorted(label for label in others if label not in names)
+    index = names.index(label) if label in names else len(names) + extra.index(label)
+    if index < 10:
+        colour = matplotlib.colormaps["tab10"](index)
+    else:
+        colour = matplotlib.colormaps["tab20b" if (index - 10) % 40 < 20 else "tab20c"]((index - 10) % 20)
+    return {
+        "color": colour,
+        "marker": _MARKERS[index % len(_MARKERS)],
+        "linestyle": _LINESTYLES[(index // len(_MARKERS)) % len(_LINESTYLES)],
+    }
 
 
 def _by_cell(rows):
@@ -56,6 +91,8 @@ def _by_cell(rows):
 
 
 def _summary(per_seed: dict, keep) -> tuple[float, float, int]:
+    """Mean over seeds of each seed's mean over the kept lengths, the standard deviation over
+    seeds of the same, and the number of seeds."""
     means = []
     for lengths in per_seed.values():
         values = [v for n, v in lengths.items() if keep(n)]
@@ -66,40 +103,70 @@ def _summary(per_seed: dict, keep) -> tuple[float, float, int]:
     return float(np.mean(means)), float(np.std(means)), len(means)
 
 
+def _cell(summary: tuple[float, float, int]) -> str:
+    mean, std, seeds = summary
+    if seeds == 0:
+        return "-"
+    return f"{mean:.3f}" if seeds == 1 else f"{mean:.3f} ± {std:.3f}"
+
+
+def _protocol(preset: dict) -> list[str]:
+    text = "text" in preset["tasks"]
+    algorithmic = any(task != "text" for task in preset["tasks"])
+    lines = (
+        f"Preset `{preset['name']}`: {preset['num_layers']} layers x {preset['model_dim']}, "
+        f"{preset['num_heads']} heads, {preset['steps']} steps, batch {preset['batch_size']}, "
+        f"AdamW lr {preset['learning_rate']} (warmup + cosine), seeds {list(preset['seeds'])}."
+    )
+    if algorithmic:
+        lines += (
+            f" Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested at "
+            f"{list(preset['eval_lengths'])}."
+        )
+    if text:
+        lengths = [preset["text_context"] * m for m in preset["text_multiples"]]
+        lines += f" Text trains at {preset['text_context']} characters and is tested at {lengths}."
+    return [lines, ""]
+
+
 def write_report(
     rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None, plots: bool = True
 ) -> str:
     """Writes ``report.md`` (and returns its text)."""
     out = pathlib.Path(out)
+    pipeline_check = bool(preset) and preset["name"] == "smoke"
     lines = ["# Length extrapolation", ""]
-    if preset:
+    if pipeline_check:
         lines += [
-            f"Preset `{preset['name']}`: {preset['num_layers']} layers x {preset['model_dim']}, "
-            f"{preset['num_heads']} heads, {preset['steps']} steps, batch {preset['batch_size']}, "
-            f"AdamW lr {preset['learning_rate']} (warmup + cosine), seeds {list(preset['seeds'])}. "
-            f"Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested "
-            f"at {list(preset['eval_lengths'])}; text trains at {preset['text_context']} characters and is tested at "
-            f"{[preset['text_context'] * m for m in preset['text_multiples']]}.",
+            "**A pipeline check, not a result.** The smoke preset trains tiny models for a few steps to "
+            "exercise every step of the benchmark in seconds; its numbers say nothing about the encodings. "
+            "Run `--preset cpu` (or `cpu-full`) for results.",
             "",
         ]
+    if preset:
+        lines += _protocol(preset)
     if record and record.get("text_corpus"):
         lines += [f"Text corpus: {record['text_corpus']}.", ""]
     if record:
+        version = record["versions"].get("posenc_jax", "(version not recorded)")
         lines += [
-            f"Device: {record['device']['kind']} x {record['device']['count']}; jax {record['versions']['jax']}; "
-            f"commit {record.get('git_commit')}.",
+            f"Device: {record['device']['kind']} x {record['device']['count']}; posenc_jax {version}, "
+            f"jax {record['versions']['jax']}; commit {record.get('git_commit')}.",
             "",
         ]
     for task, encodings in _by_cell(rows).items():
         sample = next(r for r in rows if r["task"] == task)
         metric, train_length = sample["metric"], sample["train_length"]
         lower = metric == "bits_per_char"
-        lines += [f"## {task} ({metric.replace('_', ' ')}, {'lower' if lower else 'higher'} is better)", ""]
+        seeds = max(len(p) for p in encodings.values())
+        title = TITLES.get(task, task)
+        direction = "lower" if lower else "higher"
+        lines += [f"## {title}", "", f"Task `{task}`; {metric.replace('_', ' ')}, {direction} is better.", ""]
         header = (
             f"| encoding | in distribution (length <= {train_length}) | beyond training (length > {train_length}) |"
         )
         sep = "|---|---|---|"
-        published = PUBLISHED.get(task)
+        published = None if pipeline_check else PUBLISHED.get(task)
         if published:
             header += " published, test 21-40 (different protocol) |"
             sep += "---|"
@@ -107,21 +174,29 @@ def write_report(
         for encoding, per_seed in encodings.items():
             ind = _summary(per_seed, lambda n, limit=train_length: n <= limit)
             ood = _summary(per_seed, lambda n, limit=train_length: n > limit)
-            row = f"| {encoding} | {ind[0]:.3f} ± {ind[1]:.3f} | {ood[0]:.3f} ± {ood[1]:.3f} |"
+            row = f"| {encoding} | {_cell(ind)} | {_cell(ood)} |"
             if published:
                 row += f" {published[encoding]:.3f} |" if encoding in published else " - |"
             lines.append(row)
         lines.append("")
-        lines.append(
-            "Mean over lengths, then mean ± standard deviation over seeds "
-            f"({max(len(p) for p in encodings.values())} seed(s))."
-        )
+        if seeds == 1:
+            lines.append("Mean over lengths; one seed, so no spread is shown.")
+        else:
+            lines.append(
+                f"Mean over lengths, then mean ± standard deviation over seeds ({seeds} seeds; the plot's band "
+                "is the same ± 1 standard deviation, per length)."
+            )
+        if any(label.endswith("@eval") for label in encodings):
+            lines.append(
+                "Rows `rope+<scaling>@eval` are the trained RoPE model evaluated with that RoPE scaling, "
+                "sized at each length (factor = test tokens / training tokens): evaluation only, no training."
+            )
         if published:
             lines.append(
                 f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
                 "ordering, not the numbers."
             )
-        if task == "text":
+        if task == "text" and not pipeline_check:
             lines.append(f"Reference shape: {TEXT_REFERENCE}")
         if plots:
             lines.append(f"![{task}]({task}.png)")
@@ -131,33 +206,81 @@ def write_report(
     return text
 
 
-def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
-    """One PNG per task: metric against evaluation length (log2 axis), mean and spread over seeds."""
+@functools.cache
+def _task(name: str):
+    try:
+        return make_task(name, max_length=1 << 16)
+    except ValueError:  # a task this version does not know: no chance line, default axis
+        return None
+
+
+def figure(task_name: str, rows: list[dict]):
+    """The matplotlib figure of one task's rows: the metric against evaluation length, the mean
+    over seeds with a band of ± 1 standard deviation; algorithmic tasks on a linear length axis,
+    text on a log axis; bounded metrics on [0, 1]; chance (where it exists) and the training
+    length marked; the legend outside the axes."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    rows = [r for r in rows if r["task"] == task_name]
+    encodings = _by_cell(rows)[task_name]
+    sample = rows[0]
+    task = _task(task_name)
+    text = task is not None and task.length_family == "text"
+    fig, ax = plt.subplots(figsize=(8.5, 4.6))
+    seeds = max(len(p) for p in encodings.values())
+    all_lengths = sorted({n for per_seed in encodings.values() for seed in per_seed.values() for n in seed})
+    for encoding, per_seed in encodings.items():
+        lengths = sorted({n for seed in per_seed.values() for n in seed})
+        values = np.array([[seed.get(n, np.nan) for n in lengths] for seed in per_seed.values()])
+        mean = np.nanmean(values, axis=0)
+        style = _style(encoding, list(encodings))
+        ax.plot(lengths, mean, ms=4, lw=1.3, label=encoding, **style)
+        if values.shape[0] > 1:
+            std = np.nanstd(values, axis=0)
+            ax.fill_between(lengths, mean - std, mean + std, color=style["color"], alpha=0.15, lw=0)
+    extra = []
+    chance = [task.chance(n) for n in all_lengths] if task is not None else [None]
+    if all(c is not None for c in chance):
+        ax.plot(all_lengths, chance, color="0.4", lw=1, linestyle=(0, (1, 2)), zorder=0, label="_chance")
+        extra.append(Line2D([], [], color="0.4", lw=1, linestyle=(0, (1, 2)), label="chance"))
+    ax.axvline(sample["train_length"], color="k", linestyle="--", linewidth=1, zorder=0)
+    extra.append(Line2D([], [], color="k", lw=1, linestyle="--", label=f"training length ({sample['train_length']})"))
+    if seeds > 1:
+        extra.append(Patch(color="0.6", alpha=0.4, label=f"± 1 std over {seeds} seeds"))
+    if text:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(all_lengths, [str(n) for n in all_lengths])
+        ax.minorticks_off()
+        ax.set_xlabel("evaluation length (characters, log scale)")
+    else:
+        ax.set_xlabel("evaluation length (symbols of the input x)")
+    if sample["metric"] in _BOUNDED:
+        ax.set_ylim(-0.02, 1.02)
+    ax.set_ylabel(sample["metric"].replace("_", " ") + (" (lower is better)" if text else ""))
+    ax.set_title(TITLES.get(task_name, task_name), fontsize=10)
+    ax.grid(alpha=0.25)
+    handles = [h for h in ax.get_lines() if not h.get_label().startswith("_")]
+    columns = 1 if len(handles) + len(extra) <= 18 else 2
+    ax.legend(
+        handles=handles + extra, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False
+    )
+    return fig
+
+
+def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+    """One PNG per task (see :func:`figure`); returns their paths."""
+    import matplotlib.pyplot as plt
 
     written = []
-    for task, encodings in _by_cell(rows).items():
-        sample = next(r for r in rows if r["task"] == task)
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for encoding, per_seed in encodings.items():
-            lengths = sorted({n for seed in per_seed.values() for n in seed})
-            values = np.array([[seed.get(n, np.nan) for n in lengths] for seed in per_seed.values()])
-            mean = np.nanmean(values, axis=0)
-            ax.plot(lengths, mean, marker="o", ms=3, color=_colour(encoding), label=encoding)
-            if values.shape[0] > 1:
-                ax.fill_between(lengths, np.nanmin(values, 0), np.nanmax(values, 0), color=_colour(encoding), alpha=0.2)
-        ax.axvline(sample["train_length"], color="k", linestyle="--", linewidth=1, label="training length")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("evaluation length")
-        ax.set_ylabel(sample["metric"].replace("_", " "))
-        ax.set_title(task)
-        ax.legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        path = pathlib.Path(out) / f"{task}.png"
-        fig.savefig(path, dpi=110)
+    for task_name in _by_cell(rows):
+        fig = figure(task_name, rows)
+        path = pathlib.Path(out) / f"{task_name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     return written

@@ -1,0 +1,436 @@
+"""One cell of the extrapolation benchmark: a task and an encoding, trained and evaluated.
+
+A cell's seeds train together: their models and optimiser states are stacked along a
+leading seed axis and one ``jax.vmap``-ed, jitted step updates them all, so a cell
+compiles once and each step serves every seed (:class:`SeedGroup`). Each seed keeps its
+own data (the batch of step k depends only on (seed, k)), its own checkpoints and its
+own rows. The plain reference is :func:`posenc_jax.training.train_step`, one seed at a
+time; ``tests/test_bench.py`` checks that the two agree to float32 rounding (they are not
+bitwise equal: XLA batches the seeds' matrix products, which rounds differently), and
+``benchmarks/seed_vmap.py`` measures the speed-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from posenc_jax.bench.ledger import checkpoint_dir
+from posenc_jax.bench.presets import Preset, TaskLengths
+from posenc_jax.checkpoint import Checkpointer, CheckpointError
+from posenc_jax.functional.normalizers import normalizer_config
+from posenc_jax.functional.registry import encoding_config, encoding_info
+from posenc_jax.nn import Transformer, with_encoding
+from posenc_jax.training import cross_entropy_loss, make_optimizer, warmup_cosine_adamw
+
+__all__ = [
+    "SUPPORTED_IMPLEMENTATIONS",
+    "Cell",
+    "SeedGroup",
+    "build",
+    "build_model",
+    "encodings_for",
+    "evaluate",
+    "train_batch",
+    "with_eval_encoding",
+]
+
+# The attention implementations evaluation can run today. The blockwise path exists in the
+# functional attention but is not yet threaded through the model: until it is, a preset
+# that asks for it (cpu-long) is refused before any training.
+SUPPORTED_IMPLEMENTATIONS = ("materialize",)
+
+
+def row_label(encoding: str, normalizer: str) -> str:
+    """The ``encoding`` field of a result row: the encoding, with ``|normaliser`` unless softmax."""
+    return encoding if normalizer == "softmax" else f"{encoding}|{normalizer}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    """A task x encoding x normaliser: the unit that is built, trained (all seeds together) and evaluated."""
+
+    task_name: str
+    task: object
+    encoding: str
+    normalizer: str
+    lengths: TaskLengths
+
+    @property
+    def label(self) -> str:
+        return row_label(self.encoding, self.normalizer)
+
+    @property
+    def train_tokens(self) -> int:
+        return self.task.max_tokens(self.lengths.train)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.task.max_tokens(max(self.lengths.eval))
+
+    @property
+    def length_dependent(self) -> bool:
+        """Frequencies that follow the sequence length (max position + 1) must see each length unpadded."""
+        return any(encoding_info(part).length_dependent for part in self.encoding.split("+"))
+
+    def eval_tokens(self, length: int) -> int:
+        """The padded model input length of one evaluation length."""
+        if self.task.fixed_eval_shape and not self.length_dependent:
+            return self.max_tokens  # one shape for every length: one compilation
+        return self.task.max_tokens(length)
+
+
+def encodings_for(name: str, head_dim: int, train_tokens: int, max_tokens: int) -> list:
+    """The configs of ``name`` (``a+b`` for a hybrid) sized by each config's ``for_lengths``: tables
+    long enough for the longest evaluation, RoPE scalings from the training to the longest length.
+    A position sampler (randomized positions) is sized first; the others then cover its range.
+    Settings an encoding cannot do without (a scaling's factor) start from its small settings
+    and are then set by ``for_lengths``."""
+    configs = []
+    for part in name.split("+"):
+        info = encoding_info(part)
+        configs.append(encoding_config(part, **{k: info.small_settings[k] for k in info.required}))
+    reach = max_tokens
+    for i, config in enumerate(configs):
+        if config.acts_on == "positions":
+            configs[i] = config.for_lengths(train_length=train_tokens, max_length=max_tokens, head_dim=head_dim)
+            reach = max(reach, configs[i].max_length)
+    return [
+        c if c.acts_on == "positions" else c.for_lengths(train_length=train_tokens, max_length=reach, head_dim=head_dim)
+        for c in configs
+    ]
+
+
+def build_model(task, preset: Preset, configs, seed: int, normalizer: str = "softmax") -> Transformer:
+    """The benchmark's Transformer for ``task`` with the encoding ``configs``, initialised from ``seed``."""
+    return Transformer(
+        vocab_size=task.vocab_size,
+        model_dim=preset.model_dim,
+        num_layers=preset.num_layers,
+        num_heads=preset.num_heads,
+        mlp_dim=preset.mlp_dim,
+        encoding=configs,
+        causal=task.kind == "decoder",
+        normalizer=normalizer_config(normalizer),
+        dropout_rate=preset.dropout_rate,
+        rngs=nnx.Rngs(params=seed, dropout=seed + 1),
+    )
+
+
+def with_eval_encoding(model: Transformer, cell: Cell, preset: Preset, config, seed: int) -> Transformer:
+    """The trained ``model`` with the encoding ``config`` in place of its own (an evaluation-only
+    variant such as RoPE + YaRN), sharing every trained weight (:func:`posenc_jax.nn.with_encoding`)."""
+    return with_encoding(model, config)
+
+
+def train_batch(task, preset: Preset, seed: int, step: int, lengths: TaskLengths) -> dict:
+    """The training batch of ``step`` for ``seed``: it depends on (seed, step) alone, so a
+    resumed run sees the data an uninterrupted one would."""
+    rng = np.random.default_rng([seed, step])
+    return task.batch(
+        rng, task.train_lengths(rng, lengths.train, preset.batch_size), pad_to=task.max_tokens(lengths.train)
+    )
+
+
+def eval_batches(cell: Cell, seed: int, length: int):
+    """The test batches of one length: ``examples`` examples (or windows), ``batch`` at a time."""
+    rng = np.random.default_rng([seed, 1_000_003, length])
+    examples, size = cell.lengths.examples, cell.lengths.batch
+    for start in range(0, examples, size):
+        yield cell.task.batch(
+            rng, [length] * min(size, examples - start), split="test", pad_to=cell.eval_tokens(length)
+        )
+
+
+@nnx.jit
+def _predict(model, batch):
+    logits = model(batch["inputs"], batch["positions"], key_mask=batch.get("key_mask"))
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    target_log_probs = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
+    return {"predictions": logits.argmax(-1), "target_log_probs": target_log_probs}
+
+
+def predict(model, batch: dict, *, implementation: str = "materialize") -> dict:
+    """The argmax predictions and the targets' log-probabilities of ``batch``."""
+    if implementation not in SUPPORTED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"evaluation with implementation={implementation!r} is not connected to the model yet; "
+            f"supported: {SUPPORTED_IMPLEMENTATIONS}"
+        )
+    return _predict(model, batch)
+
+
+def evaluate(model, cell: Cell, preset: Preset, seed: int, length: int) -> float:
+    """The task's metric at ``length``, averaged over the test examples."""
+    implementation = preset.implementation_at(cell.eval_tokens(length))
+    scores = []
+    for batch in eval_batches(cell, seed, length):
+        outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation)
+        scores.append(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch))
+    return float(np.concatenate(scores).mean())
+
+
+@jax.jit
+def _stack(trees):
+    """The states in ``trees`` stacked along a new leading axis (one compilation per structure)."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+@jax.jit
+def _slice(tree, i):
+    """Entry ``i`` (traced, so one compilation serves every seed) of each stacked leaf."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _train_step(graphdef, state, batch, batched: bool):
+    """One optimisation step of every seed: ``state`` and ``batch`` carry a leading seed axis.
+    ``batched``: the seeds as one batched computation (``jax.vmap``), else one after another
+    inside the same program (``jax.lax.map``)."""
+
+    def one(state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(lambda m: cross_entropy_loss(m, batch))(model)
+        optimizer.update(model, grads)
+        return nnx.split((model, optimizer))[1], loss
+
+    if batched:
+        return jax.vmap(one)(state, batch)
+    return jax.lax.map(lambda pair: one(*pair), (state, batch))
+
+
+def default_batched() -> bool:
+    """Whether seeds train vmapped by default: yes on a GPU or TPU; on a CPU they run one after
+    another inside the one compiled program (measured faster there, see benchmarks/seed_vmap.py)."""
+    return jax.default_backend() != "cpu"
+
+
+def _place(batch: dict, mesh) -> dict:
+    """Seed-stacked arrays on the device(s): ``[S, B, ...]`` split along B over a data-parallel mesh,
+    the shared positions ``[S, T]`` replicated."""
+    if mesh is None:
+        return {name: jnp.asarray(x) for name, x in batch.items()}
+    return {
+        name: jax.device_put(x, NamedSharding(mesh, PartitionSpec(None, "data") if x.ndim >= 3 else PartitionSpec()))
+        for name, x in batch.items()
+    }
+
+
+class SeedGroup:
+    """The models and optimisers of several seeds, stacked along a leading axis and trained by one
+    vmapped step.
+
+    Args:
+      models, optimizers: one per seed, built the same way (same graph, other values).
+      mesh: a data-parallel mesh to split each batch over, or None.
+      batched: vmap the seeds (one batched computation) or map over them inside the one
+        program (``jax.lax.map``); default: vmap on accelerators, map on a CPU (see
+        :func:`default_batched`).
+
+    Example:
+      >>> import optax
+      >>> models = [Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
+      ...                       rngs=nnx.Rngs(s)) for s in (0, 1)]
+      >>> group = SeedGroup(models, [make_optimizer(m, optax.adam(1e-3)) for m in models])
+      >>> batch = {"inputs": np.zeros((2, 4, 5), np.int32), "targets": np.ones((2, 4, 5), np.int32),
+      ...          "positions": np.tile(np.arange(5, dtype=np.int32), (2, 1))}
+      >>> group.step(batch).shape  # one loss per seed
+      (2,)
+    """
+
+    def __init__(self, models, optimizers, *, mesh=None, batched: bool | None = None):
+        self.size = len(models)
+        self.batched = default_batched() if batched is None else batched
+        self.graphdef, _ = nnx.split((models[0], optimizers[0]))
+        self.state = _stack([nnx.split((m, o))[1] for m, o in zip(models, optimizers, strict=True)])
+        self.mesh = mesh
+        if mesh is not None:
+            self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
+
+    def step(self, batch: dict) -> jax.Array:
+        """One step of every seed on ``batch`` (arrays with a leading seed axis); returns the losses."""
+        self.state, losses = _train_step(self.graphdef, self.state, _place(batch, self.mesh), self.batched)
+        return losses
+
+    def seed(self, i: int):
+        """``(model, optimizer)`` of the i-th seed, as separate objects holding its current state."""
+        return nnx.merge(self.graphdef, _slice(self.state, i))
+
+
+@functools.cache
+def optimizer_transform(preset: Preset):
+    """The preset's AdamW with warm-up and cosine decay: one object per preset, so that optimisers
+    built from it share their (static) graph and a jitted step compiles once for all seeds."""
+    return warmup_cosine_adamw(
+        learning_rate=preset.learning_rate,
+        total_steps=preset.steps,
+        warmup_steps=max(0, int(preset.warmup_fraction * preset.steps)),
+        weight_decay=preset.weight_decay,
+    )
+
+
+def build(cell: Cell, preset: Preset, configs, seed: int):
+    """``(model, optimizer)`` of one seed of ``cell``, freshly initialised."""
+    model = build_model(cell.task, preset, configs, seed, cell.normalizer)
+    return model, make_optimizer(model, optimizer_transform(preset))
+
+
+def _restore(cell, checkpointers, models, optimizers, recorded) -> dict:
+    """Each seed's newest intact checkpoint; seeds left at different steps (a run killed while saving
+    them) go back to the newest step they all have, so they train on together."""
+    start = {}
+    for seed, ckpt in checkpointers.items():
+        has = ckpt.latest_step() is not None
+        start[seed] = ckpt.restore(models[seed], optimizers[seed], config=recorded[seed]) if has else 0
+    if len(set(start.values())) > 1:
+        common = set.intersection(*(set(ckpt.all_steps()) for ckpt in checkpointers.values()))
+        if common:
+            step = max(common)
+            try:
+                for seed in start:
+                    if start[seed] != step:
+                        checkpointers[seed].restore(models[seed], optimizers[seed], step, config=recorded[seed])
+                        start[seed] = step
+            except CheckpointError:
+                pass  # a damaged common step: the seeds train in groups by step instead
+    return start
+
+
+def train_and_evaluate(
+    cell: Cell,
+    preset: Preset,
+    seeds: list[int],
+    todo: dict,
+    *,
+    out: pathlib.Path,
+    settings: str,
+    write,
+    mesh=None,
+    bar=None,
+) -> list[dict]:
+    """Trains the seeds of ``cell`` together (resuming from their checkpoints), then evaluates each
+    at the lengths in ``todo[seed]`` (a list of ``(variant or None, length)``), passing each row
+    to ``write``. Returns one timing record per group of seeds trained together (normally one).
+
+    ``bar(total, initial, description)``, when given, makes a progress bar (tqdm's interface);
+    it is made after the first step, so its rate does not count compilation.
+    """
+    head_dim = preset.model_dim // preset.num_heads
+    configs = encodings_for(cell.encoding, head_dim, cell.train_tokens, cell.max_tokens)
+    built = {seed: build(cell, preset, configs, seed) for seed in seeds}
+    models = {seed: m for seed, (m, _) in built.items()}
+    optimizers = {seed: o for seed, (_, o) in built.items()}
+    # Two steps kept, so a damaged newest one falls back to the one before (same results: the
+    # data of step k depends only on (seed, k)). Each records what it is a checkpoint of.
+    checkpointers = {
+        seed: Checkpointer(checkpoint_dir(out, settings, cell.task_name, cell.label, seed), max_to_keep=2)
+        for seed in seeds
+    }
+    recorded = {
+        seed: {
+            "settings": settings,
+            "task": cell.task_name,
+            "encoding": cell.label,
+            "seed": seed,
+            "encoding_configs": [repr(c) for c in configs],
+        }
+        for seed in seeds
+    }
+    start = _restore(cell, checkpointers, models, optimizers, recorded)
+    groups = {}
+    for seed in seeds:
+        groups.setdefault(start[seed], []).append(seed)
+    records = []
+    for first_step, group in sorted(groups.items()):
+        record = _train_group(
+            cell, preset, group, first_step, models, optimizers, checkpointers, recorded, mesh=mesh, bar=bar
+        )
+        began = time.perf_counter()
+        for seed in group:
+            for variant, length in todo[seed]:
+                model = models[seed]
+                label = cell.label
+                if variant is not None:
+                    tokens = cell.task.max_tokens(length)
+                    config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=head_dim)
+                    model = with_eval_encoding(model, cell, preset, config, seed)
+                    label = variant.label
+                write(_row(cell, preset, label, seed, length, evaluate(model, cell, preset, seed, length)))
+        record["eval_seconds"] = time.perf_counter() - began
+        records.append(record)
+    for ckpt in checkpointers.values():
+        ckpt.close()
+    return records
+
+
+def _row(cell: Cell, preset: Preset, label: str, seed: int, length: int, value: float) -> dict:
+    return {
+        "task": cell.task_name,
+        "encoding": label,
+        "seed": seed,
+        "length": int(length),
+        "metric": cell.task.metric,
+        "value": value,
+        "train_length": int(cell.lengths.train),
+        "in_distribution": bool(length <= cell.lengths.train),
+        "preset": preset.name,
+    }
+
+
+def _train_group(cell, preset, group, first_step, models, optimizers, checkpointers, recorded, *, mesh, bar):
+    """Trains the seeds of ``group`` (all at ``first_step``) to ``preset.steps``; afterwards
+    ``models[seed]`` and ``optimizers[seed]`` hold each seed's trained state."""
+    record = {
+        "task": cell.task_name,
+        "encoding": cell.label,
+        "seeds": list(group),
+        "resumed_from_step": first_step,
+        "compile_seconds": 0.0,
+        "train_seconds": 0.0,
+        "final_loss": None,  # unknown when a resumed cell has no steps left
+    }
+    if first_step >= preset.steps:
+        return record
+    seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
+    progress = None
+    losses = None
+    saving = 0.0  # checkpoint writes, kept out of the training time
+    began = time.perf_counter()
+    for step in range(first_step, preset.steps):
+        per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in group]
+        losses = seeds.step({name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]})
+        if step == first_step:
+            jax.block_until_ready(losses)
+            record["compile_seconds"] = time.perf_counter() - began
+            began = time.perf_counter()
+            if bar is not None:
+                seed_list = ",".join(map(str, group))
+                progress = bar(preset.steps, step + 1, f"{cell.task_name} / {cell.label} / seeds {seed_list}")
+        elif progress is not None:
+            progress.update(1)
+            if step % 25 == 0:
+                progress.set_postfix(loss=" ".join(f"{x:.3f}" for x in np.asarray(losses)))
+        if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.steps:
+            jax.block_until_ready(seeds.state)  # the steps queued so far count as training
+            saved = time.perf_counter()
+            for i, seed in enumerate(group):
+                model, optimizer = seeds.seed(i)
+                checkpointers[seed].save(step + 1, model, optimizer, config=recorded[seed])
+            saving += time.perf_counter() - saved
+    jax.block_until_ready(losses)
+    record["train_seconds"] = time.perf_counter() - began - saving
+    record["checkpoint_seconds"] = saving
+    record["final_loss"] = [float(x) for x in np.asarray(losses)]
+    if progress is not None:
+        progress.close()
+    for i, seed in enumerate(group):
+        models[seed], optimizers[seed] = seeds.seed(i)
+    return record

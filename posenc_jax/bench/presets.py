@@ -1,0 +1,411 @@
+"""The extrapolation benchmark's presets: what a run trains and tests, as data.
+
+A :class:`Preset` names the encodings, tasks and seeds of a run and every setting that
+shapes a result (model size, optimiser, lengths). Tasks read their lengths through
+:meth:`Preset.lengths`, which picks the algorithmic or the text settings by the task's
+``length_family``; RoPE scalings applied to a trained RoPE model at evaluation only are
+:class:`EvalVariant`\\ s. :func:`cost` counts a preset's cells and floating-point
+operations, from which ``posenc-bench --help`` states each preset's expected run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+from posenc_jax.functional.normalizers import NORMALIZERS
+from posenc_jax.functional.registry import encoding_config, encoding_info, encoding_names
+from posenc_jax.tasks import make_task, task_names
+
+__all__ = [
+    "CPU_ESTIMATE",
+    "IMPLEMENTATIONS",
+    "PRESETS",
+    "Cost",
+    "EvalVariant",
+    "Preset",
+    "TPU_ESTIMATE",
+    "TaskLengths",
+    "cost",
+    "expected_seconds",
+    "runs_on",
+]
+
+# Attention implementations an evaluation may ask for (those of the functional attention).
+IMPLEMENTATIONS = ("materialize", "blockwise", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskLengths:
+    """The lengths one task trains and is tested at, in the task's own unit (symbols of ``x``,
+    or characters of text), and how many test examples each length gets, in batches of ``batch``."""
+
+    train: int
+    eval: tuple[int, ...]
+    examples: int
+    batch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalVariant:
+    """A trained model evaluated with another encoding in place of the one it trained with.
+
+    ``EvalVariant("rope", "rope-yarn")`` is the model trained with RoPE, evaluated with
+    YaRN-scaled RoPE; the scaling is sized at each evaluation length by the encoding's
+    ``for_lengths`` (factor = evaluation tokens / training tokens, original context = the
+    training tokens). Its rows are labelled ``rope+yarn@eval``.
+    """
+
+    trained: str
+    encoding: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.trained}+{self.encoding.removeprefix(self.trained + '-')}@eval"
+
+    def config(self, *, train_tokens: int, eval_tokens: int, head_dim: int):
+        """The encoding config for one evaluation length."""
+        info = encoding_info(self.encoding)
+        base = encoding_config(self.encoding, **{k: info.small_settings[k] for k in info.required})
+        return base.for_lengths(train_length=train_tokens, max_length=eval_tokens, head_dim=head_dim)
+
+
+def runs_on(task, encoding: str) -> bool:
+    """Whether ``encoding`` (``a+b`` for a hybrid) can run on ``task``: an encoder task needs
+    every part to have a bidirectional form (read from the registry's metadata)."""
+    return task.kind != "encoder" or all("bidirectional" in encoding_info(part).forms for part in encoding.split("+"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """Everything that defines a run.
+
+    Algorithmic tasks train on lengths 1..``train_length`` and are tested at
+    ``eval_lengths`` on ``eval_examples`` examples each; the text task trains at
+    ``text_context`` characters and is tested at ``text_context`` times each of
+    ``text_multiples`` on ``text_eval_windows`` windows each. The seeds of one task and
+    encoding train together (one compiled program for all of them).
+
+    ``eval_only_scalings`` are RoPE scalings (``"yarn"`` for ``rope-yarn``) applied at
+    evaluation only to the RoPE model of the tasks in ``eval_only_tasks``. ``normalizers``:
+    rows of a non-softmax normaliser are labelled ``encoding|normaliser``.
+    ``eval_implementation`` and ``blockwise_from``: the attention implementation for
+    evaluation lengths of at least ``blockwise_from`` tokens (None: every length
+    materialises its scores). ``description`` and ``target`` (what it is sized for: ``"cpu"``,
+    ``"colab-tpu"`` or ``"accelerator"``) are documentation only.
+    """
+
+    name: str
+    encodings: tuple[str, ...]
+    tasks: tuple[str, ...]
+    seeds: tuple[int, ...]
+    model_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    mlp_dim: int = 256
+    dropout_rate: float = 0.0
+    steps: int = 1000
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    warmup_fraction: float = 0.06
+    weight_decay: float = 0.05
+    train_length: int = 10
+    eval_lengths: tuple[int, ...] = (2, 4, 6, 8, 10, 12, 14, 16, 18, 20)
+    eval_examples: int = 128
+    text_context: int = 64
+    text_multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
+    text_eval_windows: int = 16
+    checkpoint_every: int = 200
+    eval_only_scalings: tuple[str, ...] = ("pi", "ntk", "yarn")
+    normalizers: tuple[str, ...] = ("softmax",)
+    # Fields below were added after the first results were published; they enter the
+    # fingerprint only when they differ from these defaults, so earlier runs still resume.
+    eval_only_tasks: tuple[str, ...] = ("text",)
+    eval_implementation: str = "materialize"
+    blockwise_from: int | None = None
+    description: str = ""
+    target: str = "cpu"
+
+    def lengths(self, task) -> TaskLengths:
+        """The lengths of ``task``, by its ``length_family``."""
+        if task.length_family == "text":
+            return TaskLengths(
+                train=self.text_context,
+                eval=tuple(self.text_context * m for m in self.text_multiples),
+                examples=self.text_eval_windows,
+                batch=4,
+            )
+        return TaskLengths(
+            train=self.train_length, eval=tuple(self.eval_lengths), examples=self.eval_examples, batch=64
+        )
+
+    def eval_variants(self, task_name: str, encoding: str, normalizer: str) -> tuple[EvalVariant, ...]:
+        """The evaluation-only variants of one trained cell (RoPE scalings of the softmax RoPE model)."""
+        if encoding != "rope" or normalizer != "softmax" or task_name not in self.eval_only_tasks:
+            return ()
+        return tuple(EvalVariant("rope", f"rope-{name}") for name in self.eval_only_scalings)
+
+    def implementation_at(self, tokens: int) -> str:
+        """The attention implementation evaluation uses at ``tokens`` tokens."""
+        if self.blockwise_from is not None and tokens >= self.blockwise_from:
+            return self.eval_implementation
+        return "materialize"
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first bad setting and what to do."""
+        for what, values, example in (
+            ("encodings", self.encodings, "--encodings rope,alibi"),
+            ("tasks", self.tasks, "--tasks counting_copy"),
+            ("seeds", self.seeds, "--seeds 0,1,2"),
+            ("normalizers", self.normalizers, "softmax"),
+        ):
+            if not values:
+                raise ValueError(f"no {what} given; name at least one (e.g. {example})")
+            duplicated = sorted({v for v in values if values.count(v) > 1})
+            if duplicated:
+                raise ValueError(f"{what} {duplicated} named twice; name each once")
+        unknown = [part for e in self.encodings for part in e.split("+") if part not in encoding_names()]
+        if unknown:
+            raise ValueError(
+                f"unknown encodings {unknown}; known encodings: {', '.join(encoding_names())} "
+                f"(combine them with '+', e.g. rope+randomized)"
+            )
+        unknown = [n for n in self.normalizers if n not in NORMALIZERS]
+        if unknown:
+            raise ValueError(f"unknown normalizers {unknown}; known normalizers: {', '.join(NORMALIZERS)}")
+        unknown = [t for t in (*self.tasks, *self.eval_only_tasks) if t not in task_names()]
+        if unknown:
+            raise ValueError(f"unknown tasks {unknown}; known tasks: {', '.join(task_names())}")
+        unknown = [s for s in self.eval_only_scalings if f"rope-{s}" not in encoding_names()]
+        if unknown:
+            scalings = [n.removeprefix("rope-") for n in encoding_names() if n.startswith("rope-")]
+            raise ValueError(f"unknown RoPE scalings {unknown} in eval_only_scalings; known: {', '.join(scalings)}")
+        if self.steps < 1:
+            raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
+        if self.batch_size < 1 or self.eval_examples < 1 or self.text_eval_windows < 1:
+            raise ValueError(
+                f"batch_size, eval_examples and text_eval_windows must be >= 1, got {self.batch_size}, "
+                f"{self.eval_examples}, {self.text_eval_windows}"
+            )
+        if self.checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.train_length < 1 or self.text_context < 2:
+            raise ValueError(
+                f"train_length must be >= 1 and text_context >= 2, got {self.train_length}, {self.text_context}"
+            )
+        if not self.eval_lengths or max(self.eval_lengths) <= self.train_length:
+            raise ValueError(
+                f"eval lengths {self.eval_lengths} must reach beyond the training length {self.train_length}; "
+                f"an extrapolation benchmark tests longer than it trains"
+            )
+        if min(self.eval_lengths) < 1 or not self.text_multiples or max(self.text_multiples) <= 1:
+            raise ValueError(
+                f"eval lengths must be >= 1 and text multiples must include one > 1, got "
+                f"{self.eval_lengths}, {self.text_multiples}"
+            )
+        if min(self.text_multiples) < 1:
+            raise ValueError(f"text multiples must be >= 1, got {self.text_multiples}")
+        if self.model_dim % self.num_heads:
+            raise ValueError(f"model_dim={self.model_dim} is not divisible by num_heads={self.num_heads}")
+        if self.eval_implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"eval_implementation must be one of {IMPLEMENTATIONS}, got {self.eval_implementation!r}")
+        if self.blockwise_from is not None and self.blockwise_from < 1:
+            raise ValueError(f"blockwise_from must be >= 1 tokens (or None), got {self.blockwise_from}")
+
+
+_CPU_ENCODINGS = ("nope", "sinusoidal", "learned", "rope", "t5", "alibi")
+_DECODER_TASKS = ("counting_copy", "copy", "duplicate", "reverse")
+_ENCODER_TASKS = ("reverse_string", "missing_duplicate", "parity", "bucket_sort")
+_ALL_TASKS = (*_DECODER_TASKS, *_ENCODER_TASKS, "probe", "probe_boundary", "text")
+# Every registered encoding but the 2-D grid RoPE (for images) and randomized positions alone
+# (a position sampler, nothing consumes its positions without another encoding): those two
+# run as hybrids with the encodings Ruoss et al. randomize.
+_EVERY_ENCODING = (
+    *(n for n in encoding_names() if n not in ("rope-2d", "randomized")),
+    "rope+randomized",
+    "sinusoidal+randomized",
+)
+
+PRESETS = {
+    "smoke": Preset(
+        name="smoke",
+        encodings=("nope", "rope", "alibi"),
+        tasks=("counting_copy", "text"),
+        seeds=(0,),
+        model_dim=32,
+        num_layers=1,
+        num_heads=2,
+        mlp_dim=64,
+        steps=30,
+        batch_size=16,
+        train_length=4,
+        eval_lengths=(2, 4, 6, 8),
+        eval_examples=16,
+        text_context=16,
+        text_multiples=(1, 2, 4),
+        text_eval_windows=4,
+        checkpoint_every=10,
+        description="a pipeline check: every step of the benchmark in seconds; its numbers mean nothing",
+    ),
+    "cpu": Preset(
+        name="cpu",
+        encodings=_CPU_ENCODINGS,
+        tasks=("counting_copy", "text"),
+        seeds=(0, 1),
+        steps=700,
+        description="the README's figures: 6 encodings on counting copy and text",
+    ),
+    "cpu-full": Preset(
+        name="cpu-full",
+        encodings=_EVERY_ENCODING,
+        tasks=_ALL_TASKS,
+        seeds=(0, 1, 2),
+        steps=700,
+        eval_only_tasks=_ALL_TASKS,
+        description="every encoding on every task, RoPE scalings at evaluation on every task",
+    ),
+    # Text trained at 256 characters, tested up to 128 times longer. The longest evaluations
+    # hold no [T, S] scores: from 2048 tokens on, attention runs blockwise.
+    "cpu-long": Preset(
+        name="cpu-long",
+        encodings=_CPU_ENCODINGS,
+        tasks=("text",),
+        seeds=(0, 1, 2),
+        steps=700,
+        text_context=256,
+        text_multiples=(1, 2, 4, 8, 16, 32, 64, 128),
+        text_eval_windows=4,
+        eval_implementation="blockwise",
+        blockwise_from=2048,
+        description="text trained at 256 characters, tested up to 32,768 (128x) with blockwise attention",
+    ),
+    # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, at a size that
+    # fits about 15 minutes of a Colab TPU (v2-8 or v5e, all cores data-parallel); an
+    # estimate from FLOPs (see README), not yet run on a TPU.
+    "colab-tpu": Preset(
+        name="colab-tpu",
+        encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
+        tasks=_DECODER_TASKS,
+        seeds=(0, 1, 2),
+        model_dim=256,
+        num_layers=4,
+        num_heads=8,
+        mlp_dim=1024,
+        steps=2000,
+        batch_size=64,
+        learning_rate=5e-4,
+        train_length=20,
+        eval_lengths=tuple(range(1, 41)),
+        eval_examples=256,
+        checkpoint_every=1000,
+        eval_only_tasks=(),
+        description="Kazemnejad et al.'s decoder tasks (train <= 20, test to 40) with a 4 x 256 model",
+        target="colab-tpu",
+    ),
+    # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,
+    # 6% warmup, dropout 0.1, train <= 20, test 21-40, 3 seeds. For a GPU or TPU.
+    "paper": Preset(
+        name="paper",
+        encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
+        tasks=_DECODER_TASKS,
+        seeds=(0, 1, 2),
+        model_dim=768,
+        num_layers=12,
+        num_heads=12,
+        mlp_dim=3072,
+        dropout_rate=0.1,
+        steps=40_000,
+        batch_size=64,
+        learning_rate=3e-5,
+        weight_decay=0.05,
+        train_length=20,
+        eval_lengths=tuple(range(1, 41)),
+        eval_examples=256,
+        checkpoint_every=2000,
+        description="Kazemnejad et al. 2023's protocol (12 x 768, 40K steps); for a GPU or TPU",
+        target="accelerator",
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    """What a preset asks for: trained cells (task x encoding x normaliser, all seeds
+    together), and floating-point operations of training and evaluation, all seeds."""
+
+    cells: int
+    train_flops: float
+    eval_flops: float
+
+
+@functools.cache
+def _task(name: str):
+    return make_task(name, max_length=4096)
+
+
+def _forward_flops_per_token(preset: Preset, context: int, vocab: int) -> float:
+    """Multiply-adds x 2 of one token's forward pass: projections and MLP, attention over
+    ``context`` keys (scores and weighted sum, all heads), the output head."""
+    d = preset.model_dim
+    per_layer = 2 * (4 * d * d + 2 * d * preset.mlp_dim) + 4 * context * d
+    return preset.num_layers * per_layer + 2 * d * vocab
+
+
+def cost(preset: Preset) -> Cost:
+    """The cells and FLOPs of ``preset`` (training counts 3 x the forward pass, for the backward).
+
+    Example:
+      >>> c = cost(PRESETS["cpu"])
+      >>> c.cells, round(c.train_flops / 1e12, 1)
+      (12, 3.9)
+    """
+    cells, train, evaluate = 0, 0.0, 0.0
+    for name in preset.tasks:
+        task = _task(name)
+        lengths = preset.lengths(task)
+        train_tokens = task.max_tokens(lengths.train)
+        longest = task.max_tokens(max(lengths.eval))
+        step = 3 * preset.batch_size * train_tokens * _forward_flops_per_token(preset, train_tokens, task.vocab_size)
+        per_model = 0.0
+        for n in lengths.eval:
+            tokens = longest if task.fixed_eval_shape else task.max_tokens(n)
+            per_model += lengths.examples * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
+        for encoding in preset.encodings:
+            if not runs_on(task, encoding):
+                continue
+            for normalizer in preset.normalizers:
+                variants = len(preset.eval_variants(name, encoding, normalizer))
+                cells += 1
+                train += len(preset.seeds) * preset.steps * step
+                evaluate += len(preset.seeds) * (1 + variants) * per_model
+    return Cost(cells=cells, train_flops=train, eval_flops=evaluate)
+
+
+# Measured on this project's 2-core CPU (see README, "Expected run times"): FLOP/s of training
+# with the seeds vmapped, of evaluation, and the fixed seconds per cell (compilation,
+# checkpoints, building the models).
+CPU_TRAIN_FLOPS = 45e9
+CPU_EVAL_FLOPS = 30e9
+CPU_SECONDS_PER_CELL = 8.0
+CPU_ESTIMATE = {
+    "train_flops_per_second": CPU_TRAIN_FLOPS,
+    "eval_flops_per_second": CPU_EVAL_FLOPS,
+    "seconds_per_cell": CPU_SECONDS_PER_CELL,
+}
+# Assumed, not measured, for a Colab TPU v2-8 (8 cores, about 180 TFLOP/s of bfloat16 at peak;
+# float32 products run as bfloat16 passes at jax's default precision) with all cores
+# data-parallel: about a ninth of peak for these small models, and 30 s per cell for
+# compilation and checkpoints. A v5e chip has a similar peak.
+TPU_ESTIMATE = {"train_flops_per_second": 20e12, "eval_flops_per_second": 10e12, "seconds_per_cell": 30.0}
+
+
+def expected_seconds(
+    preset: Preset,
+    *,
+    train_flops_per_second: float = CPU_TRAIN_FLOPS,
+    eval_flops_per_second: float = CPU_EVAL_FLOPS,
+    seconds_per_cell: float = CPU_SECONDS_PER_CELL,
+) -> float:
+    """An estimate of a whole run's wall time from :func:`cost` (defaults: this project's 2-core CPU)."""
+    c = cost(preset)
+    return c.train_flops / train_flops_per_second + c.eval_flops / eval_flops_per_second + c.cells * seconds_per_cell
