@@ -351,13 +351,32 @@ def test_the_ledger_repairs_a_cut_last_row_and_refuses_other_settings(tmp_path):
         Ledger(tmp_path, "xyz")
 
 
-def test_cpu_long_is_refused_before_training_until_blockwise_evaluation_is_connected(tmp_path):
+def test_cpu_long_evaluates_long_text_blockwise_as_the_materialising_path_would():
     long = presets.PRESETS["cpu-long"]
     assert long.text_context == 256 and long.text_context * max(long.text_multiples) == 32_768
     assert long.implementation_at(1024) == "materialize" and long.implementation_at(2048) == "blockwise"
-    with pytest.raises(ValueError, match="evaluates text at 2048 with blockwise attention .* cannot run yet"):
-        extrapolate.run(long, tmp_path, progress=False)
-    assert not (tmp_path / "checkpoints").exists()
+    from posenc_jax.nn import Transformer
+
+    model = Transformer(
+        vocab_size=16,
+        model_dim=16,
+        num_layers=2,
+        num_heads=2,
+        mlp_dim=32,
+        encoding=["alibi", "shaw"],
+        causal=True,
+        block_q=8,
+        block_k=8,
+        rngs=nnx.Rngs(0),
+    )
+    tokens = jax.random.randint(jax.random.key(0), (2, 40), 0, 16)
+    batch = {"inputs": tokens, "positions": jax.numpy.arange(40), "targets": tokens}
+    want = bench_cell.predict(model, batch, implementation="materialize")
+    got = bench_cell.predict(model, batch, implementation="blockwise")
+    np.testing.assert_allclose(got["target_log_probs"], want["target_log_probs"], atol=1e-5)
+    np.testing.assert_array_equal(got["predictions"], want["predictions"])
+    with pytest.raises(ValueError, match="implementation='flash' is not one the model runs"):
+        bench_cell.predict(model, batch, implementation="flash")
 
 
 def test_presets_validate_and_the_colab_tpu_estimate_is_about_a_quarter_hour():
