@@ -6,10 +6,9 @@
 Every figure is a ratio to a baseline timed in the same process, in the same rounds:
 each round runs every case once (in a rotated order), each case's time is divided by
 the baseline's time of that round, and the table prints the median of those ratios and
-their range (min-max) over the rounds, then "best": the ratio of the two fastest rounds,
-the figure least disturbed by other work on the machine. Absolute times depend on the
-machine and on whatever else runs on it; the paired ratios much less so. Compare ratios,
-and re-run on a quiet machine before trusting a second decimal.
+their range (min-max) over the rounds. Absolute times depend on the machine and on
+whatever else runs on it; the paired ratios much less so. Compare ratios, and re-run on a
+quiet machine before trusting a second decimal.
 
 Sections (the issue's targets in the last column):
 
@@ -89,11 +88,9 @@ def paired_times(cases: dict[str, Callable[[], object]], rounds: int) -> dict[st
 
 
 def ratio_cell(times: dict[str, np.ndarray], name: str, base: str) -> str:
-    """``median (min-max) best`` of ``name`` to ``base``: the per-round ratios' median and range, then the
-    ratio of the two fastest rounds (the least disturbed by other work on the machine)."""
+    """``median (min-max)`` of the per-round ratios of ``name`` to ``base``."""
     r = times[name] / times[base]
-    best = times[name].min() / times[base].min()
-    return f"{np.median(r):.2f}× ({r.min():.2f}–{r.max():.2f}), best {best:.2f}×"
+    return f"{np.median(r):.2f}× ({r.min():.2f}–{r.max():.2f})"
 
 
 def print_table(title: str, header: tuple[str, ...], rows: list[tuple]) -> None:
@@ -203,7 +200,7 @@ def rope_section(rounds: int, quick: bool) -> None:
             checks.append((f"apply_rope_qk ({layout}), {name}", "yes" if ok else "NO", max(sizes)))
     print_table(
         f"RoPE on q, k {list(shape)} vs a copy of q and k (target ≤ 1.5× per call, ≤ 2× for four in a row)",
-        ("case", "dtype", "time vs copy: median (range), best"),
+        ("case", "dtype", "time vs copy, median (range)"),
         rows,
     )
     print_table(
@@ -281,7 +278,7 @@ def attention_section(rounds: int, quick: bool) -> None:
     print_table(
         f"Causal attention, B={batch}, N={heads}, T={length}, H={head_dim} (targets: plain ≤ 1.05× jax.nn; "
         f"DeBERTa, Transformer-XL ≤ 1.5× plain)",
-        ("case", "time: median (range), best"),
+        ("case", "time, median (range)"),
         rows,
     )
 
@@ -390,7 +387,7 @@ def train_section(rounds: int, quick: bool) -> None:
     print_table(
         f"Transformer ({layers} layers, D={model_dim}, {heads} heads, T={length}, batch {batch_size}) vs NoPE "
         f"(targets: T5, Kerple, clipped bias ≤ 1.1×; Shaw, Transformer-XL, DeBERTa, CoPE ≤ 1.5×)",
-        ("encoding", "train step: median (range), best", "forward: median (range), best"),
+        ("encoding", "train step, median (range)", "forward, median (range)"),
         rows,
     )
 
@@ -471,7 +468,7 @@ def decode_section(rounds: int, quick: bool) -> None:
     print_table(
         f"Decoding step (batch {batch}, after a prefill of {prefill}; {layers} layers, D={model_dim}) vs NoPE's "
         f"step ({nope_ms:.2f} ms) (target ≤ 1.1×)",
-        ("encoding", "step time: median (range), best", f"compilations over {count_steps + rounds * steps_per_round}"),
+        ("encoding", "step time, median (range)", f"compilations over {count_steps + rounds * steps_per_round}"),
         rows,
     )
 

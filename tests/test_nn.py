@@ -314,7 +314,12 @@ def test_decoding_step_rotates_only_the_new_tokens():
 
 
 @pytest.mark.parametrize(
-    "name, shapes", [("deberta", [(2, 16, HEADS, 4)]), ("transformer-xl", [(2, 16, HEADS), (2, 16, D)])]
+    "name, shapes",
+    [
+        ("deberta", [(2, 16, HEADS, 4)]),
+        ("transformer-xl", [(2, 16, HEADS), (2, 16, D)]),
+        ("functional-relative", [(2, 16, D // HEADS)]),
+    ],
 )
 def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes):
     model = _model(_config(name))

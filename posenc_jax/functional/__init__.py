@@ -12,7 +12,7 @@ importable from their modules (``posenc_jax.functional.relative``, ``.positions`
 from posenc_jax.functional.alibi import ALiBi, alibi_bias, alibi_slopes
 from posenc_jax.functional.attention import SharedBias, dot_product_attention
 from posenc_jax.functional.axial_rope import AxialRoPE, apply_rope_2d
-from posenc_jax.functional.cache import KVCache
+from posenc_jax.functional.cache import CachedKeyTerm, KVCache
 from posenc_jax.functional.cope import CoPE, CoPEConfig, cope_logits
 from posenc_jax.functional.deberta import DeBERTa, DeBERTaConfig, deberta_log_bucket, deberta_logits
 from posenc_jax.functional.fire import Fire, FireConfig, fire_bias, fire_init
@@ -81,6 +81,7 @@ __all__ = [
     "Embed",
     "EncodingConfig",
     "EncodingInfo",
+    "CachedKeyTerm",
     "KVCache",
     "Logits",
     "NORMALIZERS",

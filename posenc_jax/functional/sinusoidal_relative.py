@@ -14,12 +14,13 @@ identity with the other sign (query minus key).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.hooks import AttentionContext, ParameterFree, pytree_dataclass
+from posenc_jax.functional.hooks import AttentionContext, ParameterFree, parameter, pytree_dataclass
 from posenc_jax.functional.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.registry import register_encoding
 from posenc_jax.functional.sinusoidal import VASWANI
@@ -135,6 +136,32 @@ class SinusoidalRelative(ParameterFree):
     scale: float | None = None
 
     def logits(self, q, k, context: AttentionContext):
-        scale = context.scale if self.scale is None else self.scale
-        term = sinusoidal_relative_logits(q, context.query_positions, context.key_positions, base=self.base)
-        return term * jnp.float32(scale)
+        return _scaled_logits(self, q, context, None)
+
+    def key_features(self, k, key_positions) -> jax.Array:
+        """What a KV cache stores per key: :func:`key_sinusoids` of its position, ``[B, S, H]``."""
+        sinusoids = key_sinusoids(key_positions, k.shape[-1], base=self.base)
+        return jnp.broadcast_to(sinusoids, (k.shape[0],) + sinusoids.shape[1:])
+
+    def with_key_features(self, features: jax.Array) -> CachedSinusoidalRelative:
+        """This hook reading every key's sinusoids from ``features`` (a KV cache's)."""
+        return CachedSinusoidalRelative(features, self)
+
+
+@pytree_dataclass
+class CachedSinusoidalRelative:
+    """:class:`SinusoidalRelative` with the keys' sinusoids ``[B, S, H]`` computed earlier (a KV cache's)."""
+
+    key_sinusoids: jax.Array = parameter()
+    encoding: SinusoidalRelative = dataclasses.field(default_factory=SinusoidalRelative)
+
+    def logits(self, q, k, context: AttentionContext):
+        return _scaled_logits(self.encoding, q, context, self.key_sinusoids)
+
+
+def _scaled_logits(encoding: SinusoidalRelative, q, context: AttentionContext, key_features) -> jax.Array:
+    scale = context.scale if encoding.scale is None else encoding.scale
+    term = sinusoidal_relative_logits(
+        q, context.query_positions, context.key_positions, base=encoding.base, key_features=key_features
+    )
+    return term * jnp.float32(scale)
