@@ -15,7 +15,8 @@ answer, where no query looks), and says how to score a prediction:
   blank tokens; a bidirectional model writes the answer on the blanks and is
   scored by per-token accuracy. ``reverse_string``, ``missing_duplicate``,
   ``parity``, ``bucket_sort``.
-* **probe** (seed 004): n identical tokens, the answer at each position is its
+* **probe** (the blind spot of relative encodings, Su 2022; Luo et al. 2022): n identical
+  tokens, the answer at each position is its
   index; optionally wrapped in boundary tokens ``[CLS] ... [SEP]``.
 * **text**: character-level language modelling on real text, scored in bits per
   character. The default corpus is a fixed selection of the running Python's own
@@ -275,7 +276,7 @@ class EncoderTask(_Generated):
 
 @dataclasses.dataclass(frozen=True)
 class ProbeTask(_Generated):
-    """Seed 004's probe: n identical tokens, the target at position i is i (optionally [CLS] ... [SEP])."""
+    """The blind-spot probe: n identical tokens, the target at position i is i (optionally [CLS] ... [SEP])."""
 
     name: str
     boundary: bool = False
@@ -318,7 +319,7 @@ class ProbeTask(_Generated):
         return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
 
     def chance(self, n: int) -> float | None:
-        """1/n: what a model that cannot tell the positions apart scores at best (seed 004)."""
+        """1/n: what a model that cannot tell the positions apart scores at best (Su 2022)."""
         return 1.0 / n
 
     def check_lengths(self, train_length: int, eval_lengths) -> None:

@@ -229,7 +229,9 @@ def main(argv=None) -> int:
     ex.add_argument("--no-progress", action="store_true", help="no progress bars (needs no tqdm)")
     ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
     ex.set_defaults(handler=_extrapolate)
-    pr = sub.add_parser("probe", help="seed 004's probe: positions of n identical tokens, per encoding x normaliser")
+    pr = sub.add_parser(
+        "probe", help="the blind-spot probe (Su 2022; Luo et al.): n identical tokens, per encoding x normaliser"
+    )
     pr.add_argument("--preset", default="default", help="smoke or default")
     pr.add_argument("--encodings", type=_names)
     pr.add_argument("--normalizers", type=_names, help="softmax, l2, relu2, urpe")

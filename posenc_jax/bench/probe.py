@@ -1,4 +1,4 @@
-"""The seed-004 probe: can a model say where it is among n identical tokens?
+"""The blind-spot probe (Su 2022; Luo et al. 2022): can a model say where it is among n identical tokens?
 
 Trains small encoders to output each position's index on n identical tokens, for each
 encoding x normaliser, without and with boundary tokens ([CLS] ... [SEP]), and reports
@@ -61,7 +61,7 @@ PROBE_PRESETS = {
 
 
 def expected_outcome(encoding: str, normalizer: str, boundary: bool) -> str:
-    """What the mathematics says for this setting (seed 004; Luo et al. 2022)."""
+    """What the mathematics says for this setting (Su 2022; Luo et al. 2022)."""
     info = encoding_info(encoding)
     if info.acts_on == "embeddings":
         return "solvable (absolute positions)"
@@ -113,7 +113,7 @@ def _table(rows):
 
 def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -> str:
     """``report.md``: measured accuracy beside the expected outcome, one row per setting."""
-    lines = ["# Seed 004 probe: n identical tokens, output each position's index", ""]
+    lines = ["# Blind-spot probe: n identical tokens, output each position's index", ""]
     if preset:
         lines += [
             f"Preset `{preset['name']}`: encoders of {preset['num_layers']} layers x {preset['model_dim']}, "

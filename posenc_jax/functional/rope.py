@@ -8,7 +8,7 @@ token's position, ``f(x, m) = R(m θ) x``, so that the score
 Two layouts of the pairs inside a head of size H (R = ``rotary_dim`` <= H):
 
 * ``"interleaved"`` (the default): pairs are ``(x[2i], x[2i+1])``, exactly as in
-  Su's reference pseudocode (seed 000) and RoFormer / the sinusoidal table of
+  Su's reference pseudocode and RoFormer / the sinusoidal table of
   d2l, where column 2i is the sine and column 2i+1 the cosine.
 * ``"half"``: pairs are ``(x[i], x[i + R/2])``, the split-half (``rotate_half``)
   layout of GPT-NeoX and the Llama ports. Use it to load such checkpoints.
