@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.bench.extrapolate import _runs_on
+from posenc_jax.bench.presets import runs_on as _runs_on
 from posenc_jax.functional import (
     ALiBi,
     CoPE,
