@@ -244,7 +244,9 @@ class SeedGroup:
       >>> group = SeedGroup(models, [make_optimizer(m, optax.adam(1e-3)) for m in models])
       >>> batch = {"inputs": np.zeros((2, 4, 5), np.int32), "targets": np.ones((2, 4, 5), np.int32),
       ...          "positions": np.tile(np.arange(5, dtype=np.int32), (2, 1))}
-      >>> group.step(batch).shape  # one loss per seed
+      >>> with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes Python floats and int32
+      ...     losses = group.step(batch)
+      >>> losses.shape  # one loss per seed
       (2,)
     """
 
