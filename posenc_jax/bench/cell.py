@@ -242,7 +242,9 @@ class SeedGroup:
       >>> group = SeedGroup(models, [make_optimizer(m, optax.adam(1e-3)) for m in models])
       >>> batch = {"inputs": np.zeros((2, 4, 5), np.int32), "targets": np.ones((2, 4, 5), np.int32),
       ...          "positions": np.tile(np.arange(5, dtype=np.int32), (2, 1))}
-      >>> group.step(batch).shape  # one loss per seed
+      >>> with jax.numpy_dtype_promotion("standard"):  # optax's adam mixes Python floats and int32
+      ...     losses = group.step(batch)
+      >>> losses.shape  # one loss per seed
       (2,)
     """
 
@@ -316,12 +318,23 @@ def train_and_evaluate(
     mesh=None,
     bar=None,
 ) -> list[dict]:
-    """Trains the seeds of ``cell`` together (resuming from their checkpoints), then evaluates each
-    at the lengths in ``todo[seed]`` (a list of ``(variant or None, length)``), passing each row
-    to ``write``. Returns one timing record per group of seeds trained together (normally one).
+    """Trains the seeds of ``cell`` together (resuming from their checkpoints), then evaluates each.
 
-    ``bar(total, initial, description)``, when given, makes a progress bar (tqdm's interface);
-    it is made after the first step, so its rate does not count compilation.
+    Args:
+      cell: the task, encoding and normaliser.
+      preset: the run's settings.
+      seeds: the seeds to train (those with rows left to measure).
+      todo: per seed, the rows left: ``(variant, length)`` pairs, ``variant`` None for the
+        trained encoding or an :class:`~posenc_jax.bench.presets.EvalVariant`.
+      out, settings: the output folder and the preset's fingerprint (where checkpoints go).
+      write: called with each result row as soon as it is measured.
+      mesh: a data-parallel mesh, or None.
+      bar: ``bar(total, initial, description)`` makes a progress bar (tqdm's interface); it is
+        made after the first step, so its rate does not count compilation.
+
+    Returns:
+      One timing record per group of seeds trained together: normally one; more only when a
+      kill left seeds at steps they do not share.
     """
     head_dim = preset.model_dim // preset.num_heads
     configs = encodings_for(cell.encoding, head_dim, cell.train_tokens, cell.max_tokens)

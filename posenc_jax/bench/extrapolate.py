@@ -147,10 +147,20 @@ def _summary(records: list[dict], steps: int) -> str:
 
 
 def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progress: bool = True, log=print) -> dict:
-    """Runs (or resumes) every cell of ``preset``, writing into ``out``; returns the run record.
+    """Runs (or resumes) every cell of ``preset``, writing into ``out``.
 
     Everything that can be checked is checked before any training: the settings, the output
     folder, the results already there, and that every task can serve its lengths.
+
+    Args:
+      preset: the run's settings.
+      out: the output folder (``results.jsonl``, ``run.json``, checkpoints).
+      corpus: the text task's corpus (a path, or a hub corpus name); None for the default.
+      progress: tqdm bars over the cells and the current cell's steps.
+      log: called with one line per finished cell.
+
+    Returns:
+      The run record written to ``run.json``.
     """
     preset.validate()
     out = pathlib.Path(out)

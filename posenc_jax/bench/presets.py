@@ -291,13 +291,13 @@ PRESETS = {
         num_layers=4,
         num_heads=8,
         mlp_dim=1024,
-        steps=2000,
+        steps=1500,
         batch_size=64,
         learning_rate=5e-4,
         train_length=20,
         eval_lengths=tuple(range(1, 41)),
         eval_examples=256,
-        checkpoint_every=1000,
+        checkpoint_every=1500,
         eval_only_tasks=(),
         description="Kazemnejad et al.'s decoder tasks (train <= 20, test to 40) with a 4 x 256 model",
         target="colab-tpu",
@@ -330,17 +330,20 @@ PRESETS = {
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """What a preset asks for: trained cells (task x encoding x normaliser, all seeds
-    together), and floating-point operations of training and evaluation, all seeds."""
+    """What a preset asks for: trained cells (task x encoding x normaliser, all seeds together),
+    floating-point operations of training and of evaluation (all seeds), and the evaluation
+    programs to compile (one per shape and encoding config: every length of the text task,
+    every length of an evaluation-only variant, whose scaling changes with the length)."""
 
     cells: int
     train_flops: float
     eval_flops: float
+    eval_programs: int
 
 
 @functools.cache
-def _task(name: str):
-    return make_task(name, max_length=4096)
+def _task(name: str, max_length: int):
+    return make_task(name, max_length=max_length)
 
 
 def _forward_flops_per_token(preset: Preset, context: int, vocab: int) -> float:
@@ -352,16 +355,17 @@ def _forward_flops_per_token(preset: Preset, context: int, vocab: int) -> float:
 
 
 def cost(preset: Preset) -> Cost:
-    """The cells and FLOPs of ``preset`` (training counts 3 x the forward pass, for the backward).
+    """The cells, FLOPs and evaluation programs of ``preset`` (training counts 3 x the forward
+    pass, for the backward).
 
     Example:
       >>> c = cost(PRESETS["cpu"])
-      >>> c.cells, round(c.train_flops / 1e12, 1)
-      (12, 3.9)
+      >>> c.cells, round(c.train_flops / 1e12, 1), c.eval_programs
+      (12, 16.2, 51)
     """
-    cells, train, evaluate = 0, 0.0, 0.0
+    cells, train, evaluate, programs = 0, 0.0, 0.0, 0
     for name in preset.tasks:
-        task = _task(name)
+        task = _task(name, max(preset.eval_lengths) + 2)  # as the runner makes it
         lengths = preset.lengths(task)
         train_tokens = task.max_tokens(lengths.train)
         longest = task.max_tokens(max(lengths.eval))
@@ -378,34 +382,45 @@ def cost(preset: Preset) -> Cost:
                 cells += 1
                 train += len(preset.seeds) * preset.steps * step
                 evaluate += len(preset.seeds) * (1 + variants) * per_model
-    return Cost(cells=cells, train_flops=train, eval_flops=evaluate)
+                programs += (1 if task.fixed_eval_shape else len(lengths.eval)) + variants * len(lengths.eval)
+    return Cost(cells=cells, train_flops=train, eval_flops=evaluate, eval_programs=programs)
 
 
-# Measured on this project's 2-core CPU (see README, "Expected run times"): FLOP/s of training
-# with the seeds vmapped, of evaluation, and the fixed seconds per cell (compilation,
-# checkpoints, building the models).
-CPU_TRAIN_FLOPS = 45e9
-CPU_EVAL_FLOPS = 30e9
-CPU_SECONDS_PER_CELL = 8.0
+# Measured on this project's 2-core CPU, shared with other work (the cpu-full run of rope and
+# alibi on all 11 tasks, see README): FLOP/s of training (seeds together) and of evaluation,
+# seconds per evaluation program compiled, and per cell (training's compilation, checkpoints).
 CPU_ESTIMATE = {
-    "train_flops_per_second": CPU_TRAIN_FLOPS,
-    "eval_flops_per_second": CPU_EVAL_FLOPS,
-    "seconds_per_cell": CPU_SECONDS_PER_CELL,
+    "train_flops_per_second": 30e9,
+    "eval_flops_per_second": 20e9,
+    "seconds_per_eval_program": 1.0,
+    "seconds_per_cell": 7.0,
 }
 # Assumed, not measured, for a Colab TPU v2-8 (8 cores, about 180 TFLOP/s of bfloat16 at peak;
 # float32 products run as bfloat16 passes at jax's default precision) with all cores
 # data-parallel: about a ninth of peak for these small models, and 30 s per cell for
 # compilation and checkpoints. A v5e chip has a similar peak.
-TPU_ESTIMATE = {"train_flops_per_second": 20e12, "eval_flops_per_second": 10e12, "seconds_per_cell": 30.0}
+TPU_ESTIMATE = {
+    "train_flops_per_second": 20e12,
+    "eval_flops_per_second": 10e12,
+    "seconds_per_eval_program": 5.0,
+    "seconds_per_cell": 30.0,
+}
 
 
 def expected_seconds(
     preset: Preset,
     *,
-    train_flops_per_second: float = CPU_TRAIN_FLOPS,
-    eval_flops_per_second: float = CPU_EVAL_FLOPS,
-    seconds_per_cell: float = CPU_SECONDS_PER_CELL,
+    train_flops_per_second: float,
+    eval_flops_per_second: float,
+    seconds_per_eval_program: float,
+    seconds_per_cell: float,
 ) -> float:
-    """An estimate of a whole run's wall time from :func:`cost` (defaults: this project's 2-core CPU)."""
+    """An estimate of a whole run's wall time from :func:`cost` and the rates of a machine
+    (:data:`CPU_ESTIMATE`, :data:`TPU_ESTIMATE`)."""
     c = cost(preset)
-    return c.train_flops / train_flops_per_second + c.eval_flops / eval_flops_per_second + c.cells * seconds_per_cell
+    return (
+        c.train_flops / train_flops_per_second
+        + c.eval_flops / eval_flops_per_second
+        + c.eval_programs * seconds_per_eval_program
+        + c.cells * seconds_per_cell
+    )
