@@ -199,7 +199,9 @@ def _train_step(graphdef, state, batch, batched: bool):
     def one(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
         loss, grads = nnx.value_and_grad(lambda m: cross_entropy_loss(m, batch))(model)
-        optimizer.update(model, grads)
+        # optax mixes Python floats with int32 step counts, which strict dtype promotion refuses.
+        with jax.numpy_dtype_promotion("standard"):
+            optimizer.update(model, grads)
         return nnx.split((model, optimizer))[1], loss
 
     if batched:

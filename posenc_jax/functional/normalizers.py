@@ -95,8 +95,8 @@ class ReLU2:
       >>> x = jnp.ones((1, 4, 1, 2)); pos = jnp.arange(4)
       >>> out = dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, causal=True,
       ...                             normalizer=ReLU2())
-      >>> out[0, :, 0, 0]  # row t sums (t + 1) · relu(s)² / 4 with s = 1/√2: grows with t
-      Array([0.125, 0.25 , 0.375, 0.5  ], dtype=float32)
+      >>> [round(float(w), 3) for w in out[0, :, 0, 0]]  # row t: (t + 1) · relu(s)² / 4, s = 2/√2
+      [0.5, 1.0, 1.5, 2.0]
     """
 
     length: int | None = None
