@@ -290,6 +290,13 @@ def _hide_unseen_keys(x: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.where(visible[:, :, None, None], x, jnp.zeros((), x.dtype))
 
 
+def _content_scores(query: jax.Array, key: jax.Array, scale: float) -> jax.Array:
+    """``scale · q·k``: ``[B, T, N, H]`` by ``[B, S, K, H]``, float32 ``[B, N, T, S]`` (grouped heads)."""
+    grouped = einops.rearrange(query, "B T (K G) H -> B T K G H", K=key.shape[2])
+    scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key, preferred_element_type=jnp.float32)
+    return einops.rearrange(scores, "B K G T S -> B (K G) T S") * jnp.float32(scale)
+
+
 def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
     """Stage 2: rotate q and k, then ``scale · q·k`` (float32 ``[B, N, T, S]``) plus every logits term.
 
@@ -300,10 +307,7 @@ def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context:
     for hook in hooks:
         if isinstance(hook, Rotate):
             query, key = hook.rotate(query, key, context)
-    num_kv_heads = key.shape[2]
-    grouped = einops.rearrange(query, "B T (K G) H -> B T K G H", K=num_kv_heads)
-    scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key, preferred_element_type=jnp.float32)
-    scores = einops.rearrange(scores, "B K G T S -> B (K G) T S") * jnp.float32(context.scale)
+    scores = _content_scores(query, key, context.scale)
     for hook in hooks:
         term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
         if term is not None:

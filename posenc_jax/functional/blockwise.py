@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.attention import _selected_product
+from posenc_jax.functional.attention import _content_scores, _selected_product, _value_product
 from posenc_jax.functional.hooks import (
     AttentionContext,
     CarriedLogits,
@@ -59,7 +59,6 @@ from posenc_jax.functional.hooks import (
     Rotate,
     Values,
 )
-from posenc_jax.functional.masks import sequence_key_counts
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
 
@@ -69,7 +68,8 @@ _MIN = float(jnp.finfo(jnp.float32).min)
 
 
 def _online_form(normalizer) -> str:
-    """``"softmax"``, ``"urpe"``, ``"l2"`` or ``"relu2"``: how the normaliser runs in tiles."""
+    """``"softmax"``, ``"urpe"``, ``"l2"``, ``"relu2"`` or ``"relu2-row"`` (n counted per row): how the
+    normaliser runs in tiles."""
     # Imported here: normalizers imports attention, which dispatches to this module.
     from posenc_jax.functional import normalizers as norms
 
@@ -77,8 +77,10 @@ def _online_form(normalizer) -> str:
         return "softmax"
     if normalizer is norms.l2_normalized_weights:
         return "l2"
-    if isinstance(normalizer, norms.ReLU2) or normalizer is norms.relu2_weights:
+    if isinstance(normalizer, norms.ReLU2):
         return "relu2"
+    if normalizer is norms.relu2_weights:
+        return "relu2-row"
     if isinstance(normalizer, norms.URPE):
         return "urpe"
     raise ValueError(
@@ -88,15 +90,16 @@ def _online_form(normalizer) -> str:
     )
 
 
-def check_blockwise(hooks: Sequence, normalizer) -> None:
-    """Raises a ValueError naming the first hook or normaliser that cannot run in tiles."""
+def check_blockwise(hooks: Sequence, normalizer) -> str:
+    """Raises a ValueError naming the first hook or normaliser that cannot run in tiles; else
+    returns how the normaliser runs in tiles."""
     for hook in hooks:
         if not getattr(hook, "blockwise", True):
             raise ValueError(
                 f"{type(hook).__name__} cannot be computed per tile (its blockwise attribute is False); use "
                 f"implementation='materialize' for it"
             )
-    _online_form(normalizer)
+    return _online_form(normalizer)
 
 
 def _pad_to(x: jax.Array, length: int, axis: int, *, edge: bool = False) -> jax.Array:
@@ -122,13 +125,7 @@ def _tile_product(p: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax
     ``p`` is zero where the mask is False, but ``0 · NaN`` is NaN: a tile whose values are
     all finite takes the plain einsum, any other the selecting product (a ``lax.cond``).
     """
-    num_kv_heads = value.shape[2]
-
-    def plain(p, value):
-        grouped = einops.rearrange(p, "B (K G) T S -> B K G T S", K=num_kv_heads).astype(value.dtype)
-        out = jnp.einsum("BKGTS,BSKH->BTKGH", grouped, value, preferred_element_type=jnp.float32)
-        return einops.rearrange(out, "B T K G H -> B T (K G) H")
-
+    plain = _value_product
     if mask is None:
         return plain(p, value)
     finite = jnp.isfinite(value)
@@ -169,8 +166,7 @@ def blockwise_attention(
     Returns:
       ``[B, T, N, H]`` float32.
     """
-    form = _online_form(normalizer)
-    check_blockwise(hooks, normalizer)
+    form = check_blockwise(hooks, normalizer)
     for name, size in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(size, (int, np.integer)) or size < 1:
             raise ValueError(f"{name} must be a positive integer, got {size!r}")
@@ -192,10 +188,9 @@ def blockwise_attention(
     if key_valid is not None:
         key = jnp.where(key_valid[:, :, None, None], key, jnp.zeros((), key.dtype))
         value = jnp.where(key_valid[:, :, None, None], value, jnp.zeros((), value.dtype))
-    counts = None
-    if form == "relu2" and getattr(normalizer, "length", None) is None and normalizer is not _relu2_rowwise():
-        counts = sequence_key_counts(key_valid, query_segment_ids, key_segment_ids)
-        counts = None if counts is None else _pad_to(counts, q_pad, 1, edge=True)
+    # relu²/n's n per query, as stage 1 counted it (None: all S keys); padded queries repeat the last.
+    counts = context.sequence_lengths
+    counts = None if counts is None else _pad_to(counts, q_pad, 1, edge=True)
 
     # Padded keys are invalid; padded queries are computed and dropped.
     if k_pad != k_len:
@@ -220,9 +215,7 @@ def blockwise_attention(
     values_hooks = [hook for hook in hooks if isinstance(hook, Values)]
     key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
     causal = context.causal
-    scale = jnp.float32(context.scale)
-    num_kv_heads = key.shape[2]
-    length = getattr(normalizer, "length", None)
+    length = normalizer.length if form == "relu2" else None
 
     def query_block(qi):
         q = _tile(query, qi, block_q, 1)
@@ -260,9 +253,7 @@ def blockwise_attention(
                 q_positions, k_positions, context.scale, head_dim, num_heads, causal, k_len, tile_mask
             )
 
-            grouped = einops.rearrange(q, "B T (K G) H -> B T K G H", K=num_kv_heads)
-            s = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, k, preferred_element_type=jnp.float32)
-            s = einops.rearrange(s, "B K G T S -> B (K G) T S") * scale
+            s = _content_scores(q, k, context.scale)
             new_hook_carry = []
             for hook in hooks:
                 if isinstance(hook, CarriedLogits):
@@ -275,10 +266,10 @@ def blockwise_attention(
                     s = s + term.reshape((1,) * (4 - term.ndim) + term.shape)
             visible = jnp.ones(s.shape, bool) if tile_mask is None else jnp.broadcast_to(tile_mask, s.shape)
 
-            if form == "relu2":
+            if form in ("relu2", "relu2-row"):
                 m_new, correction = m, None
                 p = jnp.where(visible, jnp.square(jax.nn.relu(s)), 0.0)
-                l_new = l + visible.sum(-1).astype(jnp.float32)  # the per-row count (rowwise relu2 only)
+                l_new = l + visible.sum(-1).astype(jnp.float32)  # the per-row count (read by relu2-row only)
             else:
                 masked = jnp.where(visible, jnp.maximum(s, _MIN), _MIN)
                 m_new = jax.lax.stop_gradient(jnp.maximum(m, masked.max(-1)))
@@ -319,14 +310,14 @@ def blockwise_attention(
 
         (m, l, acc, vacc, _), _ = jax.lax.scan(lambda c, kj: (maybe_step(c, kj), None), carry, key_order)
         acc = acc + sum(vacc) if vacc else acc
-        if form == "relu2":
+        if form == "relu2-row":
+            denominator = jnp.maximum(l, 1.0)
+        elif form == "relu2":
             if length is not None:
                 denominator = jnp.full(l.shape, float(length), jnp.float32)
             elif counts is not None:
                 rows_n = _tile(counts, qi, block_q, 1)  # [B|1, bq]
                 denominator = jnp.broadcast_to(rows_n[:, None, :], l.shape)
-            elif normalizer is _relu2_rowwise():
-                denominator = l
             else:
                 denominator = jnp.full(l.shape, float(k_len), jnp.float32)
             denominator = jnp.maximum(denominator, 1.0)
@@ -340,9 +331,3 @@ def blockwise_attention(
     blocks = jax.lax.map(jax.checkpoint(query_block), jnp.arange(num_q_blocks))  # [nq, B, bq, N, H]
     out = einops.rearrange(blocks, "Q B T N H -> B (Q T) N H")
     return out[:, :q_len]
-
-
-def _relu2_rowwise():
-    from posenc_jax.functional.normalizers import relu2_weights
-
-    return relu2_weights
