@@ -571,8 +571,12 @@ def dot_product_attention(
             "return_weights=True needs the [B, N, T, S] weights, which blockwise attention never holds; use "
             "implementation='materialize' to get them"
         )
+    # "auto" materialises a hook without a tiled form: the caller did not ask for blockwise.
     blockwise = implementation == "blockwise" or (
-        implementation == "auto" and not return_weights and _scores_exceed_limit(query, key)
+        implementation == "auto"
+        and not return_weights
+        and _scores_exceed_limit(query, key)
+        and _has_blockwise_form(_attention_hooks(encodings), normalizer)
     )
     call = _checked_call(
         query,
@@ -591,10 +595,6 @@ def dot_product_attention(
         dropout_rate=dropout_rate,
         build_mask=not blockwise,
     )
-    if blockwise and implementation == "auto" and not _has_blockwise_form(call.hooks, normalizer):
-        # A hook without a tiled form: the caller did not ask for blockwise, so materialise.
-        blockwise = False
-        call = dataclasses.replace(call, **_with_mask(call, causal, key_mask, query_segment_ids, key_segment_ids, mask))
     if blockwise:
         from posenc_jax.functional.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 
@@ -654,15 +654,3 @@ def _has_blockwise_form(hooks, normalizer) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _with_mask(call: _Call, causal, key_mask, query_segment_ids, key_segment_ids, mask) -> dict:
-    """The fields of ``call`` with the full mask built (when "auto" falls back to materialising)."""
-    context = call.context
-    full_mask = combine_masks(
-        causal_mask(context.query_positions, context.key_positions) if causal else None,
-        key_padding_mask(key_mask) if key_mask is not None else None,
-        segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
-        None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
-    )
-    return {"mask": full_mask, "context": dataclasses.replace(context, mask=full_mask)}
