@@ -19,7 +19,7 @@ Sections (the issue's targets in the last column):
   the jitted function and passed in, Hugging Face style ``rotate_half``; a complex
   multiply with precomputed ``e^{iθ}``, as Meta's Llama does); four rotations in a row with
   advancing positions in one jitted function; and whether the compiled program evaluates
-  sin/cos only on ``[T, R/2]`` tables (never inside the ``[B, T, N, H]`` loops);
+  sin/cos only on position tables of at most ``T·R`` values (never inside the ``[B, T, N, H]`` loops);
 * ``attention``: causal attention, B=1, N=8, T=1024, H=64: our plain attention against
   ``jax.nn.dot_product_attention``, and every encoding against our plain attention
   (Transformer-XL with a 512-wide sinusoid);
@@ -204,7 +204,7 @@ def rope_section(rounds: int, quick: bool) -> None:
         rows,
     )
     print_table(
-        "RoPE's compiled program: sin/cos only on [T, R/2] tables",
+        "RoPE's compiled program: sin/cos only on position tables",
         ("function", "sin/cos only on tables", "largest output of a computation with sin/cos (elements)"),
         checks,
     )

@@ -195,7 +195,7 @@ def deberta_logits(
     if "c2p" in terms:
         c2p = jnp.einsum("BTNH,RNH->BNTR", q, pos_key[first_slot:], preferred_element_type=jnp.float32)
     if "p2c" in terms and key_projection is not None:
-        p2c = jnp.swapaxes(key_projection, 1, 2)  # [B, N, S, span]: slots span .. 2span - 1
+        p2c = None  # read per (query, key) from the [B, S, N, span] projections below, never transposed whole
     elif "p2c" in terms:
         p2c = jnp.swapaxes(deberta_key_projection(k, pos_query, span=first_slot), 1, 2)  # [B, N, S, slots]
 
@@ -214,6 +214,10 @@ def deberta_logits(
             total = total + gather_relative(jax.lax.dynamic_slice_in_dim(c2p, start, rows, axis=2), index)
         if p2c is not None:
             total = total + gather_relative_transposed(p2c, index)
+        if "p2c" in terms and key_projection is not None:
+            # out[b, n, t, s] = key_projection[b, s, n, index[b, t, s]]
+            per_key = jnp.take_along_axis(key_projection[:, None], index[:, :, :, None, None], axis=-1, mode="clip")
+            total = total + jnp.moveaxis(per_key[..., 0], -1, 1)
         return total * jnp.float32(scale)
 
     batch = max(q.shape[0], query_positions.shape[0])
