@@ -335,6 +335,21 @@ def test_fingerprints_of_published_runs_stay_and_new_settings_change_them():
     smoke = presets.PRESETS["smoke"]
     assert fingerprint(dataclasses.replace(smoke, seeds=(3, 4), eval_only_tasks=())) == "6e40c54a8dc5"
     assert fingerprint(dataclasses.replace(smoke, blockwise_from=64)) != "6e40c54a8dc5"
+    assert fingerprint(dataclasses.replace(smoke, query_init_scale=0.1)) != "6e40c54a8dc5"
+
+
+def test_query_init_scale_shrinks_the_initial_query_projection_and_bad_values_are_refused():
+    smoke = presets.PRESETS["smoke"]
+    task = make_task("probe")
+    configs = bench_cell.encodings_for("nope", head_dim=16, train_tokens=8, max_tokens=16)
+    plain = bench_cell.build_model(task, smoke, configs, seed=0)
+    small = bench_cell.build_model(task, dataclasses.replace(smoke, query_init_scale=0.1), configs, seed=0)
+    for a, b in zip(plain.blocks, small.blocks, strict=True):
+        np.testing.assert_allclose(b.attention.query.kernel[...], 0.1 * a.attention.query.kernel[...], rtol=1e-6)
+        np.testing.assert_array_equal(b.attention.key.kernel[...], a.attention.key.kernel[...])
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="query_init_scale must be a positive finite number"):
+            dataclasses.replace(smoke, query_init_scale=bad).validate()
 
 
 def test_the_ledger_repairs_a_cut_last_row_and_refuses_other_settings(tmp_path):

@@ -110,8 +110,9 @@ def encodings_for(name: str, head_dim: int, train_tokens: int, max_tokens: int) 
 
 
 def build_model(task, preset: Preset, configs, seed: int, normalizer: str = "softmax") -> Transformer:
-    """The benchmark's Transformer for ``task`` with the encoding ``configs``, initialised from ``seed``."""
-    return Transformer(
+    """The benchmark's Transformer for ``task`` with the encoding ``configs``, initialised from ``seed``
+    (every layer's query projection scaled by ``preset.query_init_scale``)."""
+    model = Transformer(
         vocab_size=task.vocab_size,
         model_dim=preset.model_dim,
         num_layers=preset.num_layers,
@@ -123,6 +124,11 @@ def build_model(task, preset: Preset, configs, seed: int, normalizer: str = "sof
         dropout_rate=preset.dropout_rate,
         rngs=nnx.Rngs(params=seed, dropout=seed + 1),
     )
+    if preset.query_init_scale != 1.0:
+        for block in model.blocks:
+            query = block.attention.query
+            query.kernel[...] = query.kernel[...] * preset.query_init_scale
+    return model
 
 
 def with_eval_encoding(model: Transformer, cell: Cell, preset: Preset, config, seed: int) -> Transformer:

@@ -150,7 +150,12 @@ def _probe(args) -> int:
 
     try:
         preset = probe.preset_with(
-            args.preset, encodings=args.encodings, normalizers=args.normalizers, seeds=args.seeds, steps=args.steps
+            args.preset,
+            encodings=args.encodings,
+            normalizers=args.normalizers,
+            seeds=args.seeds,
+            steps=args.steps,
+            query_init_scale=args.query_init_scale,
         )
         preset.validate()
     except ValueError as error:
@@ -237,6 +242,12 @@ def main(argv=None) -> int:
     pr.add_argument("--normalizers", type=_names, help="softmax, l2, relu2, urpe")
     pr.add_argument("--seeds", type=_ints)
     pr.add_argument("--steps", type=int)
+    pr.add_argument(
+        "--query-init-scale",
+        type=float,
+        help="multiply every layer's initial query projection by this factor (e.g. 0.1), shrinking the initial "
+        "scores; Su 2022 advises it for L2-normalised attention in a standard Attention + FFN block",
+    )
     pr.add_argument("--out", help="output folder (default results/probe)")
     pr.add_argument("--no-progress", action="store_true")
     pr.set_defaults(handler=_probe)

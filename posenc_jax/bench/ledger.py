@@ -23,7 +23,7 @@ __all__ = ["Ledger", "check_writable", "checkpoint_dir", "fingerprint", "provena
 _NOT_HASHED = ("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_tasks", "description", "target")
 # Fields added after results were first published, hashed only when set, so that the
 # fingerprints of earlier runs (and their resumption) stay what they were.
-_HASHED_WHEN_SET = {"eval_implementation": "materialize", "blockwise_from": None}
+_HASHED_WHEN_SET = {"eval_implementation": "materialize", "blockwise_from": None, "query_init_scale": 1.0}
 
 
 def fingerprint(preset) -> str:

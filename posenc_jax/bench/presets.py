@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 from posenc_jax.functional.normalizers import NORMALIZERS
 from posenc_jax.functional.registry import encoding_config, encoding_info, encoding_names
@@ -91,8 +92,11 @@ class Preset:
     rows of a non-softmax normaliser are labelled ``encoding|normaliser``.
     ``eval_implementation`` and ``blockwise_from``: the attention implementation for
     evaluation lengths of at least ``blockwise_from`` tokens (None: every length
-    materialises its scores). ``description`` and ``target`` (what it is sized for: ``"cpu"``,
-    ``"colab-tpu"`` or ``"accelerator"``) are documentation only.
+    materialises its scores). ``query_init_scale`` multiplies every layer's initial query
+    projection, so the initial scores' standard deviation shrinks by that factor (Su 2022's
+    advice for L2-normalised attention in a standard Attention + FFN block). ``description``
+    and ``target`` (what it is sized for: ``"cpu"``, ``"colab-tpu"`` or ``"accelerator"``) are
+    documentation only.
     """
 
     name: str
@@ -123,6 +127,7 @@ class Preset:
     eval_only_tasks: tuple[str, ...] = ("text",)
     eval_implementation: str = "materialize"
     blockwise_from: int | None = None
+    query_init_scale: float = 1.0
     description: str = ""
     target: str = "cpu"
 
@@ -180,6 +185,11 @@ class Preset:
         if unknown:
             scalings = [n.removeprefix("rope-") for n in encoding_names() if n.startswith("rope-")]
             raise ValueError(f"unknown RoPE scalings {unknown} in eval_only_scalings; known: {', '.join(scalings)}")
+        if not (self.query_init_scale > 0 and math.isfinite(self.query_init_scale)):
+            raise ValueError(
+                f"query_init_scale must be a positive finite number, got {self.query_init_scale}; "
+                "1.0 keeps the default initialisation, 0.1 shrinks the initial scores tenfold"
+            )
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
         if self.batch_size < 1 or self.eval_examples < 1 or self.text_eval_windows < 1:
