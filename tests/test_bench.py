@@ -455,6 +455,26 @@ def test_reports_say_what_the_spread_is_and_the_smoke_report_that_it_is_a_check(
     assert "A pipeline check, not a result" in text and "published" not in text and "±" not in text
 
 
+def test_the_overview_gives_every_encoding_on_every_task_beyond_and_in_distribution(tmp_path):
+    rows = _synthetic_rows("counting_copy", [4, 8, 12], 8, "exact_match")
+    rows += [dict(r, task="parity") for r in _synthetic_rows("parity", [4, 8, 12], 8, "accuracy") if r["seed"] == 0]
+    rows += [dict(r, encoding="cope") for r in rows if r["task"] == "counting_copy" and r["encoding"] == "nope"]
+    rows = [r for r in rows if not (r["task"] == "parity" and r["encoding"] == "alibi")]
+    table = report.overview(rows)
+    assert table[0] == "| encoding | counting copy | parity (enc) |"
+    nope = [r for r in rows if r["task"] == "counting_copy" and r["encoding"] == "nope"]
+    beyond = np.mean([np.mean([r["value"] for r in nope if r["seed"] == s and r["length"] > 8]) for s in (0, 1)])
+    within = np.mean([np.mean([r["value"] for r in nope if r["seed"] == s and r["length"] <= 8]) for s in (0, 1)])
+    assert table[2].startswith(f"| nope | {beyond:.2f} ({within:.2f}) |")
+    rows_by_encoding = {line.split(" | ")[0][2:]: line for line in table[2:]}
+    assert rows_by_encoding["alibi"].endswith("| · |")  # not run yet
+    assert rows_by_encoding["cope"].endswith("| n/a |")  # CoPE has no bidirectional form
+    cpu = dataclasses.asdict(presets.PRESETS["cpu"])
+    assert "## Overview" in report.write_report(rows, tmp_path, preset=cpu, plots=False)
+    smoke = dataclasses.asdict(presets.PRESETS["smoke"])
+    assert "## Overview" not in report.write_report(rows, tmp_path, preset=smoke, plots=False)
+
+
 def test_the_probe_heat_map_puts_softmax_first_and_marks_what_is_expected(tmp_path):
     from posenc_jax.bench import probe
 

@@ -17,7 +17,7 @@ import numpy as np
 from posenc_jax.functional.registry import encoding_names
 from posenc_jax.tasks import make_task
 
-__all__ = ["PUBLISHED", "TITLES", "figure", "load_results", "plot", "write_report"]
+__all__ = ["PUBLISHED", "TITLES", "figure", "load_results", "overview", "plot", "write_report"]
 
 # Kazemnejad et al. 2023, mean exact match over test lengths 21-40, 3 seeds (BENCHMARKS.md).
 # Their "APE" is the sinusoidal absolute encoding.
@@ -129,6 +129,65 @@ def _protocol(preset: dict) -> list[str]:
     return [lines, ""]
 
 
+# Short column heads for the overview, one per task.
+_SHORT = {
+    "counting_copy": "counting copy",
+    "copy": "copy",
+    "duplicate": "duplicate",
+    "reverse": "reverse",
+    "reverse_string": "reverse string (enc)",
+    "missing_duplicate": "missing dup. (enc)",
+    "parity": "parity (enc)",
+    "bucket_sort": "bucket sort (enc)",
+    "probe": "probe (enc)",
+    "probe_boundary": "probe + [CLS]/[SEP] (enc)",
+    "text": "text, bits/char",
+}
+
+
+def overview(rows: list[dict]) -> list[str]:
+    """One table of every encoding (rows) on every task (columns): the mean beyond the training
+    length, with the in-distribution mean in brackets (both averaged over lengths, then seeds),
+    so a reader sees at once whether a task was learned before asking how it extrapolates.
+    A cell not yet run is ``·``; an encoding that cannot run a task (no bidirectional form on an
+    encoder task) is ``n/a`` when the task has rows for other encodings."""
+    cells = _by_cell(rows)
+    tasks = list(cells)
+    encodings = list(dict.fromkeys(row["encoding"] for row in rows))
+    train = {task: next(r["train_length"] for r in rows if r["task"] == task) for task in tasks}
+    lines = [
+        "| encoding | " + " | ".join(_SHORT.get(task, task) for task in tasks) + " |",
+        "|---|" + "---|" * len(tasks),
+    ]
+    for encoding in encodings:
+        parts = []
+        for task in tasks:
+            per_seed = cells[task].get(encoding)
+            if not per_seed:
+                parts.append("·" if _can_run(task, encoding) else "n/a")
+                continue
+            ind = _summary(per_seed, lambda n, limit=train[task]: n <= limit)[0]
+            ood = _summary(per_seed, lambda n, limit=train[task]: n > limit)[0]
+            parts.append(f"{ood:.2f} ({ind:.2f})")
+        lines.append(f"| {encoding} | " + " | ".join(parts) + " |")
+    return lines
+
+
+def _can_run(task_name: str, label: str) -> bool:
+    """Whether the encoding of a row label (``enc``, ``enc|normaliser``, ``rope+pi@eval``) can run
+    ``task_name`` at all (encoder tasks need a bidirectional form); True when unknown."""
+    from posenc_jax.bench.presets import runs_on
+
+    encoding = label.split("|")[0]
+    if encoding.endswith("@eval"):
+        encoding = encoding.split("+")[0]
+    task = _task(task_name)
+    try:
+        return task is None or runs_on(task, encoding)
+    except ValueError:
+        return True
+
+
 def write_report(
     rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None, plots: bool = True
 ) -> str:
@@ -152,6 +211,17 @@ def write_report(
         lines += [
             f"Device: {record['device']['kind']} x {record['device']['count']}; posenc_jax {version}, "
             f"jax {record['versions']['jax']}; commit {record.get('git_commit')}.",
+            "",
+        ]
+    if len(_by_cell(rows)) > 1 and not pipeline_check:
+        lines += [
+            "## Overview",
+            "",
+            "Beyond the training length, with the in-distribution score in brackets: means over lengths, "
+            "then over seeds (the sections below give the spread). Exact match or accuracy, higher is better; "
+            "text in bits per character, lower is better. `·`: not run (yet).",
+            "",
+            *overview(rows),
             "",
         ]
     for task, encodings in _by_cell(rows).items():
