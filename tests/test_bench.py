@@ -489,6 +489,10 @@ def test_the_probe_heat_map_puts_softmax_first_and_marks_what_is_expected(tmp_pa
     assert [c[0] for c in columns] == ["softmax", "softmax", "l2", "l2", "urpe", "urpe"]
     text = probe.write_probe_report(rows, tmp_path)
     assert text.index("| alibi | softmax | no |") < text.index("| alibi | urpe | no |")
+    preset = dataclasses.asdict(probe.preset_with("smoke"))
+    assert "--query-init-scale" not in probe.write_probe_report(rows, tmp_path, preset=preset)
+    preset = dataclasses.asdict(probe.preset_with("smoke", query_init_scale=0.1))
+    assert "initial query projection is scaled by 0.1" in probe.write_probe_report(rows, tmp_path, preset=preset)
     assert probe.heat_map(rows, tmp_path).stat().st_size > 1000
 
 

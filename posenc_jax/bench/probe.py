@@ -121,6 +121,12 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
             f"{list(preset['eval_lengths'])}; per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}.",
             "",
         ]
+        if preset.get("query_init_scale", 1.0) != 1.0:
+            lines += [
+                f"Every layer's initial query projection is scaled by {preset['query_init_scale']:g} "
+                "(`--query-init-scale`), shrinking the initial scores by the same factor.",
+                "",
+            ]
         if preset["name"] == "probe-smoke":
             lines += ["**A pipeline check, not a result**: tiny models, a few steps; the numbers mean nothing.", ""]
     lines += [
