@@ -72,7 +72,7 @@ NOTEBOOKS = (
     Notebook(
         "rope_scalings",
         "RoPE scalings",
-        "a Hugging Face `rope_scaling` dict loaded, the per-dimension frequencies of PI, NTK, YaRN, Llama 3 and "
+        "a Hugging Face config loaded (`from_hf_config`), the per-dimension frequencies of PI, NTK, YaRN, Llama 3 and "
         "LongRoPE against the base, and YaRN applied at evaluation to a model trained short",
     ),
     Notebook(
