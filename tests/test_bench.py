@@ -491,6 +491,9 @@ def test_the_probe_heat_map_puts_softmax_first_and_marks_what_is_expected(tmp_pa
     assert text.index("| alibi | softmax | no |") < text.index("| alibi | urpe | no |")
     preset = dataclasses.asdict(probe.preset_with("smoke"))
     assert "--query-init-scale" not in probe.write_probe_report(rows, tmp_path, preset=preset)
+    preset = dataclasses.asdict(probe.preset_with("smoke", steps=200))
+    text = probe.write_probe_report(rows, tmp_path, preset=preset)
+    assert "trained 200 steps, one seed; indicative only" in text and "pipeline check" not in text
     preset = dataclasses.asdict(probe.preset_with("smoke", query_init_scale=0.1))
     assert "initial query projection is scaled by 0.1" in probe.write_probe_report(rows, tmp_path, preset=preset)
     assert probe.heat_map(rows, tmp_path).stat().st_size > 1000

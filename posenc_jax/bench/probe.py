@@ -127,8 +127,14 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
                 "(`--query-init-scale`), shrinking the initial scores by the same factor.",
                 "",
             ]
-        if preset["name"] == "probe-smoke":
+        if preset["name"] == "probe-smoke" and preset["steps"] <= PROBE_PRESETS["smoke"].steps:
             lines += ["**A pipeline check, not a result**: tiny models, a few steps; the numbers mean nothing.", ""]
+        elif preset["name"] == "probe-smoke":
+            lines += [
+                f"**A small run**: the smoke preset's tiny models trained {preset['steps']} steps, one seed; "
+                "indicative only (the full probe is `--preset default`).",
+                "",
+            ]
     lines += [
         "| encoding | normaliser | boundary tokens | in distribution | longer n | expected |",
         "|---|---|---|---|---|---|",
