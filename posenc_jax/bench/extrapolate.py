@@ -197,6 +197,10 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
         )
         record["cells"].extend(records)
         ledger.save_record(record)
+        # Each cell compiles programs no later cell reuses. Dropping them keeps a long run's
+        # memory flat: a cpu-full run compiling ~190 cells in one process once ran out of
+        # LLVM's mapped code memory ("Unable to allocate section memory").
+        jax.clear_caches()
         where = shown.finished(index, time.perf_counter() - began)
         log(f"[{where}] {cell.task_name:14s} {cell.label:12s} {_summary(records, preset.steps)}")
     shown.close()
