@@ -279,7 +279,7 @@ def _mask_parts(context: AttentionContext, mask_parts: MaskParts | None) -> Mask
 
 
 def _hide_unseen_keys(x: jax.Array, seen: jax.Array | None) -> jax.Array:
-    """Keys or values ``[B, S, K, H]`` with zeros where ``seen`` (``[B|1, S]``) is False (padding, empty cache slots)."""
+    """Keys or values ``[B, S, K, H]`` zeroed where ``seen`` (``[B|1, S]``) is False (padding, empty cache slots)."""
     if seen is None:
         return x
     return jnp.where(seen[:, :, None, None], x, jnp.zeros((), x.dtype))
