@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import dot_product_attention
-from posenc_jax.functional.attention import cond_over_batch, softmax_weights
+from posenc_jax.functional.attention import cond_over_batch, masked_value_product, softmax_weights
 from posenc_jax.functional.masks import MaskParts, keys_seen_by_segment
 
 LOWEST = np.finfo(np.float32).min
@@ -126,6 +126,36 @@ def test_cond_over_batch_stays_a_conditional_and_agrees_per_example(rng):
     # Only the predicate batched: the unbatched operands give every example the same result.
     only_pred = jax.vmap(lambda p: cond_over_batch(p, true_fn, false_fn, x[0], y))(jnp.array([True, False]))
     np.testing.assert_array_equal(only_pred, np.stack([true_fn(x[0], y)] * 2))
+
+
+def test_masked_value_product_and_its_derivatives_are_the_plain_einsums(rng):
+    length = 6
+    parts = MaskParts(query_positions=jnp.arange(length), key_positions=jnp.arange(length))
+    weights = softmax_weights(jnp.asarray(rng.normal(size=(2, 4, length, length)), jnp.float32), parts.mask())
+    value = jnp.asarray(rng.normal(size=(2, length, 2, 3)), jnp.float32)  # grouped heads: N = 4, K = 2
+    plain = lambda w, v: jnp.einsum("BNTS,BSNH->BTNH", w, jnp.repeat(v, 2, axis=2))
+    fast = lambda w, v: masked_value_product(w, v, parts)
+    np.testing.assert_allclose(fast(weights, value), plain(weights, value), rtol=1e-6, atol=1e-6)
+    tangents = (jnp.asarray(rng.normal(size=weights.shape), jnp.float32), jnp.asarray(rng.normal(size=value.shape)))
+    np.testing.assert_allclose(
+        jax.jvp(fast, (weights, value), tangents)[1],
+        jax.jvp(plain, (weights, value), tangents)[1],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    cotangent = jnp.asarray(rng.normal(size=(2, length, 4, 3)), jnp.float32)
+    for got, want in zip(
+        jax.vjp(fast, weights, value)[1](cotangent), jax.vjp(plain, weights, value)[1](cotangent), strict=True
+    ):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    # A NaN at key 3: rows before it stay exact, and the derivative is the einsum's on the finite values.
+    poisoned = value.at[0, 3, 1, 2].set(jnp.nan)
+    clean = value.at[0, 3, 1, 2].set(0.0)
+    out = np.asarray(fast(weights, poisoned))
+    np.testing.assert_allclose(out[0, :3], plain(weights, clean)[0, :3], rtol=1e-6, atol=1e-6)
+    assert np.isnan(out[0, 3:, 2:, 2]).all() and np.isfinite(out[0, :, :2]).all() and np.isfinite(out[1]).all()
+    got = jax.vjp(fast, weights, poisoned)[1](cotangent)[0]
+    np.testing.assert_allclose(got, jax.vjp(plain, weights, clean)[1](cotangent)[0], rtol=1e-5, atol=1e-6)
 
 
 def _attend(q, k, v):

@@ -414,13 +414,52 @@ def cond_over_batch(pred: jax.Array, true_fn: Callable, false_fn: Callable, *ope
     return run(pred, operands)
 
 
-def _no_nonfinite_term(weights: jax.Array, nonfinite: jax.Array, mask_parts: MaskParts) -> jax.Array:
-    return jnp.zeros((weights.shape[0], weights.shape[2], weights.shape[1], nonfinite.shape[-1]), jnp.float32)
+def _nonfinite_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
+    """``weights · v`` exact whatever masked values hold: the finite values by the einsum, the others
+    by :func:`_selected_product`, only where the mask (rebuilt here from its parts, not passed in:
+    an operand would be stored) lets them be seen."""
+    finite = jnp.isfinite(value)
+    zero = jnp.zeros((), value.dtype)
+    finite_part = _value_product(weights, jnp.where(finite, value, zero))
+    return finite_part + _selected_product(weights, jnp.where(finite, zero, value), mask_parts.mask())
 
 
-def _nonfinite_term(weights: jax.Array, nonfinite: jax.Array, mask_parts: MaskParts) -> jax.Array:
-    # The mask is rebuilt here from its parts, not passed in: an operand would be stored.
-    return _selected_product(weights, nonfinite, mask_parts.mask())
+def _plain_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
+    return _value_product(weights, value)
+
+
+@jax.custom_jvp
+def masked_value_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
+    """``out[b,t,n] = Σ_s w[b,n,t,s] · v[b,s,n]`` over the keys the mask lets row t see, float32 ``[B, T, N, H]``.
+
+    ``0 · NaN`` is NaN, so a masked key's non-finite value would poison every row of the plain
+    einsum. When every value is finite (one reduction over ``v``) this is the plain einsum;
+    otherwise :func:`_nonfinite_product`, exact: a non-finite value reaches exactly the rows
+    that see it. One conditional (:func:`cond_over_batch`, so also under ``vmap``), which
+    holds the einsum: the weights are its operand, stored once. The derivative is that of the
+    einsum on the finite values (the rows a non-finite value reaches are NaN or infinite).
+
+    Args:
+      weights: ``[B, N, T, S]`` float32 weights, zero where masked.
+      value: ``[B, S, K, H]``.
+      mask_parts: the parts of the mask the weights were made with.
+
+    Returns:
+      float32 ``[B, T, N, H]``.
+    """
+    return cond_over_batch(jnp.isfinite(value).all(), _plain_product, _nonfinite_product, weights, value, mask_parts)
+
+
+@masked_value_product.defjvp
+def _masked_value_product_jvp(primals, tangents):
+    weights, value, mask_parts = primals
+    weights_dot, value_dot, _ = tangents
+    finite = jnp.isfinite(value)
+    zero = jnp.zeros((), value.dtype)
+    tangent = _value_product(weights_dot, jnp.where(finite, value, zero)) + _value_product(
+        weights, jnp.where(finite, value_dot, zero)
+    )
+    return masked_value_product(weights, value, mask_parts), tangent
 
 
 def attention_output(
@@ -442,17 +481,8 @@ def attention_output(
     if context.mask is None or mask_parts.per_key():
         out = _value_product(weights, value)
     else:
-        # A key hidden from some queries only still enters their rows as 0 · v. The finite
-        # values go through the einsum; the others are added only where they are seen, when
-        # there are any (a conditional, also under vmap), and not differentiated (the rows
-        # they reach are NaN or infinite).
-        finite = jnp.isfinite(value)
-        zero = jnp.zeros((), value.dtype)
-        out = _value_product(weights, jnp.where(finite, value, zero))
-        nonfinite = jax.lax.stop_gradient(jnp.where(finite, zero, value))
-        out = out + cond_over_batch(
-            finite.all(), _no_nonfinite_term, _nonfinite_term, jax.lax.stop_gradient(weights), nonfinite, mask_parts
-        )
+        # A key hidden from some queries only still enters their rows as 0 · v.
+        out = masked_value_product(weights, value, mask_parts)
     for hook in hooks:
         term = hook.values(weights, context) if isinstance(hook, Values) else None
         if term is not None:
