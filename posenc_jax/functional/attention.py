@@ -22,14 +22,25 @@ merely multiply masked values by zero weights either. What is exact and cheap:
   the whole story and the product is the plain einsum;
 * keys that some queries see and others do not (causal, segments, a general mask):
   their values are read by the product of every row, so a non-finite value there
-  would poison the rows that mask it. A ``lax.cond`` on one ``isfinite`` reduction
-  over v keeps the plain einsum when every value is finite; otherwise the einsum
-  takes the finite values and the non-finite ones are added as
-  ``Σ_s where(mask, w·v, 0)`` over blocks of query rows, a term not differentiated
-  (the rows it reaches are NaN or infinite). Measured on CPU (B=2, T=S=1024, N=8,
-  H=64, causal, RoPE) the forward and backward are no slower than the plain einsum.
-  Under ``vmap`` a ``cond`` with a batched predicate runs both branches: still
-  exact, slower.
+  would poison the rows that mask it. :func:`masked_value_product` keeps the plain
+  einsum when every value is finite (one ``isfinite`` reduction over v, one
+  conditional); otherwise the einsum takes the finite values and the non-finite ones
+  are added as ``Σ_s where(mask, w·v, 0)`` over blocks of query rows, a term not
+  differentiated (the rows it reaches are NaN or infinite). The conditional stays one
+  under ``vmap`` (:func:`cond_over_batch`: a batched predicate is reduced with ``all``,
+  so a batch with one non-finite value takes the exact branch, which equals the plain
+  one wherever the values are finite).
+
+The causal, padding and segment masks are not stored. The mask is kept as its parts
+(:class:`~posenc_jax.functional.masks.MaskParts`: positions for causality, key padding,
+segment ids, an extra mask); the combined mask is a
+comparison XLA computes inside each fusion that reads it, which keys some query sees
+comes from the parts in linear memory, and the conditional's exact branch rebuilds the
+mask from them. The softmax has no selection after its exponential (masked scores are
+``finfo.min``, seen ones at least ``finfo.min / 2``, so masked exponentials underflow to
+0), the form XLA fuses into one pass: causal attention compiles to the passes over
+``[B, N, T, S]`` that ``jax.nn.dot_product_attention``'s does (score product, masking,
+softmax, the value product's operand copy, value product).
 
 Logits terms are added to the *already scaled* scores: a term bilinear in q (Shaw,
 Transformer-XL) applies the context's scale itself, a bias (T5, ALiBi) is added as is.
@@ -76,8 +87,10 @@ __all__ = [
     "attention_output",
     "attention_scores",
     "attention_weights",
+    "cond_over_batch",
     "dot_product_attention",
     "goes_blockwise",
+    "masked_value_product",
     "softmax_weights",
 ]
 
