@@ -22,14 +22,25 @@ merely multiply masked values by zero weights either. What is exact and cheap:
   the whole story and the product is the plain einsum;
 * keys that some queries see and others do not (causal, segments, a general mask):
   their values are read by the product of every row, so a non-finite value there
-  would poison the rows that mask it. A ``lax.cond`` on one ``isfinite`` reduction
-  over v keeps the plain einsum when every value is finite; otherwise the einsum
-  takes the finite values and the non-finite ones are added as
-  ``Σ_s where(mask, w·v, 0)`` over blocks of query rows, a term not differentiated
-  (the rows it reaches are NaN or infinite). Measured on CPU (B=2, T=S=1024, N=8,
-  H=64, causal, RoPE) the forward and backward are no slower than the plain einsum.
-  Under ``vmap`` a ``cond`` with a batched predicate runs both branches: still
-  exact, slower.
+  would poison the rows that mask it. :func:`masked_value_product` keeps the plain
+  einsum when every value is finite (one ``isfinite`` reduction over v, one
+  conditional); otherwise the einsum takes the finite values and the non-finite ones
+  are added as ``Σ_s where(mask, w·v, 0)`` over blocks of query rows, a term not
+  differentiated (the rows it reaches are NaN or infinite). The conditional stays one
+  under ``vmap`` (:func:`cond_over_batch`: a batched predicate is reduced with ``all``,
+  so a batch with one non-finite value takes the exact branch, which equals the plain
+  one wherever the values are finite).
+
+The causal, padding and segment masks are not stored. The mask is kept as its parts
+(:class:`~posenc_jax.functional.masks.MaskParts`: positions for causality, key padding,
+segment ids, an extra mask); the combined mask is a
+comparison XLA computes inside each fusion that reads it, which keys some query sees
+comes from the parts in linear memory, and the conditional's exact branch rebuilds the
+mask from them. The softmax has no selection after its exponential (masked scores are
+``finfo.min``, seen ones at least ``finfo.min / 2``, so masked exponentials underflow to
+0), the form XLA fuses into one pass: causal attention compiles to the passes over
+``[B, N, T, S]`` that ``jax.nn.dot_product_attention``'s does (score product, masking,
+softmax, the value product's operand copy, value product).
 
 Logits terms are added to the *already scaled* scores: a term bilinear in q (Shaw,
 Transformer-XL) applies the context's scale itself, a bias (T5, ALiBi) is added as is.
@@ -65,13 +76,7 @@ from posenc_jax.functional.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.masks import (
-    causal_mask,
-    combine_masks,
-    key_padding_mask,
-    segment_mask,
-    sequence_key_counts,
-)
+from posenc_jax.functional.masks import MaskParts, key_padding_mask, sequence_key_counts
 from posenc_jax.functional.positions import check_positions
 from posenc_jax.functional.relative import by_query_blocks
 
@@ -82,8 +87,10 @@ __all__ = [
     "attention_output",
     "attention_scores",
     "attention_weights",
+    "cond_over_batch",
     "dot_product_attention",
     "goes_blockwise",
+    "masked_value_product",
     "softmax_weights",
 ]
 
@@ -109,13 +116,17 @@ def softmax_weights(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     scores = scores.astype(jnp.float32)
     if mask is None:
         return jax.nn.softmax(scores, axis=-1)
-    # finfo.min rather than -inf keeps (s - max) finite on fully masked rows.
-    # finfo.min also replaces -inf terms, so a row of -inf scores cannot produce NaN.
-    masked = jnp.where(mask, jnp.maximum(scores, jnp.finfo(jnp.float32).min), jnp.finfo(jnp.float32).min)
-    shifted = masked - jax.lax.stop_gradient(masked.max(axis=-1, keepdims=True))
-    unnormalized = jnp.where(mask, jnp.exp(shifted), 0.0)
+    # Masked scores become finfo.min; seen ones are kept at or above finfo.min / 2 (which also
+    # replaces -inf), and so is the row maximum m. Then every masked key's exp(finfo.min - m)
+    # underflows to exactly 0, also in a fully masked row, whose sum is 0 and whose weights
+    # are 0 · (1 / tiny) = 0. Nothing is -inf, so no (s - m) is NaN. No selection follows
+    # the exponential: the form XLA fuses into one pass, as jax.nn.dot_product_attention's.
+    lowest = jnp.finfo(jnp.float32).min
+    masked = jnp.where(mask, jnp.maximum(scores, lowest / 2), lowest)
+    shift = jnp.maximum(masked.max(axis=-1, keepdims=True), lowest / 2)
+    unnormalized = jnp.exp(masked - jax.lax.stop_gradient(shift))
     total = unnormalized.sum(axis=-1, keepdims=True)
-    return unnormalized / jnp.where(total > 0, total, 1.0)
+    return unnormalized * (1.0 / jnp.maximum(total, jnp.finfo(jnp.float32).tiny))
 
 
 @pytree_dataclass
@@ -275,35 +286,44 @@ def _score_scale(hooks, head_dim: int, scale: float | None) -> float:
     return scale
 
 
-def _visible_keys(mask: jax.Array | None) -> jax.Array | None:
-    """``[B|1, S]``: whether any query (of any head) may attend to each key; None without a mask."""
-    if mask is None:
-        return None
-    return jnp.asarray(mask).any(axis=(1, 2))
+def _mask_parts(context: AttentionContext, mask_parts: MaskParts | None) -> MaskParts:
+    """The call's mask parts; a stage called on its own has only the context's combined mask."""
+    return MaskParts(extra=context.mask) if mask_parts is None else mask_parts
 
 
-def _hide_unseen_keys(x: jax.Array, mask: jax.Array | None) -> jax.Array:
-    """Keys or values ``[B, S, K, H]`` with zeros at keys no query may see (padding, empty cache slots)."""
-    visible = _visible_keys(mask)
-    if visible is None:
+def _hide_unseen_keys(x: jax.Array, seen: jax.Array | None) -> jax.Array:
+    """Keys or values ``[B, S, K, H]`` zeroed where ``seen`` (``[B|1, S]``) is False (padding, empty cache slots)."""
+    if seen is None:
         return x
-    return jnp.where(visible[:, :, None, None], x, jnp.zeros((), x.dtype))
+    return jnp.where(seen[:, :, None, None], x, jnp.zeros((), x.dtype))
 
 
 def _content_scores(query: jax.Array, key: jax.Array, scale: float) -> jax.Array:
     """``scale · q·k``: ``[B, T, N, H]`` by ``[B, S, K, H]``, float32 ``[B, N, T, S]`` (grouped heads)."""
+    if query.shape[2] == key.shape[2]:
+        # Not the grouped form with G = 1: XLA:CPU computes that one as [S, T] and transposes it.
+        scores = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
+        return scores * jnp.float32(scale)
     grouped = einops.rearrange(query, "B T (K G) H -> B T K G H", K=key.shape[2])
     scores = jnp.einsum("BTKGH,BSKH->BKGTS", grouped, key, preferred_element_type=jnp.float32)
     return einops.rearrange(scores, "B K G T S -> B (K G) T S") * jnp.float32(scale)
 
 
-def attention_scores(query: jax.Array, key: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
+def attention_scores(
+    query: jax.Array,
+    key: jax.Array,
+    hooks: Sequence,
+    context: AttentionContext,
+    *,
+    mask_parts: MaskParts | None = None,
+) -> jax.Array:
     """Stage 2: rotate q and k, then ``scale · q·k`` (float32 ``[B, N, T, S]``) plus every logits term.
 
     Keys that no query may see (``context.mask``) are zeroed first, so whatever they
-    hold reaches neither another key's score nor a gradient.
+    hold reaches neither another key's score nor a gradient. ``mask_parts`` (the parts
+    ``context.mask`` was made of) lets that be found without reducing the ``[B, N, T, S]`` mask.
     """
-    key = _hide_unseen_keys(key, context.mask)
+    key = _hide_unseen_keys(key, _mask_parts(context, mask_parts).keys_seen())
     for hook in hooks:
         if isinstance(hook, Rotate):
             query, key = hook.rotate(query, key, context)
@@ -332,8 +352,9 @@ def attention_weights(scores: jax.Array, mask: jax.Array | None, normalizer, con
     else:
         weights = normalizer(scores, mask)
     weights = weights.astype(jnp.float32)
-    # Masked weights are zero by selection, whatever the normaliser did with masked scores.
-    return weights if mask is None else jnp.where(mask, weights, 0.0)
+    # Masked weights are zero by selection, whatever the normaliser did with masked scores;
+    # softmax_weights gives exact zeros there itself (a selection would be one more pass).
+    return weights if mask is None or normalizer is softmax_weights else jnp.where(mask, weights, 0.0)
 
 
 def _selected_product(weights: jax.Array, value: jax.Array, mask: jax.Array, *, block_elements: int = 1 << 22):
@@ -367,28 +388,114 @@ def _value_product(weights: jax.Array, value: jax.Array) -> jax.Array:
     return einops.rearrange(out, "B T K G H -> B T (K G) H")
 
 
-def attention_output(weights: jax.Array, value: jax.Array, hooks: Sequence, context: AttentionContext) -> jax.Array:
+def cond_over_batch(pred: jax.Array, true_fn: Callable, false_fn: Callable, *operands):
+    """``lax.cond(pred, true_fn, false_fn, *operands)`` that stays a conditional under ``jax.vmap``.
+
+    ``vmap`` turns a ``cond`` whose predicate is batched into a ``select`` that computes both
+    branches for every example. Here a batched predicate is reduced first: the whole batch
+    takes ``true_fn`` when the predicate holds for every example, and otherwise ``false_fn``
+    (both vmapped), still as one conditional. So ``false_fn`` must give ``true_fn``'s result
+    wherever ``pred`` holds. Nested ``vmap`` reduces over every batch axis in turn. It has no
+    reverse-mode derivative (``jax.custom_batching.custom_vmap``): use it for terms that are not
+    differentiated (under ``stop_gradient``).
+
+    Args:
+      pred: boolean scalar.
+      true_fn, false_fn: functions of ``*operands`` returning the same pytree of arrays.
+      operands: pytrees of arrays.
+
+    Returns:
+      the branch's result.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def run(pred, operands):
+        return jax.lax.cond(pred, true_fn, false_fn, *operands)
+
+    @run.def_vmap
+    def batched(axis_size, in_batched, pred, operands):
+        pred_batched, operands_batched = in_batched
+        pred = pred.all() if pred_batched else pred
+        if not any(jax.tree.leaves(operands_batched)):
+            out = cond_over_batch(pred, true_fn, false_fn, *operands)
+            out = jax.tree.map(lambda x: jnp.broadcast_to(x, (axis_size, *x.shape)), out)
+        else:
+            axes = jax.tree.map(lambda b: 0 if b else None, operands_batched)
+            out = cond_over_batch(pred, jax.vmap(true_fn, in_axes=axes), jax.vmap(false_fn, in_axes=axes), *operands)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return run(pred, operands)
+
+
+def _nonfinite_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
+    """``weights · v`` exact whatever masked values hold: the finite values by the einsum, the others
+    by :func:`_selected_product`, only where the mask (rebuilt here from its parts, not passed in:
+    an operand would be stored) lets them be seen."""
+    finite = jnp.isfinite(value)
+    zero = jnp.zeros((), value.dtype)
+    finite_part = _value_product(weights, jnp.where(finite, value, zero))
+    return finite_part + _selected_product(weights, jnp.where(finite, zero, value), mask_parts.mask())
+
+
+def _plain_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
+    return _value_product(weights, value)
+
+
+@jax.custom_jvp
+def masked_value_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
+    """``out[b,t,n] = Σ_s w[b,n,t,s] · v[b,s,n]`` over the keys the mask lets row t see, float32 ``[B, T, N, H]``.
+
+    ``0 · NaN`` is NaN, so a masked key's non-finite value would poison every row of the plain
+    einsum. When every value is finite (one reduction over ``v``) this is the plain einsum;
+    otherwise :func:`_nonfinite_product`, exact: a non-finite value reaches exactly the rows
+    that see it. One conditional (:func:`cond_over_batch`, so also under ``vmap``), which
+    holds the einsum: the weights are its operand, stored once. The derivative is that of the
+    einsum on the finite values (the rows a non-finite value reaches are NaN or infinite).
+
+    Args:
+      weights: ``[B, N, T, S]`` float32 weights, zero where masked.
+      value: ``[B, S, K, H]``.
+      mask_parts: the parts of the mask the weights were made with.
+
+    Returns:
+      float32 ``[B, T, N, H]``.
+    """
+    return cond_over_batch(jnp.isfinite(value).all(), _plain_product, _nonfinite_product, weights, value, mask_parts)
+
+
+@masked_value_product.defjvp
+def _masked_value_product_jvp(primals, tangents):
+    weights, value, mask_parts = primals
+    weights_dot, value_dot, _ = tangents
+    finite = jnp.isfinite(value)
+    zero = jnp.zeros((), value.dtype)
+    tangent = _value_product(weights_dot, jnp.where(finite, value, zero)) + _value_product(
+        weights, jnp.where(finite, value_dot, zero)
+    )
+    return masked_value_product(weights, value, mask_parts), tangent
+
+
+def attention_output(
+    weights: jax.Array,
+    value: jax.Array,
+    hooks: Sequence,
+    context: AttentionContext,
+    *,
+    mask_parts: MaskParts | None = None,
+) -> jax.Array:
     """Stage 4: ``weights · v`` plus every values term, float32 ``[B, T, N, H]``.
 
     Masked keys (``context.mask``) never reach the output, whatever their values hold
-    (see the module docstring for how this stays cheap).
+    (see the module docstring for how this stays cheap). ``mask_parts``: the parts
+    ``context.mask`` was made of, as in :func:`attention_scores`.
     """
-    mask = context.mask
-    value = _hide_unseen_keys(value, mask)
-    if mask is None or (mask.shape[1] == 1 and mask.shape[2] == 1):
+    mask_parts = _mask_parts(context, mask_parts)
+    value = _hide_unseen_keys(value, mask_parts.keys_seen())
+    if context.mask is None or mask_parts.per_key():
         out = _value_product(weights, value)
     else:
         # A key hidden from some queries only still enters their rows as 0 · v.
-        finite = jnp.isfinite(value)
-
-        def with_nonfinite(weights, value):
-            # The finite values by the einsum, the others only where they are seen; the latter
-            # term is not differentiated (the rows it reaches are NaN or infinite).
-            nonfinite = jax.lax.stop_gradient(jnp.where(finite, jnp.zeros((), value.dtype), value))
-            finite_part = _value_product(weights, jnp.where(finite, value, jnp.zeros((), value.dtype)))
-            return finite_part + _selected_product(jax.lax.stop_gradient(weights), nonfinite, mask)
-
-        out = jax.lax.cond(finite.all(), _value_product, with_nonfinite, weights, value)
+        out = masked_value_product(weights, value, mask_parts)
     for hook in hooks:
         term = hook.values(weights, context) if isinstance(hook, Values) else None
         if term is not None:
@@ -415,6 +522,7 @@ class _Call:
     hooks: list
     mask: jax.Array | None
     context: AttentionContext
+    mask_parts: MaskParts | None
 
 
 def _checked_call(
@@ -457,15 +565,19 @@ def _checked_call(
     )
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-    full_mask = None
-    if build_mask:
-        full_mask = combine_masks(
-            causal_mask(query_positions, key_positions) if causal else None,
-            key_padding_mask(key_mask) if key_mask is not None else None,
-            segment_mask(query_segment_ids, key_segment_ids) if query_segment_ids is not None else None,
-            None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
-        )
     key_valid = None if key_mask is None else key_padding_mask(key_mask)[:, 0, 0, :]
+    mask_parts = full_mask = None
+    if build_mask:
+        mask_parts = MaskParts(
+            query_positions=query_positions if causal else None,
+            key_positions=key_positions if causal else None,
+            key_valid=key_valid,
+            query_segment_ids=None if query_segment_ids is None else jnp.asarray(query_segment_ids),
+            key_segment_ids=None if key_segment_ids is None else jnp.asarray(key_segment_ids),
+            extra=None if mask is None else _as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
+        )
+        # Comparisons of positions and ids: XLA computes them inside each fusion that reads them.
+        full_mask = mask_parts.mask()
     # Unused terms cost nothing under jit (dead code); relu²/n reads the sequence lengths.
     sequence_lengths = sequence_key_counts(key_valid, query_segment_ids, key_segment_ids)
     context = AttentionContext(
@@ -479,7 +591,7 @@ def _checked_call(
         mask=full_mask,
         sequence_lengths=sequence_lengths,
     )
-    return _Call(query, key, value, hooks, full_mask, context)
+    return _Call(query, key, value, hooks, full_mask, context, mask_parts)
 
 
 def dot_product_attention(
@@ -615,9 +727,11 @@ def dot_product_attention(
             dropout_rng=dropout_rng,
         ).astype(query.dtype)
         return out[0] if unbatched else out
-    scores = attention_scores(call.query, call.key, call.hooks, call.context)
+    scores = attention_scores(call.query, call.key, call.hooks, call.context, mask_parts=call.mask_parts)
     weights = attention_weights(scores, call.mask, normalizer, call.context)
-    out = attention_output(_dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context)
+    out = attention_output(
+        _dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context, mask_parts=call.mask_parts
+    )
     out = out.astype(query.dtype)
     if unbatched:
         out, weights = out[0], weights[0]
