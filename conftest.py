@@ -1,8 +1,30 @@
-"""Doctest namespace: docstring examples may use ``jnp`` and ``np`` without importing them."""
+"""The suite's shared compilation cache, and the doctest namespace.
+
+Compilation cache: the suite's processes (pytest-xdist workers, the benchmark runs and notebook
+kernels the tests start) compile many of the same programs; a persistent JAX compilation cache
+in one temporary folder per session, shared through the environment, compiles each once. It is
+set before jax is imported, left alone if the caller set ``JAX_COMPILATION_CACHE_DIR``, and
+removed when the session ends. Doctest namespace: docstring examples may use ``jnp`` and ``np``
+without importing them.
+"""
+
+import os
+import shutil
+import tempfile
+
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller; xdist workers inherit its folder
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="posenc-jax-test-cache-")
+    os.environ["POSENC_JAX_TEST_CACHE_OWNER"] = str(os.getpid())
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # op-by-op programs too
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+
+def pytest_unconfigure(config):
+    if os.environ.get("POSENC_JAX_TEST_CACHE_OWNER") == str(os.getpid()):
+        shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

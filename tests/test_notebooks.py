@@ -141,6 +141,12 @@ def test_install_cell_honours_posenc_jax_source_and_refuses_the_placeholder(tmp_
     assert _install_logic(url, {}) == "git+https://github.com/example-owner/example-repo.git"
 
 
+def test_a_tiny_run_is_never_saved(monkeypatch):
+    monkeypatch.setenv("POSENC_JAX_TINY", "1")
+    with pytest.raises(SystemExit, match="unset it to save outputs, or add --no-save"):
+        sync.main(["--execute", "quickstart"])
+
+
 @pytest.mark.parametrize("stem", STEMS)
 def test_notebook_is_saved_from_one_real_run(stem):
     notebook = _notebook(stem)
@@ -156,6 +162,7 @@ def test_notebook_is_saved_from_one_real_run(stem):
     outputs = [o for c in code for o in c["outputs"]]
     assert not [o for o in outputs if o["output_type"] == "error"]
     assert "CPU" in _printed(_cell(notebook, "device"))
+    assert "POSENC_JAX_TINY" not in _printed(_cell(notebook, "device")), "saved from the tests' tiny size"
     prose = [" ".join(_text(c).split()) for c in cells if c["cell_type"] == "markdown"]
     assert any("saved outputs below come from" in text and "on a CPU" in text for text in prose)
     if stem != "bring_your_own_model":  # the others draw plots; they are kept in the notebook
@@ -163,9 +170,11 @@ def test_notebook_is_saved_from_one_real_run(stem):
 
 
 @pytest.mark.parametrize("stem", STEMS)
-def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(stem):
+def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(stem, monkeypatch):
     # A fresh environment and kernel whose install cell installs POSENC_JAX_SOURCE (this checkout unless
-    # set); a cell that raises fails here with its traceback (nbclient's CellExecutionError).
+    # set); a cell that raises fails here with its traceback (nbclient's CellExecutionError). At the
+    # notebooks' tiny size (POSENC_JAX_TINY): every cell runs, in seconds; the saved outputs are the real run.
+    monkeypatch.setenv("POSENC_JAX_TINY", "1")
     executed = sync.execute(ROOT / "colabs" / f"{stem}.ipynb")
     code = [c for c in executed["cells"] if c["cell_type"] == "code"]
     assert all(c["execution_count"] for c in code)

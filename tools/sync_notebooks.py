@@ -157,7 +157,10 @@ def readme_section(url: str | None) -> str:
             "`%pip install` of posenc_jax) and a device cell that reports the TPU, GPU or CPU and sizes the work "
             "to it. The saved outputs come from a run on a CPU, so the plots are there without running anything; "
             "`python -m pytest tests/test_notebooks.py` runs every notebook top to bottom in a fresh kernel "
-            "(part of the test suite).",
+            "(part of the test suite). The tests set `POSENC_JAX_TINY=1`, which the device cells of the "
+            "heavier notebooks read to shrink the work further (fewer encodings, steps or lengths; numbers that "
+            "mean nothing), so every cell runs in seconds; the saved outputs are from the CPU size, and "
+            "`tools/sync_notebooks.py` refuses to save a tiny run.",
             90,
             break_on_hyphens=False,
         ),
@@ -372,6 +375,11 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--no-save", action="store_true", help="with --execute: run only, keep the saved outputs")
     args = parser.parse_args(argv)
+    if args.execute is not None and os.environ.get("POSENC_JAX_TINY") == "1" and not args.no_save:
+        raise SystemExit(
+            "POSENC_JAX_TINY=1 runs the notebooks at the test suite's size, whose numbers mean nothing: "
+            "unset it to save outputs, or add --no-save"
+        )
     changed = {} if args.no_save else out_of_step()
     if args.check:
         for path in changed:
