@@ -107,6 +107,47 @@ def test_fire_matches_formula_is_monotone_at_init_and_blockwise_consistent():
     assert row[:, 0].min() > row[:, -1].max()  # it does decrease
 
 
+def test_fire_adds_its_bias_into_the_scores_by_blocks_as_the_stored_bias_would():
+    """The materialising attention adds FIRE's bias by blocks of query rows (``add_logits``):
+    the same output and gradients as the bias computed whole and added, with no stored bias."""
+    from posenc_jax.functional import Fire, SharedBias, dot_product_attention
+
+    params = FireConfig(threshold=64.0).init(jax.random.key(3), num_heads=4, head_dim=8, model_dim=32)
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.normal(size=(2, 600, 4, 8)), jnp.float32) for _ in range(3))
+    pos = jnp.arange(600) * 3  # past the threshold: the bias depends on the query position too
+
+    def attend(params, q, k, v, stored):
+        hook = SharedBias(fire_bias(params, pos, pos)) if stored else Fire(params)
+        out = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[hook], causal=True)
+        return (out * jnp.cos(out)).sum(), out
+
+    grad = jax.jit(jax.grad(attend, argnums=(0, 1), has_aux=True), static_argnums=4)
+    (want_params, want_q), want = grad(params, q, k, v, True)
+    (got_params, got_q), got = grad(params, q, k, v, False)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    np.testing.assert_allclose(got_q, want_q, atol=2e-5)
+    for name in ("w1", "b1", "w2", "b2", "c", "threshold"):
+        np.testing.assert_allclose(got_params[name], want_params[name], rtol=2e-4, atol=2e-5, err_msg=name)
+    # Several blocks of rows (600 rows of 4 heads by 600 keys; blocks of 2^18 pairs per head),
+    # the last shifted back: the blocked path is the one compared above.
+    assert 600 * 600 * 2 > 1 << 18
+    # No stored bias: the blocked bias adds much less than the [B, N, T, S] buffer a stored one adds.
+    spec = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)
+    p = jnp.arange(2048)
+    one_buffer = 4 * 2048 * 2048 * 4  # bytes of [1, N, T, S] float32
+
+    def temp(hook):  # the hook made inside the compiled function, as in a model
+        fn = lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=p, key_positions=p, encodings=[hook()] if hook else [], causal=True
+        )
+        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+    plain = temp(None)
+    assert temp(lambda: Fire(params)) - plain < one_buffer / 2
+    assert temp(lambda: SharedBias(fire_bias(params, p, p))) - plain >= 0.9 * one_buffer
+
+
 # ---------------------------------------------------------------- RoPE scalings
 
 

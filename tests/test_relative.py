@@ -383,6 +383,24 @@ def test_by_query_blocks_places_every_block_at_its_start():
         np.testing.assert_array_equal(out[0, 0, :, 0], np.arange(q_len))
 
 
+def test_by_query_blocks_into_adds_every_row_exactly_once():
+    def block(start, rows):  # [1, 2, rows, 3]: broadcast over the batch of two
+        r = start + jnp.arange(rows, dtype=jnp.float32)
+        return (r[:, None] * 10.0 + jnp.arange(3.0)[None, :]).reshape(1, 1, rows, 3) * jnp.array([1.0, -1.0]).reshape(
+            1, 2, 1, 1
+        )
+
+    into = jnp.asarray(np.random.default_rng(0).normal(size=(2, 2, 10, 3)), jnp.float32)
+    whole = block(0, 10)
+    for budget in (4 * 2 * 2 * 3, 3 * 2 * 2 * 3, 7 * 2 * 2 * 3, 1, 10**6):  # 4, 3, 7, 1 rows (a shifted last block)
+        out = jax.jit(
+            lambda x, budget=budget: by_query_blocks(block, x.shape, jnp.float32, block_elements=budget, into=x)
+        )(into)
+        np.testing.assert_allclose(out, into + whole, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="expected"):
+        by_query_blocks(block, (2, 2, 9, 3), jnp.float32, into=into)
+
+
 def test_deberta_slots_saturate_where_claimed():
     from posenc_jax.functional.deberta import _saturation_distance
 

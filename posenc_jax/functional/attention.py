@@ -329,6 +329,9 @@ def attention_scores(
             query, key = hook.rotate(query, key, context)
     scores = _content_scores(query, key, context.scale)
     for hook in hooks:
+        if isinstance(hook, Logits) and hasattr(hook, "add_logits"):
+            scores = hook.add_logits(scores, query, key, context)  # the term added in place, by blocks
+            continue
         term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
         if term is not None:
             term = _as_scores(term, scores.ndim)

@@ -74,7 +74,9 @@ def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.
     }
 
 
-def fire_bias(params: dict, query_positions, key_positions, *, block_elements: int = 1 << 18) -> jax.Array:
+def fire_bias(
+    params: dict, query_positions, key_positions, *, block_elements: int = 1 << 18, into: jax.Array | None = None
+) -> jax.Array:
     """FIRE bias ``[B|1, N, T, S]`` float32 from ``params`` (see :func:`fire_init`).
 
     Args:
@@ -82,6 +84,8 @@ def fire_bias(params: dict, query_positions, key_positions, *, block_elements: i
         and positive scalars ``c`` and ``threshold`` (L).
       query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
       block_elements: about how many (query, key) pairs each block of rows holds.
+      into: optional float32 ``[B, N, T, S]`` scores: the bias is added to them block by block,
+        in place, and ``into + bias`` is returned without the bias ever stored whole.
 
     Example:
       >>> params = fire_init(jax.random.key(0), 4)
@@ -113,12 +117,16 @@ def fire_bias(params: dict, query_positions, key_positions, *, block_elements: i
         out = jnp.einsum("BTSh,hN->BNTS", h, w2) + b2
         return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))
 
-    return by_query_blocks(
-        block,
-        (batch, num_heads, q.shape[1], k.shape[1]),
-        jnp.float32,
-        block_elements=max(1, block_elements * num_heads),
-    )
+    out_shape = (batch, num_heads, q.shape[1], k.shape[1])
+    if into is not None:
+        if into.ndim != 4 or not _broadcasts_to(out_shape, into.shape):
+            raise ValueError(f"into must be scores [B, N, T, S] the bias {out_shape} broadcasts to, got {into.shape}")
+        out_shape = tuple(into.shape)
+    return by_query_blocks(block, out_shape, jnp.float32, block_elements=max(1, block_elements * num_heads), into=into)
+
+
+def _broadcasts_to(shape, target) -> bool:
+    return all(a in (1, b) for a, b in zip(shape, target, strict=True))
 
 
 @pytree_dataclass
@@ -139,6 +147,10 @@ class Fire(BiasHook):
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
         return fire_bias(self.params, context.query_positions, context.key_positions)
+
+    def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        """``scores + bias``, the bias added by blocks of query rows into the scores (never stored whole)."""
+        return fire_bias(self.params, context.query_positions, context.key_positions, into=scores)
 
 
 @register_encoding(

@@ -173,7 +173,13 @@ class Rotate(Protocol):
 
 @runtime_checkable
 class Logits(Protocol):
-    """A term added to the scaled ``[B, N, T, S]`` scores (float32, broadcastable), or None."""
+    """A term added to the scaled ``[B, N, T, S]`` scores (float32, broadcastable), or None.
+
+    A hook may also define ``add_logits(scores, q, k, context) -> scores``, which the
+    materialising attention then calls instead: it must return ``scores + logits(q, k,
+    context)``, and lets a term that is built by blocks of query rows be added into the
+    scores in place, never stored whole (FIRE's MLP bias). ``logits`` stays the reference.
+    """
 
     def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
 

@@ -93,26 +93,41 @@ def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax
     return jnp.take_along_axis(jnp.swapaxes(per_distance, -1, -2), index[:, None, :, :], axis=-2, mode="clip")
 
 
-def by_query_blocks(block_fn, out_shape, dtype, *, block_elements: int = 1 << 20) -> jax.Array:
+def by_query_blocks(
+    block_fn, out_shape, dtype, *, block_elements: int = 1 << 20, into: jax.Array | None = None
+) -> jax.Array:
     """Builds a ``[B, N, T, X]`` array from blocks of query rows, ``block_fn(start, rows)``.
 
-    ``block_fn`` returns rows ``start .. start + rows - 1`` as ``[B, N, rows, X]``;
-    ``rows`` is static and chosen so a block holds about ``block_elements``
-    values. The blocks are written in place into one output buffer, so no
-    intermediate as large as the output is stored. The last block is shifted
-    back to stay in bounds; its overlap rewrites equal values.
+    ``block_fn`` returns rows ``start .. start + rows - 1`` as ``[B, N, rows, X]`` (or
+    broadcastable to it); ``rows`` is static and chosen so a block holds about
+    ``block_elements`` values. The blocks are written in place into one output buffer, so
+    no intermediate as large as the output is stored. The last block is shifted back to
+    stay in bounds; its overlap rewrites equal values.
+
+    With ``into`` (an ``out_shape`` array), each block is added to ``into``'s rows instead,
+    in place, each row exactly once (the last block's overlap adds nothing): the result is
+    ``into + blocks`` without the blocks ever stored whole, as when a logits term is added
+    to the scores.
     """
+    if into is not None and tuple(into.shape) != tuple(out_shape):
+        raise ValueError(f"into has shape {into.shape}, expected {tuple(out_shape)}")
     batch, heads, q_len, width = out_shape
     rows = int(max(1, min(q_len, block_elements // max(1, batch * heads * width))))
     num_blocks = -(-q_len // rows)
     if num_blocks == 1:
-        return block_fn(0, q_len).astype(dtype)
+        whole = block_fn(0, q_len).astype(dtype)
+        return whole if into is None else into + whole
 
     def body(block, out):
         start = jnp.minimum(block * rows, q_len - rows)
-        return jax.lax.dynamic_update_slice_in_dim(out, block_fn(start, rows).astype(dtype), start, axis=2)
+        values = block_fn(start, rows).astype(dtype)
+        if into is not None:
+            values = jnp.broadcast_to(values, (batch, heads, rows, width))
+            fresh = (start + jnp.arange(rows)) >= block * rows  # rows the block before did not add
+            values = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=2) + jnp.where(fresh[:, None], values, 0)
+        return jax.lax.dynamic_update_slice_in_dim(out, values, start, axis=2)
 
-    return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype))
+    return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
 
 
 def bucket_relative(
