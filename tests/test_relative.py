@@ -542,3 +542,71 @@ def test_transformer_xl_causal_ladder_equals_the_identity_with_gradients(rng, qu
     ):
         np.testing.assert_allclose(causal_grad, identity_grad, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(loss(q, k, *params, True), loss(q, k, *params, False), rtol=1e-5)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TermOnly:
+    """A hook with only ``logits``: the reference way of adding a hook's term to the scores."""
+
+    hook: object
+
+    def logits(self, q, k, context):
+        return self.hook.logits(q, k, context)
+
+
+@pytest.mark.parametrize("scale", [None, 0.3])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_functional_relative_joined_to_the_content_product_equals_its_term_added(scale, kv_heads):
+    """Float32 attention appends the functional relative term's features to q and k (one
+    contraction); the same values and gradients as the term computed and added."""
+    from posenc_jax.functional import SinusoidalRelative, dot_product_attention
+
+    rng = np.random.default_rng(5)
+    q = jnp.asarray(rng.normal(size=(2, 9, 4, 8)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(2, 11, kv_heads, 8)), jnp.float32) for _ in range(2))
+    qp, kp = jnp.arange(2, 11) * 3, jnp.arange(11) * 3
+    hook = SinusoidalRelative(scale=scale)
+
+    def attend(q, k, v, joined):
+        out = dot_product_attention(
+            q, k, v, query_positions=qp, key_positions=kp, encodings=[hook if joined else _TermOnly(hook)], causal=True
+        )
+        return (out * jnp.sin(out)).sum(), out
+
+    grad = jax.jit(jax.grad(attend, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    want_grads, want = grad(q, k, v, False)
+    got_grads, got = grad(q, k, v, True)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, atol=2e-5)
+    # A KV cache's stored key sinusoids take the same path.
+    cached = hook.with_key_features(hook.key_features(k, kp))
+    out = dot_product_attention(q, k, v, query_positions=qp, key_positions=kp, encodings=[cached], causal=True)
+    np.testing.assert_allclose(out, want, atol=2e-6)
+    # bfloat16 keeps the term added (the features would be rounded to bfloat16 in the product).
+    half = dot_product_attention(
+        *(x.astype(jnp.bfloat16) for x in (q, k, v)),
+        query_positions=qp,
+        key_positions=kp,
+        encodings=[hook],
+        causal=True,
+    )
+    np.testing.assert_allclose(half.astype(jnp.float32), want, atol=0.1)
+
+
+def test_functional_relative_term_is_not_a_buffer_of_its_own():
+    from posenc_jax.functional import SinusoidalRelative, dot_product_attention
+
+    spec = jax.ShapeDtypeStruct((1, 1024, 4, 16), jnp.float32)
+    p = jnp.arange(1024)
+
+    def temp(hooks):
+        fn = lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=p, key_positions=p, encodings=hooks, causal=True
+        )
+        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+    one_buffer = 4 * 1024 * 1024 * 4
+    plain = temp([])
+    assert temp([SinusoidalRelative()]) - plain < one_buffer / 4
+    assert temp([_TermOnly(SinusoidalRelative())]) - plain >= 0.75 * one_buffer  # the term added: about one more

@@ -327,8 +327,26 @@ def attention_scores(
     for hook in hooks:
         if isinstance(hook, Rotate):
             query, key = hook.rotate(query, key, context)
+    # Terms that split into per-query and per-key features join the content product (exact:
+    # the same sums, one contraction), so they are never a [B, N, T, S] buffer of their own.
+    joined = [
+        hook
+        for hook in hooks
+        if isinstance(hook, Logits) and hasattr(hook, "score_features")
+        if query.dtype == jnp.float32 and key.dtype == jnp.float32 and context.scale != 0
+    ]
+    if joined:
+        features = [hook.score_features(query, key, context) for hook in joined]
+        per_key = [
+            jnp.broadcast_to(fk[:, :, None, :], (key.shape[0], key.shape[1], key.shape[2], fk.shape[-1]))
+            for _, fk in features
+        ]
+        query = jnp.concatenate([query, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
+        key = jnp.concatenate([key, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
     scores = _content_scores(query, key, context.scale)
     for hook in hooks:
+        if any(hook is j for j in joined):
+            continue
         if isinstance(hook, Logits) and hasattr(hook, "add_logits"):
             scores = hook.add_logits(scores, query, key, context)  # the term added in place, by blocks
             continue

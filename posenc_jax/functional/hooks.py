@@ -179,6 +179,11 @@ class Logits(Protocol):
     materialising attention then calls instead: it must return ``scores + logits(q, k,
     context)``, and lets a term that is built by blocks of query rows be added into the
     scores in place, never stored whole (FIRE's MLP bias). ``logits`` stays the reference.
+
+    Or ``score_features(q, k, context) -> (fq [B, T, N, F], fk [B|1, S, F])`` with
+    ``context.scale · einsum("BTNF,BSF->BNTS", fq, fk)`` equal to the term: float32
+    attention appends them to q and k, so one contraction gives content and term (the
+    functional relative encoding's sinusoid identity).
     """
 
     def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...

@@ -78,6 +78,16 @@ def sinusoidal_relative_logits(
         key_features = key_sinusoids(key_positions, dim, base=base)
     elif key_features.shape[-1] != dim:
         raise ValueError(f"key_features must have width D={dim} (the width of g), got shape {key_features.shape}")
+    coef = _query_coefficients(g, alpha, sign=sign, layout=layout)  # [B, T, N, 2F]
+    key_features = jnp.broadcast_to(_batched(key_features), (coef.shape[0],) + key_features.shape[-2:])
+    # Heads ahead of queries before the contraction, so the product comes out [B, N, T, S] as laid out.
+    coef = jnp.swapaxes(coef, 1, 2)  # [B, N, T, 2F]
+    return jnp.einsum("BNTF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
+
+
+def _query_coefficients(g: jax.Array, alpha: jax.Array, *, sign: int, layout: str) -> jax.Array:
+    """The per-query half of the sinusoid identity: ``[B, T, N, D]`` coefficients of ``[sin β, cos β]``."""
+    dim = g.shape[-1]
     g = g.astype(jnp.float32)
     if layout == "interleaved":
         g_sin, g_cos = g[..., 0::2], g[..., 1::2]
@@ -88,11 +98,23 @@ def sinusoidal_relative_logits(
     # g·PE(β-α) = Σ_f sin β_f (g_sin cos α_f + g_cos sin α_f) + cos β_f (g_cos cos α_f - g_sin sin α_f)
     coef_sin = g_sin * cos_a + g_cos * sin_a  # [B, T, N, F]
     coef_cos = g_cos * cos_a - g_sin * sin_a
-    coef = jnp.concatenate([coef_sin, coef_cos], axis=-1)  # [B, T, N, 2F]
-    key_features = jnp.broadcast_to(_batched(key_features), (coef.shape[0],) + key_features.shape[-2:])
-    # Heads ahead of queries before the contraction, so the product comes out [B, N, T, S] as laid out.
-    coef = jnp.swapaxes(coef, 1, 2)  # [B, N, T, 2F]
-    return jnp.einsum("BNTF,BSF->BNTS", coef, key_features, preferred_element_type=jnp.float32)
+    return jnp.concatenate([coef_sin, coef_cos], axis=-1)
+
+
+def sinusoidal_relative_features(
+    g: jax.Array, query_positions, key_features: jax.Array, *, base: float = 10000.0
+) -> tuple[jax.Array, jax.Array]:
+    """:func:`sinusoidal_relative_logits` (``sign=1``, interleaved) as per-query and per-key features.
+
+    ``einsum("BTNF,BSF->BNTS", *features)`` is that term: the identity
+    ``g·PE(β - α) = Σ coef(g, α)·[sin β, cos β]`` splits it into a per-query ``[B, T, N, D]``
+    half and the per-key ``[B|1, S, D]`` :func:`key_sinusoids`. Appended to q and k, the
+    content product computes content and term in one contraction, and the term is never a
+    ``[B, N, T, S]`` buffer of its own.
+    """
+    freq = inverse_frequencies(g.shape[-1], base=base)
+    alpha = _batched(position_angles(check_positions(query_positions, "query_positions"), freq))
+    return _query_coefficients(g, alpha, sign=1, layout="interleaved"), _batched(key_features)
 
 
 def key_sinusoids(key_positions, dim: int, *, base: float = 10000.0) -> jax.Array:
@@ -138,6 +160,10 @@ class SinusoidalRelative(ParameterFree):
     def logits(self, q, k, context: AttentionContext):
         return _scaled_logits(self, q, context, None)
 
+    def score_features(self, q, k, context: AttentionContext):
+        """The term as features appended to q and k (see :func:`sinusoidal_relative_features`)."""
+        return _score_features(self, q, context, key_sinusoids(context.key_positions, q.shape[-1], base=self.base))
+
     def key_features(self, k, key_positions) -> jax.Array:
         """What a KV cache stores per key: :func:`key_sinusoids` of its position, ``[B, S, H]``."""
         sinusoids = key_sinusoids(key_positions, k.shape[-1], base=self.base)
@@ -158,6 +184,10 @@ class CachedSinusoidalRelative:
     def logits(self, q, k, context: AttentionContext):
         return _scaled_logits(self.encoding, q, context, self.key_sinusoids)
 
+    def score_features(self, q, k, context: AttentionContext):
+        """The term as features appended to q and k, with the cached key sinusoids."""
+        return _score_features(self.encoding, q, context, self.key_sinusoids)
+
 
 def _scaled_logits(encoding: SinusoidalRelative, q, context: AttentionContext, key_features) -> jax.Array:
     scale = context.scale if encoding.scale is None else encoding.scale
@@ -165,3 +195,13 @@ def _scaled_logits(encoding: SinusoidalRelative, q, context: AttentionContext, k
         q, context.query_positions, context.key_positions, base=encoding.base, key_features=key_features
     )
     return term * jnp.float32(scale)
+
+
+def _score_features(encoding: SinusoidalRelative, q, context: AttentionContext, key_features):
+    """Features whose product, times the attention's scale, is :func:`_scaled_logits`' term."""
+    if key_features.shape[-1] != q.shape[-1]:
+        raise ValueError(f"key sinusoids must have width H={q.shape[-1]}, got shape {key_features.shape}")
+    coef, keys = sinusoidal_relative_features(q, context.query_positions, key_features, base=encoding.base)
+    if encoding.scale is not None:  # the content product is multiplied by the attention's scale
+        coef = coef * (jnp.float32(encoding.scale) / jnp.float32(context.scale))
+    return coef, keys
