@@ -610,3 +610,88 @@ def test_functional_relative_term_is_not_a_buffer_of_its_own():
     plain = temp([])
     assert temp([SinusoidalRelative()]) - plain < one_buffer / 4
     assert temp([_TermOnly(SinusoidalRelative())]) - plain >= 0.75 * one_buffer  # the term added: about one more
+
+
+@pytest.mark.parametrize(
+    "query_positions, key_positions, causal",
+    [
+        (np.arange(2, 11), np.arange(11), True),
+        (np.arange(9) + 300, np.arange(11) + 298, True),
+        (np.array([0, 1, 4, 5, 6, 9, 12, 13, 14]), np.arange(11) * 2, True),
+        (np.array([[2, 3, 4, 5, 6, 7, 8, 9, 10], [0, 1, 2, 3, 4, 6, 7, 8, 9]]), np.arange(11), True),
+        (np.arange(2, 11), np.arange(11), False),
+    ],
+    ids=["ladder", "ladder-offset", "gaps", "batched-mixed", "bidirectional"],
+)
+def test_transformer_xl_terms_added_by_blocks_equal_the_term_added(rng, query_positions, key_positions, causal):
+    """``into=``: the terms computed by blocks of query rows (five blocks of two rows, the last
+    shifted back) and added into the scores; the same values and gradients as the whole term added."""
+    q = _normal(rng, (2, 9, N, H))
+    k = _normal(rng, (2, 11, N, H))
+    scores = _normal(rng, (2, N, 9, 11))
+    params = [_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H))]
+    qp, kp = jnp.asarray(query_positions), jnp.asarray(key_positions)
+    weights = _normal(rng, (2, N, 9, 11))
+
+    def loss(scores, q, k, w_r, u, v, blocks):
+        kw = dict(position_projection=w_r, content_bias=u, position_bias=v, causal=causal)
+        if blocks:
+            out = transformer_xl_logits(q, k, qp, kp, into=scores, block_elements=2 * N * 11 * 2, **kw)
+        else:
+            out = scores + transformer_xl_logits(q, k, qp, kp, **kw)
+        return (jnp.sin(out) * weights).sum(), out
+
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True), static_argnums=6)
+    want_grads, want = grad(scores, q, k, *params, False)
+    got_grads, got = grad(scores, q, k, *params, True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_xl_in_attention_by_blocks_equals_its_term_added():
+    """Attention adds Transformer-XL's terms into the scores by blocks of rows (two blocks here, the
+    last shifted back); values and gradients as with the whole term computed and added."""
+    rng = np.random.default_rng(11)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 1000, 4, 16)), jnp.float32) for _ in range(3))
+    params = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((32, 4, 16), (4, 16), (4, 16))]
+    pos = jnp.arange(1000)
+
+    def attend(q, k, v, params, blocks):
+        hook = TransformerXL(*params)
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            encodings=[hook if blocks else _TermOnly(hook)],
+            causal=True,
+        )
+        return (out * jnp.cos(out)).sum(), out
+
+    assert 4 * 1000 * 1000 > 1 << 21  # more than one block of the default size
+    grad = jax.jit(jax.grad(attend, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+    (want_q, want_k, want_v, want_p), want = grad(q, k, v, params, False)
+    (got_q, got_k, got_v, got_p), got = grad(q, k, v, params, True)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for g, w in zip((got_q, got_k, got_v, *got_p), (want_q, want_k, want_v, *want_p), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_transformer_xl_term_is_not_a_buffer_of_its_own():
+    spec = jax.ShapeDtypeStruct((1, 1024, 4, 16), jnp.float32)
+    p = jnp.arange(1024)
+    rng = np.random.default_rng(0)
+    params = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((32, 4, 16), (4, 16), (4, 16))]
+
+    def temp(hooks):
+        fn = lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=p, key_positions=p, encodings=hooks, causal=True
+        )
+        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+    one_buffer = 4 * 1024 * 1024 * 4
+    plain = temp([])
+    assert temp([TransformerXL(*params)]) - plain < one_buffer / 4
+    assert temp([_TermOnly(TransformerXL(*params))]) - plain >= 0.75 * one_buffer  # the term stored: one more

@@ -37,7 +37,7 @@ from posenc_jax.functional.positions import (
     position_difference,
 )
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import consecutive_rows
+from posenc_jax.functional.relative import by_query_blocks, consecutive_rows
 from posenc_jax.functional.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "rel_shift", "transformer_xl_logits"]
@@ -102,6 +102,8 @@ def transformer_xl_logits(
     base: float = 10000.0,
     key_features: dict | None = None,
     causal: bool = False,
+    into: jax.Array | None = None,
+    block_elements: int = 1 << 21,
 ):
     """Terms (b) + (c) + (d) of Transformer-XL attention, ``[B, N, T, S]`` float32.
 
@@ -125,6 +127,10 @@ def transformer_xl_logits(
         :meth:`TransformerXL.key_features`): ``"sinusoids"`` ``[B, S, D]`` and ``"content"``
         ``[B, S, N]`` (``u · k_s``); computed from ``k`` and ``key_positions`` when None.
       causal: the attention masks keys after each query (their entries are then filler).
+      into: optional float32 scores ``[B, N, T, S]``: the term is computed by blocks of
+        query rows and added to them in place, and ``into + term`` is returned without the
+        term ever stored whole (a conditional's ``[B, N, T, S]`` result would be).
+      block_elements: with ``into``, about how many values each block of rows holds.
 
     Example:
       >>> q = jnp.ones((1, 3, 2, 4)); k = jnp.ones((1, 5, 2, 4))
@@ -143,81 +149,109 @@ def transformer_xl_logits(
         key_features = _key_features(k, key_positions, content_bias, np.shape(position_projection)[0], base)
     content = jnp.swapaxes(key_features["content"], 1, 2)[:, :, None, :]  # [B, N, 1, S]
     shifted_q = q.astype(jnp.float32) + jnp.asarray(position_bias, jnp.float32)[None, None]
-
-    def by_identity(shifted_q):
-        g = jnp.einsum("BTNH,DNH->BTND", shifted_q, position_projection, preferred_element_type=jnp.float32)
-        return sinusoidal_relative_logits(
-            g, query_positions, key_positions, sign=-1, layout="half", base=base, key_features=key_features["sinusoids"]
-        )
+    query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
+    key_positions = batched_positions(key_positions, "key_positions")
 
     q_len, k_len = q.shape[1], k.shape[1]
+    standard = projected = None
     if causal and q_len <= k_len and not cached:
-        ladder = functools.partial(_position_term_by_ladder, position_projection=position_projection, base=base)
-        query_positions = batched_positions(query_positions, "query_positions")
-        key_positions = batched_positions(key_positions, "key_positions")
-        # Queries are the last T of S consecutive keys, in every row.
+        # Queries are the last T of S consecutive keys, in every row: then the ladder, projected once.
         last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
         standard = consecutive_rows(query_positions) & consecutive_rows(key_positions) & last_keys
-        position = jax.lax.cond(standard, lambda x: ladder(x, k_len), by_identity, shifted_q)
-    else:
-        position = by_identity(shifted_q)
-    return (content + position) * jnp.float32(scale)
+        project = functools.partial(_project_ladder, k_len, position_projection=position_projection, base=base)
+        projected = jax.lax.cond(standard, project, lambda: jnp.zeros((k_len, *q.shape[2:]), jnp.float32))
+
+    def rows_term(start, rows: int) -> jax.Array:
+        """The term of query rows ``start .. start + rows - 1``: ``[B, N, rows, S]``."""
+        q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+
+        def by_identity():
+            g = jnp.einsum("BTNH,DNH->BTND", q_rows, position_projection, preferred_element_type=jnp.float32)
+            return sinusoidal_relative_logits(
+                g,
+                jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1),
+                key_positions,
+                sign=-1,
+                layout="half",
+                base=base,
+                key_features=key_features["sinusoids"],
+            )
+
+        if standard is None:
+            position = by_identity()
+        else:
+            ladder = lambda: _position_term_by_ladder(q_rows, projected, start, q_len)
+            position = jax.lax.cond(standard, ladder, by_identity)
+        return (content + position) * jnp.float32(scale)
+
+    if into is None:
+        return rows_term(0, q_len)
+    return by_query_blocks(rows_term, tuple(into.shape), jnp.float32, block_elements=block_elements, into=into)
 
 
-def _position_term_by_ladder(shifted_q, key_length: int, *, position_projection, base: float) -> jax.Array:
-    """``(q + v) · W_R R_{i-j}`` for queries that are the last T of S consecutive keys: ``[B, N, T, S]``.
-
-    The sinusoids of the distances ``S-1, ..., 1, 0`` are projected by ``W_R`` once
-    (``[S, N, H]``), scored against every query, and each score is moved to its key as
-    :func:`rel_shift` does (by one gather); entries of keys after the query are filler
-    (masked in causal attention).
-    """
+def _project_ladder(key_length: int, *, position_projection, base: float) -> jax.Array:
+    """``W_R R_d`` for the distances ``S-1, ..., 1, 0`` (the ladder): ``[S, N, H]``."""
     dim = np.shape(position_projection)[0]
     distances = jnp.arange(key_length - 1, -1, -1)
     angles = position_angles(distances, inverse_frequencies(dim, base=base))  # [S, D/2]
     ladder = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [S, D], Transformer-XL's layout
-    projected = jnp.einsum("LD,DNH->LNH", ladder, position_projection, preferred_element_type=jnp.float32)
+    return jnp.einsum("LD,DNH->LNH", ladder, position_projection, preferred_element_type=jnp.float32)
+
+
+def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax.Array:
+    """``(q + v) · W_R R_{i-j}`` for queries that are the last T of S consecutive keys: ``[B, N, rows, S]``.
+
+    ``shifted_q`` ``[B, rows, N, H]`` holds query rows ``first_row ..`` of the call's T; ``projected``
+    (:func:`_project_ladder`) the sinusoids of the distances ``S-1, ..., 1, 0`` projected by ``W_R``
+    once. Each query is scored against the ladder and each score moved to its key as
+    :func:`rel_shift` does (by one gather); entries of keys after the query are filler (masked in
+    causal attention).
+    """
     scores = jnp.einsum(
         "BNTH,NLH->BNTL",
         jnp.swapaxes(shifted_q, 1, 2),  # heads first, so the product comes out [B, N, T, L] as laid out
         jnp.swapaxes(projected, 0, 1),
         preferred_element_type=jnp.float32,
     )
-    return _shift_to_keys(scores)
+    return _shift_to_keys(scores, jnp.asarray(first_row, jnp.int32), q_len)
 
 
-def _ladder_columns(q_len: int, k_len: int) -> jax.Array:
-    """``[T, S]``: the ladder column of key s for query t, ``T - 1 - t + s`` (distance ``S - T + t - s``), capped."""
-    column = jnp.arange(k_len)[None, :] - jnp.arange(q_len)[:, None] + (q_len - 1)
-    return jnp.minimum(column, k_len - 1)
+def _ladder_columns(first_row, rows: int, q_len: int, k_len: int) -> jax.Array:
+    """``[rows, S]``: the ladder column of key s for query t = first_row + r, ``T - 1 - t + s``
+    (distance ``S - T + t - s``), capped at ``S - 1``."""
+    query = first_row + jnp.arange(rows)[:, None]
+    return jnp.minimum(jnp.arange(k_len)[None, :] - query + (q_len - 1), k_len - 1)
 
 
-@jax.custom_vjp
-def _shift_to_keys(scores: jax.Array) -> jax.Array:
-    """:func:`rel_shift`'s result by one gather: ``out[..., t, s] = scores[..., t, min(T - 1 - t + s, S - 1)]``.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.Array:
+    """:func:`rel_shift`'s result by one gather, for query rows ``first_row ..`` of T = ``q_len``:
+    ``out[..., r, s] = scores[..., r, min(T - 1 - (first_row + r) + s, S - 1)]``.
 
     A gather XLA fuses into its consumer; its transpose (below) is a gather and a masked
     sum, not the scatter autodiff would make of it.
     """
-    q_len, k_len = scores.shape[-2:]
-    return jnp.take_along_axis(scores, _ladder_columns(q_len, k_len)[None, None], axis=-1)
+    rows, k_len = scores.shape[-2:]
+    return jnp.take_along_axis(scores, _ladder_columns(first_row, rows, q_len, k_len)[None, None], axis=-1)
 
 
-def _shift_forward(scores):
-    return _shift_to_keys(scores), None
+def _shift_forward(scores, first_row, q_len):
+    return _shift_to_keys(scores, first_row, q_len), first_row
 
 
-def _shift_backward(_, cotangent):
-    q_len, k_len = cotangent.shape[-2:]
+def _shift_backward(q_len, first_row, cotangent):
+    rows, k_len = cotangent.shape[-2:]
+    query = first_row + jnp.arange(rows)[:, None]  # [rows, 1]: the query index t of each row
+    keys = jnp.arange(k_len)[None, :]
     # Column c < S - 1 of row t receives key s = c - (T - 1 - t) alone; column S - 1 receives every key
     # from S - T + t on (the capped ones).
-    source = jnp.arange(k_len)[None, :] - (q_len - 1) + jnp.arange(q_len)[:, None]  # [T, S]
-    inside = (source >= 0) & (jnp.arange(k_len)[None, :] < k_len - 1)
+    source = keys - (q_len - 1) + query  # [rows, S]
+    inside = (source >= 0) & (keys < k_len - 1)
     moved = jnp.take_along_axis(cotangent, jnp.clip(source, 0, k_len - 1)[None, None], axis=-1)
     grad = jnp.where(inside[None, None], moved, 0.0)
-    capped = jnp.arange(k_len)[None, :] >= (k_len - q_len) + jnp.arange(q_len)[:, None]  # [T, S]
-    tail = jnp.where(capped[None, None], cotangent, 0.0).sum(axis=-1)  # [B, N, T]
-    return (grad.at[..., k_len - 1].add(tail),)
+    capped = keys >= (k_len - q_len) + query  # [rows, S]
+    tail = jnp.where(capped[None, None], cotangent, 0.0).sum(axis=-1)  # [B, N, rows]
+    return grad.at[..., k_len - 1].add(tail), None
 
 
 _shift_to_keys.defvjp(_shift_forward, _shift_backward)
@@ -267,6 +301,13 @@ class TransformerXL:
         return dataclasses.replace(self, cached_keys=features)
 
     def logits(self, q, k, context: AttentionContext):
+        return self._terms(q, k, context)
+
+    def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        """``scores + logits``, the terms added by blocks of query rows into the scores (never stored whole)."""
+        return self._terms(q, k, context, into=scores)
+
+    def _terms(self, q, k, context: AttentionContext, into=None):
         return transformer_xl_logits(
             q,
             k,
@@ -279,6 +320,7 @@ class TransformerXL:
             base=self.base,
             key_features=self.cached_keys,
             causal=context.causal,
+            into=into,
         )
 
 
