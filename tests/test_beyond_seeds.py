@@ -297,6 +297,107 @@ def test_cope_matches_authors_module(rng):
     np.testing.assert_allclose(out, want, atol=2e-5)
 
 
+class _TermOnly:
+    """A hook with only ``logits``: the reference way of adding a hook's term to the scores."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    def logits(self, q, k, context):
+        return self.hook.logits(q, k, context)
+
+
+@pytest.mark.parametrize("num_positions", [4, 40], ids=["clipped", "more-than-keys"])
+@pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
+@pytest.mark.parametrize("mask_kind", [None, "keys", "pairs"])
+def test_cope_term_added_by_blocks_equals_the_term_added(rng, num_positions, per_head, mask_kind):
+    """``into=``: CoPE's term computed by blocks of query rows (five blocks of two rows, the last
+    shifted back) and added into the scores; the same values and gradients as the whole term added.
+    With 40 embeddings for 11 keys the blocks read only the first 13 (a count is at most S)."""
+    from posenc_jax.functional import cope_logits
+
+    q = _normal(rng, (2, 9, 4, 8))
+    k = _normal(rng, (2, 11, 2, 8))  # grouped heads
+    scores = _normal(rng, (2, 4, 9, 11))
+    emb = _normal(rng, (4, num_positions, 8) if per_head else (num_positions, 8))
+    qp, kp = jnp.arange(2, 11) * 3 + 5, jnp.arange(11) * 3 + 5
+    mask = {
+        None: None,
+        "keys": jnp.asarray(rng.random((2, 1, 1, 11)) > 0.2),
+        "pairs": jnp.asarray(rng.random((2, 1, 9, 11)) > 0.3),
+    }[mask_kind]
+    weights = _normal(rng, (2, 4, 9, 11))
+
+    def loss(scores, q, k, emb, blocks):
+        if blocks:
+            out = cope_logits(q, k, qp, kp, emb, mask=mask, into=scores, block_elements=2 * 4 * 11 * 2)
+        else:
+            out = scores + cope_logits(q, k, qp, kp, emb, mask=mask)
+        return (jnp.sin(out) * weights).sum(), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+    want_grads, want = grad(scores, q, k, emb, False)
+    got_grads, got = grad(scores, q, k, emb, True)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    if num_positions == 40:
+        assert np.abs(np.asarray(got_grads[3])[..., 13:, :]).max() == 0.0
+        assert np.abs(np.asarray(got_grads[3])[..., :12, :]).max() > 0.0
+    with pytest.raises(ValueError, match="into must be scores"):
+        cope_logits(q, k, qp, kp, emb, into=scores[:, :, :5])
+
+
+def test_cope_in_attention_by_blocks_equals_its_term_added():
+    """Attention adds CoPE's term into the scores by blocks of rows (two blocks here, the last
+    shifted back), with key padding; values and gradients as with the whole term computed and added."""
+    rng = np.random.default_rng(12)
+    q, k, v = (_normal(rng, (1, 1000, 4, 16)) for _ in range(3))
+    emb = 0.5 * _normal(rng, (2000, 16))
+    pos = jnp.arange(1000)
+    key_mask = jnp.arange(1000)[None] < 990
+
+    def attend(q, k, v, emb, blocks):
+        hook = CoPE(emb)
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            encodings=[hook if blocks else _TermOnly(hook)],
+            causal=True,
+            key_mask=key_mask,
+        )
+        return (out * jnp.cos(out)).sum(), out
+
+    assert 4 * 1000 * 1000 > 1 << 21  # more than one block of the default size
+    grad = jax.jit(jax.grad(attend, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
+    want_grads, want = grad(q, k, v, emb, False)
+    got_grads, got = grad(q, k, v, emb, True)
+    np.testing.assert_allclose(got, want, atol=2e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_cope_term_is_not_stored_in_attention():
+    spec = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)  # eight blocks of the default size
+    p = jnp.arange(2048)
+    emb = _normal(np.random.default_rng(0), (4096, 16))
+
+    def temp(hooks):
+        fn = lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=p, key_positions=p, encodings=hooks, causal=True
+        )
+        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+
+    one_buffer = 4 * 2048 * 2048 * 4  # bytes of [1, N, T, S] float32
+    plain = temp([])
+    assert temp([CoPE(emb)]) - plain < one_buffer / 4
+    # The whole term: its gate logits, counts and [B, N, T, P] table, each a buffer or more.
+    assert temp([_TermOnly(CoPE(emb))]) - plain >= 2 * one_buffer
+
+
 # ---------------------------------------------------------------- randomized positions
 
 

@@ -27,8 +27,9 @@ import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.masks import causal_mask, combine_masks
+from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import check_max_distance
+from posenc_jax.functional.relative import by_query_blocks, check_max_distance
 
 __all__ = ["CoPE", "CoPEConfig", "cope_logits"]
 
@@ -41,7 +42,18 @@ COPE = Source.paper(
 )
 
 
-def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: float | None = None, mask=None):
+def cope_logits(
+    q,
+    k,
+    query_positions,
+    key_positions,
+    embeddings,
+    *,
+    scale: float | None = None,
+    mask=None,
+    into: jax.Array | None = None,
+    block_elements: int = 1 << 21,
+):
     """CoPE's logits term ``q_t · e[p[t, s]]``, ``[B, N, T, S]`` float32.
 
     Args:
@@ -51,6 +63,11 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
       scale: gate logit scale, default ``1/√H`` (the scores' own scale).
       mask: optional boolean mask broadcastable to ``[B, N, T, S]`` (True = attend);
         keys it hides get no gate, on top of the causal mask by position.
+      into: optional float32 scores ``[B, N, T, S]``: the term is computed by blocks of
+        query rows (each block's gates, counts and ``q · eᵀ`` are block-sized) and added to
+        them in place; ``into + term`` is returned without any ``[B, N, T, S]`` intermediate
+        stored whole.
+      block_elements: with ``into``, about how many (query, key) values each block holds.
 
     Example:
       >>> q = jnp.ones((1, 5, 2, 4))
@@ -66,8 +83,43 @@ def cope_logits(q, k, query_positions, key_positions, embeddings, *, scale: floa
         raise ValueError(
             f"CoPE embeddings must have shape [P, H={head_dim}] or [N={num_heads}, P, H], got {np.shape(embeddings)}"
         )
-    term, _ = _cope_tile(q, k, query_positions, key_positions, embeddings, scale=scale, mask=mask, later=None)
-    return term
+    if into is None:
+        term, _ = _cope_tile(q, k, query_positions, key_positions, embeddings, scale=scale, mask=mask, later=None)
+        return term
+    return _cope_added_by_blocks(
+        into, q, k, query_positions, key_positions, embeddings, scale=scale, mask=mask, block_elements=block_elements
+    )
+
+
+def _cope_added_by_blocks(scores, q, k, query_positions, key_positions, embeddings, *, scale, mask, block_elements):
+    """``scores + cope_logits(...)``, the term computed by blocks of query rows and added in place."""
+    q_len, k_len = q.shape[1], k.shape[1]
+    expected = (q.shape[0], q.shape[2], q_len, k_len)
+    if scores.ndim != 4 or tuple(scores.shape[2:]) != (q_len, k_len) or scores.shape[1] != q.shape[2]:
+        raise ValueError(f"into must be scores [B, N, T, S] = {expected}, got {scores.shape}")
+    query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
+    # A count is at most the number of keys a query sees (S; a sum of S gates <= 1 rounds to at most
+    # S), so the interpolation reads embeddings 0 .. S + 1 at most: the others are never gathered.
+    embeddings = jnp.asarray(embeddings)[..., : min(np.shape(embeddings)[-2], k_len + 2), :]
+
+    def block(start, rows: int) -> jax.Array:
+        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
+        term, _ = _cope_tile(
+            rows_of(q, 1),
+            k,
+            rows_of(query_positions, 1),
+            key_positions,
+            embeddings,
+            scale=scale,
+            mask=None if mask is None else rows_of(mask, 2),
+            later=None,
+        )
+        return term
+
+    return by_query_blocks(block, tuple(scores.shape), jnp.float32, block_elements=block_elements, into=scores)
 
 
 def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later):
@@ -131,6 +183,22 @@ class CoPE:
         scale = context.scale if self.scale is None else self.scale
         return cope_logits(
             q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale, mask=context.mask
+        )
+
+    def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        """``scores + logits``, the term added by blocks of query rows into the scores (its gates,
+        counts and ``q · eᵀ`` never stored whole)."""
+        _check_causal(context)
+        scale = context.scale if self.scale is None else self.scale
+        return cope_logits(
+            q,
+            k,
+            context.query_positions,
+            context.key_positions,
+            self.embeddings,
+            scale=scale,
+            mask=context.mask,
+            into=scores,
         )
 
     def init_carry(self, q, context: AttentionContext):
