@@ -6,7 +6,9 @@ of key s for query t is ``p[t, s] = Σ_{s' >= s} g[t, s']``, a fractional count 
 "relevant" keys between s and t. It is clipped to ``P - 1`` and its embedding is
 interpolated from learned integer embeddings ``e[0..P-1]``; the term added to the
 scores is ``q_t · e[p[t, s]]``, computed as ``z = q · eᵀ`` (``[B, N, T, P]``) and two
-gathers, never as ``[T, S, H]``.
+gathers, never as ``[T, S, H]``. In attention the term is added into the scores by
+blocks of query rows (:meth:`CoPE.add_logits`), so its gates, counts and ``z`` are
+never stored whole.
 
 Keys must be in position order (as in any causal sequence or cache). The gates
 count only the keys the query may see: the causal mask by position and, in an

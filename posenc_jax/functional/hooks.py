@@ -178,7 +178,8 @@ class Logits(Protocol):
     A hook may also define ``add_logits(scores, q, k, context) -> scores``, which the
     materialising attention then calls instead: it must return ``scores + logits(q, k,
     context)``, and lets a term that is built by blocks of query rows be added into the
-    scores in place, never stored whole (FIRE's MLP bias). ``logits`` stays the reference.
+    scores in place, never stored whole (FIRE's MLP bias, Transformer-XL's terms, CoPE's
+    term). ``logits`` stays the reference.
 
     Or ``score_features(q, k, context) -> (fq [B, T, N, F], fk [B|1, S, F])`` with
     ``context.scale · einsum("BTNF,BSF->BNTS", fq, fk)`` equal to the term: float32

@@ -13,7 +13,9 @@ sinusoid product identity of :mod:`posenc_jax.functional.sinusoidal_relative`,
 exact for any positions (caches, memory segments, gaps) and with no
 ``[T, S, H]`` tensor. :func:`rel_shift` is the paper's pad-reshape-slice
 shift, for code that computes position scores against a ``[S]`` ladder of
-distances as the original implementation does.
+distances as the original implementation does. In attention the terms are
+added into the scores by blocks of query rows (:meth:`TransformerXL.add_logits`),
+so no ``[B, N, T, S]`` term is stored.
 
 Reference: Dai et al., "Transformer-XL: Attentive Language Models beyond a
 Fixed-Length Context", ACL 2019, arXiv:1901.02860; Yang et al., "XLNet", 2019,
