@@ -329,12 +329,8 @@ def attention_scores(
             query, key = hook.rotate(query, key, context)
     # Terms that split into per-query and per-key features join the content product (exact:
     # the same sums, one contraction), so they are never a [B, N, T, S] buffer of their own.
-    joined = [
-        hook
-        for hook in hooks
-        if isinstance(hook, Logits) and hasattr(hook, "score_features")
-        if query.dtype == jnp.float32 and key.dtype == jnp.float32 and context.scale != 0
-    ]
+    joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32 and context.scale != 0
+    joined = [h for h in hooks if joinable and isinstance(h, Logits) and hasattr(h, "score_features")]
     if joined:
         features = [hook.score_features(query, key, context) for hook in joined]
         per_key = [

@@ -181,15 +181,14 @@ class CoPE:
     scale: float | None = None
 
     def logits(self, q, k, context: AttentionContext):
-        _check_causal(context)
-        scale = context.scale if self.scale is None else self.scale
-        return cope_logits(
-            q, k, context.query_positions, context.key_positions, self.embeddings, scale=scale, mask=context.mask
-        )
+        return self._term(q, k, context)
 
     def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
         """``scores + logits``, the term added by blocks of query rows into the scores (its gates,
         counts and ``q · eᵀ`` never stored whole)."""
+        return self._term(q, k, context, into=scores)
+
+    def _term(self, q, k, context: AttentionContext, into=None):
         _check_causal(context)
         scale = context.scale if self.scale is None else self.scale
         return cope_logits(
@@ -200,7 +199,7 @@ class CoPE:
             self.embeddings,
             scale=scale,
             mask=context.mask,
-            into=scores,
+            into=into,
         )
 
     def init_carry(self, q, context: AttentionContext):

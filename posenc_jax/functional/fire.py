@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.attention import _broadcasts_to
 from posenc_jax.functional.hooks import (
     AttentionContext,
     BiasHook,
@@ -123,10 +124,6 @@ def fire_bias(
             raise ValueError(f"into must be scores [B, N, T, S] the bias {out_shape} broadcasts to, got {into.shape}")
         out_shape = tuple(into.shape)
     return by_query_blocks(block, out_shape, jnp.float32, block_elements=max(1, block_elements * num_heads), into=into)
-
-
-def _broadcasts_to(shape, target) -> bool:
-    return all(a in (1, b) for a, b in zip(shape, target, strict=True))
 
 
 @pytree_dataclass
