@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from term_checks import TermOnly, causal_attention_temp, score_buffer_bytes
 
 from posenc_jax.functional import (
     ALiBi,
@@ -133,19 +134,11 @@ def test_fire_adds_its_bias_into_the_scores_by_blocks_as_the_stored_bias_would()
     # the last shifted back: the blocked path is the one compared above.
     assert 600 * 600 * 2 > 1 << 18
     # No stored bias: the blocked bias adds much less than the [B, N, T, S] buffer a stored one adds.
-    spec = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)
     p = jnp.arange(2048)
-    one_buffer = 4 * 2048 * 2048 * 4  # bytes of [1, N, T, S] float32
-
-    def temp(hook):  # the hook made inside the compiled function, as in a model
-        fn = lambda q, k, v: dot_product_attention(
-            q, k, v, query_positions=p, key_positions=p, encodings=[hook()] if hook else [], causal=True
-        )
-        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
-
-    plain = temp(None)
-    assert temp(lambda: Fire(params)) - plain < one_buffer / 2
-    assert temp(lambda: SharedBias(fire_bias(params, p, p))) - plain >= 0.9 * one_buffer
+    one_buffer = score_buffer_bytes(2048)
+    plain = causal_attention_temp(list, 2048)
+    assert causal_attention_temp(lambda: [Fire(params)], 2048) - plain < one_buffer / 2
+    assert causal_attention_temp(lambda: [SharedBias(fire_bias(params, p, p))], 2048) - plain >= 0.9 * one_buffer
 
 
 # ---------------------------------------------------------------- RoPE scalings
@@ -297,16 +290,6 @@ def test_cope_matches_authors_module(rng):
     np.testing.assert_allclose(out, want, atol=2e-5)
 
 
-class _TermOnly:
-    """A hook with only ``logits``: the reference way of adding a hook's term to the scores."""
-
-    def __init__(self, hook):
-        self.hook = hook
-
-    def logits(self, q, k, context):
-        return self.hook.logits(q, k, context)
-
-
 @pytest.mark.parametrize("num_positions", [4, 40], ids=["clipped", "more-than-keys"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
 @pytest.mark.parametrize("mask_kind", [None, "keys", "pairs"])
@@ -365,7 +348,7 @@ def test_cope_in_attention_by_blocks_equals_its_term_added():
             v,
             query_positions=pos,
             key_positions=pos,
-            encodings=[hook if blocks else _TermOnly(hook)],
+            encodings=[hook if blocks else TermOnly(hook)],
             causal=True,
             key_mask=key_mask,
         )
@@ -381,21 +364,13 @@ def test_cope_in_attention_by_blocks_equals_its_term_added():
 
 
 def test_cope_term_is_not_stored_in_attention():
-    spec = jax.ShapeDtypeStruct((1, 2048, 4, 16), jnp.float32)  # eight blocks of the default size
-    p = jnp.arange(2048)
+    length = 2048  # eight blocks of the default size
     emb = _normal(np.random.default_rng(0), (4096, 16))
-
-    def temp(hooks):
-        fn = lambda q, k, v: dot_product_attention(
-            q, k, v, query_positions=p, key_positions=p, encodings=hooks, causal=True
-        )
-        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
-
-    one_buffer = 4 * 2048 * 2048 * 4  # bytes of [1, N, T, S] float32
-    plain = temp([])
-    assert temp([CoPE(emb)]) - plain < one_buffer / 4
+    one_buffer = score_buffer_bytes(length)
+    plain = causal_attention_temp(list, length)
+    assert causal_attention_temp(lambda: [CoPE(emb)], length) - plain < one_buffer / 4
     # The whole term: its gate logits, counts and [B, N, T, P] table, each a buffer or more.
-    assert temp([_TermOnly(CoPE(emb))]) - plain >= 2 * one_buffer
+    assert causal_attention_temp(lambda: [TermOnly(CoPE(emb))], length) - plain >= 2 * one_buffer
 
 
 # ---------------------------------------------------------------- randomized positions

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from term_checks import TermOnly, causal_attention_temp, score_buffer_bytes
 
 from posenc_jax.functional import (
     ClippedRelativeBias,
@@ -544,16 +545,6 @@ def test_transformer_xl_causal_ladder_equals_the_identity_with_gradients(rng, qu
     np.testing.assert_allclose(loss(q, k, *params, True), loss(q, k, *params, False), rtol=1e-5)
 
 
-@dataclasses.dataclass(frozen=True)
-class _TermOnly:
-    """A hook with only ``logits``: the reference way of adding a hook's term to the scores."""
-
-    hook: object
-
-    def logits(self, q, k, context):
-        return self.hook.logits(q, k, context)
-
-
 @pytest.mark.parametrize("scale", [None, 0.3])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_functional_relative_joined_to_the_content_product_equals_its_term_added(scale, kv_heads):
@@ -569,7 +560,7 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
 
     def attend(q, k, v, joined):
         out = dot_product_attention(
-            q, k, v, query_positions=qp, key_positions=kp, encodings=[hook if joined else _TermOnly(hook)], causal=True
+            q, k, v, query_positions=qp, key_positions=kp, encodings=[hook if joined else TermOnly(hook)], causal=True
         )
         return (out * jnp.sin(out)).sum(), out
 
@@ -595,21 +586,13 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
 
 
 def test_functional_relative_term_is_not_a_buffer_of_its_own():
-    from posenc_jax.functional import SinusoidalRelative, dot_product_attention
+    from posenc_jax.functional import SinusoidalRelative
 
-    spec = jax.ShapeDtypeStruct((1, 1024, 4, 16), jnp.float32)
-    p = jnp.arange(1024)
-
-    def temp(hooks):
-        fn = lambda q, k, v: dot_product_attention(
-            q, k, v, query_positions=p, key_positions=p, encodings=hooks, causal=True
-        )
-        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
-
-    one_buffer = 4 * 1024 * 1024 * 4
-    plain = temp([])
-    assert temp([SinusoidalRelative()]) - plain < one_buffer / 4
-    assert temp([_TermOnly(SinusoidalRelative())]) - plain >= 0.75 * one_buffer  # the term added: about one more
+    one_buffer = score_buffer_bytes(1024)
+    plain = causal_attention_temp(list, 1024)
+    assert causal_attention_temp(lambda: [SinusoidalRelative()], 1024) - plain < one_buffer / 4
+    # The term added: about one more buffer.
+    assert causal_attention_temp(lambda: [TermOnly(SinusoidalRelative())], 1024) - plain >= 0.75 * one_buffer
 
 
 @pytest.mark.parametrize(
@@ -665,7 +648,7 @@ def test_transformer_xl_in_attention_by_blocks_equals_its_term_added():
             v,
             query_positions=pos,
             key_positions=pos,
-            encodings=[hook if blocks else _TermOnly(hook)],
+            encodings=[hook if blocks else TermOnly(hook)],
             causal=True,
         )
         return (out * jnp.cos(out)).sum(), out
@@ -680,18 +663,10 @@ def test_transformer_xl_in_attention_by_blocks_equals_its_term_added():
 
 
 def test_transformer_xl_term_is_not_a_buffer_of_its_own():
-    spec = jax.ShapeDtypeStruct((1, 1024, 4, 16), jnp.float32)
-    p = jnp.arange(1024)
     rng = np.random.default_rng(0)
     params = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((32, 4, 16), (4, 16), (4, 16))]
-
-    def temp(hooks):
-        fn = lambda q, k, v: dot_product_attention(
-            q, k, v, query_positions=p, key_positions=p, encodings=hooks, causal=True
-        )
-        return jax.jit(fn).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
-
-    one_buffer = 4 * 1024 * 1024 * 4
-    plain = temp([])
-    assert temp([TransformerXL(*params)]) - plain < one_buffer / 4
-    assert temp([_TermOnly(TransformerXL(*params))]) - plain >= 0.75 * one_buffer  # the term stored: one more
+    one_buffer = score_buffer_bytes(1024)
+    plain = causal_attention_temp(list, 1024)
+    assert causal_attention_temp(lambda: [TransformerXL(*params)], 1024) - plain < one_buffer / 4
+    # The term stored: one more buffer.
+    assert causal_attention_temp(lambda: [TermOnly(TransformerXL(*params))], 1024) - plain >= 0.75 * one_buffer

@@ -1,0 +1,39 @@
+"""Shared pieces of the tests of a logits term's fast forms (``add_logits``, ``score_features``):
+the reference way of adding a term, and the compiled temporary memory of causal attention."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.functional import dot_product_attention
+
+HEADS, HEAD_DIM = 4, 16
+
+
+@dataclasses.dataclass(frozen=True)
+class TermOnly:
+    """A hook with only ``logits``: the reference way of adding a hook's term to the scores."""
+
+    hook: object
+
+    def logits(self, q, k, context):
+        return self.hook.logits(q, k, context)
+
+
+def score_buffer_bytes(length: int) -> int:
+    """Bytes of one float32 ``[1, HEADS, length, length]`` score buffer."""
+    return HEADS * length * length * 4
+
+
+def causal_attention_temp(make_hooks, length: int) -> int:
+    """Compiled temporary bytes of causal attention on ``[1, length, HEADS, HEAD_DIM]`` q, k, v
+    with the hooks ``make_hooks()`` builds (inside the compiled function, as in a model)."""
+    spec = jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM), jnp.float32)
+    pos = jnp.arange(length)
+
+    def attend(q, k, v):
+        hooks = make_hooks()
+        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)
+
+    return jax.jit(attend).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
