@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.broadcast import broadcast_to
 from posenc_jax.functional.hooks import (
     ATTENTION_HOOKS,
     AttentionContext,
@@ -302,6 +303,8 @@ def _content_scores(query: jax.Array, key: jax.Array, scale: float) -> jax.Array
     """``scale · q·k``: ``[B, T, N, H]`` by ``[B, S, K, H]``, float32 ``[B, N, T, S]`` (grouped heads)."""
     if query.shape[2] == key.shape[2]:
         # Not the grouped form with G = 1: XLA:CPU computes that one as [S, T] and transposes it.
+        if query.dtype == jnp.float32:
+            return jnp.einsum("BTNH,BSNH->BNTS", query * jnp.float32(scale), key, preferred_element_type=jnp.float32)
         scores = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
         return scores * jnp.float32(scale)
     grouped = einops.rearrange(query, "B T (K G) H -> B T K G H", K=key.shape[2])
@@ -354,7 +357,7 @@ def attention_scores(
                     f"{type(hook).__name__}'s logits term has shape {term.shape}, which does not broadcast to the "
                     f"scores [B, N, T, S] = {scores.shape}; per-head parameters must be made for N={scores.shape[1]}"
                 )
-            scores = scores + term
+            scores = scores + broadcast_to(term, scores.shape)
     return scores
 
 

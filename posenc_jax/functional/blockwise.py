@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.attention import _content_scores, _selected_product, _value_product
+from posenc_jax.functional.broadcast import broadcast_to
 from posenc_jax.functional.hooks import (
     AttentionContext,
     CarriedLogits,
@@ -263,7 +264,7 @@ def blockwise_attention(
                     term = hook.logits(q, k, tile_context) if isinstance(hook, Logits) else None
                 if term is not None:
                     term = term.astype(jnp.float32)
-                    s = s + term.reshape((1,) * (4 - term.ndim) + term.shape)
+                    s = s + broadcast_to(term.reshape((1,) * (4 - term.ndim) + term.shape), s.shape)
             visible = jnp.ones(s.shape, bool) if tile_mask is None else jnp.broadcast_to(tile_mask, s.shape)
 
             if form in ("relu2", "relu2-row"):

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.attention import softmax_weights
+from posenc_jax.functional.broadcast import broadcast_to
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, Placement, parameter, pytree_dataclass
 from posenc_jax.functional.relative import check_max_distance, expand_relative_bias
 
@@ -145,7 +146,8 @@ class URPE:
     def normalize(self, scores, mask, context: AttentionContext):
         if np.shape(self.table)[0] != scores.shape[1]:
             raise ValueError(f"URPE table has {np.shape(self.table)[0]} heads but the scores have {scores.shape[1]}")
-        return softmax_weights(scores, mask) * self.tile_factor(context)
+        weights = softmax_weights(scores, mask)
+        return weights * broadcast_to(self.tile_factor(context), weights.shape)
 
     def tile_factor(self, context: AttentionContext) -> jax.Array:
         """The Toeplitz factor ``C`` ``[B|1, N, T, S]`` for the context's positions (a tile's, blockwise)."""

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.broadcast import broadcast_to
 from posenc_jax.functional.positions import batched_positions, position_difference
 
 __all__ = [
@@ -122,7 +123,7 @@ def by_query_blocks(
         start = jnp.minimum(block * rows, q_len - rows)
         values = block_fn(start, rows).astype(dtype)
         if into is not None:
-            values = jnp.broadcast_to(values, (batch, heads, rows, width))
+            values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), (batch, heads, rows, width))
             fresh = (start + jnp.arange(rows)) >= block * rows  # rows the block before did not add
             values = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=2) + jnp.where(fresh[:, None], values, 0)
         return jax.lax.dynamic_update_slice_in_dim(out, values, start, axis=2)
