@@ -24,6 +24,7 @@ from posenc_jax.functional import (
     register_encoding,
     registry,
 )
+from posenc_jax.functional.autodiff import plain_autodiff
 from posenc_jax.functional.hooks import PLACEMENTS, ParameterFree, Placement
 from posenc_jax.functional.rope import RoPE, apply_rope
 from posenc_jax.functional.rope_scaling import DynamicNTKScaling, LongRoPEScaling
@@ -127,6 +128,33 @@ def test_built_hooks_pass_through_jit_vmap_and_grad(rng, name):
     assert all(bool(jnp.isfinite(g).all()) for g in grad_leaves)
     if leaves:
         assert any(float(jnp.abs(g).max()) > 0 for g in grad_leaves)
+
+
+@pytest.mark.parametrize("name", _HOOK_NAMES)
+def test_forward_mode_under_plain_autodiff_is_the_transpose_of_reverse_mode(rng, name):
+    """jax.jvp inside plain_autodiff() (plain forms) against jax.vjp outside it (the custom VJPs):
+    u · (J t) = (Jᵀ u) · t for random t and u, with respect to the hook's parameters, x, q and k."""
+    hook, acts_on = _hook_and_placement(name)
+    x = _normal(rng, (B, T, N * H))
+    q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
+    positions = jnp.arange(T)
+
+    def f(hook, x, q, k):
+        return _run_hook(hook, acts_on, x, q, k, v, positions)
+
+    primals = (hook, x, q, k)
+    tangents = jax.tree.map(lambda a: _normal(rng, a.shape), primals)
+    with plain_autodiff():
+        out, forward = jax.jvp(f, primals, tangents)
+    reverse_out, pullback = jax.vjp(f, *primals)
+    np.testing.assert_allclose(out, reverse_out, atol=1e-6, rtol=1e-6)
+    u = _normal(rng, out.shape)
+    lhs = float(jnp.vdot(u, forward))
+    rhs = sum(
+        float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(pullback(u)), jax.tree.leaves(tangents), strict=True)
+    )
+    assert abs(lhs) > 1e-3  # the function depends on what is varied
+    np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
 
 
 def test_position_sampler_passes_through_jit_and_vmap():

@@ -32,7 +32,10 @@ from posenc_jax.functional.relative import (
     by_query_blocks,
     clipped_relative_index,
     diagonal_sums,
+    distance_slots,
     expand_relative_bias,
+    gather_by_distance,
+    sum_by_distance,
 )
 from posenc_jax.reference import relative as ref
 
@@ -670,3 +673,124 @@ def test_transformer_xl_term_is_not_a_buffer_of_its_own():
     assert causal_attention_temp(lambda: [TransformerXL(*params)], 1024) - plain < one_buffer / 4
     # The term stored: one more buffer.
     assert causal_attention_temp(lambda: [TermOnly(TransformerXL(*params))], 1024) - plain >= 0.75 * one_buffer
+
+
+_DISTANCE_POSITIONS = [
+    (np.arange(9), np.arange(9)),  # self-attention
+    (np.arange(4) + 1000, np.arange(11) + 993),  # offsets, T != S
+    (np.array([[0, 1, 2, 3], [50, 51, 52, 53]]), np.array([[0, 1, 2, 3, 4, 5], [40, 41, 42, 43, 44, 45]])),
+    (np.array([7]), np.arange(8)),  # one query against a cache: decoding
+    (np.array([2**31 - 4, 2**31 - 3, 2**31 - 2]), np.arange(-(2**31), -(2**31) + 5)),  # distances past int32
+    (np.array([0, 3, 4, 9]), np.arange(10)),  # gapped: the scatter path
+    (np.array([[0, 1, 2, 3], [5, 5, 6, 7]]), np.arange(6)),  # one row not a run: the scatter path
+]
+_DISTANCE_IDS = ["self", "offsets", "batched-runs", "decoding", "int32-limits", "gaps", "repeat"]
+_SLOT_MAPS = [(1, 3, 7, False), (-1, 0, 4, False), (-1, 4, 8, True), (1, 0, 2, False), (-1, 0, 1, True)]
+_SLOT_MAP_IDS = ["shaw", "deberta-causal", "deberta-p2c", "two-slots", "one-slot"]
+
+
+def _slot_one_hot(query_positions, key_positions, sign, offset, slots):
+    """The slot of every (query, key) pair from the definition, in int64 numpy: one-hot ``[B|1, T, S, R]``."""
+    qp = np.asarray(query_positions, np.int64).reshape(-1, np.shape(query_positions)[-1])
+    kp = np.asarray(key_positions, np.int64).reshape(-1, np.shape(key_positions)[-1])
+    slot = np.clip(sign * (kp[:, None, :] - qp[:, :, None]) + offset, 0, slots - 1)
+    return jnp.asarray(np.arange(slots) == slot[..., None], jnp.float32)
+
+
+def _reference_gather(x, one_hot, key_side):
+    """``out[b,n,t,s] = x[b,n,t (or s),slot(t,s)]`` as a contraction with the one-hot slots."""
+    return jnp.einsum("BNSR,BTSR->BNTS" if key_side else "BNTR,BTSR->BNTS", x, one_hot)
+
+
+@pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
+@pytest.mark.parametrize(("sign", "offset", "slots", "key_side"), _SLOT_MAPS, ids=_SLOT_MAP_IDS)
+def test_gather_by_distance_and_its_gradient_follow_the_definition(
+    rng, query_positions, key_positions, sign, offset, slots, key_side
+):
+    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+    one_hot = _slot_one_hot(query_positions, key_positions, sign, offset, slots)
+    batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+    rows = kp.shape[-1] if key_side else qp.shape[-1]
+    x = jnp.asarray(rng.normal(size=(batch, 2, rows, slots)), jnp.float32)
+    gather = lambda x: gather_by_distance(x, qp, kp, sign=sign, offset=offset, key_side=key_side)
+    out = jax.jit(gather)(x)
+    np.testing.assert_allclose(out, _reference_gather(x, one_hot, key_side), rtol=1e-6, atol=1e-6)
+    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    ours = jax.jit(jax.grad(lambda x: (gather(x) * cotangent).sum()))(x)
+    plain = jax.grad(lambda x: (_reference_gather(x, one_hot, key_side) * cotangent).sum())(x)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(plain)).max() > 0.1  # a gradient that can be wrong
+
+
+@pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
+@pytest.mark.parametrize(("sign", "offset", "slots"), [(1, 2, 5), (-1, 1, 3), (1, 0, 2), (-1, 0, 1)])
+def test_sum_by_distance_and_its_gradient_follow_the_definition(
+    rng, query_positions, key_positions, sign, offset, slots
+):
+    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+    one_hot = _slot_one_hot(query_positions, key_positions, sign, offset, slots)
+    batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+    weights = jnp.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), jnp.float32)
+    mask = jnp.asarray(rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7)
+    hidden = jnp.where(mask, weights, jnp.nan)  # hidden weights must reach no slot and no gradient
+    summed = lambda w: sum_by_distance(w, qp, kp, sign=sign, offset=offset, slots=slots, mask=mask)
+    reference = lambda w: jnp.einsum("BNTS,BTSR->BNTR", jnp.where(mask, w, 0.0), one_hot)
+    out = jax.jit(summed)(hidden)
+    np.testing.assert_allclose(out, reference(weights), rtol=1e-5, atol=1e-5)
+    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+    ours = jax.jit(jax.grad(lambda w: (summed(w) * cotangent).sum()))(hidden)
+    plain = jax.grad(lambda w: (reference(w) * cotangent).sum())(weights)
+    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(plain)).max() > 0.1
+
+
+def test_distance_gradients_map_over_a_batch_of_positions(rng):
+    """vmap over per-example positions (one run, one gapped) gives the batched call's gradients."""
+    qp = jnp.array([[3, 4, 5, 6], [0, 2, 3, 7]])
+    kp = jnp.array([[0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]])
+    x = jnp.asarray(rng.normal(size=(2, 2, 4, 5)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(2, 2, 4, 8)), jnp.float32)
+
+    def loss(x, qp, kp, c):
+        return (gather_by_distance(x, qp, kp, sign=1, offset=2) * c).sum()
+
+    mapped = jax.jit(jax.vmap(jax.grad(loss)))(x[:, None], qp[:, None], kp[:, None], cotangent[:, None])[:, 0]
+    np.testing.assert_allclose(mapped, jax.grad(loss)(x, qp, kp, cotangent), rtol=1e-6, atol=1e-6)
+    one_hot = _slot_one_hot(qp, kp, 1, 2, 5)
+    plain = jax.grad(lambda x: (_reference_gather(x, one_hot, False) * cotangent).sum())(x)
+    np.testing.assert_allclose(mapped, plain, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gapped", [False, True], ids=["runs", "scatter"])
+def test_bfloat16_sums_accumulate_in_float32_on_both_paths(gapped):
+    kp = jnp.arange(2048).at[5].set(4) if gapped else jnp.arange(2048)
+    weights = jnp.ones((1, 1, 1, 2048), jnp.bfloat16)
+    out = sum_by_distance(weights, jnp.array([0]), kp, sign=1, offset=1, slots=3)
+    assert out.dtype == jnp.bfloat16
+    # 2047 keys in the far slot: a bfloat16 accumulator would stop at 256.
+    np.testing.assert_allclose(np.asarray(out[0, 0, 0], np.float32), [0.0, 1.0, 2048.0], rtol=1e-2)
+    gradient = jax.grad(
+        lambda x: gather_by_distance(x, jnp.array([0]), kp, sign=1, offset=1).astype(jnp.float32).sum()
+    )(jnp.ones((1, 1, 1, 3), jnp.bfloat16))
+    assert gradient.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(gradient[0, 0, 0], np.float32), [0.0, 1.0, 2048.0], rtol=1e-2)
+
+
+def test_distance_helpers_take_empty_sequences():
+    pos = jnp.arange(4)
+    empty = jnp.zeros((0,), jnp.int32)
+    table = jnp.ones((1, 1, 0, 5))
+    assert gather_by_distance(table, empty, pos, sign=1, offset=2).shape == (1, 1, 0, 4)
+    grad = jax.grad(lambda x: gather_by_distance(x, pos[:3], empty, sign=1, offset=2).sum())(jnp.ones((1, 1, 3, 5)))
+    np.testing.assert_array_equal(grad, 0.0)
+    summed = sum_by_distance(jnp.ones((1, 1, 3, 0)), pos[:3], empty, sign=1, offset=2, slots=5)
+    np.testing.assert_array_equal(summed, jnp.zeros((1, 1, 3, 5)))
+
+
+def test_distance_slots_refuse_a_bad_slot_map():
+    with pytest.raises(ValueError, match="sign must be 1 or -1"):
+        distance_slots(jnp.arange(3), jnp.arange(3), sign=2, offset=0, slots=3)
+    with pytest.raises(ValueError, match="sign must be 1 or -1"):
+        distance_slots(jnp.arange(3), jnp.arange(3), sign=True, offset=0, slots=3)
+    with pytest.raises(ValueError, match=r"offset .* in \[0, slots=3\), got 3"):
+        distance_slots(jnp.arange(3), jnp.arange(3), sign=1, offset=3, slots=3)

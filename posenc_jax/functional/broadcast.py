@@ -17,6 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.functional.autodiff import custom_gradients
+
 __all__ = ["broadcast_to", "sum_to_shape"]
 
 # Broadcast axes up to this long are summed slice by slice; longer ones by one reduction.
@@ -75,6 +77,8 @@ def broadcast_to(x: jax.Array, shape: tuple) -> jax.Array:
     if tuple(x.shape) == shape:
         return x
     _broadcast_axes(x.shape, shape)  # checked here, before any gradient is traced
+    if not custom_gradients():
+        return jnp.broadcast_to(x, shape)
     return _broadcast(x, tuple(x.shape), shape)
 
 

@@ -35,6 +35,7 @@ from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import (
     by_query_blocks,
+    gather_by_distance,
     gather_relative,
     gather_relative_transposed,
     relative_positions,
@@ -222,6 +223,19 @@ def deberta_logits(
 
     batch = max(q.shape[0], query_positions.shape[0])
     out_shape = (batch, num_heads, q.shape[1], k.shape[1])
+    if block_elements is None and position_buckets == 0 and key_projection is None:
+        # Raw clipped distances: slot = clip(query_pos - key_pos + span - first_slot, 0, slots - 1), gathered
+        # with a gradient that needs no scatter where positions are runs.
+        # The scale goes on the per-slot values, so both gradients read the score cotangent as it is.
+        offset, factor = span - first_slot, jnp.float32(scale)
+        total = 0.0
+        if c2p is not None:
+            total = total + gather_by_distance(c2p * factor, query_positions, key_positions, sign=-1, offset=offset)
+        if p2c is not None:
+            total = total + gather_by_distance(
+                p2c * factor, query_positions, key_positions, sign=-1, offset=offset, key_side=True
+            )
+        return jnp.broadcast_to(total, out_shape)
     if block_elements is None:
         return jnp.broadcast_to(block(0, q.shape[1]), out_shape)
     return by_query_blocks(block, out_shape, jnp.float32, block_elements=block_elements)

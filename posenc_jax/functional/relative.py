@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.broadcast import broadcast_to
+from posenc_jax.functional.autodiff import custom_gradients
+from posenc_jax.functional.broadcast import broadcast_to, sum_to_shape
 from posenc_jax.functional.positions import batched_positions, position_difference
 
 __all__ = [
@@ -34,10 +35,13 @@ __all__ = [
     "clipped_relative_index",
     "consecutive_rows",
     "diagonal_sums",
+    "distance_slots",
     "expand_relative_bias",
+    "gather_by_distance",
     "gather_relative",
     "gather_relative_transposed",
     "relative_positions",
+    "sum_by_distance",
 ]
 
 
@@ -197,6 +201,8 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
     k = check_max_distance(max_distance)
     q = batched_positions(query_positions, "query_positions")
     kp = batched_positions(key_positions, "key_positions")
+    if not custom_gradients():
+        return _expand_by_gather(per_distance.astype(jnp.float32), q, kp, k)
     return _expand(per_distance.astype(jnp.float32), q, kp, k)
 
 
@@ -281,3 +287,222 @@ def _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k: i
     return jax.ops.segment_sum(
         jnp.moveaxis(sums, 1, -1).reshape(-1, sums.shape[1]), slots.reshape(-1), num_segments=num_slots
     ).T
+
+
+def distance_slots(query_positions, key_positions, *, sign: int, offset: int, slots: int) -> jax.Array:
+    """``clip(sign · (key_pos - query_pos) + offset, 0, slots - 1)``, int32 ``[B|1, T, S]``.
+
+    The slot map of Shaw (``sign=1, offset=k, slots=2k+1``) and of DeBERTa's raw clipped
+    distances (``sign=-1``, the query-minus-key convention), without int32 overflow.
+
+    Example:
+      >>> distance_slots(jnp.arange(3), jnp.arange(3), sign=1, offset=1, slots=3)[0]
+      Array([[1, 2, 2],
+             [0, 1, 2],
+             [0, 0, 1]], dtype=int32)
+    """
+    _check_slot_map(sign, offset, slots)
+    rel = relative_positions(query_positions, key_positions)
+    return jnp.clip(sign * rel, -offset, slots - 1 - offset) + offset
+
+
+def _check_slot_map(sign, offset, slots):
+    if isinstance(sign, bool) or sign not in (1, -1):
+        raise ValueError(f"sign must be 1 or -1 (the direction of key_pos - query_pos), got {sign!r}")
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset < slots:
+        raise ValueError(f"offset (the slot of distance 0) must be an integer in [0, slots={slots}), got {offset!r}")
+
+
+# Scatter temporaries budget of the gapped-positions path, in elements.
+_SCATTER_BLOCK = 1 << 20
+
+
+def gather_by_distance(
+    per_distance: jax.Array, query_positions, key_positions, *, sign: int, offset: int, key_side: bool = False
+) -> jax.Array:
+    """``out[b,n,t,s] = x[b,n,t,slot(t,s)]`` with ``slot = clip(sign·(key_pos[s] - query_pos[t]) + offset, 0, R-1)``.
+
+    :func:`gather_relative` for a clipped-distance slot map, with a gradient that needs no
+    scatter: where every row of positions is a run of consecutive integers, each interior
+    slot r of query t is read by exactly one key, ``s = t + sign·(r - offset) - d`` with
+    ``d = key_pos[0] - query_pos[0]``, so the gradient is a gather of the cotangent and the
+    two end slots are masked row sums (:func:`sum_by_distance`); gapped positions keep the
+    scatter. Both are plain autodiff's gradient (``tests/test_relative.py``). Reverse mode
+    only: for ``jax.jvp`` trace it inside :func:`~posenc_jax.functional.autodiff.plain_autodiff`.
+
+    Args:
+      per_distance: ``[B, N, T, R]`` values per query and slot (``[B, N, S, R]`` per key
+        with ``key_side``: then ``out[b,n,t,s] = x[b,n,s,slot(t,s)]``, DeBERTa's p2c).
+      query_positions, key_positions: integer ``[T]``/``[B, T]`` and ``[S]``/``[B, S]``.
+      sign, offset: the slot map; ``R = per_distance.shape[-1]`` slots.
+      key_side: the values belong to keys, not queries.
+
+    Returns:
+      ``[B, N, T, S]``, ``per_distance``'s dtype.
+
+    Example:
+      >>> x = jnp.arange(3.0).reshape(1, 1, 1, 3) * jnp.ones((1, 1, 3, 1))
+      >>> gather_by_distance(x, jnp.arange(3), jnp.arange(3), sign=1, offset=1)[0, 0]
+      Array([[1., 2., 2.],
+             [0., 1., 2.],
+             [0., 0., 1.]], dtype=float32)
+    """
+    slots = per_distance.shape[-1]
+    _check_slot_map(sign, offset, slots)
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    if not custom_gradients() or q.shape[1] == 0 or k.shape[1] == 0:
+        return _gather_plain(per_distance, q, k, sign, offset, key_side)
+    return _gather_by_distance(
+        per_distance, q, k, sign, offset, key_side, tuple(per_distance.shape), jnp.dtype(per_distance.dtype)
+    )
+
+
+def sum_by_distance(
+    weights: jax.Array,
+    query_positions,
+    key_positions,
+    *,
+    sign: int,
+    offset: int,
+    slots: int,
+    mask=None,
+    block_elements: int = _SCATTER_BLOCK,
+) -> jax.Array:
+    """``out[b,n,t,r] = Σ_{s: slot(t,s) = r} w[b,n,t,s]``: the transpose of :func:`gather_by_distance`.
+
+    Where positions are runs, a gather of the interior slots and two masked row sums (no
+    scatter); otherwise :func:`bucket_relative`'s blocked scatter. Sums accumulate in
+    float32 whatever the weights' dtype. Its gradient is the gather. ``mask``
+    (broadcastable to ``[B, N, T, S]``) leaves hidden weights out by selection, whatever
+    they hold; ``block_elements`` bounds the scatter's temporaries.
+
+    Returns:
+      ``[B, N, T, slots]``, the weights' dtype.
+
+    Example:
+      >>> w = jnp.ones((1, 1, 3, 3))
+      >>> sum_by_distance(w, jnp.arange(3), jnp.arange(3), sign=1, offset=1, slots=3)[0, 0]
+      Array([[0., 1., 2.],
+             [1., 1., 1.],
+             [2., 1., 0.]], dtype=float32)
+    """
+    _check_slot_map(sign, offset, slots)
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    if mask is not None:  # [B|1, N|1, T|1, S|1]; applied inside each path, so no masked copy is stored
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if weights.shape[-2] == 0 or weights.shape[-1] == 0:  # no query or no key: every sum is empty
+        return jnp.zeros((*weights.shape[:-1], slots), weights.dtype)
+    if not custom_gradients():
+        return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
+    return _sum_by_distance(
+        weights, q, k, mask, sign, offset, slots, block_elements, tuple(weights.shape), jnp.dtype(weights.dtype)
+    )
+
+
+def _gather_plain(per_distance, q, k, sign, offset, key_side):
+    index = distance_slots(q, k, sign=sign, offset=offset, slots=per_distance.shape[-1])
+    return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _gather_by_distance(per_distance, q, k, sign, offset, key_side, shape, dtype):
+    return _gather_plain(per_distance, q, k, sign, offset, key_side)
+
+
+def _gather_by_distance_forward(per_distance, q, k, sign, offset, key_side, shape, dtype):
+    return _gather_plain(per_distance, q, k, sign, offset, key_side), (q, k)
+
+
+def _gather_by_distance_backward(sign, offset, key_side, shape, dtype, residuals, cotangent):
+    q, k = residuals
+    slots = shape[-1]
+    if key_side:  # x[b,n,s,slot]: the same map seen from the keys, distances negated
+        summed = _sums(jnp.swapaxes(cotangent, -1, -2), k, q, -sign, offset, slots)
+    else:
+        summed = _sums(cotangent, q, k, sign, offset, slots)
+    return sum_to_shape(summed, shape).astype(dtype), None, None
+
+
+_gather_by_distance.defvjp(_gather_by_distance_forward, _gather_by_distance_backward)
+
+
+def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None):
+    """:func:`sum_by_distance` where every row of positions is a run: no scatter."""
+    if mask is not None:
+        weights = jnp.where(mask, weights, jnp.zeros((), weights.dtype))
+    if slots == 1:
+        return weights.sum(axis=-1, keepdims=True)
+    _, _, q_len, k_len = weights.shape
+    reach = q_len + k_len + slots  # a row offset beyond this puts every pair in one end slot either way
+    row_offset = jnp.clip(position_difference(k[:, :1], q[:, :1]), -reach, reach)[:, :, None]  # [B|1, 1, 1]
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+    s = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    r = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, R]
+    # The slot before clipping, sign·(key_pos - query_pos) + offset, at every (t, s): [B|1, T, S].
+    value = sign * (row_offset + s - t) + offset
+    zero = jnp.zeros((), weights.dtype)
+    # Both end slots in one reduction with two outputs: as two reductions, XLA:CPU stored the weights
+    # once more (their third and fourth readers besides the value product and the gather).
+    low, high = jax.lax.reduce(
+        (jnp.where((value <= 0)[:, None], weights, zero), jnp.where((value >= slots - 1)[:, None], weights, zero)),
+        (zero, zero),
+        lambda x, y: (x[0] + y[0], x[1] + y[1]),
+        (3,),
+    )  # [B, N, T] each
+    key = t + sign * (r - offset) - row_offset  # the key of slot r in row t: [B|1, T, R]
+    inside = (key >= 0) & (key < k_len) & (r > 0) & (r < slots - 1)
+    interior = jnp.take_along_axis(weights, jnp.clip(key, 0, k_len - 1)[:, None], axis=-1, mode="clip")
+    interior = jnp.where(inside[:, None], interior, zero)
+    r = r[:, None]  # [1, 1, 1, R]
+    return interior + jnp.where(r == 0, low[..., None], zero) + jnp.where(r == slots - 1, high[..., None], zero)
+
+
+def _sums_by_scatter(weights, q, k, sign: int, offset: int, slots: int, block_elements: int, mask=None):
+    def index_rows(start, rows):
+        block = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)
+        return distance_slots(block, k, sign=sign, offset=offset, slots=slots)
+
+    return bucket_relative(weights, index_rows, slots, mask=mask, block_elements=block_elements)
+
+
+def _sums(weights, q, k, sign, offset, slots, block_elements=_SCATTER_BLOCK, mask=None):
+    """Float32 sums by slot, by runs or by scatter as the positions allow; the weights' dtype.
+
+    The mask goes into the conditional as it is and is applied inside each branch, where it
+    fuses: a masked copy of the weights as the conditional's operand would be stored whole.
+    """
+    runs = consecutive_rows(q) & consecutive_rows(k)
+    summed = jax.lax.cond(
+        runs,
+        lambda w, m: _sums_over_runs(w, q, k, sign, offset, slots, m),
+        lambda w, m: _sums_by_scatter(w, q, k, sign, offset, slots, block_elements, m),
+        weights.astype(jnp.float32),
+        mask,
+    )
+    return summed.astype(weights.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _sum_by_distance(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
+    return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
+
+
+def _sum_by_distance_forward(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
+    return _sums(weights, q, k, sign, offset, slots, block_elements, mask), (q, k, mask)
+
+
+def _sum_by_distance_backward(sign, offset, slots, block_elements, shape, dtype, residuals, cotangent):
+    q, k, mask = residuals
+    gathered = _gather_plain(cotangent, q, k, sign, offset, False)
+    if mask is not None:
+        gathered = jnp.where(mask, gathered, jnp.zeros((), gathered.dtype))
+    gathered = sum_to_shape(jnp.broadcast_to(gathered, jnp.broadcast_shapes(gathered.shape, shape)), shape)
+    return gathered.astype(dtype), None, None, None
+
+
+_sum_by_distance.defvjp(_sum_by_distance_forward, _sum_by_distance_backward)

@@ -19,14 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
-from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import (
-    bucket_relative,
-    check_max_distance,
-    clipped_relative_index,
-    gather_relative,
-)
+from posenc_jax.functional.relative import check_max_distance, gather_by_distance, sum_by_distance
 
 __all__ = ["Shaw", "ShawConfig", "shaw_key_logits", "shaw_value_term"]
 
@@ -77,8 +71,7 @@ def shaw_key_logits(q, table, query_positions, key_positions, *, max_distance: i
         scale = 1.0 / np.sqrt(q.shape[-1])
     spec = "BTNH,RH->BNTR" if np.ndim(table) == 2 else "BTNH,NRH->BNTR"
     per_distance = jnp.einsum(spec, q, table, preferred_element_type=jnp.float32)
-    index = clipped_relative_index(query_positions, key_positions, k)
-    return gather_relative(per_distance, index) * jnp.float32(scale)
+    return gather_by_distance(per_distance, query_positions, key_positions, sign=1, offset=k) * jnp.float32(scale)
 
 
 def shaw_value_term(
@@ -100,14 +93,15 @@ def shaw_value_term(
     """
     k = check_max_distance(max_distance)
     _check_table(table, k, None, "value table")
-    query_positions = batched_positions(query_positions, "query_positions")
-
-    def index_rows(start, rows):  # slots of a block of query rows, never the whole [T, S] index
-        block = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
-        return clipped_relative_index(block, key_positions, k)
-
-    buckets = bucket_relative(
-        weights.astype(jnp.float32), index_rows, 2 * k + 1, mask=mask, block_elements=block_elements
+    buckets = sum_by_distance(
+        weights.astype(jnp.float32),
+        query_positions,
+        key_positions,
+        sign=1,
+        offset=k,
+        slots=2 * k + 1,
+        mask=mask,
+        block_elements=block_elements,
     )  # [B, N, T, 2k+1]
     spec = "BNTR,RH->BTNH" if np.ndim(table) == 2 else "BNTR,NRH->BTNH"
     return jnp.einsum(spec, buckets, table, preferred_element_type=jnp.float32)

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.autodiff import custom_gradients
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.positions import (
     batched_positions,
@@ -215,7 +216,10 @@ def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax
         jnp.swapaxes(projected, 0, 1),
         preferred_element_type=jnp.float32,
     )
-    return _shift_to_keys(scores, jnp.asarray(first_row, jnp.int32), q_len)
+    first_row = jnp.asarray(first_row, jnp.int32)
+    if not custom_gradients():
+        return _gather_ladder_columns(scores, first_row, q_len)
+    return _shift_to_keys(scores, first_row, q_len)
 
 
 def _ladder_columns(first_row, rows: int, q_len: int, k_len: int) -> jax.Array:
@@ -233,12 +237,16 @@ def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.A
     A gather XLA fuses into its consumer; its transpose (below) is a gather and a masked
     sum, not the scatter autodiff would make of it.
     """
+    return _gather_ladder_columns(scores, first_row, q_len)
+
+
+def _gather_ladder_columns(scores, first_row, q_len: int) -> jax.Array:
     rows, k_len = scores.shape[-2:]
     return jnp.take_along_axis(scores, _ladder_columns(first_row, rows, q_len, k_len)[None, None], axis=-1)
 
 
 def _shift_forward(scores, first_row, q_len):
-    return _shift_to_keys(scores, first_row, q_len), first_row
+    return _gather_ladder_columns(scores, first_row, q_len), first_row
 
 
 def _shift_backward(q_len, first_row, cotangent):
