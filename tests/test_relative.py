@@ -556,9 +556,9 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
     from posenc_jax.functional import SinusoidalRelative, dot_product_attention
 
     rng = np.random.default_rng(5)
-    q = jnp.asarray(rng.normal(size=(2, 9, 4, 8)), jnp.float32)
-    k, v = (jnp.asarray(rng.normal(size=(2, 11, kv_heads, 8)), jnp.float32) for _ in range(2))
-    qp, kp = jnp.arange(2, 11) * 3, jnp.arange(11) * 3
+    q = jnp.asarray(rng.normal(size=(2, 20, 4, 8)), jnp.float32)  # T = 20 > H + F = 16: joined
+    k, v = (jnp.asarray(rng.normal(size=(2, 22, kv_heads, 8)), jnp.float32) for _ in range(2))
+    qp, kp = jnp.arange(2, 22) * 3, jnp.arange(22) * 3
     hook = SinusoidalRelative(scale=scale)
 
     def attend(q, k, v, joined):
@@ -568,6 +568,17 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
         return (out * jnp.sin(out)).sum(), out
 
     grad = jax.jit(jax.grad(attend, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    concatenations = lambda *args: str(jax.make_jaxpr(attend, static_argnums=3)(*args)).count("concatenate")
+    assert concatenations(q, k, v, True) > concatenations(q, k, v, False)  # the features joined q and k
+
+    def decode(q, joined):  # one query against the keys: the term is added, no key is copied with features
+        encodings = [hook if joined else TermOnly(hook)]
+        return dot_product_attention(q, k, v, query_positions=qp[-1:], key_positions=kp, encodings=encodings)
+
+    step = q[:, -1:]
+    count = lambda joined: str(jax.make_jaxpr(decode, static_argnums=1)(step, joined)).count("concatenate")
+    assert count(True) == count(False)
+    np.testing.assert_allclose(decode(step, True), decode(step, False), atol=2e-6)
     want_grads, want = grad(q, k, v, False)
     got_grads, got = grad(q, k, v, True)
     np.testing.assert_allclose(got, want, atol=2e-6)

@@ -334,8 +334,14 @@ def attention_scores(
     # the same sums, one contraction), so they are never a [B, N, T, S] buffer of their own.
     joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32 and context.scale != 0
     joined = [h for h in hooks if joinable and isinstance(h, Logits) and hasattr(h, "score_features")]
+    # Joining copies every key with its features (S·(H + F) values per head) to spare storing the
+    # term (T·S per head): worth it from T > H + F on, not when decoding a few tokens against a
+    # cache (there the copy of the whole cache each step made a step 2.8x NoPE's).
+    widths = sum(jax.eval_shape(lambda h=h: h.score_features(query, key, context))[1].shape[-1] for h in joined)
+    if query.shape[1] <= key.shape[-1] + widths:
+        joined = []
+    features = [hook.score_features(query, key, context) for hook in joined]
     if joined:
-        features = [hook.score_features(query, key, context) for hook in joined]
         per_key = [
             jnp.broadcast_to(fk[:, :, None, :], (key.shape[0], key.shape[1], key.shape[2], fk.shape[-1]))
             for _, fk in features
