@@ -79,8 +79,7 @@ def clipped_relative_index(query_positions, key_positions, max_distance: int, *,
     ``sign=-1`` gives the query-minus-key convention (i - j) of Transformer-XL and DeBERTa.
     """
     k = check_max_distance(max_distance)
-    rel = relative_positions(query_positions, key_positions)
-    return jnp.clip(sign * rel, -k, k) + k
+    return distance_slots(query_positions, key_positions, sign=sign, offset=k, slots=2 * k + 1)
 
 
 def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
