@@ -314,17 +314,19 @@ def test_decoding_step_rotates_only_the_new_tokens():
 
 
 @pytest.mark.parametrize(
-    "name, shapes",
+    "name, shapes, tables",
     [
-        ("deberta", [(2, 16, HEADS, 4)]),
-        ("transformer-xl", [(2, 16, HEADS), (2, 16, D)]),
-        ("functional-relative", [(2, 16, D // HEADS)]),
+        ("deberta", [(2, 16, HEADS, 4)], []),
+        # Transformer-XL: u·k per key, and W_R R_d for every distance the 16 slots can hold (no sinusoid per key).
+        ("transformer-xl", [(2, 16, HEADS)], [(16, HEADS, D // HEADS)]),
+        ("functional-relative", [(2, 16, D // HEADS)], []),
     ],
 )
-def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes):
+def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes, tables):
     model = _model(_config(name))
     caches = model.init_cache(2, 16)
     assert sorted(leaf.shape for leaf in jax.tree.leaves(caches[0].features)) == sorted(shapes)
+    assert [leaf.shape for leaf in jax.tree.leaves(caches[0].tables)] == tables
     tokens = _tokens(rng, 2, 7)
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
     full = model(tokens, positions)
@@ -337,3 +339,23 @@ def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes):
             logits, caches = model.decode(tokens[:, t : t + 1], positions[:, t : t + 1], caches)
             outputs.append(logits)
         np.testing.assert_allclose(jnp.concatenate(outputs, 1), full, atol=2e-4, rtol=1e-4)
+        if tables and empty is not plain:  # the prefill's table, kept by every step after: W_R R_d, d = 0 .. 15
+            hook = model.blocks[0].attention._hooks(None)[0]
+            np.testing.assert_allclose(caches[0].tables[0], hook.cache_table(16), rtol=1e-6)
+
+
+def test_a_cache_computes_its_tables_at_its_first_write_only():
+    spec = jax.ShapeDtypeStruct
+    empty = KVCache.empty(1, 4, 1, 2, features=(None, None), tables=(spec((3,), jnp.float32), None))
+    write = jax.jit(
+        lambda cache, value: cache.append(
+            k, k, jnp.zeros((1, 1), jnp.int32), features=(None, None), tables=(lambda: jnp.full(3, value), None)
+        )
+    )
+    k = jnp.ones((1, 1, 1, 2))
+    first = write(empty, 1.0)
+    np.testing.assert_array_equal(first.tables[0], [1.0, 1.0, 1.0])
+    assert first.tables[1] is None
+    np.testing.assert_array_equal(write(first, 2.0).tables[0], [1.0, 1.0, 1.0])  # kept, not made again
+    with pytest.raises(ValueError, match="tables needs one entry per entry of features"):
+        KVCache.empty(1, 4, 1, 2, features=(None,), tables=(None, None))

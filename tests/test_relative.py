@@ -37,6 +37,7 @@ from posenc_jax.functional.relative import (
     gather_by_distance,
     sum_by_distance,
 )
+from posenc_jax.functional.transformer_xl import project_distances
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -546,6 +547,69 @@ def test_transformer_xl_causal_ladder_equals_the_identity_with_gradients(rng, qu
     ):
         np.testing.assert_allclose(causal_grad, identity_grad, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(loss(q, k, *params, True), loss(q, k, *params, False), rtol=1e-5)
+
+
+_EMPTY = -1  # an empty cache slot: position 0, masked
+
+
+def _slots(*rows):
+    """Key positions ``[B, S]`` and the key mask of cache slots (``_EMPTY``: position 0, masked)."""
+    positions = np.array(rows)
+    return jnp.asarray(np.where(positions == _EMPTY, 0, positions)), jnp.asarray(positions != _EMPTY)
+
+
+@pytest.mark.parametrize(
+    "query_positions, key_slots, table_length, by_table",
+    [
+        ([[9], [9]], _slots(list(range(10)), list(range(10))), 16, True),  # a decoding step
+        ([[4], [2]], _slots([0, 1, 2, 3, 4, _EMPTY], [_EMPTY, _EMPTY, 0, 1, 2, _EMPTY]), 6, True),  # left padding
+        ([[1005], [1003]], _slots([1000, 1001, 1002, 1003, 1004, 1005, _EMPTY], [1000] * 4 + [_EMPTY] * 3), 7, True),
+        ([[30], [30]], _slots([0, 5, 10, 15, 20, 25, 30], list(range(24, 31))), 8, False),  # a gap: 30 > 7
+        ([[5], [5]], _slots(list(range(6)), [0, 1, 2, 3, 4, 5]), 5, False),  # distance 5 not in a 5-row table
+    ],
+    ids=["decode", "left-padded", "offset-empty-slots", "gaps", "table-too-short"],
+)
+def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions, key_slots, table_length, by_table):
+    """A KV cache's table of ``W_R R_d`` (d = 0 .. L-1): the same term as the sinusoid identity on
+    every key the mask lets through; keys at distances outside the table, unless masked, take
+    the identity. Which way was taken shows by corrupting the table: only the table way moves."""
+    key_positions, key_mask = key_slots
+    qp = jnp.asarray(query_positions)
+    q = _normal(rng, (2, 1, N, H))
+    k = _normal(rng, (2, key_positions.shape[1], N, H))
+    w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
+    mask = (key_mask[:, None, :] & (key_positions[:, None, :] <= qp[:, :, None]))[:, None]  # [B, 1, 1, S]
+    kw = dict(position_projection=w_r, content_bias=u, position_bias=v, causal=True)
+    table = project_distances(jnp.arange(table_length), w_r)
+    step = jax.jit(lambda table: transformer_xl_logits(q, k, qp, key_positions, distance_table=table, mask=mask, **kw))
+    want = transformer_xl_logits(q, k, qp, key_positions, **kw)
+    seen = np.broadcast_to(np.asarray(mask), want.shape)
+    np.testing.assert_allclose(np.asarray(step(table))[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5)
+    moved = np.abs(np.asarray(step(table + 1.0)) - np.asarray(want))[seen].max()
+    assert (moved > 0.1) == by_table
+    # Per-key features as a cache stores them (no sinusoids): the same.
+    features = TransformerXL(w_r, u, v).key_features(k, key_positions)
+    assert set(features) == {"content"}
+    cached = transformer_xl_logits(
+        q, k, qp, key_positions, key_features=features, distance_table=table, mask=mask, **kw
+    )
+    np.testing.assert_allclose(np.asarray(cached)[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5)
+
+
+def test_transformer_xl_distance_table_refuses_a_wrong_shape(rng):
+    q, k = _normal(rng, (1, 1, N, H)), _normal(rng, (1, 3, N, H))
+    w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
+    with pytest.raises(ValueError, match=r"distance_table must have shape \[L, N=2"):
+        transformer_xl_logits(
+            q,
+            k,
+            jnp.array([2]),
+            jnp.arange(3),
+            position_projection=w_r,
+            content_bias=u,
+            position_bias=v,
+            distance_table=jnp.zeros((5, N + 1, H)),
+        )
 
 
 @pytest.mark.parametrize("scale", [None, 0.3])

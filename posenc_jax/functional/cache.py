@@ -11,8 +11,12 @@ for every cached key is stored once, when the key arrives:
   rotated again at every step, so each token decodes exactly as the full forward pass of
   its prefix does;
 * per-key terms of the layer's encodings (``features``): DeBERTa's position-to-content
-  projections of each key, Transformer-XL's sinusoids of each key position and its
-  content-bias term (see :class:`CachedKeyTerm`).
+  projections of each key, Transformer-XL's content-bias term of each key (see
+  :class:`CachedKeyTerm`);
+* tables of the layer's encodings that depend on no key (``tables``), computed when the
+  cache is first written and kept after: Transformer-XL's relative sinusoids projected
+  once for every distance the cache can hold (see :class:`CachedTable`), so a step scores
+  its query against them instead of recomputing a sinusoid per key.
 
 Which slots hold a real token is tracked explicitly (``valid``), and the attention
 takes it as a key mask: an empty slot, or a padding token appended with
@@ -28,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["CachedKeyTerm", "KVCache"]
+__all__ = ["CachedKeyTerm", "CachedTable", "KVCache"]
 
 
 @runtime_checkable
@@ -47,13 +51,31 @@ class CachedKeyTerm(Protocol):
     def with_key_features(self, features): ...
 
 
+@runtime_checkable
+class CachedTable(Protocol):
+    """A :class:`CachedKeyTerm` with a part that depends on no key, which a KV cache computes once.
+
+    ``cache_table(capacity)`` gives a pytree of arrays for a cache of ``capacity`` slots,
+    from the hook's parameters alone (e.g. a projection for every distance the cache can
+    hold); a cache computes it at its first write (with the parameters of that call, as it
+    stores the keys of that call) and keeps it. ``with_cache_table(table)`` is the same hook
+    reading it. With and without the table the hook must give the same logits.
+    """
+
+    def cache_table(self, capacity: int): ...
+
+    def with_cache_table(self, table): ...
+
+
 class KVCache(NamedTuple):
     """Keys and values decoded so far: ``key``/``value`` ``[B, L, K, H]``, ``positions`` ``[B, L]``,
     ``valid`` ``[B, L]`` (True where a slot holds a real token: the key mask of the cache),
     ``length`` (int32 scalar): the slots ``0..length-1`` are filled. Empty slots hold
     position 0 and are not valid. ``features``: a tuple of pytrees of ``[B, L, ...]`` arrays,
     the per-key terms of the layer's encodings (:class:`CachedKeyTerm`), zero where a slot
-    is empty or padding.
+    is empty or padding. ``tables``: one entry per entry of ``features``, the hook's
+    :class:`CachedTable` pytree (None for a hook without one), computed at the first
+    :meth:`append` and unchanged after.
 
     Example:
       >>> cache = KVCache.empty(batch=1, max_length=4, num_kv_heads=2, head_dim=8)
@@ -68,16 +90,31 @@ class KVCache(NamedTuple):
     valid: jax.Array
     length: jax.Array
     features: tuple = ()
+    tables: tuple = ()
 
     @classmethod
     def empty(
-        cls, batch: int, max_length: int, num_kv_heads: int, head_dim: int, dtype=jnp.float32, features=()
+        cls,
+        batch: int,
+        max_length: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype=jnp.float32,
+        features=(),
+        tables=(),
     ) -> KVCache:
         """An empty cache of ``max_length`` slots.
 
         ``features``: a tuple of pytrees of ``jax.ShapeDtypeStruct`` ``[B, 1, ...]`` (the
         per-key terms of one key, e.g. from ``jax.eval_shape``), each stored ``[B, L, ...]``.
+        ``tables``: empty, or one pytree of ``jax.ShapeDtypeStruct`` (or None) per entry of
+        ``features``, the shapes of the :class:`CachedTable` parts (zeros until the first write).
         """
+        if tables and len(tables) != len(features):
+            raise ValueError(
+                f"tables needs one entry per entry of features ({len(features)}), got {len(tables)}; pass None "
+                f"for a term without a table"
+            )
         shape = (batch, max_length, num_kv_heads, head_dim)
         stored = tuple(
             jax.tree.map(lambda s: jnp.zeros((batch, max_length) + tuple(s.shape[2:]), s.dtype), spec)
@@ -90,15 +127,21 @@ class KVCache(NamedTuple):
             jnp.zeros((batch, max_length), jnp.bool_),
             jnp.zeros((), jnp.int32),
             stored,
+            tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec) for spec in tables),
         )
 
-    def append(self, key: jax.Array, value: jax.Array, positions: jax.Array, valid=None, features=()) -> KVCache:
+    def append(
+        self, key: jax.Array, value: jax.Array, positions: jax.Array, valid=None, features=(), tables=()
+    ) -> KVCache:
         """Writes ``[B, T, K, H]`` keys/values at positions ``[B, T]`` into the next T slots.
 
         ``valid`` (boolean ``[B, T]``, default all True) marks real tokens; a slot written
         with False (padding) is masked like an empty one. ``features`` (one pytree of
         ``[B, T, ...]`` arrays per entry of the cache's ``features``) are the new keys'
-        per-key terms; they are stored as zeros where a token is not valid.
+        per-key terms; they are stored as zeros where a token is not valid. ``tables``
+        (empty, or one per entry of the cache's ``tables``: a function of no arguments
+        giving that table, or None) are computed at the first write (an empty cache) only;
+        later writes keep the stored tables and never call them.
 
         Overflowing the cache is an error (raised at once for a concrete length, or when
         the computation runs under jit), never a silent overwrite.
@@ -130,6 +173,19 @@ class KVCache(NamedTuple):
                 f"cache with the layer's init_cache (or Transformer.init_cache)"
             )
 
+        if tables and len(tables) != len(self.tables):
+            raise ValueError(
+                f"this cache stores {len(self.tables)} tables but {len(tables)} were given; make the cache with "
+                f"the layer's init_cache (or Transformer.init_cache)"
+            )
+        kept = self.tables
+        if tables:
+            first = self.length == 0
+            kept = tuple(
+                old if make is None else jax.lax.cond(first, make, lambda old=old: old)
+                for old, make in zip(self.tables, tables, strict=True)
+            )
+
         def update(buffer, new):
             return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), self.length, axis=1)
 
@@ -144,4 +200,5 @@ class KVCache(NamedTuple):
             update(self.valid, valid),
             self.length + new,
             tuple(jax.tree.map(update_feature, old, fresh) for old, fresh in zip(self.features, features, strict=True)),
+            kept,
         )

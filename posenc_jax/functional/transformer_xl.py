@@ -15,7 +15,9 @@ exact for any positions (caches, memory segments, gaps) and with no
 shift, for code that computes position scores against a ``[S]`` ladder of
 distances as the original implementation does. In attention the terms are
 added into the scores by blocks of query rows (:meth:`TransformerXL.add_logits`),
-so no ``[B, N, T, S]`` term is stored.
+so no ``[B, N, T, S]`` term is stored. Decoding with a KV cache scores the query against
+``W_R R_d`` projected once for every distance the cache can hold (the cache's table, see
+:meth:`TransformerXL.cache_table`), the work of one content score.
 
 Reference: Dai et al., "Transformer-XL: Attentive Language Models beyond a
 Fixed-Length Context", ACL 2019, arXiv:1901.02860; Yang et al., "XLNet", 2019,
@@ -43,7 +45,7 @@ from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import by_query_blocks, consecutive_rows
 from posenc_jax.functional.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 
-__all__ = ["TransformerXL", "TransformerXLConfig", "rel_shift", "transformer_xl_logits"]
+__all__ = ["TransformerXL", "TransformerXLConfig", "project_distances", "rel_shift", "transformer_xl_logits"]
 
 TRANSFORMER_XL = Source.paper(
     "dai2019transformer",
@@ -104,19 +106,23 @@ def transformer_xl_logits(
     scale: float | None = None,
     base: float = 10000.0,
     key_features: dict | None = None,
+    distance_table: jax.Array | None = None,
+    mask: jax.Array | None = None,
     causal: bool = False,
     into: jax.Array | None = None,
     block_elements: int = 1 << 21,
 ):
     """Terms (b) + (c) + (d) of Transformer-XL attention, ``[B, N, T, S]`` float32.
 
-    Two exact ways to the position term: for any positions, the sinusoid product
+    Three exact ways to the position term: for any positions, the sinusoid product
     identity, a contraction over the sinusoid width D for every (query, key) pair
     (``D / H`` times the content score's work); in causal attention whose queries are the
     last T of S consecutive keys (training, evaluation), the paper's own way, checked at
     run time: the sinusoids of the S distances projected once (``[S, N, H]``), scored
     against every query (the work of one content score) and moved into place by
-    :func:`rel_shift`.
+    :func:`rel_shift`; given a ``distance_table`` (decoding with a cache), each query scored
+    against the table and each key's score picked by its distance, when every key the
+    mask lets through is at a distance the table holds (checked at run time).
 
     Args:
       q: ``[B, T, N, H]`` queries; k: ``[B, S, K, H]`` keys (N a multiple of K).
@@ -127,8 +133,13 @@ def transformer_xl_logits(
       scale: default ``1/√H`` (the paper scales all four terms together).
       base: sinusoid base.
       key_features: optional per-key parts computed earlier (a KV cache stores them, see
-        :meth:`TransformerXL.key_features`): ``"sinusoids"`` ``[B, S, D]`` and ``"content"``
-        ``[B, S, N]`` (``u · k_s``); computed from ``k`` and ``key_positions`` when None.
+        :meth:`TransformerXL.key_features`): ``"content"`` ``[B, S, N]`` (``u · k_s``) and,
+        optionally, ``"sinusoids"`` ``[B, S, D]``; computed from ``k`` and ``key_positions``
+        when None (the sinusoids when absent, where needed).
+      distance_table: optional ``W_R R_d`` for the distances ``d = 0 .. L-1``, float32
+        ``[L, N, H]`` (:func:`project_distances`; a KV cache stores it once).
+      mask: optional boolean ``[B|1, N|1, T, S]`` (True = attend): keys it hides need not be
+        at a distance the table holds.
       causal: the attention masks keys after each query (their entries are then filler).
       into: optional float32 scores ``[B, N, T, S]``: the term is computed by blocks of
         query rows and added to them in place, and ``into + term`` is returned without the
@@ -147,16 +158,26 @@ def transformer_xl_logits(
     head_dim = q.shape[-1]
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
+    dim = np.shape(position_projection)[0]
     cached = key_features is not None  # a decoding step against a cache: never the ladder's layout
     if key_features is None:
-        key_features = _key_features(k, key_positions, content_bias, np.shape(position_projection)[0], base)
+        key_features = _key_features(k, key_positions, content_bias, dim, base)
     content = jnp.swapaxes(key_features["content"], 1, 2)[:, :, None, :]  # [B, N, 1, S]
     shifted_q = q.astype(jnp.float32) + jnp.asarray(position_bias, jnp.float32)[None, None]
     query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
     key_positions = batched_positions(key_positions, "key_positions")
+    if distance_table is not None and tuple(np.shape(distance_table)[1:]) != tuple(q.shape[2:]):
+        raise ValueError(
+            f"distance_table must have shape [L, N={q.shape[2]}, H={q.shape[3]}] (project_distances), "
+            f"got {np.shape(distance_table)}"
+        )
 
     q_len, k_len = q.shape[1], k.shape[1]
-    standard = projected = None
+    standard = projected = distances = in_table = None
+    if distance_table is not None:
+        distances = position_difference(query_positions[:, :, None], key_positions[:, None, :])  # [B|1, T, S]
+        held = (distances >= 0) & (distances < distance_table.shape[0])
+        in_table = jnp.all(held if mask is None else held[:, None] | ~jnp.asarray(mask, jnp.bool_))
     if causal and q_len <= k_len and not cached:
         # Queries are the last T of S consecutive keys, in every row: then the ladder, projected once.
         last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
@@ -170,6 +191,7 @@ def transformer_xl_logits(
 
         def by_identity():
             g = jnp.einsum("BTNH,DNH->BTND", q_rows, position_projection, preferred_element_type=jnp.float32)
+            sinusoids = key_features.get("sinusoids")
             return sinusoidal_relative_logits(
                 g,
                 jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1),
@@ -177,10 +199,14 @@ def transformer_xl_logits(
                 sign=-1,
                 layout="half",
                 base=base,
-                key_features=key_features["sinusoids"],
+                key_features=key_sinusoids(key_positions, dim, base=base) if sinusoids is None else sinusoids,
             )
 
-        if standard is None:
+        if in_table is not None:
+            row_distances = jax.lax.dynamic_slice_in_dim(distances, start, rows, axis=1)
+            by_table = lambda: _position_term_by_table(q_rows, distance_table, row_distances)
+            position = jax.lax.cond(in_table, by_table, by_identity)
+        elif standard is None:
             position = by_identity()
         else:
             ladder = lambda: _position_term_by_ladder(q_rows, projected, start, q_len)
@@ -192,13 +218,42 @@ def transformer_xl_logits(
     return by_query_blocks(rows_term, tuple(into.shape), jnp.float32, block_elements=block_elements, into=into)
 
 
+def project_distances(distances, position_projection, *, base: float = 10000.0) -> jax.Array:
+    """``W_R R_d``: the relative sinusoids of integer ``distances`` ``[L]`` projected per head, ``[L, N, H]``.
+
+    ``R_d`` is ``[sin(d·ω), cos(d·ω)]`` (Transformer-XL's concatenated layout, width D) with
+    ``ω = base**(-2i/D)``; ``position_projection`` is ``W_R`` ``[D, N, H]``. A KV cache stores
+    it for ``d = 0 .. capacity-1`` (:meth:`TransformerXL.cache_table`).
+
+    Example:
+      >>> project_distances(jnp.arange(3), jnp.ones((4, 2, 5))).shape
+      (3, 2, 5)
+    """
+    dim = np.shape(position_projection)[0]
+    angles = position_angles(jnp.asarray(distances, jnp.int32), inverse_frequencies(dim, base=base))  # [L, D/2]
+    sinusoids = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [L, D]
+    return jnp.einsum("LD,DNH->LNH", sinusoids, position_projection, preferred_element_type=jnp.float32)
+
+
 def _project_ladder(key_length: int, *, position_projection, base: float) -> jax.Array:
     """``W_R R_d`` for the distances ``S-1, ..., 1, 0`` (the ladder): ``[S, N, H]``."""
-    dim = np.shape(position_projection)[0]
-    distances = jnp.arange(key_length - 1, -1, -1)
-    angles = position_angles(distances, inverse_frequencies(dim, base=base))  # [S, D/2]
-    ladder = jnp.concatenate([jnp.sin(angles), jnp.cos(angles)], axis=-1)  # [S, D], Transformer-XL's layout
-    return jnp.einsum("LD,DNH->LNH", ladder, position_projection, preferred_element_type=jnp.float32)
+    return project_distances(jnp.arange(key_length - 1, -1, -1), position_projection, base=base)
+
+
+def _position_term_by_table(shifted_q, table, distances) -> jax.Array:
+    """``(q + v) · W_R R_{i-j}`` read from ``table`` (``W_R R_d`` for ``d = 0 .. L-1``): ``[B, N, rows, S]``.
+
+    ``shifted_q`` ``[B, rows, N, H]``; ``distances`` int32 ``[B|1, rows, S]`` (query minus key).
+    Each query is scored against all L projected distances (one product the size of a content
+    score against L keys) and each key's score picked by its distance (clipped into the table:
+    the caller checks that every key it does not mask is inside).
+    """
+    scores = jnp.einsum(
+        "BNTH,NLH->BNTL", jnp.swapaxes(shifted_q, 1, 2), jnp.swapaxes(table, 0, 1), preferred_element_type=jnp.float32
+    )
+    index = jnp.clip(distances, 0, table.shape[0] - 1)[:, None]  # [B|1, 1, rows, S]
+    index = jnp.broadcast_to(index, (scores.shape[0], 1) + index.shape[2:])
+    return jnp.take_along_axis(scores, index, axis=-1)
 
 
 def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax.Array:
@@ -269,12 +324,17 @@ _shift_to_keys.defvjp(_shift_forward, _shift_backward)
 
 def _key_features(k, key_positions, content_bias, dim: int, base: float) -> dict:
     """The per-key parts of the Transformer-XL terms: the key sinusoids and ``u · k_s`` per head."""
-    num_heads = np.shape(content_bias)[0]
-    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
     return {
         "sinusoids": key_sinusoids(key_positions, dim, base=base),  # [B|1, S, D]
-        "content": jnp.einsum("NH,BSNH->BSN", content_bias, keys, preferred_element_type=jnp.float32),
+        "content": _content_bias_term(k, content_bias),
     }
+
+
+def _content_bias_term(k, content_bias) -> jax.Array:
+    """``u · k_s`` per head, ``[B, S, N]`` (grouped key heads repeated for their queries)."""
+    num_heads = np.shape(content_bias)[0]
+    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    return jnp.einsum("NH,BSNH->BSN", content_bias, keys, preferred_element_type=jnp.float32)
 
 
 @pytree_dataclass
@@ -299,16 +359,27 @@ class TransformerXL:
     scale: float | None = None
     base: float = 10000.0
     cached_keys: dict | None = parameter(default=None)
+    distance_table: jax.Array | None = parameter(default=None)
 
     def key_features(self, k, key_positions) -> dict:
-        """What a KV cache stores per key: the key sinusoids ``[B, S, D]`` and ``u · k_s`` ``[B, S, N]``."""
-        features = _key_features(k, key_positions, self.content_bias, np.shape(self.position_projection)[0], self.base)
-        sinusoids = features["sinusoids"]
-        return {**features, "sinusoids": jnp.broadcast_to(sinusoids, (k.shape[0],) + sinusoids.shape[1:])}
+        """What a KV cache stores per key: ``u · k_s`` ``[B, S, N]`` (the position term reads the
+        cache's table, :meth:`cache_table`, or each key's sinusoid computed from its position)."""
+        return {"content": _content_bias_term(k, self.content_bias)}
 
     def with_key_features(self, features: dict) -> TransformerXL:
         """This hook reading the per-key parts of every key from ``features`` (a KV cache's)."""
         return dataclasses.replace(self, cached_keys=features)
+
+    def cache_table(self, capacity: int) -> jax.Array:
+        """What a KV cache of ``capacity`` slots computes once: ``W_R R_d`` for ``d = 0 .. capacity-1``,
+        ``[capacity, N, H]`` (:func:`project_distances`), every distance between two keys it can hold
+        at consecutive positions."""
+        return project_distances(jnp.arange(capacity), self.position_projection, base=self.base)
+
+    def with_cache_table(self, table: jax.Array) -> TransformerXL:
+        """This hook scoring its queries against ``table`` (:meth:`cache_table`) where every key the
+        mask lets through is at a distance it holds, by the sinusoid identity otherwise."""
+        return dataclasses.replace(self, distance_table=table)
 
     def logits(self, q, k, context: AttentionContext):
         return self._terms(q, k, context)
@@ -329,6 +400,8 @@ class TransformerXL:
             scale=context.scale if self.scale is None else self.scale,
             base=self.base,
             key_features=self.cached_keys,
+            distance_table=self.distance_table,
+            mask=context.mask,
             causal=context.causal,
             into=into,
         )

@@ -9,11 +9,14 @@ included), so a step compiles once and runs for any position. The cache holds wh
 does not change as decoding goes on: keys after rotation when every rotation of the
 layer depends on each key's own position alone (RoPE, its fixed scalings, axial RoPE),
 and the per-key terms of encodings that have them (:class:`CachedKeyTerm`: DeBERTa,
-Transformer-XL), so a step computes them for its new tokens only.
+Transformer-XL), so a step computes them for its new tokens only, and tables that depend
+on no key (:class:`CachedTable`: Transformer-XL's projected relative sinusoids), computed
+at the cache's first write.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import jax
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.attention import IMPLEMENTATIONS, dot_product_attention, softmax_weights
-from posenc_jax.functional.cache import CachedKeyTerm, KVCache
+from posenc_jax.functional.cache import CachedKeyTerm, CachedTable, KVCache
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, Normalize, Rotate, hook_names
 from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.nn.encoding import PositionEncoding
@@ -44,6 +47,13 @@ def _cached_terms(hooks: Sequence) -> list:
     if not _stores_rotated_keys(hooks):
         return []
     return [hook for hook in hooks if isinstance(hook, CachedKeyTerm)]
+
+
+def _table_maker(hook, capacity: int, stored):
+    """How a cache makes ``hook``'s table at its first write (None: the hook has none)."""
+    if stored is None or not isinstance(hook, CachedTable):
+        return None
+    return functools.partial(hook.cache_table, capacity)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -187,13 +197,23 @@ class MultiHeadAttention(nnx.Module):
             if len(terms) != len(cache.features):
                 terms = []  # a cache made without this layer's per-key terms: they are computed from the keys
             features = tuple(hook.key_features(k, positions) for hook in terms)
+            capacity = cache.key.shape[1]
+            tables = ()
+            if len(cache.tables) == len(terms):  # computed at the first write only (see KVCache.append)
+                tables = tuple(
+                    _table_maker(hook, capacity, stored) for hook, stored in zip(terms, cache.tables, strict=True)
+                )
             # Padding (key_mask False, e.g. left padding) is stored as invalid slots: never attended.
-            new_cache = cache.append(k, v, positions, valid=key_mask, features=features)
+            new_cache = cache.append(k, v, positions, valid=key_mask, features=features, tables=tables)
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
             key_mask = new_cache.valid  # empty slots and padding, whatever their positions
-            stored = dict(zip(map(id, terms), new_cache.features, strict=True))
-            encodings = [hook.with_key_features(stored[id(hook)]) if id(hook) in stored else hook for hook in encodings]
+            stored = {id(hook): hook.with_key_features(f) for hook, f in zip(terms, new_cache.features, strict=True)}
+            if tables:
+                for hook, table in zip(terms, new_cache.tables, strict=True):
+                    if table is not None:
+                        stored[id(hook)] = stored[id(hook)].with_cache_table(table)
+            encodings = [stored.get(id(hook), hook) for hook in encodings]
         use_dropout = self.dropout_rate > 0 and not deterministic
         out = dot_product_attention(
             q,
@@ -260,4 +280,10 @@ class MultiHeadAttention(nnx.Module):
         key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
         positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
         features = tuple(jax.eval_shape(hook.key_features, key, positions) for hook in terms)
-        return KVCache.empty(batch, max_length, self.num_kv_heads, self.head_dim, dtype, features=features)
+        tables = tuple(
+            jax.eval_shape(functools.partial(hook.cache_table, max_length)) if isinstance(hook, CachedTable) else None
+            for hook in terms
+        )
+        return KVCache.empty(
+            batch, max_length, self.num_kv_heads, self.head_dim, dtype, features=features, tables=tables
+        )
