@@ -321,9 +321,12 @@ def test_cope_term_added_by_blocks_equals_the_term_added(rng, num_positions, per
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
     want_grads, want = grad(scores, q, k, emb, False)
     got_grads, got = grad(scores, q, k, emb, True)
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # The counts are float32 sums whose order of summation (a matrix product per block of keys) may differ
+    # between a block of rows and the whole: equal to float32 rounding of counts up to 11, which the
+    # gradient through the gates and the interpolation amplifies a little.
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
     if num_positions == 40:
         assert np.abs(np.asarray(got_grads[3])[..., 13:, :]).max() == 0.0
         assert np.abs(np.asarray(got_grads[3])[..., :12, :]).max() > 0.0
@@ -455,3 +458,24 @@ def test_bad_input_names_the_value():
         alibi_slopes(0)
     with pytest.raises(ValueError, match="bad settings \\['bogus'\\] for encoding 't5'; its settings are"):
         encoding_config("t5", bogus=1)
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, 31, 32, 33, 100])
+def test_cope_reverse_cumsum_is_the_sum_over_later_keys(length):
+    """CoPE's counts by blocks (a triangle product per block, then the later blocks' totals): the
+    sums ``Σ_{s' >= s} x[s']`` in float64 numpy, and the gradient of a reverse cumulative sum
+    (a forward cumulative sum of the cotangent)."""
+    from posenc_jax.functional.cope import reverse_cumsum
+
+    rng = np.random.default_rng(length)
+    x = rng.random((2, 3, length)).astype(np.float32)
+    want = np.flip(np.cumsum(np.flip(x.astype(np.float64), -1), -1), -1)
+    got = jax.jit(reverse_cumsum)(jnp.asarray(x))
+    assert got.shape == x.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    cotangent = rng.normal(size=x.shape).astype(np.float32)
+    (grad,) = jax.vjp(reverse_cumsum, jnp.asarray(x))[1](jnp.asarray(cotangent))
+    np.testing.assert_allclose(grad, np.cumsum(cotangent.astype(np.float64), -1), rtol=1e-5, atol=1e-5)
+    # bfloat16 gates sum in float32.
+    half = reverse_cumsum(jnp.asarray(x, jnp.bfloat16))
+    assert half.dtype == jnp.float32
