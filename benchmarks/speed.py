@@ -157,6 +157,20 @@ def trig_fusion_sizes(fn, *args) -> list[int]:
     return sizes
 
 
+def full_size_passes(fn, *args, elements: int) -> list[str]:
+    """The element types of the top-level computations of ``fn``'s compiled program whose output
+    has at least ``elements`` values (each a pass over a whole q or k): e.g. ``["f32", "bf16"]``."""
+    text = jax.jit(fn).lower(*args).compile().as_text()
+    passes = []
+    for line in text[text.index("ENTRY") :].split("\n")[1:]:
+        found = re.match(r"\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\S* ([\w-]+)\(", line)
+        if not found or found.group(3) in ("parameter", "bitcast", "get-tuple-element", "tuple", "copy-start"):
+            continue
+        if np.prod([int(d) for d in found.group(2).split(",") if d]) >= elements:
+            passes.append(found.group(1))
+    return passes
+
+
 def rope_section(rounds: int, quick: bool) -> None:
     shape = (2, 1024, 8, 128) if quick else (4, 2048, 16, 128)
     batch, length, heads, head_dim = shape
@@ -197,15 +211,24 @@ def rope_section(rounds: int, quick: bool) -> None:
                 lambda q, k, p, layout=layout: apply_rope_qk(q, k, p, p, layout=layout), q, k, positions
             )
             ok = max(sizes) <= 2 * length * head_dim  # tables of at most 2R values per position
-            checks.append((f"apply_rope_qk ({layout}), {name}", "yes" if ok else "NO", max(sizes)))
+            four_passes = full_size_passes(
+                lambda q, k, p, layout=layout: _four_rotations(q, k, p, layout), q, k, positions, elements=q.size
+            )
+            kinds = ", ".join(f"{four_passes.count(t)} {t}" for t in sorted(set(four_passes)))
+            checks.append((f"apply_rope_qk ({layout}), {name}", "yes" if ok else "NO", max(sizes), kinds))
     print_table(
         f"RoPE on q, k {list(shape)} vs a copy of q and k (target ≤ 1.5× per call, ≤ 2× for four in a row)",
         ("case", "dtype", "time vs copy, median (range)"),
         rows,
     )
     print_table(
-        "RoPE's compiled program: sin/cos only on position tables",
-        ("function", "sin/cos only on tables", "largest output of a computation with sin/cos (elements)"),
+        "RoPE's compiled program: sin/cos only on position tables; four rotations in a row fused or not",
+        (
+            "function",
+            "sin/cos only on tables",
+            "largest output of a computation with sin/cos (elements)",
+            "passes over a whole q or k, four in a row (written as)",
+        ),
         checks,
     )
 
