@@ -344,6 +344,24 @@ def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes, tabl
             np.testing.assert_allclose(caches[0].tables[0], hook.cache_table(16), rtol=1e-6)
 
 
+def test_a_cache_first_written_without_its_tables_decodes_exactly(rng):
+    # Transformer-XL's table: a prefill appended by hand (no tables) leaves it unmade; the layer's next
+    # call makes it, and the steps give the full forward's logits (not a zero position term).
+    model = _model(_config("transformer-xl"))
+    layer = model.blocks[0].attention
+    x = jnp.asarray(rng.normal(size=(2, 6, D)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
+    full = layer(x, positions, causal=True)
+    hook = layer._hooks(None)[0]
+    k = layer.key(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
+    v = layer.value(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
+    cache = layer.init_cache(2, 8).append(k, v, positions[:, :4], features=(hook.key_features(k, positions[:, :4]),))
+    assert not bool(cache.tables_ready)
+    out, cache = layer(x[:, 4:], positions[:, 4:], causal=True, cache=cache)
+    assert bool(cache.tables_ready)
+    np.testing.assert_allclose(out, full[:, 4:], atol=2e-5, rtol=1e-5)
+
+
 def test_a_cache_computes_its_tables_at_its_first_write_only():
     spec = jax.ShapeDtypeStruct
     empty = KVCache.empty(1, 4, 1, 2, features=(None, None), tables=(spec((3,), jnp.float32), None))
@@ -355,7 +373,28 @@ def test_a_cache_computes_its_tables_at_its_first_write_only():
     k = jnp.ones((1, 1, 1, 2))
     first = write(empty, 1.0)
     np.testing.assert_array_equal(first.tables[0], [1.0, 1.0, 1.0])
-    assert first.tables[1] is None
+    assert first.tables[1] is None and bool(first.tables_ready)
     np.testing.assert_array_equal(write(first, 2.0).tables[0], [1.0, 1.0, 1.0])  # kept, not made again
+    # A first write that supplies no tables leaves them unmade (zeros, not ready): the next write that
+    # supplies them makes them, whatever the cache's length.
+    bare = empty.append(k, k, jnp.zeros((1, 1), jnp.int32), features=(None, None))
+    assert not bool(bare.tables_ready)
+    later = write(bare, 3.0)
+    assert int(later.length) == 2 and bool(later.tables_ready)
+    np.testing.assert_array_equal(later.tables[0], [3.0, 3.0, 3.0])
     with pytest.raises(ValueError, match="tables needs one entry per entry of features"):
         KVCache.empty(1, 4, 1, 2, features=(None,), tables=(None, None))
+
+
+@pytest.mark.parametrize("name", ["transformer-xl", "deberta", "functional-relative"])
+def test_blockwise_attention_over_a_cache_reads_each_key_tiles_stored_terms(rng, name):
+    # The per-key terms a cache stores ([B, S, ...]) are cut into the key tiles blockwise attention
+    # visits (3 tiles of 4 here, the last padded); prefill and a step give the full forward's output.
+    layer = MultiHeadAttention(D, HEADS, encodings=[_config(name)], block_q=2, block_k=4, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.normal(size=(2, 7, D)), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+    full = layer(x, positions, causal=True, implementation="materialize")
+    cache = layer.init_cache(2, 10)
+    first, cache = layer(x[:, :6], positions[:, :6], causal=True, cache=cache, implementation="blockwise")
+    step, cache = layer(x[:, 6:], positions[:, 6:], causal=True, cache=cache, implementation="blockwise")
+    np.testing.assert_allclose(jnp.concatenate([first, step], 1), full, atol=2e-5, rtol=1e-5)

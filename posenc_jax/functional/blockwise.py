@@ -20,7 +20,8 @@ positions and mask are the tile's):
   before tiling: a rotation is per token.
 * ``logits`` hooks (T5, ALiBi, Kerple, FIRE, Sandwich, the clipped and functional relative
   biases, Shaw's R_K, Transformer-XL, DeBERTa) compute their tile from the tile's positions
-  and the tile's q and k. A hook whose tile depends on key tiles after it (CoPE: its gate
+  and the tile's q and k; per-key arrays a hook read from a KV cache are cut to the tile's
+  keys (``map_key_features``). A hook whose tile depends on key tiles after it (CoPE: its gate
   sums run over the keys up to the query) is a :class:`CarriedLogits`: key blocks are then
   visited last first and the hook carries its sums from tile to tile.
 * ``values`` hooks (Shaw's R_V) must be linear in the weights: the tile's term is accumulated
@@ -212,6 +213,12 @@ def blockwise_attention(
         extra = _pad_to(extra, q_pad, 2) if extra.shape[2] != 1 else extra
         extra = _pad_to(extra, k_pad, 3) if extra.shape[3] != 1 else extra
 
+    # Hooks that read per-key arrays stored earlier (a KV cache's: DeBERTa's key projections, Transformer-XL's
+    # u·k, the functional encoding's key sinusoids) read each key tile's, padded as the keys are.
+    hooks = [
+        hook.map_key_features(lambda x: _pad_to(x, k_pad, 1)) if hasattr(hook, "map_key_features") else hook
+        for hook in hooks
+    ]
     carried = [hook for hook in hooks if isinstance(hook, CarriedLogits)]
     values_hooks = [hook for hook in hooks if isinstance(hook, Values)]
     key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
@@ -257,6 +264,8 @@ def blockwise_attention(
             s = _content_scores(q, k, context.scale)
             new_hook_carry = []
             for hook in hooks:
+                if hasattr(hook, "map_key_features"):
+                    hook = hook.map_key_features(lambda x: _tile(x, kj, block_k, 1))
                 if isinstance(hook, CarriedLogits):
                     term, c = hook.carried_logits(q, k, tile_context, hook_carry[len(new_hook_carry)])
                     new_hook_carry.append(c)

@@ -13,10 +13,13 @@ for every cached key is stored once, when the key arrives:
 * per-key terms of the layer's encodings (``features``): DeBERTa's position-to-content
   projections of each key, Transformer-XL's content-bias term of each key (see
   :class:`CachedKeyTerm`);
-* tables of the layer's encodings that depend on no key (``tables``), computed when the
-  cache is first written and kept after: Transformer-XL's relative sinusoids projected
-  once for every distance the cache can hold (see :class:`CachedTable`), so a step scores
-  its query against them instead of recomputing a sinusoid per key.
+* tables of the layer's encodings that depend on no key (``tables``), computed by the
+  first write that supplies them (the layer's attention always does) and kept after:
+  Transformer-XL's relative sinusoids projected once for every distance the cache can
+  hold (see :class:`CachedTable`), so a step scores its query against them instead of
+  recomputing a sinusoid per key. Like the stored keys, a table holds the parameters of
+  the call that wrote it: a gradient taken through a decoding step with the cache held
+  fixed does not reach them.
 
 Which slots hold a real token is tracked explicitly (``valid``), and the attention
 takes it as a key mask: an empty slot, or a padding token appended with
@@ -57,9 +60,10 @@ class CachedTable(Protocol):
 
     ``cache_table(capacity)`` gives a pytree of arrays for a cache of ``capacity`` slots,
     from the hook's parameters alone (e.g. a projection for every distance the cache can
-    hold); a cache computes it at its first write (with the parameters of that call, as it
-    stores the keys of that call) and keeps it. ``with_cache_table(table)`` is the same hook
-    reading it. With and without the table the hook must give the same logits.
+    hold); a cache computes it once, at the first write that supplies it (with the
+    parameters of that call, as it stores the keys of that call), and keeps it.
+    ``with_cache_table(table)`` is the same hook reading it. With and without the table the
+    hook must give the same logits (for the parameters the table was computed with).
     """
 
     def cache_table(self, capacity: int): ...
@@ -74,8 +78,9 @@ class KVCache(NamedTuple):
     position 0 and are not valid. ``features``: a tuple of pytrees of ``[B, L, ...]`` arrays,
     the per-key terms of the layer's encodings (:class:`CachedKeyTerm`), zero where a slot
     is empty or padding. ``tables``: one entry per entry of ``features``, the hook's
-    :class:`CachedTable` pytree (None for a hook without one), computed at the first
-    :meth:`append` and unchanged after.
+    :class:`CachedTable` pytree (None for a hook without one), computed by the first
+    :meth:`append` that supplies them and unchanged after; ``tables_ready`` (boolean
+    scalar): whether they have been computed (until then they hold zeros).
 
     Example:
       >>> cache = KVCache.empty(batch=1, max_length=4, num_kv_heads=2, head_dim=8)
@@ -91,6 +96,7 @@ class KVCache(NamedTuple):
     length: jax.Array
     features: tuple = ()
     tables: tuple = ()
+    tables_ready: jax.Array | bool = False
 
     @classmethod
     def empty(
@@ -128,6 +134,7 @@ class KVCache(NamedTuple):
             jnp.zeros((), jnp.int32),
             stored,
             tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec) for spec in tables),
+            jnp.zeros((), jnp.bool_),
         )
 
     def append(
@@ -140,8 +147,9 @@ class KVCache(NamedTuple):
         ``[B, T, ...]`` arrays per entry of the cache's ``features``) are the new keys'
         per-key terms; they are stored as zeros where a token is not valid. ``tables``
         (empty, or one per entry of the cache's ``tables``: a function of no arguments
-        giving that table, or None) are computed at the first write (an empty cache) only;
-        later writes keep the stored tables and never call them.
+        giving that table, or None) are computed when the cache has none yet
+        (``tables_ready`` False) and kept otherwise; a write without ``tables`` leaves them
+        as they are, computed or not.
 
         Overflowing the cache is an error (raised at once for a concrete length, or when
         the computation runs under jit), never a silent overwrite.
@@ -178,13 +186,13 @@ class KVCache(NamedTuple):
                 f"this cache stores {len(self.tables)} tables but {len(tables)} were given; make the cache with "
                 f"the layer's init_cache (or Transformer.init_cache)"
             )
-        kept = self.tables
+        kept, ready = self.tables, jnp.asarray(self.tables_ready, jnp.bool_)
         if tables:
-            first = self.length == 0
             kept = tuple(
-                old if make is None else jax.lax.cond(first, make, lambda old=old: old)
+                old if make is None else jax.lax.cond(ready, lambda old=old: old, make)
                 for old, make in zip(self.tables, tables, strict=True)
             )
+            ready = jnp.ones((), jnp.bool_)
 
         def update(buffer, new):
             return jax.lax.dynamic_update_slice_in_dim(buffer, new.astype(buffer.dtype), self.length, axis=1)
@@ -201,4 +209,5 @@ class KVCache(NamedTuple):
             self.length + new,
             tuple(jax.tree.map(update_feature, old, fresh) for old, fresh in zip(self.features, features, strict=True)),
             kept,
+            ready,
         )

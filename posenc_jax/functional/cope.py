@@ -102,7 +102,9 @@ def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
     values, are added. The same sums as ``jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)``
     up to rounding, the form XLA:CPU runs as a tree of reduce-windows (about 5× slower on
     CoPE's gates, and the same again in the gradient, which is a forward cumulative sum,
-    here a product with the transposed triangle).
+    here a product with the transposed triangle). For finite values: an infinite or NaN
+    entry makes its whole block NaN (CoPE's gates are in [0, 1], or NaN where a visible
+    key's score already is).
 
     Example:
       >>> reverse_cumsum(jnp.array([1.0, 2.0, 3.0]))

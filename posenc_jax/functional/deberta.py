@@ -320,6 +320,11 @@ class DeBERTa:
         """This hook reading every key's p2c projections from ``features`` (a KV cache's); causal only."""
         return dataclasses.replace(self, key_projection=features)
 
+    def map_key_features(self, fn) -> DeBERTa:
+        """This hook with its stored key projections ``[B, S, N, span]`` replaced by ``fn`` of them (blockwise
+        attention takes each key tile's)."""
+        return dataclasses.replace(self, key_projection=jax.tree.map(fn, self.key_projection))
+
     def score_scale(self, head_dim: int) -> float:
         """``1/√(H · (1 + number of position terms))``, for the content score too."""
         return _score_scale(head_dim, self.terms) if self.scale is None else self.scale

@@ -184,6 +184,11 @@ class CachedSinusoidalRelative:
     def logits(self, q, k, context: AttentionContext):
         return _scaled_logits(self.encoding, q, context, self.key_sinusoids)
 
+    def map_key_features(self, fn) -> CachedSinusoidalRelative:
+        """This hook with its stored key sinusoids ``[B, S, H]`` replaced by ``fn`` of them (blockwise attention
+        takes each key tile's)."""
+        return dataclasses.replace(self, key_sinusoids=fn(self.key_sinusoids))
+
     def score_features(self, q, k, context: AttentionContext):
         """The term as features appended to q and k, with the cached key sinusoids."""
         return _score_features(self.encoding, q, context, self.key_sinusoids)

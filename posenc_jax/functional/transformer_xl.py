@@ -370,6 +370,11 @@ class TransformerXL:
         """This hook reading the per-key parts of every key from ``features`` (a KV cache's)."""
         return dataclasses.replace(self, cached_keys=features)
 
+    def map_key_features(self, fn) -> TransformerXL:
+        """This hook with every stored per-key array ``[B, S, ...]`` replaced by ``fn`` of it (blockwise
+        attention takes each key tile's)."""
+        return dataclasses.replace(self, cached_keys=jax.tree.map(fn, self.cached_keys))
+
     def cache_table(self, capacity: int) -> jax.Array:
         """What a KV cache of ``capacity`` slots computes once: ``W_R R_d`` for ``d = 0 .. capacity-1``,
         ``[capacity, N, H]`` (:func:`project_distances`), every distance between two keys it can hold

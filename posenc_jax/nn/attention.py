@@ -199,7 +199,7 @@ class MultiHeadAttention(nnx.Module):
             features = tuple(hook.key_features(k, positions) for hook in terms)
             capacity = cache.key.shape[1]
             tables = ()
-            if len(cache.tables) == len(terms):  # computed at the first write only (see KVCache.append)
+            if len(cache.tables) == len(terms):  # computed once, when the cache has none yet (KVCache.append)
                 tables = tuple(
                     _table_maker(hook, capacity, stored) for hook, stored in zip(terms, cache.tables, strict=True)
                 )
@@ -275,7 +275,8 @@ class MultiHeadAttention(nnx.Module):
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         """An empty :class:`KVCache` of ``max_length`` slots for this layer, with room for its encodings'
-        per-key terms (DeBERTa's key projections, Transformer-XL's key sinusoids)."""
+        per-key terms (DeBERTa's key projections, Transformer-XL's ``u·k``) and tables (Transformer-XL's
+        projected relative sinusoids, computed by the first call that writes the cache)."""
         terms = _cached_terms(self._hooks(None))
         key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
         positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
