@@ -760,8 +760,16 @@ _DISTANCE_POSITIONS = [
     (np.array([[0, 1, 2, 3], [5, 5, 6, 7]]), np.arange(6)),  # one row not a run: the scatter path
 ]
 _DISTANCE_IDS = ["self", "offsets", "batched-runs", "decoding", "int32-limits", "gaps", "repeat"]
-_SLOT_MAPS = [(1, 3, 7, False), (-1, 0, 4, False), (-1, 4, 8, True), (1, 0, 2, False), (-1, 0, 1, True)]
-_SLOT_MAP_IDS = ["shaw", "deberta-causal", "deberta-p2c", "two-slots", "one-slot"]
+_SLOT_MAPS = [
+    (1, 3, 7, False),
+    (-1, 0, 4, False),
+    (-1, 4, 8, True),
+    (1, 0, 2, False),
+    (-1, 0, 1, True),
+    (1, 2, 5, True),
+    (-1, 0, 2, True),
+]
+_SLOT_MAP_IDS = ["shaw", "deberta-causal", "deberta-p2c", "two-slots", "one-slot", "key-side-plus", "key-two-slots"]
 
 
 def _slot_one_hot(query_positions, key_positions, sign, offset, slots):
