@@ -11,7 +11,7 @@ layer depends on each key's own position alone (RoPE, its fixed scalings, axial 
 and the per-key terms of encodings that have them (:class:`CachedKeyTerm`: DeBERTa,
 Transformer-XL), so a step computes them for its new tokens only, and tables that depend
 on no key (:class:`CachedTable`: Transformer-XL's projected relative sinusoids), computed
-at the cache's first write.
+by the first call that writes the cache.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def _cached_terms(hooks: Sequence) -> list:
 
 
 def _table_maker(hook, capacity: int, stored):
-    """How a cache makes ``hook``'s table at its first write (None: the hook has none)."""
+    """How a cache makes ``hook``'s table when it has none yet (None: the cache keeps no table for it)."""
     if stored is None or not isinstance(hook, CachedTable):
         return None
     return functools.partial(hook.cache_table, capacity)
@@ -209,10 +209,9 @@ class MultiHeadAttention(nnx.Module):
             query_positions, key_positions = positions, new_cache.positions
             key_mask = new_cache.valid  # empty slots and padding, whatever their positions
             stored = {id(hook): hook.with_key_features(f) for hook, f in zip(terms, new_cache.features, strict=True)}
-            if tables:
-                for hook, table in zip(terms, new_cache.tables, strict=True):
-                    if table is not None:
-                        stored[id(hook)] = stored[id(hook)].with_cache_table(table)
+            for hook, make, table in zip(terms, tables, new_cache.tables, strict=False):
+                if make is not None:  # a table this layer supplied: read it
+                    stored[id(hook)] = stored[id(hook)].with_cache_table(table)
             encodings = [stored.get(id(hook), hook) for hook in encodings]
         use_dropout = self.dropout_rate > 0 and not deterministic
         out = dot_product_attention(
