@@ -21,6 +21,7 @@ from posenc_jax.functional import (
     NTKScaling,
     RandomizedPositions,
     RoPE,
+    SinusoidalRelative,
     YaRNScaling,
     alibi_bias,
     alibi_slopes,
@@ -366,6 +367,119 @@ def test_cope_in_attention_by_blocks_equals_its_term_added():
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("gate_scale", [None, 0.3], ids=["attention-scale", "own-scale"])
+def test_cope_gates_read_from_the_content_scores(rng, gate_scale):
+    """``content_scale``: the gates' logits are read from ``into`` (the content scores) instead of a second
+    ``q·k``; values and gradients (through both uses of q and k) as with the gates computed, by blocks of
+    two rows with the last shifted back and grouped heads. Scores that are not the content scores change
+    the gates, so the path cannot quietly compute its own."""
+    from posenc_jax.functional import cope_logits
+
+    q = _normal(rng, (2, 9, 4, 8))
+    k = _normal(rng, (2, 11, 2, 8))
+    emb = _normal(rng, (12, 8))
+    qp, kp = jnp.arange(2, 11), jnp.arange(11)
+    weights = _normal(rng, (2, 4, 9, 11))
+    content_scale = 0.2
+
+    def content(q, k):
+        return jnp.einsum("BTNH,BSNH->BNTS", q, jnp.repeat(k, 2, axis=2)) * content_scale
+
+    def loss(q, k, emb, read):
+        scores = content(q, k)
+        if read:
+            out = cope_logits(
+                q,
+                k,
+                qp,
+                kp,
+                emb,
+                scale=gate_scale,
+                into=scores,
+                content_scale=content_scale,
+                block_elements=2 * 4 * 11 * 2,
+            )
+        else:
+            out = scores + cope_logits(q, k, qp, kp, emb, scale=gate_scale)
+        return (jnp.sin(out) * weights).sum(), out
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    want_grads, want = grad(q, k, emb, False)
+    got_grads, got = grad(q, k, emb, True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    shifted = content(q, k) + 1.0
+    read = cope_logits(q, k, qp, kp, emb, scale=gate_scale, into=shifted, content_scale=content_scale)
+    assert np.abs(np.asarray(read - (shifted + cope_logits(q, k, qp, kp, emb, scale=gate_scale)))).max() > 1e-2
+    with pytest.raises(ValueError, match="pass it with into"):
+        cope_logits(q, k, qp, kp, emb, content_scale=content_scale)
+    with pytest.raises(ValueError, match="content_scale must be nonzero"):
+        cope_logits(q, k, qp, kp, emb, into=shifted, content_scale=0.0)
+
+
+class _Offset:
+    """A plain ``logits`` hook adding a fixed ``[N, T, S]`` term."""
+
+    def __init__(self, term):
+        self.term = term
+
+    def logits(self, q, k, context):
+        return self.term[None]
+
+
+def _count_primitive(jaxpr, name: str) -> int:
+    """How many equations named ``name`` a jaxpr holds, in its sub-jaxprs (loops, custom gradients) too."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    count += _count_primitive(inner, name)
+    return count
+
+
+def test_cope_in_attention_computes_q_dot_k_once():
+    """In attention, CoPE's gates read the content scores: its term adds two products to plain attention's
+    two (``q·eᵀ`` and the counts' triangle), not a third ``q·k``. With another term added first, the scores
+    are no longer the content alone and CoPE computes its own ``q·k``, giving the same attention."""
+    rng = np.random.default_rng(3)
+    q, k, v = (_normal(rng, (1, 40, 2, 8)) for _ in range(3))
+    pos = jnp.arange(40)
+    emb = _normal(rng, (16, 8))
+
+    def attend(*hooks):
+        return lambda q, k, v: dot_product_attention(
+            q, k, v, query_positions=pos, key_positions=pos, encodings=list(hooks), causal=True
+        )
+
+    dots = lambda f: _count_primitive(jax.make_jaxpr(f)(q, k, v).jaxpr, "dot_general")
+    assert dots(attend(CoPE(emb))) == dots(attend()) + 2
+    bias = _Offset(_normal(rng, (2, 40, 40)))
+    assert dots(attend(bias, CoPE(emb))) == dots(attend(bias)) + 3
+    np.testing.assert_allclose(attend(CoPE(emb), bias)(q, k, v), attend(bias, CoPE(emb))(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_cope_after_joined_features_reads_the_plain_query():
+    """A term joined to the content product as features (the functional relative encoding, at T > H + F)
+    widens q and k only for that product: CoPE after it reads q and k as they are."""
+    rng = np.random.default_rng(4)
+    q, k, v = (_normal(rng, (1, 64, 2, 8)) for _ in range(3))
+    pos = jnp.arange(64)
+    emb = _normal(rng, (16, 8))
+    attend = lambda *hooks: dot_product_attention(
+        q, k, v, query_positions=pos, key_positions=pos, encodings=list(hooks), causal=True
+    )
+    np.testing.assert_allclose(
+        attend(SinusoidalRelative(), CoPE(emb)),
+        attend(TermOnly(SinusoidalRelative()), TermOnly(CoPE(emb))),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
 def test_cope_term_is_not_stored_in_attention():
     length = 2048  # eight blocks of the default size
     emb = _normal(np.random.default_rng(0), (4096, 16))
@@ -479,3 +593,61 @@ def test_cope_reverse_cumsum_is_the_sum_over_later_keys(length):
     # bfloat16 gates sum in float32.
     half = reverse_cumsum(jnp.asarray(x, jnp.bfloat16))
     assert half.dtype == jnp.float32
+
+
+def _interpolate_by_take_along_axis(per_position, counts):
+    """CoPE's interpolation as the authors write it (floor and ceil gathered), the check for the flat pair gather."""
+    top = per_position.shape[-1] - 1
+    counts = jnp.minimum(counts, top)
+    lower = jnp.floor(counts)
+    weight = counts - lower
+    lower = lower.astype(jnp.int32)
+    upper = jnp.minimum(lower + 1, top)
+    at_lower = jnp.take_along_axis(per_position, lower, axis=-1)
+    at_upper = jnp.take_along_axis(per_position, upper, axis=-1)
+    return at_lower * (1.0 - weight) + at_upper * weight
+
+
+@pytest.mark.parametrize("num_positions", [1, 2, 3, 9])
+def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
+    """The pair gather (and its one scatter of pairs) equals the floor/ceil gathers in value and in both
+    gradients, at fractional counts, at exact integers (a saturated gate's count), at the top
+    position P - 1 and past it (clipped as CoPE clips), with leading axes like CoPE's [B, N, T]."""
+    from posenc_jax.functional.cope import interpolate_positions
+
+    rng = np.random.default_rng(num_positions)
+    per_position = jnp.asarray(rng.normal(size=(2, 3, 4, num_positions)), jnp.float32)
+    counts = rng.uniform(0, num_positions + 1, size=(2, 3, 4, 7)).astype(np.float32)
+    counts[..., :3] = np.array([0.0, num_positions - 1, min(1, num_positions - 1)], np.float32)  # integers
+    counts = jnp.asarray(counts)
+    clipped = lambda f: lambda x, c: f(x, jnp.minimum(c, num_positions - 1))  # CoPE clips its counts first
+    got = jax.jit(clipped(interpolate_positions))(per_position, counts)
+    want = _interpolate_by_take_along_axis(per_position, counts)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    # numpy, from the paper's formula: e[⌊p⌋] (⌈p⌉ - p) + e[⌈p⌉] (p - ⌊p⌋), and e[p] where p is an integer.
+    c = np.minimum(np.asarray(counts, np.float64), num_positions - 1)
+    x = np.asarray(per_position, np.float64)
+    floor, ceil = np.floor(c).astype(int), np.ceil(c).astype(int)
+    at_floor, at_ceil = np.take_along_axis(x, floor, -1), np.take_along_axis(x, ceil, -1)
+    numpy_value = np.where(floor == ceil, at_floor, at_floor * (ceil - c) + at_ceil * (c - floor))
+    np.testing.assert_allclose(got, numpy_value, rtol=1e-5, atol=1e-5)
+    cotangent = jnp.asarray(rng.normal(size=counts.shape), jnp.float32)
+    grads = jax.vjp(clipped(interpolate_positions), per_position, counts)[1](cotangent)
+    want_grads = jax.vjp(clipped(_interpolate_by_take_along_axis), per_position, counts)[1](cotangent)
+    for g, w in zip(grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    assert np.any(np.asarray(grads[1]) != 0) or num_positions == 1  # the counts' gradient is not vacuous
+
+
+def test_cope_interpolation_keeps_nan_and_checks_shapes():
+    """A NaN count (a visible key's NaN score) gives NaN, not another position's value; mismatched leading
+    axes are refused with both shapes named."""
+    from posenc_jax.functional.cope import interpolate_positions
+
+    per_position = jnp.arange(12.0).reshape(2, 6)
+    counts = jnp.array([[0.5, jnp.nan], [jnp.nan, 5.0]])
+    got = np.asarray(interpolate_positions(per_position, counts))
+    np.testing.assert_array_equal(np.isnan(got), [[False, True], [True, False]])
+    np.testing.assert_allclose(got[[0, 1], [0, 1]], [0.5, 11.0])
+    with pytest.raises(ValueError, match=r"per_position \(2, 6\) and counts \(3, 2\)"):
+        interpolate_positions(per_position, jnp.zeros((3, 2)))

@@ -406,6 +406,29 @@ def test_by_query_blocks_into_adds_every_row_exactly_once():
         by_query_blocks(block, (2, 2, 9, 3), jnp.float32, into=into)
 
 
+def test_by_query_blocks_reads_into_gives_each_block_its_own_rows():
+    """With reads_into, a block that reads its rows of ``into`` (a term made from the scores, as CoPE's
+    gates are) gives the same as computing it from the whole of ``into`` first: every fresh row is read
+    before anything is added to it, whatever the block size (a shifted last block included)."""
+
+    into = jnp.asarray(np.random.default_rng(1).normal(size=(2, 2, 10, 3)), jnp.float32)
+    term = lambda x: jnp.tanh(x) * 3.0 + x[..., :1]  # depends on the rows' values, not on the offset
+    for budget in (4 * 2 * 2 * 3, 3 * 2 * 2 * 3, 7 * 2 * 2 * 3, 1, 10**6):
+        got = jax.jit(
+            lambda x, budget=budget: by_query_blocks(
+                lambda start, rows, current: term(current),
+                x.shape,
+                jnp.float32,
+                block_elements=budget,
+                into=x,
+                reads_into=True,
+            )
+        )(into)
+        np.testing.assert_allclose(got, into + term(into), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="pass into"):
+        by_query_blocks(lambda start, rows, current: 0.0, (2, 2, 10, 3), jnp.float32, reads_into=True)
+
+
 def test_deberta_slots_saturate_where_claimed():
     from posenc_jax.functional.deberta import _saturation_distance
 

@@ -341,6 +341,7 @@ def attention_scores(
     if query.shape[1] <= key.shape[-1] + widths:
         joined = []
     features = [hook.score_features(query, key, context) for hook in joined]
+    content_query, content_key = query, key  # what the other hooks read, without the joined features
     if joined:
         per_key = [
             jnp.broadcast_to(fk[:, :, None, :], (key.shape[0], key.shape[1], key.shape[2], fk.shape[-1]))
@@ -349,14 +350,21 @@ def attention_scores(
         query = jnp.concatenate([query, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
         key = jnp.concatenate([key, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
     scores = _content_scores(query, key, context.scale)
+    content_only = not joined  # the scores hold exactly scale · q·k, nothing added yet
+    query, key = content_query, content_key
     for hook in hooks:
         if any(hook is j for j in joined):
             continue
         if isinstance(hook, Logits) and hasattr(hook, "add_logits"):
-            scores = hook.add_logits(scores, query, key, context)  # the term added in place, by blocks
+            if content_only and hasattr(hook, "add_logits_to_content"):
+                scores = hook.add_logits_to_content(scores, query, key, context)  # reads the content scores
+            else:
+                scores = hook.add_logits(scores, query, key, context)  # the term added in place, by blocks
+            content_only = False
             continue
         term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
         if term is not None:
+            content_only = False
             term = _as_scores(term, scores.ndim)
             if not _broadcasts_to(term.shape, scores.shape):
                 raise ValueError(

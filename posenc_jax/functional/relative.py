@@ -98,7 +98,13 @@ def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax
 
 
 def by_query_blocks(
-    block_fn, out_shape, dtype, *, block_elements: int = 1 << 20, into: jax.Array | None = None
+    block_fn,
+    out_shape,
+    dtype,
+    *,
+    block_elements: int = 1 << 20,
+    into: jax.Array | None = None,
+    reads_into: bool = False,
 ) -> jax.Array:
     """Builds a ``[B, N, T, X]`` array from blocks of query rows, ``block_fn(start, rows)``.
 
@@ -111,25 +117,31 @@ def by_query_blocks(
     With ``into`` (an ``out_shape`` array), each block is added to ``into``'s rows instead,
     in place, each row exactly once (the last block's overlap adds nothing): the result is
     ``into + blocks`` without the blocks ever stored whole, as when a logits term is added
-    to the scores.
+    to the scores. With ``reads_into`` too, ``block_fn(start, rows, current)`` is also given
+    those rows of ``into`` as they are before its block is added (rows the shifted last
+    block shares with the block before are given with that block's values already added,
+    and what it computes for them is dropped).
     """
+    if reads_into and into is None:
+        raise ValueError("reads_into=True reads the rows of into: pass into")
     if into is not None and tuple(into.shape) != tuple(out_shape):
         raise ValueError(f"into has shape {into.shape}, expected {tuple(out_shape)}")
     batch, heads, q_len, width = out_shape
     rows = int(max(1, min(q_len, block_elements // max(1, batch * heads * width))))
     num_blocks = -(-q_len // rows)
     if num_blocks == 1:
-        whole = block_fn(0, q_len).astype(dtype)
+        whole = (block_fn(0, q_len, into) if reads_into else block_fn(0, q_len)).astype(dtype)
         return whole if into is None else into + whole
 
     def body(block, out):
         start = jnp.minimum(block * rows, q_len - rows)
-        values = block_fn(start, rows).astype(dtype)
-        if into is not None:
-            values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), (batch, heads, rows, width))
-            fresh = (start + jnp.arange(rows)) >= block * rows  # rows the block before did not add
-            values = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=2) + jnp.where(fresh[:, None], values, 0)
-        return jax.lax.dynamic_update_slice_in_dim(out, values, start, axis=2)
+        if into is None:
+            return jax.lax.dynamic_update_slice_in_dim(out, block_fn(start, rows).astype(dtype), start, axis=2)
+        current = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=2)
+        values = (block_fn(start, rows, current) if reads_into else block_fn(start, rows)).astype(dtype)
+        values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), (batch, heads, rows, width))
+        fresh = (start + jnp.arange(rows)) >= block * rows  # rows the block before did not add
+        return jax.lax.dynamic_update_slice_in_dim(out, current + jnp.where(fresh[:, None], values, 0), start, axis=2)
 
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
 
