@@ -428,6 +428,56 @@ class _Offset:
         return self.term[None]
 
 
+@pytest.mark.parametrize("kind", ["increasing", "repeated"])
+def test_cope_self_attention_by_causal_prefixes_equals_the_whole_term(rng, kind):
+    """Self-attention (one positions array for queries and keys) with positions increasing along each
+    row: CoPE's blocks work on the keys up to their last row only. Values and gradients equal the whole
+    term's, with gaps in the positions, per-example positions, key padding, grouped heads and several
+    blocks per stage. With a repeated position a query sees a key after it, so the check at run time
+    must take the blocks over all keys: the same equality then holds only if it does."""
+    from posenc_jax.functional import cope_logits
+
+    q_len = 24
+    q = _normal(rng, (2, q_len, 4, 8))
+    k = _normal(rng, (2, q_len, 2, 8))
+    emb = _normal(rng, (30, 8))
+    steps = rng.integers(1, 4, size=(2, q_len))
+    if kind == "repeated":
+        steps[1, 6] = 0  # query 5 of example 1, the first stage's last row, sees key 6
+    positions = jnp.asarray(np.cumsum(steps, axis=-1))
+    mask = rng.random((2, 1, 1, q_len)) > 0.2
+    mask[1, ..., 5:7] = True  # the two keys at one position are not padding
+    mask = jnp.asarray(mask)
+    weights = _normal(rng, (2, 4, q_len, q_len))
+    content_scale = 0.35
+
+    def loss(q, k, emb, prefixes):
+        scores = jnp.einsum("BTNH,BSNH->BNTS", q, jnp.repeat(k, 2, axis=2)) * content_scale
+        if prefixes:
+            out = cope_logits(
+                q,
+                k,
+                positions,
+                positions,
+                emb,
+                mask=mask,
+                into=scores,
+                content_scale=content_scale,
+                block_elements=2 * 4 * 24 * 3,
+            )
+        else:
+            out = scores + cope_logits(q, k, positions, positions + 0, emb, mask=mask)
+        visible = mask & (positions[:, None, None, :] <= positions[:, None, :, None])
+        return (jnp.where(visible, jnp.sin(out), 0.0) * weights).sum(), jnp.where(visible, out, 0.0)
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    want_grads, want = grad(q, k, emb, False)
+    got_grads, got = grad(q, k, emb, True)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
 def _count_primitive(jaxpr, name: str) -> int:
     """How many equations named ``name`` a jaxpr holds, in its sub-jaxprs (loops, custom gradients) too."""
     count = 0

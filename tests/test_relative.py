@@ -429,6 +429,37 @@ def test_by_query_blocks_reads_into_gives_each_block_its_own_rows():
         by_query_blocks(lambda start, rows, current: 0.0, (2, 2, 10, 3), jnp.float32, reads_into=True)
 
 
+@pytest.mark.parametrize("q_len", [1, 7, 12])
+def test_by_causal_prefix_blocks_adds_the_causal_term_over_each_stage_prefix(q_len):
+    """Each stage's blocks see the keys up to the stage's last row only; a causal term (nothing after the
+    query) then comes out as over all keys: for 1 to 5 stages, blocks of one row to a whole stage (the
+    last block of a stage shifted back), each row read before its term is added."""
+    from posenc_jax.functional.relative import by_causal_prefix_blocks
+
+    into = jnp.asarray(np.random.default_rng(q_len).normal(size=(2, 3, q_len, q_len)), jnp.float32)
+    causal = np.tril(np.ones((q_len, q_len), bool))
+    want = into + jnp.where(causal, jnp.tanh(into) * 2.0 + 1.0, 0.0)
+    widths = []
+
+    def block(start, rows, width, current):
+        widths.append(width)
+        query = start + jnp.arange(rows)[:, None]
+        return jnp.where(jnp.arange(width)[None, :] <= query, jnp.tanh(current) * 2.0 + 1.0, 0.0)
+
+    for stages in (1, 2, 3, 4, 5):
+        for budget in (1, 2 * 3 * 5, 10**6):
+            widths.clear()
+            got = jax.jit(
+                lambda x, stages=stages, budget=budget: by_causal_prefix_blocks(
+                    block, x, stages=stages, block_elements=budget
+                )
+            )(into)
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            assert max(widths) == q_len and (min(widths) < q_len or stages == 1 or q_len == 1)
+    with pytest.raises(ValueError, match="T = 3 and S = 4 must be equal"):
+        by_causal_prefix_blocks(block, jnp.zeros((1, 1, 3, 4)))
+
+
 def test_deberta_slots_saturate_where_claimed():
     from posenc_jax.functional.deberta import _saturation_distance
 

@@ -32,7 +32,7 @@ from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parame
 from posenc_jax.functional.masks import causal_mask, combine_masks
 from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import by_query_blocks, check_max_distance
+from posenc_jax.functional.relative import by_causal_prefix_blocks, by_query_blocks, check_max_distance
 
 __all__ = ["CoPE", "CoPEConfig", "cope_logits", "interpolate_positions", "reverse_cumsum"]
 
@@ -110,6 +110,7 @@ def cope_logits(
         mask=mask,
         content_scale=content_scale,
         block_elements=block_elements,
+        self_attention=query_positions is key_positions,
     )
 
 
@@ -148,9 +149,26 @@ def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
 
 
 def _cope_added_by_blocks(
-    scores, q, k, query_positions, key_positions, embeddings, *, scale, mask, content_scale, block_elements
+    scores,
+    q,
+    k,
+    query_positions,
+    key_positions,
+    embeddings,
+    *,
+    scale,
+    mask,
+    content_scale,
+    block_elements,
+    self_attention=False,
 ):
-    """``scores + cope_logits(...)``, the term computed by blocks of query rows and added in place."""
+    """``scores + cope_logits(...)``, the term computed by blocks of query rows and added in place.
+
+    In self-attention (the same positions for queries and keys) whose positions increase
+    along every row, query t sees no key after t: each block then works on the keys up to
+    its last row only (:func:`by_causal_prefix_blocks`, 5/8 of the work). The positions are
+    checked at run time (a ``lax.cond``); others take the blocks over all keys.
+    """
     q_len, k_len = q.shape[1], k.shape[1]
     expected = (q.shape[0], q.shape[2], q_len, k_len)
     if scores.ndim != 4 or tuple(scores.shape[2:]) != (q_len, k_len) or scores.shape[1] != q.shape[2]:
@@ -184,14 +202,41 @@ def _cope_added_by_blocks(
         )
         return term
 
-    return by_query_blocks(
-        block,
-        tuple(scores.shape),
-        jnp.float32,
-        block_elements=block_elements,
-        into=scores,
-        reads_into=content_scale is not None,
-    )
+    def all_keys(scores):
+        return by_query_blocks(
+            block,
+            tuple(scores.shape),
+            jnp.float32,
+            block_elements=block_elements,
+            into=scores,
+            reads_into=content_scale is not None,
+        )
+
+    rows_per_block = block_elements // max(1, scores.shape[0] * scores.shape[1] * k_len)
+    if not self_attention or q_len != k_len or q_len <= rows_per_block:
+        return all_keys(scores)
+
+    def prefix_block(start, rows: int, width: int, content) -> jax.Array:
+        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
+        keys_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.slice_in_dim(x, 0, width, axis=axis)
+        term, _ = _cope_tile(
+            rows_of(q, 1),
+            keys_of(k, 1),
+            rows_of(query_positions, 1),
+            keys_of(batched_positions(key_positions, "key_positions"), 1),
+            embeddings[..., : width + 2, :],
+            scale=scale,
+            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
+            later=None,
+            gate_logits=None if content_scale is None else (content if ratio == 1.0 else content * jnp.float32(ratio)),
+        )
+        return term
+
+    def prefixes(scores):
+        return by_causal_prefix_blocks(prefix_block, scores.astype(jnp.float32), block_elements=block_elements)
+
+    increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
+    return jax.lax.cond(increasing, prefixes, jax.checkpoint(all_keys), scores)
 
 
 def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later, gate_logits=None):

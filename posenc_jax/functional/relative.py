@@ -30,6 +30,7 @@ from posenc_jax.functional.positions import batched_positions, position_differen
 
 __all__ = [
     "bucket_relative",
+    "by_causal_prefix_blocks",
     "by_query_blocks",
     "check_max_distance",
     "clipped_relative_index",
@@ -144,6 +145,46 @@ def by_query_blocks(
         return jax.lax.dynamic_update_slice_in_dim(out, current + jnp.where(fresh[:, None], values, 0), start, axis=2)
 
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
+
+
+def by_causal_prefix_blocks(
+    block_fn, into: jax.Array, *, stages: int = 4, block_elements: int = 1 << 20
+) -> jax.Array:
+    """``into`` plus a causal term built by blocks of query rows, each over the keys up to its rows only.
+
+    For self-attention where query t is key t and sees no later key: the rows ``[a, b)`` of
+    stage j (the T rows cut into ``stages`` equal runs) need the keys ``0 .. b - 1`` only,
+    so each stage's blocks are ``[B, N, rows, b]``, not ``[B, N, rows, S]``: with 4 stages
+    5/8 of the work of :func:`by_query_blocks`. ``block_fn(start, rows, width, current)``
+    returns the term of query rows ``start .. start + rows - 1`` for keys ``0 .. width - 1``,
+    ``[B, N, rows, width]``, given those entries of ``into`` as they are before its block is
+    added (``width``, ``rows`` static). Entries of keys past a stage's width get nothing
+    added (they must be masked). Each stage is a loop over blocks of about
+    ``block_elements`` values, the last shifted back within the stage (its overlap adds
+    nothing), written in place into ``into``.
+    """
+    batch, heads, q_len, k_len = into.shape
+    if q_len != k_len:
+        raise ValueError(f"causal prefix blocks pair query t with key t: T = {q_len} and S = {k_len} must be equal")
+    bounds = sorted({int(round(q_len * (j + 1) / max(1, stages))) for j in range(max(1, stages))} - {0})
+    out, first = into, 0
+    for last in bounds:
+        width = last  # keys 0 .. last - 1: every key a row of this stage may see
+        rows = int(max(1, min(last - first, block_elements // max(1, batch * heads * width))))
+        num_blocks = -(-(last - first) // rows)
+
+        def body(block, out, first=first, last=last, rows=rows, width=width):
+            begin = first + block * rows
+            start = jnp.minimum(begin, last - rows)
+            current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, width))
+            values = block_fn(start, rows, width, current).astype(out.dtype)
+            values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), current.shape)
+            fresh = (start + jnp.arange(rows)) >= begin  # rows the block before did not add
+            return jax.lax.dynamic_update_slice(out, current + jnp.where(fresh[:, None], values, 0), (0, 0, start, 0))
+
+        out = body(0, out) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, body, out)
+        first = last
+    return out
 
 
 def bucket_relative(
