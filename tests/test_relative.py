@@ -931,3 +931,34 @@ def test_distance_slots_refuse_a_bad_slot_map():
         distance_slots(jnp.arange(3), jnp.arange(3), sign=True, offset=0, slots=3)
     with pytest.raises(ValueError, match=r"offset .* in \[0, slots=3\), got 3"):
         distance_slots(jnp.arange(3), jnp.arange(3), sign=1, offset=3, slots=3)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_take_along_last_axis_matches_take_along_axis(transposed):
+    """The flat gather equals ``take_along_axis`` with the index broadcast (over the heads, over the
+    batch, and values shared by the batch), clips slots into [0, L) (a negative one reads slot 0), reads a
+    key-side table per (query, key) pair when transposed, and is one gather from a flat operand (no
+    batch dimensions, which XLA:CPU lays out index first and transposes)."""
+    from posenc_jax.functional.relative import take_along_last_axis
+
+    rng = np.random.default_rng(int(transposed))
+    batch, heads, q_len, k_len, slots = 2, 3, 5, 4, 6
+    rows = k_len if transposed else q_len
+    values = jnp.asarray(rng.normal(size=(batch, heads, rows, slots)), jnp.float32)
+    for index_batch, values_batch in ((batch, batch), (1, batch), (batch, 1)):
+        table = values[:values_batch]
+        index = jnp.asarray(rng.integers(-2, slots + 2, size=(index_batch, 1, q_len, k_len)), jnp.int32)
+        got = jax.jit(lambda x, i: take_along_last_axis(x, i, transposed=transposed))(table, index)
+        full = jnp.broadcast_to(jnp.clip(index, 0, slots - 1), (max(index_batch, values_batch), heads, q_len, k_len))
+        source = jnp.broadcast_to(table, (full.shape[0],) + table.shape[1:])
+        if transposed:
+            want = jnp.take_along_axis(jnp.swapaxes(source, -1, -2), full, axis=-2, mode="clip")
+        else:
+            want = jnp.take_along_axis(source, full, axis=-1, mode="clip")
+        assert got.shape == want.shape
+        np.testing.assert_array_equal(got, want)
+    jaxpr = jax.make_jaxpr(lambda x, i: take_along_last_axis(x, i, transposed=transposed))(values, index)
+    gathers = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "gather"]
+    assert len(gathers) == 1 and gathers[0].invars[0].aval.ndim == 1
+    with pytest.raises(ValueError, match="does not fit values"):
+        take_along_last_axis(values, jnp.zeros((7, 1, q_len, k_len), jnp.int32), transposed=transposed)  # batch 7

@@ -40,6 +40,7 @@ __all__ = [
     "expand_relative_bias",
     "gather_by_distance",
     "gather_relative",
+    "take_along_last_axis",
     "gather_relative_transposed",
     "relative_positions",
     "sum_by_distance",
@@ -83,19 +84,71 @@ def clipped_relative_index(query_positions, key_positions, max_distance: int, *,
     return distance_slots(query_positions, key_positions, sign=sign, offset=k, slots=2 * k + 1)
 
 
+def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """``out[..., j] = values[..., clip(index[..., j], 0, L - 1)]``, ``index``'s leading axes broadcasting.
+
+    ``values`` ``[*lead, L]``; ``index`` int, its leading axes and ``lead`` broadcasting
+    against each other (a slot map shared by the batch or the heads stays ``[1, 1, T, S]``;
+    values shared by the batch stay ``[1, ...]``). With ``transposed``,
+    the row read is the index's last coordinate instead: ``out[..., i, j] = values[..., j,
+    index[..., i, j]]`` for ``values`` ``[..., S, L]`` (a key-side table read per (query,
+    key) pair without transposing it).
+
+    One scalar gather from ``values`` laid out flat, at offsets computed from iotas: XLA
+    fuses it into its consumer and writes the output in the consumer's layout.
+    ``take_along_axis`` with a broadcast index is a gather with batch dimensions that
+    XLA:CPU lays out index first (``[T·S, B, N]``) and then transposes: a strided pass over
+    the whole output.
+
+    Example:
+      >>> take_along_last_axis(jnp.arange(6.0).reshape(2, 3), jnp.array([[2, 0]]))
+      Array([[2., 0.],
+             [5., 3.]], dtype=float32)
+    """
+    values, index = jnp.asarray(values), jnp.asarray(index)
+    lead, length = tuple(values.shape[:-1]), values.shape[-1]
+    index = index.reshape((1,) * (len(lead) + 1 - index.ndim) + index.shape)
+    try:
+        if transposed:
+            out_lead = tuple(np.broadcast_shapes(lead[:-1] + tuple(index.shape[-2:-1]), index.shape[:-1]))
+            fits = lead[-1:] == tuple(index.shape[-1:])
+        else:
+            out_lead = tuple(np.broadcast_shapes(lead, index.shape[:-1]))
+            fits = True
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"index {index.shape} does not fit values {values.shape}"
+            + (" (transposed: values [..., S, L] for index [..., T, S])" if transposed else "")
+        )
+    out_shape = out_lead + tuple(index.shape[-1:])
+    if values.size >= 2**31 or length == 0:  # flat offsets past int32 (or nothing to read)
+        index = jnp.broadcast_to(index, out_shape)
+        if transposed:
+            return jnp.take_along_axis(jnp.swapaxes(values, -1, -2), index, axis=-2, mode="clip")
+        return jnp.take_along_axis(values, index, axis=-1, mode="clip")
+    row = jnp.zeros((), jnp.int32)
+    for axis, size in enumerate(lead):  # the flat row of every output entry, from iotas
+        source = len(out_shape) - 1 if (transposed and axis == len(lead) - 1) else axis
+        row = row * size + (jax.lax.broadcasted_iota(jnp.int32, out_shape, source) if size > 1 else 0)
+    flat = row * length + jnp.clip(index, 0, length - 1).astype(jnp.int32)
+    return values.reshape(-1).at[flat].get(mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
     """Expands per-distance scores to ``[B, N, T, S]``: ``out[b,n,t,s] = x[b,n,t,index[b,t,s]]``.
 
     Args:
       per_distance: ``[B, N, T, R]`` values for each query and each of R relative slots.
-      index: int ``[B|1, T, S]`` slot of every (query, key) pair.
+      index: int ``[B|1, T, S]`` slot of every (query, key) pair (clipped into ``[0, R)``).
     """
-    return jnp.take_along_axis(per_distance, index[:, None, :, :], axis=-1, mode="clip")
+    return take_along_last_axis(per_distance, index[:, None, :, :])
 
 
 def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax.Array:
     """``out[b,n,t,s] = x[b,n,s,index[b,t,s]]`` for key-side values ``x`` ``[B, N, S, R]``."""
-    return jnp.take_along_axis(jnp.swapaxes(per_distance, -1, -2), index[:, None, :, :], axis=-2, mode="clip")
+    return take_along_last_axis(per_distance, index[:, None, :, :], transposed=True)
 
 
 def by_query_blocks(
@@ -508,7 +561,7 @@ def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None
     )  # [B, N, T] each
     key = t + sign * (r - offset) - row_offset  # the key of slot r in row t: [B|1, T, R]
     inside = (key >= 0) & (key < k_len) & (r > 0) & (r < slots - 1)
-    interior = jnp.take_along_axis(weights, jnp.clip(key, 0, k_len - 1)[:, None], axis=-1, mode="clip")
+    interior = take_along_last_axis(weights, key[:, None])  # clipped into [0, S)
     interior = jnp.where(inside[:, None], interior, zero)
     r = r[:, None]  # [1, 1, 1, R]
     return interior + jnp.where(r == 0, low[..., None], zero) + jnp.where(r == slots - 1, high[..., None], zero)

@@ -42,7 +42,7 @@ from posenc_jax.functional.positions import (
     position_difference,
 )
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import by_query_blocks, consecutive_rows
+from posenc_jax.functional.relative import by_query_blocks, consecutive_rows, take_along_last_axis
 from posenc_jax.functional.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "project_distances", "rel_shift", "transformer_xl_logits"]
@@ -251,9 +251,7 @@ def _position_term_by_table(shifted_q, table, distances) -> jax.Array:
     scores = jnp.einsum(
         "BNTH,NLH->BNTL", jnp.swapaxes(shifted_q, 1, 2), jnp.swapaxes(table, 0, 1), preferred_element_type=jnp.float32
     )
-    index = jnp.clip(distances, 0, table.shape[0] - 1)[:, None]  # [B|1, 1, rows, S]
-    index = jnp.broadcast_to(index, (scores.shape[0], 1) + index.shape[2:])
-    return jnp.take_along_axis(scores, index, axis=-1)
+    return take_along_last_axis(scores, distances[:, None])  # clipped into [0, L)
 
 
 def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax.Array:
@@ -297,7 +295,7 @@ def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.A
 
 def _gather_ladder_columns(scores, first_row, q_len: int) -> jax.Array:
     rows, k_len = scores.shape[-2:]
-    return jnp.take_along_axis(scores, _ladder_columns(first_row, rows, q_len, k_len)[None, None], axis=-1)
+    return take_along_last_axis(scores, _ladder_columns(first_row, rows, q_len, k_len)[None, None])
 
 
 def _shift_forward(scores, first_row, q_len):
@@ -312,7 +310,7 @@ def _shift_backward(q_len, first_row, cotangent):
     # from S - T + t on (the capped ones).
     source = keys - (q_len - 1) + query  # [rows, S]
     inside = (source >= 0) & (keys < k_len - 1)
-    moved = jnp.take_along_axis(cotangent, jnp.clip(source, 0, k_len - 1)[None, None], axis=-1)
+    moved = take_along_last_axis(cotangent, source[None, None])  # clipped into [0, S)
     grad = jnp.where(inside[None, None], moved, 0.0)
     capped = keys >= (k_len - q_len) + query  # [rows, S]
     tail = jnp.where(capped[None, None], cotangent, 0.0).sum(axis=-1)  # [B, N, rows]
