@@ -143,12 +143,12 @@ def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
       per_distance: ``[B, N, T, R]`` values for each query and each of R relative slots.
       index: int ``[B|1, T, S]`` slot of every (query, key) pair (clipped into ``[0, R)``).
     """
-    return take_along_last_axis(per_distance, index[:, None, :, :])
+    return jnp.take_along_axis(per_distance, index[:, None, :, :], axis=-1, mode="clip")
 
 
 def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax.Array:
     """``out[b,n,t,s] = x[b,n,s,index[b,t,s]]`` for key-side values ``x`` ``[B, N, S, R]``."""
-    return take_along_last_axis(per_distance, index[:, None, :, :], transposed=True)
+    return jnp.take_along_axis(jnp.swapaxes(per_distance, -1, -2), index[:, None, :, :], axis=-2, mode="clip")
 
 
 def by_query_blocks(
@@ -509,8 +509,10 @@ def sum_by_distance(
     )
 
 
-def _gather_plain(per_distance, q, k, sign, offset, key_side):
+def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
     index = distance_slots(q, k, sign=sign, offset=offset, slots=per_distance.shape[-1])
+    if flat:
+        return take_along_last_axis(per_distance, index[:, None], transposed=key_side)
     return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
 
 
@@ -520,7 +522,11 @@ def _gather_by_distance(per_distance, q, k, sign, offset, key_side, shape, dtype
 
 
 def _gather_by_distance_forward(per_distance, q, k, sign, offset, key_side, shape, dtype):
-    return _gather_plain(per_distance, q, k, sign, offset, key_side), (q, k)
+    # The same values by the flat gather: in a program with the gradient, XLA:CPU does not fuse
+    # the gather into the scores and stores it, and take_along_axis's index-first layout then
+    # costs a transposing pass (DeBERTa's attention with gradient, B=8: 2.8x plain's time
+    # against 1.7x). Without the gradient the gather fuses, and take_along_axis's is the faster.
+    return _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True), (q, k)
 
 
 def _gather_by_distance_backward(sign, offset, key_side, shape, dtype, residuals, cotangent):

@@ -251,7 +251,9 @@ def _position_term_by_table(shifted_q, table, distances) -> jax.Array:
     scores = jnp.einsum(
         "BNTH,NLH->BNTL", jnp.swapaxes(shifted_q, 1, 2), jnp.swapaxes(table, 0, 1), preferred_element_type=jnp.float32
     )
-    return take_along_last_axis(scores, distances[:, None])  # clipped into [0, L)
+    index = jnp.clip(distances, 0, table.shape[0] - 1)[:, None]  # [B|1, 1, rows, S]
+    index = jnp.broadcast_to(index, (scores.shape[0], 1) + index.shape[2:])
+    return jnp.take_along_axis(scores, index, axis=-1)
 
 
 def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax.Array:
@@ -293,13 +295,17 @@ def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.A
     return _gather_ladder_columns(scores, first_row, q_len)
 
 
-def _gather_ladder_columns(scores, first_row, q_len: int) -> jax.Array:
+def _gather_ladder_columns(scores, first_row, q_len: int, flat: bool = False) -> jax.Array:
     rows, k_len = scores.shape[-2:]
-    return take_along_last_axis(scores, _ladder_columns(first_row, rows, q_len, k_len)[None, None])
+    columns = _ladder_columns(first_row, rows, q_len, k_len)[None, None]
+    if flat:
+        return take_along_last_axis(scores, columns)
+    return jnp.take_along_axis(scores, columns, axis=-1)
 
 
 def _shift_forward(scores, first_row, q_len):
-    return _gather_ladder_columns(scores, first_row, q_len), first_row
+    # With the gradient, the flat gather (as relative.gather_by_distance's forward, and why).
+    return _gather_ladder_columns(scores, first_row, q_len, flat=True), first_row
 
 
 def _shift_backward(q_len, first_row, cotangent):
