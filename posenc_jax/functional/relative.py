@@ -200,9 +200,7 @@ def by_query_blocks(
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
 
 
-def by_causal_prefix_blocks(
-    block_fn, into: jax.Array, *, stages: int = 4, block_elements: int = 1 << 20
-) -> jax.Array:
+def by_causal_prefix_blocks(block_fn, into: jax.Array, *, stages: int = 4, block_elements: int = 1 << 20) -> jax.Array:
     """``into`` plus a causal term built by blocks of query rows, each over the keys up to its rows only.
 
     For self-attention where query t is key t and sees no later key: the rows ``[a, b)`` of
