@@ -28,12 +28,14 @@ def score_buffer_bytes(length: int) -> int:
 
 def causal_attention_temp(make_hooks, length: int) -> int:
     """Compiled temporary bytes of causal attention on ``[1, length, HEADS, HEAD_DIM]`` q, k, v
-    with the hooks ``make_hooks()`` builds (inside the compiled function, as in a model)."""
+    with the hooks ``make_hooks()`` builds (inside the compiled function, as in a model). The positions
+    are an argument, as a model's are: run-time checks on them stay in the program, where a constant
+    would let XLA fold them away (and with them, say, a conditional's copy of the scores)."""
     spec = jax.ShapeDtypeStruct((1, length, HEADS, HEAD_DIM), jnp.float32)
-    pos = jnp.arange(length)
+    positions = jax.ShapeDtypeStruct((length,), jnp.int32)
 
-    def attend(q, k, v):
+    def attend(q, k, v, pos):
         hooks = make_hooks()
         return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)
 
-    return jax.jit(attend).lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
+    return jax.jit(attend).lower(spec, spec, spec, positions).compile().memory_analysis().temp_size_in_bytes

@@ -456,6 +456,23 @@ def test_by_causal_prefix_blocks_adds_the_causal_term_over_each_stage_prefix(q_l
             )(into)
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
             assert max(widths) == q_len and (min(widths) < q_len or stages == 1 or q_len == 1)
+    # Checked at run time: where the prefixes hold every key (True) the same; where not (False), every
+    # block over all keys, so a term on keys after the query is added too.
+    everywhere = lambda start, rows, width, current: jnp.tanh(current) * 2.0 + 1.0
+    for budget in (1, 2 * 3 * 5, 10**6):
+        for ok in (True, False):
+            got = jax.jit(
+                lambda x, ok, budget=budget: by_causal_prefix_blocks(block, x, block_elements=budget, prefix_ok=ok)
+            )(into, jnp.asarray(ok))
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+            got = jax.jit(
+                lambda x, ok, budget=budget: by_causal_prefix_blocks(everywhere, x, block_elements=budget, prefix_ok=ok)
+            )(into, jnp.asarray(ok))
+            full = into + jnp.tanh(into) * 2.0 + 1.0
+            if not ok:
+                np.testing.assert_allclose(got, full, rtol=1e-6, atol=1e-6)
+            elif q_len > 1:
+                assert np.abs(np.asarray(got - full)).max() > 0.1  # the prefixes leave later keys alone
     with pytest.raises(ValueError, match="T = 3 and S = 4 must be equal"):
         by_causal_prefix_blocks(block, jnp.zeros((1, 1, 3, 4)))
 

@@ -167,7 +167,7 @@ def _cope_added_by_blocks(
     In self-attention (the same positions for queries and keys) whose positions increase
     along every row, query t sees no key after t: each block then works on the keys up to
     its last row only (:func:`by_causal_prefix_blocks`, 5/8 of the work). The positions are
-    checked at run time (a ``lax.cond``); others take the blocks over all keys.
+    checked at run time (a ``lax.cond`` per block); otherwise each block takes all keys.
     """
     q_len, k_len = q.shape[1], k.shape[1]
     expected = (q.shape[0], q.shape[2], q_len, k_len)
@@ -232,11 +232,10 @@ def _cope_added_by_blocks(
         )
         return term
 
-    def prefixes(scores):
-        return by_causal_prefix_blocks(prefix_block, scores.astype(jnp.float32), block_elements=block_elements)
-
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
-    return jax.lax.cond(increasing, prefixes, jax.checkpoint(all_keys), scores)
+    return by_causal_prefix_blocks(
+        prefix_block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
+    )
 
 
 def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later, gate_logits=None):

@@ -200,7 +200,9 @@ def by_query_blocks(
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
 
 
-def by_causal_prefix_blocks(block_fn, into: jax.Array, *, stages: int = 4, block_elements: int = 1 << 20) -> jax.Array:
+def by_causal_prefix_blocks(
+    block_fn, into: jax.Array, *, stages: int = 4, block_elements: int = 1 << 20, prefix_ok=True
+) -> jax.Array:
     """``into`` plus a causal term built by blocks of query rows, each over the keys up to its rows only.
 
     For self-attention where query t is key t and sees no later key: the rows ``[a, b)`` of
@@ -213,25 +215,44 @@ def by_causal_prefix_blocks(block_fn, into: jax.Array, *, stages: int = 4, block
     added (they must be masked). Each stage is a loop over blocks of about
     ``block_elements`` values, the last shifted back within the stage (its overlap adds
     nothing), written in place into ``into``.
+
+    ``prefix_ok``: True, or a traced boolean saying whether the prefixes hold every key a
+    query sees (checked at run time by the caller). Where it is False, each block is
+    computed over all S keys instead (a conditional per block, on block-sized rows, so the
+    scores are never copied; blocks then hold about ``block_elements`` values at full width,
+    and the all-keys branch is rematerialised in the gradient, so it stores no residuals).
     """
     batch, heads, q_len, k_len = into.shape
     if q_len != k_len:
         raise ValueError(f"causal prefix blocks pair query t with key t: T = {q_len} and S = {k_len} must be equal")
+    checked = not (isinstance(prefix_ok, bool) and prefix_ok)
     bounds = sorted({int(round(q_len * (j + 1) / max(1, stages))) for j in range(max(1, stages))} - {0})
     out, first = into, 0
     for last in bounds:
         width = last  # keys 0 .. last - 1: every key a row of this stage may see
-        rows = int(max(1, min(last - first, block_elements // max(1, batch * heads * width))))
+        per_row = batch * heads * (k_len if checked else width)
+        rows = int(max(1, min(last - first, block_elements // max(1, per_row))))
         num_blocks = -(-(last - first) // rows)
 
         def body(block, out, first=first, last=last, rows=rows, width=width):
             begin = first + block * rows
             start = jnp.minimum(begin, last - rows)
-            current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, width))
-            values = block_fn(start, rows, width, current).astype(out.dtype)
-            values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), current.shape)
-            fresh = (start + jnp.arange(rows)) >= begin  # rows the block before did not add
-            return jax.lax.dynamic_update_slice(out, current + jnp.where(fresh[:, None], values, 0), (0, 0, start, 0))
+            fresh = ((start + jnp.arange(rows)) >= begin)[:, None]  # rows the block before did not add
+
+            def add(current, width):
+                values = block_fn(start, rows, width, current).astype(out.dtype)
+                values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), current.shape)
+                return current + jnp.where(fresh, values, 0)
+
+            if not checked:
+                current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, width))
+                return jax.lax.dynamic_update_slice(out, add(current, width), (0, 0, start, 0))
+            current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, k_len))
+            prefix = lambda current: current.at[..., :width].set(add(current[..., :width], width))
+            every_key = jax.checkpoint(lambda current: add(current, k_len))
+            return jax.lax.dynamic_update_slice(
+                out, jax.lax.cond(prefix_ok, prefix, every_key, current), (0, 0, start, 0)
+            )
 
         out = body(0, out) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, body, out)
         first = last
