@@ -335,13 +335,16 @@ def test_cope_term_added_by_blocks_equals_the_term_added(rng, num_positions, per
         cope_logits(q, k, qp, kp, emb, into=scores[:, :, :5])
 
 
-def test_cope_in_attention_by_blocks_equals_its_term_added():
-    """Attention adds CoPE's term into the scores by blocks of rows (two blocks here, the last
-    shifted back), with key padding; values and gradients as with the whole term computed and added."""
+@pytest.mark.parametrize("repeat", [False, True], ids=["increasing", "repeated"])
+def test_cope_in_attention_by_blocks_equals_its_term_added(repeat):
+    """Attention adds CoPE's term into the scores by blocks of rows, with key padding; values and
+    gradients as with the whole term computed and added. Increasing positions take the blocks over
+    each stage's prefix of keys; a repeated position at the first stage's end (query 249 sees key
+    250) must take the blocks over all keys, chosen at run time."""
     rng = np.random.default_rng(12)
     q, k, v = (_normal(rng, (1, 1000, 4, 16)) for _ in range(3))
     emb = 0.5 * _normal(rng, (2000, 16))
-    pos = jnp.arange(1000)
+    pos = jnp.arange(1000) - jnp.where(jnp.arange(1000) >= 250, 1, 0) if repeat else jnp.arange(1000)
     key_mask = jnp.arange(1000)[None] < 990
 
     def attend(q, k, v, emb, blocks):

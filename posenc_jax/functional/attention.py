@@ -349,22 +349,26 @@ def attention_scores(
         ]
         query = jnp.concatenate([query, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
         key = jnp.concatenate([key, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
-    scores = _content_scores(query, key, context.scale)
-    content_only = not joined  # the scores hold exactly scale · q·k, nothing added yet
+    content_query_joined, content_key_joined = query, key
+
+    def content() -> jax.Array:
+        return _content_scores(content_query_joined, content_key_joined, context.scale)
+
     query, key = content_query, content_key
+    scores = None  # the content scores, made when the first hook needs them
     for hook in hooks:
         if any(hook is j for j in joined):
             continue
         if isinstance(hook, Logits) and hasattr(hook, "add_logits"):
-            if content_only and hasattr(hook, "add_logits_to_content"):
-                scores = hook.add_logits_to_content(scores, query, key, context)  # reads the content scores
+            if scores is None and not joined and hasattr(hook, "add_logits_to_content"):
+                # The first term, on scores that are exactly scale · q·k: the hook makes them itself.
+                scores = hook.add_logits_to_content(content, query, key, context)
             else:
-                scores = hook.add_logits(scores, query, key, context)  # the term added in place, by blocks
-            content_only = False
+                scores = hook.add_logits(content() if scores is None else scores, query, key, context)
             continue
         term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
         if term is not None:
-            content_only = False
+            scores = content() if scores is None else scores
             term = _as_scores(term, scores.ndim)
             if not _broadcasts_to(term.shape, scores.shape):
                 raise ValueError(
@@ -372,7 +376,7 @@ def attention_scores(
                     f"scores [B, N, T, S] = {scores.shape}; per-head parameters must be made for N={scores.shape[1]}"
                 )
             scores = scores + broadcast_to(term, scores.shape)
-    return scores
+    return content() if scores is None else scores
 
 
 def attention_weights(scores: jax.Array, mask: jax.Array | None, normalizer, context: AttentionContext) -> jax.Array:

@@ -70,7 +70,9 @@ def cope_logits(
       into: optional float32 scores ``[B, N, T, S]``: the term is computed by blocks of
         query rows (each block's gates, counts and ``q · eᵀ`` are block-sized) and added to
         them in place; ``into + term`` is returned without any ``[B, N, T, S]`` intermediate
-        stored whole.
+        stored whole. Or a function of no arguments returning them: they are then made
+        inside the run-time conditional of self-attention's prefix blocks (below), one for
+        the whole term instead of one per block, which a given array would be copied into.
       content_scale: with ``into``, a promise that ``into`` is exactly the content scores
         ``content_scale · q·k`` and nothing else (the first term an attention adds): the
         gates' logits are then read from it (times ``scale / content_scale``) instead of a
@@ -171,8 +173,10 @@ def _cope_added_by_blocks(
     """
     q_len, k_len = q.shape[1], k.shape[1]
     expected = (q.shape[0], q.shape[2], q_len, k_len)
-    if scores.ndim != 4 or tuple(scores.shape[2:]) != (q_len, k_len) or scores.shape[1] != q.shape[2]:
-        raise ValueError(f"into must be scores [B, N, T, S] = {expected}, got {scores.shape}")
+    make_scores = scores if callable(scores) else (lambda: scores)
+    shape = tuple(jax.eval_shape(make_scores).shape)
+    if len(shape) != 4 or shape[2:] != (q_len, k_len) or shape[1] != q.shape[2]:
+        raise ValueError(f"into must be scores [B, N, T, S] = {expected}, got {shape}")
     query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
     if mask is not None:
         mask = jnp.asarray(mask)
@@ -212,9 +216,9 @@ def _cope_added_by_blocks(
             reads_into=content_scale is not None,
         )
 
-    rows_per_block = block_elements // max(1, scores.shape[0] * scores.shape[1] * k_len)
+    rows_per_block = block_elements // max(1, shape[0] * shape[1] * k_len)
     if not self_attention or q_len != k_len or q_len <= rows_per_block:
-        return all_keys(scores)
+        return all_keys(make_scores())
 
     def prefix_block(start, rows: int, width: int, content) -> jax.Array:
         rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
@@ -233,6 +237,13 @@ def _cope_added_by_blocks(
         return term
 
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
+    if callable(scores):
+        # One conditional that makes the scores in each branch: nothing is copied into it. The all-keys
+        # branch is rematerialised in the gradient, so it keeps no residuals when not taken.
+        prefixes = lambda: by_causal_prefix_blocks(
+            prefix_block, make_scores().astype(jnp.float32), block_elements=block_elements
+        )
+        return jax.lax.cond(increasing, prefixes, jax.checkpoint(lambda: all_keys(make_scores())))
     return by_causal_prefix_blocks(
         prefix_block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
     )
@@ -378,12 +389,13 @@ class CoPE:
         counts and ``q · eᵀ`` never stored whole)."""
         return self._term(q, k, context, into=scores)
 
-    def add_logits_to_content(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext):
-        """:meth:`add_logits` where ``scores`` are exactly the content scores ``context.scale · q·k``:
-        the gates' logits are read from them, not from a second product ``q·k``."""
+    def add_logits_to_content(self, content, q: jax.Array, k: jax.Array, context: AttentionContext):
+        """The content scores ``content()`` (exactly ``context.scale · q·k``) plus the term: the gates'
+        logits are read from them, not from a second product ``q·k``, and they are made inside the
+        run-time choice of blocks (so that choice never copies them)."""
         if not context.scale:
-            return self.add_logits(scores, q, k, context)
-        return self._term(q, k, context, into=scores, content_scale=context.scale)
+            return self.add_logits(content(), q, k, context)
+        return self._term(q, k, context, into=content, content_scale=context.scale)
 
     def _term(self, q, k, context: AttentionContext, into=None, content_scale=None):
         _check_causal(context)

@@ -179,10 +179,12 @@ class Logits(Protocol):
     materialising attention then calls instead: it must return ``scores + logits(q, k,
     context)``, and lets a term that is built by blocks of query rows be added into the
     scores in place, never stored whole (FIRE's MLP bias, Transformer-XL's terms, CoPE's
-    term). ``logits`` stays the reference. And ``add_logits_to_content(scores, q, k,
-    context)``, called instead of ``add_logits`` while the scores are still exactly the
-    content scores ``context.scale · q·k`` (no term added yet), lets a term that reads
-    them use them rather than compute ``q·k`` again (CoPE's gates).
+    term). ``logits`` stays the reference. And ``add_logits_to_content(content, q, k,
+    context) -> scores``, called instead of ``add_logits`` when the hook adds the first
+    term and no features are joined: ``content()`` makes the content scores, exactly
+    ``context.scale · q·k``; the hook returns them plus its term. A term that reads them
+    uses them rather than compute ``q·k`` again (CoPE's gates), and may make them inside a
+    run-time conditional, which would copy scores given to it.
 
     Or ``score_features(q, k, context) -> (fq [B, T, N, F], fk [B|1, S, F])`` with
     ``context.scale · einsum("BTNF,BSF->BNTS", fq, fk)`` equal to the term: float32
