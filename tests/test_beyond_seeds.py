@@ -685,7 +685,9 @@ def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
     numpy_value = np.where(floor == ceil, at_floor, at_floor * (ceil - c) + at_ceil * (c - floor))
     np.testing.assert_allclose(got, numpy_value, rtol=1e-5, atol=1e-5)
     cotangent = jnp.asarray(rng.normal(size=counts.shape), jnp.float32)
-    grads = jax.vjp(clipped(interpolate_positions), per_position, counts)[1](cotangent)
+    with_grad, pullback = jax.vjp(clipped(interpolate_positions), per_position, counts)
+    np.testing.assert_allclose(with_grad, got, rtol=1e-6, atol=1e-6)  # the forward rule's flat pairs
+    grads = pullback(cotangent)
     want_grads = jax.vjp(clipped(_interpolate_by_take_along_axis), per_position, counts)[1](cotangent)
     for g, w in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
