@@ -291,6 +291,18 @@ def test_cope_matches_authors_module(rng):
     np.testing.assert_allclose(out, want, atol=2e-5)
 
 
+def _fast_form_matches(loss, *args, value_tolerance=None):
+    """``loss(*args, fast) -> (scalar, out)``: with ``fast`` True, ``out`` and the gradients with respect to
+    every argument equal those with ``fast`` False (the reference form). Returns the fast form's gradients."""
+    grad = jax.jit(jax.grad(loss, argnums=tuple(range(len(args))), has_aux=True), static_argnums=len(args))
+    want_grads, want = grad(*args, False)
+    got_grads, got = grad(*args, True)
+    np.testing.assert_allclose(got, want, **(value_tolerance or dict(rtol=1e-5, atol=1e-5)))
+    for g, w in zip(got_grads, want_grads, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    return got_grads
+
+
 @pytest.mark.parametrize("num_positions", [4, 40], ids=["clipped", "more-than-keys"])
 @pytest.mark.parametrize("per_head", [False, True], ids=["shared", "per-head"])
 @pytest.mark.parametrize("mask_kind", [None, "keys", "pairs"])
@@ -319,15 +331,10 @@ def test_cope_term_added_by_blocks_equals_the_term_added(rng, num_positions, per
             out = scores + cope_logits(q, k, qp, kp, emb, mask=mask)
         return (jnp.sin(out) * weights).sum(), out
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
-    want_grads, want = grad(scores, q, k, emb, False)
-    got_grads, got = grad(scores, q, k, emb, True)
     # The counts are float32 sums whose order of summation (a matrix product per block of keys) may differ
     # between a block of rows and the whole: equal to float32 rounding of counts up to 11, which the
     # gradient through the gates and the interpolation amplifies a little.
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    got_grads = _fast_form_matches(loss, scores, q, k, emb)
     if num_positions == 40:
         assert np.abs(np.asarray(got_grads[3])[..., 13:, :]).max() == 0.0
         assert np.abs(np.asarray(got_grads[3])[..., :12, :]).max() > 0.0
@@ -362,12 +369,7 @@ def test_cope_in_attention_by_blocks_equals_its_term_added(repeat):
         return (out * jnp.cos(out)).sum(), out
 
     assert 4 * 1000 * 1000 > 1 << 21  # more than one block of the default size
-    grad = jax.jit(jax.grad(attend, argnums=(0, 1, 2, 3), has_aux=True), static_argnums=4)
-    want_grads, want = grad(q, k, v, emb, False)
-    got_grads, got = grad(q, k, v, emb, True)
-    np.testing.assert_allclose(got, want, atol=2e-6)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    _fast_form_matches(attend, q, k, v, emb, value_tolerance=dict(atol=2e-6))
 
 
 @pytest.mark.parametrize("gate_scale", [None, 0.3], ids=["attention-scale", "own-scale"])
@@ -406,12 +408,7 @@ def test_cope_gates_read_from_the_content_scores(rng, gate_scale):
             out = scores + cope_logits(q, k, qp, kp, emb, scale=gate_scale)
         return (jnp.sin(out) * weights).sum(), out
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
-    want_grads, want = grad(q, k, emb, False)
-    got_grads, got = grad(q, k, emb, True)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    _fast_form_matches(loss, q, k, emb)
     shifted = content(q, k) + 1.0
     read = cope_logits(q, k, qp, kp, emb, scale=gate_scale, into=shifted, content_scale=content_scale)
     assert np.abs(np.asarray(read - (shifted + cope_logits(q, k, qp, kp, emb, scale=gate_scale)))).max() > 1e-2
@@ -473,12 +470,7 @@ def test_cope_self_attention_by_causal_prefixes_equals_the_whole_term(rng, kind)
         visible = mask & (positions[:, None, None, :] <= positions[:, None, :, None])
         return (jnp.where(visible, jnp.sin(out), 0.0) * weights).sum(), jnp.where(visible, out, 0.0)
 
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
-    want_grads, want = grad(q, k, emb, False)
-    got_grads, got = grad(q, k, emb, True)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    for g, w in zip(got_grads, want_grads, strict=True):
-        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    _fast_form_matches(loss, q, k, emb)
 
 
 def _count_primitive(jaxpr, name: str) -> int:

@@ -341,20 +341,19 @@ def attention_scores(
     if query.shape[1] <= key.shape[-1] + widths:
         joined = []
     features = [hook.score_features(query, key, context) for hook in joined]
-    content_query, content_key = query, key  # what the other hooks read, without the joined features
+    score_query, score_key = query, key  # the content product's operands, with any joined features
     if joined:
         per_key = [
             jnp.broadcast_to(fk[:, :, None, :], (key.shape[0], key.shape[1], key.shape[2], fk.shape[-1]))
             for _, fk in features
         ]
-        query = jnp.concatenate([query, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
-        key = jnp.concatenate([key, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
-    content_query_joined, content_key_joined = query, key
+        score_query = jnp.concatenate([query, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
+        score_key = jnp.concatenate([key, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
 
     def content() -> jax.Array:
-        return _content_scores(content_query_joined, content_key_joined, context.scale)
+        return _content_scores(score_query, score_key, context.scale)
 
-    query, key = content_query, content_key
+    # The other hooks read q and k as they are, without the joined features.
     scores = None  # the content scores, made when the first hook needs them
     for hook in hooks:
         if any(hook is j for j in joined):

@@ -185,22 +185,25 @@ def _cope_added_by_blocks(
     # S), so the interpolation reads embeddings 0 .. S + 1 at most: the others are never gathered.
     embeddings = jnp.asarray(embeddings)[..., : min(np.shape(embeddings)[-2], k_len + 2), :]
 
-    if content_scale is not None:
+    key_positions = batched_positions(key_positions, "key_positions")  # [B|1, S]
+    if content_scale is not None:  # the gates' logits are the content scores times this
         ratio = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
 
-    def block(start, rows: int, content=None) -> jax.Array:
+    def block(start, rows: int, width: int, content=None) -> jax.Array:
+        """The term of query rows ``start ..`` for keys ``0 .. width - 1``; ``content``, their content scores."""
         rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
+        keys_of = lambda x, axis: x if x.shape[axis] in (1, width) else jax.lax.slice_in_dim(x, 0, width, axis=axis)
         gate_logits = None
-        if content is not None:
+        if content_scale is not None:
             gate_logits = content if ratio == 1.0 else content * jnp.float32(ratio)
         term, _ = _cope_tile(
             rows_of(q, 1),
-            k,
+            keys_of(k, 1),
             rows_of(query_positions, 1),
-            key_positions,
-            embeddings,
+            keys_of(key_positions, 1),
+            embeddings[..., : width + 2, :],
             scale=scale,
-            mask=None if mask is None else rows_of(mask, 2),
+            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
             later=None,
             gate_logits=gate_logits,
         )
@@ -208,7 +211,7 @@ def _cope_added_by_blocks(
 
     def all_keys(scores):
         return by_query_blocks(
-            block,
+            lambda start, rows, content=None: block(start, rows, k_len, content),
             tuple(scores.shape),
             jnp.float32,
             block_elements=block_elements,
@@ -220,32 +223,16 @@ def _cope_added_by_blocks(
     if not self_attention or q_len != k_len or q_len <= rows_per_block:
         return all_keys(make_scores())
 
-    def prefix_block(start, rows: int, width: int, content) -> jax.Array:
-        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
-        keys_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.slice_in_dim(x, 0, width, axis=axis)
-        term, _ = _cope_tile(
-            rows_of(q, 1),
-            keys_of(k, 1),
-            rows_of(query_positions, 1),
-            keys_of(batched_positions(key_positions, "key_positions"), 1),
-            embeddings[..., : width + 2, :],
-            scale=scale,
-            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
-            later=None,
-            gate_logits=None if content_scale is None else (content if ratio == 1.0 else content * jnp.float32(ratio)),
-        )
-        return term
-
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
     if callable(scores):
         # One conditional that makes the scores in each branch: nothing is copied into it. The all-keys
         # branch is rematerialised in the gradient, so it keeps no residuals when not taken.
         prefixes = lambda: by_causal_prefix_blocks(
-            prefix_block, make_scores().astype(jnp.float32), block_elements=block_elements
+            block, make_scores().astype(jnp.float32), block_elements=block_elements
         )
         return jax.lax.cond(increasing, prefixes, jax.checkpoint(lambda: all_keys(make_scores())))
     return by_causal_prefix_blocks(
-        prefix_block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
+        block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
     )
 
 

@@ -40,10 +40,10 @@ __all__ = [
     "expand_relative_bias",
     "gather_by_distance",
     "gather_relative",
-    "take_along_last_axis",
     "gather_relative_transposed",
     "relative_positions",
     "sum_by_distance",
+    "take_along_last_axis",
 ]
 
 
@@ -192,12 +192,21 @@ def by_query_blocks(
         if into is None:
             return jax.lax.dynamic_update_slice_in_dim(out, block_fn(start, rows).astype(dtype), start, axis=2)
         current = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=2)
-        values = (block_fn(start, rows, current) if reads_into else block_fn(start, rows)).astype(dtype)
-        values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), (batch, heads, rows, width))
-        fresh = (start + jnp.arange(rows)) >= block * rows  # rows the block before did not add
-        return jax.lax.dynamic_update_slice_in_dim(out, current + jnp.where(fresh[:, None], values, 0), start, axis=2)
+        values = block_fn(start, rows, current) if reads_into else block_fn(start, rows)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, _add_fresh_rows(current, values, start, block * rows), start, axis=2
+        )
 
     return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
+
+
+def _add_fresh_rows(current: jax.Array, values: jax.Array, start, begin) -> jax.Array:
+    """``current`` (rows ``start ..`` of ``[B, N, ., X]``) plus ``values`` (broadcast to it) on the rows from
+    ``begin`` on: a shifted-back block adds nothing to the rows the block before it already added."""
+    values = values.astype(current.dtype)
+    values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), current.shape)
+    fresh = (start + jnp.arange(current.shape[2])) >= begin
+    return current + jnp.where(fresh[:, None], values, 0)
 
 
 def by_causal_prefix_blocks(
@@ -237,12 +246,9 @@ def by_causal_prefix_blocks(
         def body(block, out, first=first, last=last, rows=rows, width=width):
             begin = first + block * rows
             start = jnp.minimum(begin, last - rows)
-            fresh = ((start + jnp.arange(rows)) >= begin)[:, None]  # rows the block before did not add
 
             def add(current, width):
-                values = block_fn(start, rows, width, current).astype(out.dtype)
-                values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), current.shape)
-                return current + jnp.where(fresh, values, 0)
+                return _add_fresh_rows(current, block_fn(start, rows, width, current), start, begin)
 
             if not checked:
                 current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, width))
