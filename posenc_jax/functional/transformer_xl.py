@@ -42,7 +42,12 @@ from posenc_jax.functional.positions import (
     position_difference,
 )
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import by_query_blocks, consecutive_rows, take_along_last_axis
+from posenc_jax.functional.relative import (
+    by_causal_prefix_blocks,
+    by_query_blocks,
+    consecutive_rows,
+    take_along_last_axis,
+)
 from posenc_jax.functional.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "project_distances", "rel_shift", "transformer_xl_logits"]
@@ -143,7 +148,11 @@ def transformer_xl_logits(
       causal: the attention masks keys after each query (their entries are then filler).
       into: optional float32 scores ``[B, N, T, S]``: the term is computed by blocks of
         query rows and added to them in place, and ``into + term`` is returned without the
-        term ever stored whole (a conditional's ``[B, N, T, S]`` result would be).
+        term ever stored whole (a conditional's ``[B, N, T, S]`` result would be). Or a
+        function that makes them: then, in causal self-attention (T = S) with the ladder's
+        positions (checked at run time, by one conditional that makes the scores in each
+        branch, so nothing is copied into it), each block of rows is computed against the
+        keys up to its last row only (:func:`by_causal_prefix_blocks`, 5/8 of the work).
       block_elements: with ``into``, about how many values each block of rows holds.
 
     Example:
@@ -161,7 +170,7 @@ def transformer_xl_logits(
     dim = np.shape(position_projection)[0]
     cached = key_features is not None  # a decoding step against a cache: never the ladder's layout
     if key_features is None:
-        key_features = _key_features(k, key_positions, content_bias, dim, base)
+        key_features = {"content": _content_bias_term(k, content_bias)}  # the sinusoids made where needed
     content = jnp.swapaxes(key_features["content"], 1, 2)[:, :, None, :]  # [B, N, 1, S]
     shifted_q = q.astype(jnp.float32) + jnp.asarray(position_bias, jnp.float32)[None, None]
     query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
@@ -173,44 +182,79 @@ def transformer_xl_logits(
         )
 
     q_len, k_len = q.shape[1], k.shape[1]
+    make_scores = into if callable(into) else None
     standard = projected = distances = in_table = None
     if distance_table is not None:
         distances = position_difference(query_positions[:, :, None], key_positions[:, None, :])  # [B|1, T, S]
         held = (distances >= 0) & (distances < distance_table.shape[0])
         in_table = jnp.all(held if mask is None else held[:, None] | ~jnp.asarray(mask, jnp.bool_))
+
+    def sinusoids_of_keys() -> jax.Array:
+        """``R`` of every key position, ``[B|1, S, D]``: the cache's, or computed from the positions."""
+        given = key_features.get("sinusoids")
+        return key_sinusoids(key_positions, dim, base=base) if given is None else given
+
+    def by_identity(start, rows: int, sinusoids=None) -> jax.Array:
+        """The position term of query rows ``start ..`` by the sinusoid identity: ``[B, N, rows, S]``."""
+        q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+        g = jnp.einsum("BTNH,DNH->BTND", q_rows, position_projection, preferred_element_type=jnp.float32)
+        return sinusoidal_relative_logits(
+            g,
+            jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1),
+            key_positions,
+            sign=-1,
+            layout="half",
+            base=base,
+            key_features=sinusoids_of_keys() if sinusoids is None else sinusoids,
+        )
+
     if causal and q_len <= k_len and not cached:
         # Queries are the last T of S consecutive keys, in every row: then the ladder, projected once.
         last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
         standard = consecutive_rows(query_positions) & consecutive_rows(key_positions) & last_keys
         project = functools.partial(_project_ladder, k_len, position_projection=position_projection, base=base)
+        shape = (q.shape[0], q.shape[2], q_len, k_len)
+        if make_scores is not None and q_len == k_len and q_len > block_elements // max(1, shape[0] * shape[1] * k_len):
+            # Self-attention with the ladder's positions: each block against the keys up to its last row. One
+            # conditional makes the scores in each branch (nothing copied into it); the identity's branch is
+            # rematerialised in the gradient, so it keeps no residuals when not taken.
+            def prefixes():
+                projected = project()  # distances S-1 .. 0; a block of width w reads its last w: w-1 .. 0
+
+                def block(start, rows: int, width: int, current=None) -> jax.Array:
+                    q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+                    position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
+                    return (content[..., :width] + position) * jnp.float32(scale)
+
+                scores = make_scores().astype(jnp.float32)
+                return by_causal_prefix_blocks(block, scores, block_elements=block_elements)
+
+            def every_key():
+                scores, sinusoids = make_scores().astype(jnp.float32), sinusoids_of_keys()
+                terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
+                return by_query_blocks(terms, shape, jnp.float32, block_elements=block_elements, into=scores)
+
+            return jax.lax.cond(standard, prefixes, jax.checkpoint(every_key))
         projected = jax.lax.cond(standard, project, lambda: jnp.zeros((k_len, *q.shape[2:]), jnp.float32))
+    if make_scores is not None:
+        into = make_scores()
+    # Computed once here (not per block) when the call computes them; a cache's decoding step computes
+    # them only where its table cannot serve.
+    sinusoids = None if cached else sinusoids_of_keys()
 
     def rows_term(start, rows: int) -> jax.Array:
         """The term of query rows ``start .. start + rows - 1``: ``[B, N, rows, S]``."""
         q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
-
-        def by_identity():
-            g = jnp.einsum("BTNH,DNH->BTND", q_rows, position_projection, preferred_element_type=jnp.float32)
-            sinusoids = key_features.get("sinusoids")
-            return sinusoidal_relative_logits(
-                g,
-                jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1),
-                key_positions,
-                sign=-1,
-                layout="half",
-                base=base,
-                key_features=key_sinusoids(key_positions, dim, base=base) if sinusoids is None else sinusoids,
-            )
-
+        identity = functools.partial(by_identity, start, rows, sinusoids)
         if in_table is not None:
             row_distances = jax.lax.dynamic_slice_in_dim(distances, start, rows, axis=1)
             by_table = lambda: _position_term_by_table(q_rows, distance_table, row_distances)
-            position = jax.lax.cond(in_table, by_table, by_identity)
+            position = jax.lax.cond(in_table, by_table, identity)
         elif standard is None:
-            position = by_identity()
+            position = identity()
         else:
             ladder = lambda: _position_term_by_ladder(q_rows, projected, start, q_len)
-            position = jax.lax.cond(standard, ladder, by_identity)
+            position = jax.lax.cond(standard, ladder, identity)
         return (content + position) * jnp.float32(scale)
 
     if into is None:
@@ -240,6 +284,17 @@ def _project_ladder(key_length: int, *, position_projection, base: float) -> jax
     return project_distances(jnp.arange(key_length - 1, -1, -1), position_projection, base=base)
 
 
+def _scores_against(shifted_q, projected) -> jax.Array:
+    """``[B, N, T, L]``: each query against each of ``projected`` ``[L, N, H]`` (shared by the batch).
+
+    Written as the content score's product, with ``projected`` broadcast over the batch (a copy
+    of L·N·H values): XLA:CPU computes ``'BTNH,LNH->BNTL'`` (or its heads-first form) as
+    ``[N, L, T]`` and then transposes the whole product, ~1.7× its time at T = L = 1024.
+    """
+    keys = jnp.broadcast_to(projected[None], (shifted_q.shape[0], *projected.shape))
+    return jnp.einsum("BTNH,BLNH->BNTL", shifted_q, keys, preferred_element_type=jnp.float32)
+
+
 def _position_term_by_table(shifted_q, table, distances) -> jax.Array:
     """``(q + v) · W_R R_{i-j}`` read from ``table`` (``W_R R_d`` for ``d = 0 .. L-1``): ``[B, N, rows, S]``.
 
@@ -248,9 +303,7 @@ def _position_term_by_table(shifted_q, table, distances) -> jax.Array:
     score against L keys) and each key's score picked by its distance (clipped into the table:
     the caller checks that every key it does not mask is inside).
     """
-    scores = jnp.einsum(
-        "BNTH,NLH->BNTL", jnp.swapaxes(shifted_q, 1, 2), jnp.swapaxes(table, 0, 1), preferred_element_type=jnp.float32
-    )
+    scores = _scores_against(shifted_q, table)
     index = jnp.clip(distances, 0, table.shape[0] - 1)[:, None]  # [B|1, 1, rows, S]
     index = jnp.broadcast_to(index, (scores.shape[0], 1) + index.shape[2:])
     return jnp.take_along_axis(scores, index, axis=-1)
@@ -265,12 +318,7 @@ def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax
     :func:`rel_shift` does (by one gather); entries of keys after the query are filler (masked in
     causal attention).
     """
-    scores = jnp.einsum(
-        "BNTH,NLH->BNTL",
-        jnp.swapaxes(shifted_q, 1, 2),  # heads first, so the product comes out [B, N, T, L] as laid out
-        jnp.swapaxes(projected, 0, 1),
-        preferred_element_type=jnp.float32,
-    )
+    scores = _scores_against(shifted_q, projected)
     first_row = jnp.asarray(first_row, jnp.int32)
     if not custom_gradients():
         return _gather_ladder_columns(scores, first_row, q_len)
@@ -324,14 +372,6 @@ def _shift_backward(q_len, first_row, cotangent):
 
 
 _shift_to_keys.defvjp(_shift_forward, _shift_backward)
-
-
-def _key_features(k, key_positions, content_bias, dim: int, base: float) -> dict:
-    """The per-key parts of the Transformer-XL terms: the key sinusoids and ``u · k_s`` per head."""
-    return {
-        "sinusoids": key_sinusoids(key_positions, dim, base=base),  # [B|1, S, D]
-        "content": _content_bias_term(k, content_bias),
-    }
 
 
 def _content_bias_term(k, content_bias) -> jax.Array:
@@ -396,6 +436,11 @@ class TransformerXL:
     def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
         """``scores + logits``, the terms added by blocks of query rows into the scores (never stored whole)."""
         return self._terms(q, k, context, into=scores)
+
+    def add_logits_to_content(self, content, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        """The content scores ``content()`` plus the terms: made inside the run-time choice between causal
+        prefixes and all keys (:func:`transformer_xl_logits`), so that choice never copies them."""
+        return self._terms(q, k, context, into=content)
 
     def _terms(self, q, k, context: AttentionContext, into=None):
         return transformer_xl_logits(
