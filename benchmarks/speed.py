@@ -4,7 +4,8 @@
                                [--encodings rope,t5,...]
 
 Every figure is a ratio to a baseline timed in the same process, in the same rounds:
-each round runs every case once (in a rotated order), each case's time is divided by
+each round runs every case once (in a rotated order; the RoPE table's cases three times
+in a row, their median taken, see ``paired_times``), each case's time is divided by
 the baseline's time of that round, and the table prints the median of those ratios and
 their range (min-max) over the rounds. Absolute times depend on the machine and on
 whatever else runs on it; the paired ratios much less so. Compare ratios, and re-run on a
@@ -61,6 +62,7 @@ except ImportError:
     decode_step = None
 
 SECTIONS = ("rope", "attention", "memory", "train", "decode")
+ROPE_CALLS = 3  # calls in a row per case and round in the RoPE table (see paired_times)
 ONLY: set[str] | None = None  # --encodings: a subset of the registered names (NoPE stays, as the baseline)
 
 
@@ -72,8 +74,13 @@ def _selected(names: list[str]) -> list[str]:
 # Measurement
 
 
-def paired_times(cases: dict[str, Callable[[], object]], rounds: int) -> dict[str, np.ndarray]:
-    """Runs every case once per round (order rotated each round); ``[rounds]`` seconds per case."""
+def paired_times(cases: dict[str, Callable[[], object]], rounds: int, calls: int = 1) -> dict[str, np.ndarray]:
+    """Runs every case per round (order rotated each round); ``[rounds]`` seconds per case.
+
+    ``calls``: a case's time in a round is the median of that many calls in a row, its steady
+    state (on the 2-core CPU the first call of a memory-bound case after another case was
+    slower, by an amount that varied with the case before).
+    """
     for run in cases.values():
         jax.block_until_ready(run())  # compile and warm up
     names = list(cases)
@@ -81,9 +88,12 @@ def paired_times(cases: dict[str, Callable[[], object]], rounds: int) -> dict[st
     for r in range(rounds):
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
-            start = time.perf_counter()
-            jax.block_until_ready(cases[name]())
-            times[name].append(time.perf_counter() - start)
+            each = []
+            for _ in range(calls):
+                start = time.perf_counter()
+                jax.block_until_ready(cases[name]())
+                each.append(time.perf_counter() - start)
+            times[name].append(float(np.median(each)))
     return {name: np.asarray(t) for name, t in times.items()}
 
 
@@ -201,7 +211,9 @@ def rope_section(rounds: int, quick: bool) -> None:
         fns["cached cos/sin tables, rotate_half (half)"] = lambda q, k, table=table: table(q, k, cos, sin)
         cplx = jax.jit(lambda q, k, f: (complex_rope(q, f), complex_rope(k, f)))
         fns["complex multiply, precomputed e^{iθ} (interleaved)"] = lambda q, k, cplx=cplx: cplx(q, k, freqs_cis)
-        times = paired_times({name: (lambda fn=fn, q=q, k=k: fn(q, k)) for name, fn in fns.items()}, rounds)
+        # Memory-bound calls of ~20 ms: timed in steady state, the median of three calls in a row per round.
+        cases = {name: (lambda fn=fn, q=q, k=k: fn(q, k)) for name, fn in fns.items()}
+        times = paired_times(cases, rounds, calls=ROPE_CALLS)
         name = jnp.dtype(dtype).name
         for case in fns:
             if case != "copy":
@@ -217,7 +229,8 @@ def rope_section(rounds: int, quick: bool) -> None:
             kinds = ", ".join(f"{four_passes.count(t)} {t}" for t in sorted(set(four_passes)))
             checks.append((f"apply_rope_qk ({layout}), {name}", "yes" if ok else "NO", max(sizes), kinds))
     print_table(
-        f"RoPE on q, k {list(shape)} vs a copy of q and k (target ≤ 1.5× per call, ≤ 2× for four in a row)",
+        f"RoPE on q, k {list(shape)} vs a copy of q and k, each the median of {ROPE_CALLS} calls in a row per round "
+        "(target ≤ 1.5× per call, ≤ 2× for four in a row)",
         ("case", "dtype", "time vs copy, median (range)"),
         rows,
     )

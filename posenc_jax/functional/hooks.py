@@ -184,7 +184,8 @@ class Logits(Protocol):
     term and no features are joined: ``content()`` makes the content scores, exactly
     ``context.scale · q·k``; the hook returns them plus its term. A term that reads them
     uses them rather than compute ``q·k`` again (CoPE's gates), and may make them inside a
-    run-time conditional, which would copy scores given to it.
+    run-time conditional, which would copy scores given to it (CoPE's and Transformer-XL's
+    choice between causal prefixes and all keys).
 
     Or ``score_features(q, k, context) -> (fq [B, T, N, F], fk [B|1, S, F])`` with
     ``context.scale · einsum("BTNF,BSF->BNTS", fq, fk)`` equal to the term: float32
