@@ -25,6 +25,7 @@ from posenc_jax.functional import (
     t5_relative_bucket,
     transformer_xl_logits,
 )
+from posenc_jax.functional.autodiff import plain_autodiff
 from posenc_jax.functional.hooks import AttentionContext
 from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.relative import (
@@ -665,6 +666,41 @@ def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions,
         q, k, qp, key_positions, key_features=features, distance_table=table, mask=mask, **kw
     )
     np.testing.assert_allclose(np.asarray(cached)[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5)
+    # Derivatives, reverse and forward mode, through whichever way was taken (the choice is a loop of one
+    # pass or none, whose derivatives are the conditional's): as the identity's, on the keys seen.
+    weights = jnp.where(jnp.asarray(seen), _normal(rng, want.shape), 0.0)
+    loss = lambda q, w_r, table: (
+        transformer_xl_logits(
+            q, k, qp, key_positions, **(kw | dict(position_projection=w_r)), distance_table=table, mask=mask
+        )
+        * weights
+    ).sum()
+    plain = lambda q, w_r: (
+        transformer_xl_logits(q, k, qp, key_positions, **(kw | dict(position_projection=w_r))) * weights
+    ).sum()
+    got_q, got_w = jax.jit(
+        jax.grad(lambda q, w_r: loss(q, w_r, project_distances(jnp.arange(table_length), w_r)), argnums=(0, 1))
+    )(q, w_r)
+    want_q, want_w = jax.grad(plain, argnums=(0, 1))(q, w_r)
+    np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-4)
+    tangent = _normal(rng, q.shape)
+    with plain_autodiff():  # forward mode: the library's custom-VJP operations in their plain form
+        _, got_t = jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))
+        _, want_t = jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))
+    np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4)
+
+
+def test_transformer_xl_decoding_choice_is_a_loop_not_a_conditional(rng):
+    """The table-or-identity choice of a decoding step is a loop of one pass or none: no ``cond`` in its
+    program (XLA:CPU ran one beside the whole-cache copies and slowed them, README)."""
+    q, k = _normal(rng, (2, 1, N, H)), _normal(rng, (2, 9, N, H))
+    w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
+    kw = dict(position_projection=w_r, content_bias=u, position_bias=v, causal=True)
+    features = TransformerXL(w_r, u, v).key_features(k, None)  # as a cache stores them
+    step = lambda qp, kp, table: transformer_xl_logits(q, k, qp, kp, key_features=features, distance_table=table, **kw)
+    jaxpr = str(jax.make_jaxpr(step)(jnp.full((2, 1), 8), jnp.arange(9), project_distances(jnp.arange(16), w_r)))
+    assert "cond[" not in jaxpr and "while[" in jaxpr
 
 
 def test_transformer_xl_distance_table_refuses_a_wrong_shape(rng):

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.autodiff import custom_gradients
+from posenc_jax.functional.autodiff import custom_gradients, plain_autodiff
 from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.positions import (
     batched_positions,
@@ -197,16 +197,9 @@ def transformer_xl_logits(
     def by_identity(start, rows: int, sinusoids=None) -> jax.Array:
         """The position term of query rows ``start ..`` by the sinusoid identity: ``[B, N, rows, S]``."""
         q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
-        g = jnp.einsum("BTNH,DNH->BTND", q_rows, position_projection, preferred_element_type=jnp.float32)
-        return sinusoidal_relative_logits(
-            g,
-            jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1),
-            key_positions,
-            sign=-1,
-            layout="half",
-            base=base,
-            key_features=sinusoids_of_keys() if sinusoids is None else sinusoids,
-        )
+        row_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
+        sinusoids = sinusoids_of_keys() if sinusoids is None else sinusoids
+        return _identity_term(dim, base, 0, q_rows, position_projection, row_positions, key_positions, sinusoids)
 
     if causal and q_len <= k_len and not cached:
         # Queries are the last T of S consecutive keys, in every row: then the ladder, projected once.
@@ -248,8 +241,10 @@ def transformer_xl_logits(
         identity = functools.partial(by_identity, start, rows, sinusoids)
         if in_table is not None:
             row_distances = jax.lax.dynamic_slice_in_dim(distances, start, rows, axis=1)
-            by_table = lambda: _position_term_by_table(q_rows, distance_table, row_distances)
-            position = jax.lax.cond(in_table, by_table, identity)
+            by_table = _position_term_by_table(q_rows, distance_table, row_distances)
+            row_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
+            operands = (q_rows, position_projection, row_positions, key_positions, key_features.get("sinusoids"))
+            position = _identity_unless(dim, base, ~in_table, by_table, operands)
         elif standard is None:
             position = identity()
         else:
@@ -260,6 +255,52 @@ def transformer_xl_logits(
     if into is None:
         return rows_term(0, q_len)
     return by_query_blocks(rows_term, tuple(into.shape), jnp.float32, block_elements=block_elements, into=into)
+
+
+def _identity_term(
+    dim: int, base: float, offset, shifted_q, position_projection, query_positions, key_positions, sinusoids
+):
+    """The position term by the sinusoid identity, ``[B, N, T, S]``, with ``offset`` (zero) added to every
+    position: the distances, and so the term, are unchanged."""
+    query_positions, key_positions = query_positions + offset, key_positions + offset
+    g = jnp.einsum("BTNH,DNH->BTND", shifted_q, position_projection, preferred_element_type=jnp.float32)
+    return sinusoidal_relative_logits(
+        g,
+        query_positions,
+        key_positions,
+        sign=-1,
+        layout="half",
+        base=base,
+        key_features=key_sinusoids(key_positions, dim, base=base) if sinusoids is None else sinusoids,
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _identity_unless(dim: int, base: float, use_identity, by_table, operands):
+    """``by_table``, or the identity's term (:func:`_identity_term` of ``operands``) where ``use_identity``.
+
+    A loop of one pass or none, not a conditional: in a decoding step, XLA:CPU ran the
+    conditional beside the whole-cache copies of the score and value products, which then
+    took longer (a step 1.46× and 1.51× NoPE's at 684 and 1024 cache slots, paired, 15 rounds;
+    1.05× and 1.03× as this loop). The loop's counter (0 in its one pass) is added to the
+    positions, so XLA cannot hoist the identity out of the loop and run it every step. A loop
+    with a run-time trip count has no reverse-mode derivative: the derivatives are the
+    conditional's (below), so ``jax.grad`` works as it did.
+    """
+    body = lambda i, current: _identity_term(dim, base, i, *operands)
+    return jax.lax.fori_loop(0, use_identity.astype(jnp.int32), body, by_table)
+
+
+@_identity_unless.defjvp
+def _identity_unless_jvp(dim, base, primals, tangents):
+    use_identity, by_table, operands = primals
+    _, table_dot, operands_dot = tangents
+
+    def chosen(by_table, operands):
+        return jax.lax.cond(use_identity, lambda: _identity_term(dim, base, 0, *operands), lambda: by_table)
+
+    with plain_autodiff():  # forward mode through the identity: its custom-VJP operations in their plain form
+        return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
 
 
 def project_distances(distances, position_projection, *, base: float = 10000.0) -> jax.Array:
