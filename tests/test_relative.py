@@ -691,6 +691,27 @@ def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions,
     np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4)
 
 
+def test_transformer_xl_decoding_choice_differentiates_under_vmap(rng):
+    """The gradient of a batch of decoding steps (``vmap``), one inside the table and one outside it (a
+    batched choice): as the identity's. (A conditional in the choice's derivative rule could not be
+    transposed here.)"""
+    q, k = _normal(rng, (1, 1, N, H)), _normal(rng, (1, 5, N, H))
+    w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
+    features = TransformerXL(w_r, u, v).key_features(k, None)
+    kw = dict(content_bias=u, position_bias=v, causal=True)
+
+    def step(w_r, qp, table):
+        extra = {} if table is None else dict(key_features=features, distance_table=table)
+        return transformer_xl_logits(q, k, qp, jnp.arange(5), position_projection=w_r, **kw, **extra).sum()
+
+    steps = jnp.asarray([[4], [40]])  # distance 40 is past the 8-row table
+    got = jax.grad(
+        lambda w_r: jax.vmap(step, (None, 0, None))(w_r, steps, project_distances(jnp.arange(8), w_r)).sum()
+    )(w_r)
+    want = jax.grad(lambda w_r: jax.vmap(step, (None, 0, None))(w_r, steps, None).sum())(w_r)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_transformer_xl_decoding_choice_is_a_loop_not_a_conditional(rng):
     """The table-or-identity choice of a decoding step is a loop of one pass or none: no ``cond`` in its
     program (XLA:CPU ran one beside the whole-cache copies and slowed them, README)."""

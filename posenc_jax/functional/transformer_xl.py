@@ -284,8 +284,8 @@ def _identity_unless(dim: int, base: float, use_identity, by_table, operands):
     took longer (a step 1.46× and 1.51× NoPE's at 684 and 1024 cache slots, paired, 15 rounds;
     1.05× and 1.03× as this loop). The loop's counter (0 in its one pass) is added to the
     positions, so XLA cannot hoist the identity out of the loop and run it every step. A loop
-    with a run-time trip count has no reverse-mode derivative: the derivatives are the
-    conditional's (below), so ``jax.grad`` works as it did.
+    with a run-time trip count has no reverse-mode derivative: the derivatives are those of a
+    selection between the two (below), so ``jax.grad`` and ``jax.jvp`` work as they did.
     """
     body = lambda i, current: _identity_term(dim, base, i, *operands)
     return jax.lax.fori_loop(0, use_identity.astype(jnp.int32), body, by_table)
@@ -297,7 +297,10 @@ def _identity_unless_jvp(dim, base, primals, tangents):
     _, table_dot, operands_dot = tangents
 
     def chosen(by_table, operands):
-        return jax.lax.cond(use_identity, lambda: _identity_term(dim, base, 0, *operands), lambda: by_table)
+        # A selection, not a conditional: JAX (0.10) cannot transpose a conditional inside a custom JVP rule
+        # under vmap with a batched predicate (grad of vmap raised). The identity then runs whenever the step
+        # is differentiated, which a decoding step rarely is.
+        return jnp.where(use_identity, _identity_term(dim, base, 0, *operands), by_table)
 
     with plain_autodiff():  # forward mode through the identity: its custom-VJP operations in their plain form
         return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
