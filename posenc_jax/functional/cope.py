@@ -32,7 +32,12 @@ from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, parame
 from posenc_jax.functional.masks import causal_mask, combine_masks
 from posenc_jax.functional.positions import batched_positions
 from posenc_jax.functional.registry import Source, register_encoding
-from posenc_jax.functional.relative import by_causal_prefix_blocks, by_query_blocks, check_max_distance
+from posenc_jax.functional.relative import (
+    by_causal_prefix_blocks,
+    by_causal_prefixes_where,
+    by_query_blocks,
+    check_max_distance,
+)
 
 __all__ = ["CoPE", "CoPEConfig", "cope_logits", "interpolate_positions", "reverse_cumsum"]
 
@@ -169,7 +174,9 @@ def _cope_added_by_blocks(
     In self-attention (the same positions for queries and keys) whose positions increase
     along every row, query t sees no key after t: each block then works on the keys up to
     its last row only (:func:`by_causal_prefix_blocks`, 5/8 of the work). The positions are
-    checked at run time (a ``lax.cond`` per block); otherwise each block takes all keys.
+    checked at run time, by one conditional around the whole term where ``scores`` is a function
+    that makes them (:func:`by_causal_prefixes_where`), by one per block where it is an array;
+    otherwise each block takes all keys.
     """
     q_len, k_len = q.shape[1], k.shape[1]
     expected = (q.shape[0], q.shape[2], q_len, k_len)
@@ -225,12 +232,7 @@ def _cope_added_by_blocks(
 
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
     if callable(scores):
-        # One conditional that makes the scores in each branch: nothing is copied into it. The all-keys
-        # branch is rematerialised in the gradient, so it keeps no residuals when not taken.
-        prefixes = lambda: by_causal_prefix_blocks(
-            block, make_scores().astype(jnp.float32), block_elements=block_elements
-        )
-        return jax.lax.cond(increasing, prefixes, jax.checkpoint(lambda: all_keys(make_scores())))
+        return by_causal_prefixes_where(increasing, make_scores, lambda: block, all_keys, block_elements=block_elements)
     return by_causal_prefix_blocks(
         block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
     )

@@ -31,6 +31,7 @@ from posenc_jax.functional.positions import batched_positions, position_differen
 __all__ = [
     "bucket_relative",
     "by_causal_prefix_blocks",
+    "by_causal_prefixes_where",
     "by_query_blocks",
     "check_max_distance",
     "clipped_relative_index",
@@ -263,6 +264,24 @@ def by_causal_prefix_blocks(
         out = body(0, out) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, body, out)
         first = last
     return out
+
+
+def by_causal_prefixes_where(ok, make_scores, make_block, every_key, *, block_elements: int = 1 << 20) -> jax.Array:
+    """The scores ``make_scores()`` plus a causal term: by :func:`by_causal_prefix_blocks`, with the block
+    function ``make_block()``, where ``ok``, a run-time check that the prefixes hold every key a query
+    sees; else ``every_key(scores)``, which adds the term over all keys.
+
+    One conditional for the whole term, each branch making the scores itself: scores handed to
+    a conditional would be copied into it (one more ``[B, N, T, S]`` buffer). ``make_block`` is
+    called inside its branch, so what it prepares for the blocks is computed only there. The
+    ``every_key`` branch is rematerialised in the gradient, so it keeps no residuals where not
+    taken (a conditional keeps both branches' residuals, zero-filled for the one not taken).
+    """
+
+    def prefixes():
+        return by_causal_prefix_blocks(make_block(), make_scores().astype(jnp.float32), block_elements=block_elements)
+
+    return jax.lax.cond(ok, prefixes, jax.checkpoint(lambda: every_key(make_scores())))
 
 
 def bucket_relative(

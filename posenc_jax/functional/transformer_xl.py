@@ -43,7 +43,7 @@ from posenc_jax.functional.positions import (
 )
 from posenc_jax.functional.registry import Source, register_encoding
 from posenc_jax.functional.relative import (
-    by_causal_prefix_blocks,
+    by_causal_prefixes_where,
     by_query_blocks,
     consecutive_rows,
     take_along_last_axis,
@@ -208,10 +208,8 @@ def transformer_xl_logits(
         project = functools.partial(_project_ladder, k_len, position_projection=position_projection, base=base)
         shape = (q.shape[0], q.shape[2], q_len, k_len)
         if make_scores is not None and q_len == k_len and q_len > block_elements // max(1, shape[0] * shape[1] * k_len):
-            # Self-attention with the ladder's positions: each block against the keys up to its last row. One
-            # conditional makes the scores in each branch (nothing copied into it); the identity's branch is
-            # rematerialised in the gradient, so it keeps no residuals when not taken.
-            def prefixes():
+            # Self-attention with the ladder's positions: each block against the keys up to its last row.
+            def ladder_blocks():
                 projected = project()  # distances S-1 .. 0; a block of width w reads its last w: w-1 .. 0
 
                 def block(start, rows: int, width: int, current=None) -> jax.Array:
@@ -219,15 +217,16 @@ def transformer_xl_logits(
                     position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
                     return (content[..., :width] + position) * jnp.float32(scale)
 
-                scores = make_scores().astype(jnp.float32)
-                return by_causal_prefix_blocks(block, scores, block_elements=block_elements)
+                return block
 
-            def every_key():
-                scores, sinusoids = make_scores().astype(jnp.float32), sinusoids_of_keys()
+            def every_key(scores):
+                sinusoids = sinusoids_of_keys()
                 terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
                 return by_query_blocks(terms, shape, jnp.float32, block_elements=block_elements, into=scores)
 
-            return jax.lax.cond(standard, prefixes, jax.checkpoint(every_key))
+            return by_causal_prefixes_where(
+                standard, make_scores, ladder_blocks, every_key, block_elements=block_elements
+            )
         projected = jax.lax.cond(standard, project, lambda: jnp.zeros((k_len, *q.shape[2:]), jnp.float32))
     if make_scores is not None:
         into = make_scores()
