@@ -881,6 +881,18 @@ def test_transformer_xl_causal_prefixes_equal_the_term_added(rng, positions, pre
     assert untouched.all() if prefixes else not untouched.any()
 
 
+def test_transformer_xl_refuses_scores_of_the_wrong_shape(rng):
+    q, k = _normal(rng, (2, 12, N, H)), _normal(rng, (2, 12, N, H))
+    kw = dict(position_projection=_normal(rng, (12, N, H)), content_bias=_normal(rng, (N, H)), causal=True)
+    pos = jnp.arange(12)
+    with pytest.raises(
+        ValueError, match=r"into must make scores \[B, N, T, S\] = \(2, 2, 12, 12\), got \(2, 1, 12, 12\)"
+    ):
+        transformer_xl_logits(
+            q, k, pos, pos, position_bias=kw["content_bias"], into=lambda: jnp.zeros((2, 1, 12, 12)), **kw
+        )
+
+
 def test_transformer_xl_in_attention_by_blocks_equals_its_term_added():
     """Attention adds Transformer-XL's terms into the scores by blocks of rows (two blocks here, the
     last shifted back); values and gradients as with the whole term computed and added."""

@@ -183,6 +183,10 @@ def transformer_xl_logits(
 
     q_len, k_len = q.shape[1], k.shape[1]
     make_scores = into if callable(into) else None
+    expected = (q.shape[0], q.shape[2], q_len, k_len)
+    made = None if make_scores is None else tuple(jax.eval_shape(make_scores).shape)
+    if made is not None and made != expected:
+        raise ValueError(f"into must make scores [B, N, T, S] = {expected}, got {made}")
     standard = projected = distances = in_table = None
     if distance_table is not None:
         distances = position_difference(query_positions[:, :, None], key_positions[:, None, :])  # [B|1, T, S]
