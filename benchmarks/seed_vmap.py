@@ -25,7 +25,7 @@ import numpy as np
 
 from posenc_jax.bench.cell import Cell, SeedGroup, build, encodings_for, train_batch
 from posenc_jax.bench.presets import PRESETS
-from posenc_jax.tasks import make_task
+from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import train_step
 
 

@@ -16,7 +16,7 @@ API_PAGES = {
     "api/checkpoint/index.html": ["posenc_jax.checkpoint"],
     "api/linen/index.html": ["posenc_jax.linen"],
     "api/reference/index.html": ["posenc_jax.reference"],
-    "api/tasks/index.html": ["posenc_jax.tasks"],
+    "api/tasks/index.html": ["posenc_jax.bench.tasks"],
 }
 # Packages whose modules' own ``__all__`` names not exported by the package go on the helpers page.
 HELPER_PACKAGES = ("posenc_jax.functional", "posenc_jax.nn")

@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 
 from posenc_jax.bench import cell as bench_cell
-from posenc_jax.bench import extrapolate, presets, report
+from posenc_jax.bench import extrapolate, presets, report, results
 from posenc_jax.bench.cli import main
 from posenc_jax.bench.ledger import Ledger, fingerprint
-from posenc_jax.tasks import TASKS, DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
+from posenc_jax.bench.tasks import TASKS, DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
 from posenc_jax.training import train_step
 
 CLI = [sys.executable, "-m", "posenc_jax.bench.cli", "extrapolate"]
@@ -64,8 +64,11 @@ def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
     assert "[cell 4 of 4" in printed
     report_text = (tmp_path / "report.md").read_text()
     assert "A pipeline check, not a result" in report_text and "published" not in report_text
-    assert "±" not in report_text and "one seed, so no spread is shown" in report_text
-    assert (tmp_path / "counting_copy.png").stat().st_size > 1000 and (tmp_path / "text.png").exists()
+    assert "not learned" in report_text and "*position-only (baseline)*" in report_text
+    assert "| 5-gram, kneser-ney |" in report_text and json.loads((tmp_path / "baselines.json").read_text())["text"]
+    assert all(r["commit"] == rows[0]["commit"] and "steps" in r for r in rows)
+    assert all(set(r["buckets"]) == {"<1x", "1-2x"} for r in rows if r["task"] == "text" and r["length"] == 32)
+    assert (tmp_path / "counting_copy.png").stat().st_size > 1000 and (tmp_path / "text.svg").exists()
     # Re-running the finished command trains and evaluates nothing again.
     assert main([*args, "--no-plots"]) == 0
     assert len(_rows(tmp_path / "results.jsonl")) == len(rows)
@@ -175,7 +178,15 @@ def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_prom
     rows = []
     todo = {0: [(None, 2)], 1: [(None, 6)]}
     records = bench_cell.train_and_evaluate(
-        cell, preset, [0, 1], todo, out=tmp_path, settings="test", write=rows.append, bar=Bar
+        cell,
+        preset,
+        [0, 1],
+        todo,
+        out=tmp_path,
+        settings="test",
+        write=rows.append,
+        criterion=bench_cell.Criterion(0.95, higher_is_better=True),
+        bar=Bar,
     )
     (bar,) = bars
     assert (bar.total, bar.initial, bar.n, bar.closed) == (5, 1, 5, True)  # created after the first step
@@ -213,7 +224,8 @@ def test_seeds_left_at_different_steps_resume_together_from_their_common_step(tm
         (["--seeds", "1,1"], "seeds \\[1\\] named twice"),
         (["--tasks", "copyy"], "unknown tasks \\['copyy'\\]; known tasks: counting_copy"),
         (["--steps", "0"], "steps must be >= 1, got 0"),
-        (["--eval-lengths", "2,3", "--train-length", "4"], "must reach beyond the training length 4"),
+        (["--eval-lengths", "2,3", "--train-length", "4"], "must include the training length 4"),
+        (["--eval-lengths", "2,4", "--train-length", "4"], "must reach beyond the training length 4"),
         (["--text-lengths", "16,40"], "--text-lengths 16,40: each must be a multiple of the text context 16"),
         (["--tasks", "text", "--eval-lengths", "8,64"], "has only the text task; .* --text-lengths"),
         (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, colab-tpu, paper"),
@@ -305,7 +317,7 @@ def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path, standa
     extrapolate.run(preset, tmp_path, progress=False, log=first.append)
     (tmp_path / "results.jsonl").unlink()  # as if killed after training, before any result was written
     extrapolate.run(preset, tmp_path, progress=False, log=again.append)
-    assert re.search(r"seeds 0: loss \d+\.\d{3}", first[0]), first
+    assert re.search(r"seeds 0: 2 of 2 steps, loss \d+\.\d{3}", first[0]), first
     assert "nan" not in again[0] and "resumed at step 2 of 2, no steps left" in again[0], again
     strict = lambda constant: pytest.fail(f"run.json holds {constant}, which is not JSON")
     record = json.loads((tmp_path / "run.json").read_text(), parse_constant=strict)
@@ -327,15 +339,24 @@ def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path, standard_promo
     assert meta["model"]["encodings"] == ["ALiBi(bidirectional=None)"] and meta["model"]["num_layers"] == 1
 
 
-def test_fingerprints_of_published_runs_stay_and_new_settings_change_them():
-    # docs/extrapolation-cpu was made with 1b3710b692c1; a changed hash would refuse to resume such runs.
-    assert fingerprint(presets.PRESETS["cpu"]) == "1b3710b692c1"
-    assert fingerprint(presets.PRESETS["smoke"]) == "6e40c54a8dc5"
-    assert fingerprint(presets.PRESETS["paper"]) == "05c08d0e8e5d"
+def test_fingerprints_follow_what_shapes_a_result_and_the_method(monkeypatch):
+    from posenc_jax.bench import ledger
+
     smoke = presets.PRESETS["smoke"]
-    assert fingerprint(dataclasses.replace(smoke, seeds=(3, 4), eval_only_tasks=())) == "6e40c54a8dc5"
-    assert fingerprint(dataclasses.replace(smoke, blockwise_from=64)) != "6e40c54a8dc5"
-    assert fingerprint(dataclasses.replace(smoke, query_init_scale=0.1)) != "6e40c54a8dc5"
+    base = fingerprint(smoke)
+    assert fingerprint(dataclasses.replace(smoke, seeds=(3, 4), eval_only_tasks=(), description="x")) == base
+    for change in (
+        {"blockwise_from": 64},
+        {"query_init_scale": 0.1},
+        {"learned_threshold": 0.9},
+        {"check_every": 5},
+        {"text_eval_characters": 2048},
+        {"task_overrides": (("text", (("steps", 9),)),)},
+    ):
+        assert fingerprint(dataclasses.replace(smoke, **change)) != base, change
+    # Results of the earlier method (fixed steps, no gate) never mix with these.
+    monkeypatch.setattr(ledger, "METHOD", ledger.METHOD - 1)
+    assert fingerprint(smoke) != base
 
 
 def test_query_init_scale_shrinks_the_initial_query_projection_and_bad_values_are_refused():
@@ -402,77 +423,30 @@ def test_presets_validate_and_the_colab_tpu_estimate_is_about_a_quarter_hour():
     assert 10 * 60 < presets.expected_seconds(tpu, **presets.TPU_ESTIMATE) < 20 * 60
 
 
-def _synthetic_rows(task, lengths, train_length, metric, seeds=(0, 1)):
-    rng = np.random.default_rng(0)
-    return [
+def test_the_smoke_report_says_it_is_a_check_and_the_overview_marks_what_cannot_run(tmp_path):
+    rows = [
         {
             "task": task,
             "encoding": encoding,
-            "seed": seed,
+            "seed": 0,
             "length": n,
-            "metric": metric,
-            "value": float(rng.uniform(0.2, 0.9)),
-            "train_length": train_length,
-            "in_distribution": n <= train_length,
+            "metric": "accuracy",
+            "value": 1.0,
+            "train_length": 8,
+            "in_distribution": n <= 8,
         }
-        for encoding in ("nope", "rope", "alibi")
-        for seed in seeds
-        for n in lengths
+        for task, encoding in (("counting_copy", "cope"), ("counting_copy", "nope"), ("parity", "nope"))
+        for n in (4, 8, 12)
     ]
-
-
-def test_plots_a_researcher_can_read():
-    import matplotlib.pyplot as plt
-
-    rows = _synthetic_rows("parity", [4, 8, 12, 16], 8, "accuracy")
-    fig = report.figure("parity", rows)
-    ax = fig.axes[0]
-    assert ax.get_xscale() == "linear" and ax.get_ylim() == (-0.02, 1.02)
-    assert any(np.allclose(line.get_ydata(), 0.5) for line in ax.get_lines())  # chance
-    assert any(list(line.get_xdata()) == [8, 8] for line in ax.get_lines())  # the training length
-    legend = ax.get_legend()
-    assert legend.get_bbox_to_anchor().x0 > ax.get_window_extent().x1  # outside the data
-    labels = [t.get_text() for t in legend.get_texts()]
-    assert labels[:3] == ["nope", "rope", "alibi"] and "chance" in labels and "± 1 std over 2 seeds" in labels
-    styles = {(line.get_marker(), line.get_linestyle(), line.get_color()) for line in ax.get_lines()[:3]}
-    assert len(styles) == 3
-    assert "Parity" in ax.get_title()
-    plt.close(fig)
-    text = report.figure("text", _synthetic_rows("text", [16, 32, 64], 16, "bits_per_char", seeds=(0,)))
-    ax = text.axes[0]
-    assert ax.get_xscale() == "log" and "± 1 std" not in [t.get_text() for t in ax.get_legend().get_texts()]
-    plt.close(text)
-
-
-def test_reports_say_what_the_spread_is_and_the_smoke_report_that_it_is_a_check(tmp_path):
-    rows = _synthetic_rows("counting_copy", [4, 8, 12], 8, "exact_match")
-    cpu = dataclasses.asdict(presets.PRESETS["cpu"])
-    text = report.write_report(rows, tmp_path, preset=cpu, plots=False)
-    assert "mean ± standard deviation over seeds (2 seeds; the plot's band is the same" in text
-    assert "published, test 21-40" in text and re.search(r"\| nope \| 0\.\d{3} ± 0\.\d{3} \|", text)
-    smoke = dataclasses.asdict(presets.PRESETS["smoke"])
-    text = report.write_report([r for r in rows if r["seed"] == 0], tmp_path, preset=smoke, plots=False)
-    assert "A pipeline check, not a result" in text and "published" not in text and "±" not in text
-
-
-def test_the_overview_gives_every_encoding_on_every_task_beyond_and_in_distribution(tmp_path):
-    rows = _synthetic_rows("counting_copy", [4, 8, 12], 8, "exact_match")
-    rows += [dict(r, task="parity") for r in _synthetic_rows("parity", [4, 8, 12], 8, "accuracy") if r["seed"] == 0]
-    rows += [dict(r, encoding="cope") for r in rows if r["task"] == "counting_copy" and r["encoding"] == "nope"]
-    rows = [r for r in rows if not (r["task"] == "parity" and r["encoding"] == "alibi")]
-    table = report.overview(rows)
-    assert table[0] == "| encoding | counting copy | parity (enc) |"
-    nope = [r for r in rows if r["task"] == "counting_copy" and r["encoding"] == "nope"]
-    beyond = np.mean([np.mean([r["value"] for r in nope if r["seed"] == s and r["length"] > 8]) for s in (0, 1)])
-    within = np.mean([np.mean([r["value"] for r in nope if r["seed"] == s and r["length"] <= 8]) for s in (0, 1)])
-    assert table[2].startswith(f"| nope | {beyond:.2f} ({within:.2f}) |")
-    rows_by_encoding = {line.split(" | ")[0][2:]: line for line in table[2:]}
-    assert rows_by_encoding["alibi"].endswith("| · |")  # not run yet
-    assert rows_by_encoding["cope"].endswith("| n/a |")  # CoPE has no bidirectional form
-    cpu = dataclasses.asdict(presets.PRESETS["cpu"])
-    assert "## Overview" in report.write_report(rows, tmp_path, preset=cpu, plots=False)
-    smoke = dataclasses.asdict(presets.PRESETS["smoke"])
-    assert "## Overview" not in report.write_report(rows, tmp_path, preset=smoke, plots=False)
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "run.json").write_text(json.dumps({"preset": dataclasses.asdict(presets.PRESETS["smoke"])}))
+    text = report.write_report(tmp_path, plots=False)
+    assert "A pipeline check, not a result" in text and "published" not in text and "## Overview" not in text
+    (tmp_path / "run.json").write_text(json.dumps({"preset": dataclasses.asdict(presets.PRESETS["cpu"])}))
+    text = report.write_report(tmp_path, plots=False)
+    assert "## Overview" in text and "published, test 21-40" in text
+    table = results.summarize(tmp_path)
+    assert "| cope | 1.000 (1 seed) | n/a |" in table  # CoPE has no bidirectional form for parity
 
 
 def test_the_probe_heat_map_puts_softmax_first_and_marks_what_is_expected(tmp_path):
@@ -581,6 +555,7 @@ def test_probe_smoke_preset_writes_report_and_heat_map(tmp_path, standard_promot
     assert {r["task"] for r in rows} == {"probe", "probe_boundary"}
     text = (tmp_path / "report.md").read_text()
     assert "| alibi | softmax | no |" in text and "blind: chance 1/n" in text and "pipeline check" in text
+    assert {r["length"] for r in rows} == {3, 6} and "| at the longest n |" in text  # only lengths it trained on
     assert (tmp_path / "probe_heatmap.png").stat().st_size > 1000
 
 
@@ -595,12 +570,16 @@ def test_expected_probe_outcomes_follow_the_theorem():
     assert expected_outcome("nope", "urpe", False).startswith("solvable")
     assert expected_outcome("nope", "relu2", False).startswith("blind")
     assert expected_outcome("t5", "relu2", False).startswith("solvable")
+    assert expected_outcome("alibi", "l2", False).startswith("mirror-blind: at most ceil(n/2)/n")
+    assert expected_outcome("sandwich", "relu2", False).startswith("mirror-blind")
+    assert expected_outcome("alibi", "l2", True).startswith("solvable")  # [CLS] and [SEP] differ
+    assert expected_outcome("t5", "l2", False).startswith("solvable")  # T5's buckets tell i - j from j - i
 
 
 def test_hub_corpus_loading_code_on_a_small_local_file(tmp_path, monkeypatch):
     datasets = pytest.importorskip("datasets")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    from posenc_jax.tasks import load_hub_corpus, text_from_dataset
+    from posenc_jax.bench.tasks import load_hub_corpus, text_from_dataset
 
     (tmp_path / "train.txt").write_text("first line\nsecond line\n")
     (tmp_path / "valid.txt").write_text("held out\n")

@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from posenc_jax.bench.presets import runs_on as _runs_on
+from posenc_jax.bench.tasks import make_task
 from posenc_jax.functional import (
     ALiBi,
     CoPE,
@@ -33,7 +34,6 @@ from posenc_jax.functional.shaw import shaw_value_term
 from posenc_jax.functional.xpos import apply_xpos_qk
 from posenc_jax.nn import Transformer
 from posenc_jax.reference import beyond_seeds as reference
-from posenc_jax.tasks import make_task
 from small_encodings import small_config
 
 INT32_MAX = 2**31 - 1

@@ -186,3 +186,24 @@ def test_normalisers_respect_masks_and_fully_masked_rows():
         dot_product_attention(x, x, x, normalizer=URPE(jnp.ones((2, 7)), 3))
     with pytest.raises(ValueError, match="URPE table must have shape \\[N, 2\\*max_distance\\+1\\] = \\[N, 7\\]"):
         URPE(jnp.ones((2, 5)), 3)
+
+
+@pytest.mark.parametrize("normalizer", ["l2", "relu2"])
+def test_biases_of_the_distance_alone_cannot_tell_a_position_from_its_mirror(normalizer):
+    # Bidirectional, on n identical tokens, a bias of |i - j| alone maps the input onto its mirror
+    # image, so position i and position n-1-i get the same output under any normaliser: the
+    # probe's ceiling for these is ceil(n/2)/n (posenc_jax.bench.probe.MIRROR_SYMMETRIC). The
+    # others tell them apart.
+    from posenc_jax.bench.probe import MIRROR_SYMMETRIC
+    from posenc_jax.functional.normalizers import normalizer_config
+
+    chosen = normalizer_config(normalizer)
+    for name in ["nope", *MIRROR_SYMMETRIC, "t5", "clipped-bias", "rope", "functional-relative", "shaw"]:
+        outputs, spread = _outputs(_config(name), causal=False, normalizer=chosen)
+        mirror = np.abs(outputs - outputs[::-1]).max() / np.abs(outputs).max()
+        if name == "nope":
+            assert spread < 1e-5  # blind outright
+        elif name in MIRROR_SYMMETRIC:
+            assert spread > 1e-4 and mirror < 1e-5, f"{name}: mirror images differ by {mirror:.2e}"
+        else:
+            assert mirror > 1e-5, f"{name}: positions and their mirrors agree to {mirror:.2e}"

@@ -1,1 +1,88 @@
-"""Benchmarks: the length-extrapolation runner, its report, and the ``posenc-bench`` command."""
+"""Benchmarks: the length-extrapolation runner, its report, and the ``posenc-bench`` command.
+
+From Python::
+
+    from posenc_jax import bench
+
+    out = bench.run("smoke", out="results/smoke")   # what `posenc-bench extrapolate` runs
+    table = bench.load_results(out)                 # one row per cell and length
+    print(bench.summarize(out))                     # the overview table of the report
+
+The submodules import JAX and the models only when these are called, so that importing the
+package (and ``posenc-bench --help``) stays quick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+__all__ = ["load_results", "run", "summarize"]
+
+
+def run(
+    preset="cpu",
+    out=None,
+    *,
+    corpus: str | None = None,
+    progress: bool = False,
+    report: bool = True,
+    plots: bool = True,
+    log=print,
+    **settings,
+) -> pathlib.Path:
+    """Runs (or resumes) the length-extrapolation benchmark and writes its report; what
+    ``posenc-bench extrapolate`` calls.
+
+    Args:
+      preset: a preset name (``"smoke"``, ``"cpu"``, ...; see ``posenc-bench extrapolate --help``)
+        or a :class:`~posenc_jax.bench.presets.Preset`.
+      out: the results folder (default ``results/extrapolation/<preset>``).
+      corpus: the text task's corpus: a file or folder of text, or a hub corpus name.
+      progress: tqdm progress bars (needs the ``bench`` extra).
+      report, plots: write ``report.md`` and the plots (PNG and SVG; plots need matplotlib).
+      log: where each finished cell's line goes.
+      **settings: preset fields to change, e.g. ``encodings=("rope", "alibi")``, ``seeds=(0, 1)``.
+
+    Returns:
+      The results folder, for :func:`load_results` and :func:`summarize`.
+    """
+    from posenc_jax.bench import extrapolate
+    from posenc_jax.bench import report as reporting
+    from posenc_jax.bench.presets import PRESETS, Preset
+
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"unknown preset {preset!r}; presets: {', '.join(PRESETS)}")
+        preset = PRESETS[preset]
+    if not isinstance(preset, Preset):
+        raise TypeError(f"preset must be a preset name or a Preset, got {type(preset).__name__}")
+    unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(Preset)})
+    if unknown:
+        raise ValueError(f"unknown preset settings {unknown}; see posenc_jax.bench.presets.Preset for the fields")
+    preset = dataclasses.replace(preset, **settings)
+    out = pathlib.Path(out or f"results/extrapolation/{preset.name}")
+    extrapolate.run(preset, out, corpus=corpus, progress=progress, log=log)
+    if report:
+        reporting.write_report(out, plots=plots)
+    if plots:
+        reporting.plot(out)
+    return out
+
+
+def load_results(path):
+    """One row per task, encoding and length of a results folder: the mean over the cell's learned
+    seeds with its 95% interval, the seeds, and whether the cell learned its task (see
+    :func:`posenc_jax.bench.results.load_results`). A pandas DataFrame when pandas is installed,
+    else a list of dicts."""
+    from posenc_jax.bench import results
+
+    return results.load_results(path)
+
+
+def summarize(results) -> str:
+    """The overview table (markdown) of a results folder: every encoding on every task beyond the
+    training length, with intervals, or "not learned" (see :func:`posenc_jax.bench.results.summarize`)."""
+    from posenc_jax.bench import results as found
+
+    return found.summarize(results)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import pathlib
 import time
 
@@ -34,13 +35,17 @@ from posenc_jax.training import cross_entropy_loss, make_optimizer, warmup_cosin
 __all__ = [
     "SUPPORTED_IMPLEMENTATIONS",
     "Cell",
+    "Criterion",
     "SeedGroup",
     "build",
     "build_model",
+    "check_batch",
+    "check_score",
+    "held",
+    "position_buckets",
     "encodings_for",
     "evaluate",
     "train_batch",
-    "with_eval_encoding",
 ]
 
 # The attention implementations evaluation can run today. The blockwise path exists in the
@@ -131,12 +136,6 @@ def build_model(task, preset: Preset, configs, seed: int, normalizer: str = "sof
     return model
 
 
-def with_eval_encoding(model: Transformer, cell: Cell, preset: Preset, config, seed: int) -> Transformer:
-    """The trained ``model`` with the encoding ``config`` in place of its own (an evaluation-only
-    variant such as RoPE + YaRN), sharing every trained weight (:func:`posenc_jax.nn.with_encoding`)."""
-    return with_encoding(model, config)
-
-
 def train_batch(task, preset: Preset, seed: int, step: int, lengths: TaskLengths) -> dict:
     """The training batch of ``step`` for ``seed``: it depends on (seed, step) alone, so a
     resumed run sees the data an uninterrupted one would."""
@@ -147,13 +146,40 @@ def train_batch(task, preset: Preset, seed: int, step: int, lengths: TaskLengths
 
 
 def eval_batches(cell: Cell, seed: int, length: int):
-    """The test batches of one length: ``examples`` examples (or windows), ``batch`` at a time."""
+    """The test batches of one length: ``examples`` examples, ``batch`` at a time; for text, the
+    same characters at every length, in non-overlapping windows of that length."""
+    if cell.lengths.text:
+        yield from cell.task.evaluation_windows(length, cell.lengths.examples, cell.lengths.batch)
+        return
     rng = np.random.default_rng([seed, 1_000_003, length])
     examples, size = cell.lengths.examples, cell.lengths.batch
     for start in range(0, examples, size):
         yield cell.task.batch(
             rng, [length] * min(size, examples - start), split="test", pad_to=cell.eval_tokens(length)
         )
+
+
+def check_batch(cell: Cell, preset: Preset, seed: int) -> dict:
+    """The held-out examples training checks its progress on: ``preset.check_examples`` of them at
+    the longest training length (text: windows of the training context from the validation
+    split), drawn apart from the test examples."""
+    rng = np.random.default_rng([seed, 2_000_003])
+    length = cell.lengths.train
+    if cell.lengths.text:
+        return cell.task.batch(rng, [length] * preset.check_examples, split="validation")
+    return cell.task.batch(rng, [length] * preset.check_examples, split="test", pad_to=cell.eval_tokens(length))
+
+
+def position_buckets(train_length: int, length: int) -> list[tuple[str, int, int]]:
+    """``(label, first, end)`` position ranges of a window of ``length``: below the training
+    length, then doublings of it (``"1-2x"``, ``"2-4x"``, ...), so that the loss past the
+    training length is read directly."""
+    buckets = [("<1x", 0, min(train_length, length))]
+    low = 1
+    while low * train_length < length:
+        buckets.append((f"{low}-{2 * low}x", low * train_length, min(2 * low * train_length, length)))
+        low *= 2
+    return buckets
 
 
 @functools.partial(nnx.jit, static_argnames="implementation")
@@ -174,14 +200,53 @@ def predict(model, batch: dict, *, implementation: str = "materialize") -> dict:
     return _predict(model, batch, implementation)
 
 
-def evaluate(model, cell: Cell, preset: Preset, seed: int, length: int) -> float:
-    """The task's metric at ``length``, averaged over the test examples."""
+def evaluate(model, cell: Cell, preset: Preset, seed: int, length: int) -> dict:
+    """The task's metric at ``length`` over the test examples: ``{"value": ...}``, and for text
+    also ``"buckets"``, bits per character by position range (:func:`position_buckets`)."""
     implementation = preset.implementation_at(cell.eval_tokens(length))
-    scores = []
+    if not cell.lengths.text:
+        scores = []
+        for batch in eval_batches(cell, seed, length):
+            outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation)
+            scores.append(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch))
+        return {"value": float(np.concatenate(scores).mean())}
+    nats = np.zeros(length)  # summed over windows, per position
+    windows = 0
     for batch in eval_batches(cell, seed, length):
         outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation)
-        scores.append(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch))
-    return float(np.concatenate(scores).mean())
+        nats -= np.asarray(outputs["target_log_probs"], np.float64).sum(0)
+        windows += len(batch["inputs"])
+    bits = nats / np.log(2.0) / windows
+    buckets = {
+        label: float(bits[first:end].mean()) for label, first, end in position_buckets(cell.lengths.train, length)
+    }
+    return {"value": float(bits.mean()), "buckets": buckets}
+
+
+def check_score(model, cell: Cell, batch: dict) -> float:
+    """The task's metric on the held-out check examples."""
+    outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()})
+    return float(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch).mean())
+
+
+@dataclasses.dataclass(frozen=True)
+class Criterion:
+    """What "learned" means for one task: a score of at least ``threshold`` (``higher_is_better``)
+    or below it (bits per character under the best n-gram baseline), at the longest training length."""
+
+    threshold: float
+    higher_is_better: bool
+
+    def met(self, score: float) -> bool:
+        return score >= self.threshold if self.higher_is_better else score < self.threshold
+
+
+def held(checks: list, criterion: Criterion) -> int | None:
+    """The first step at which ``criterion`` held at two checks in a row, from ``[[step, score], ...]``; or None."""
+    for (_, first), (step, second) in zip(checks, checks[1:], strict=False):
+        if criterion.met(first) and criterion.met(second):
+            return step
+    return None
 
 
 @jax.jit
@@ -314,6 +379,18 @@ def _restore(cell, checkpointers, models, optimizers, recorded) -> dict:
     return start
 
 
+def _checks_path(out: pathlib.Path, settings: str, cell: Cell, seed: int) -> pathlib.Path:
+    """Where one seed keeps its held-out checks, ``[[step, score], ...]``, beside its checkpoints."""
+    return checkpoint_dir(out, settings, cell.task_name, cell.label, seed).with_suffix(".checks.json")
+
+
+def _read_checks(path: pathlib.Path, up_to: int) -> list:
+    """The checks recorded up to step ``up_to`` (those after it belong to steps a resumed run repeats)."""
+    if not path.exists():
+        return []
+    return [check for check in json.loads(path.read_text()) if check[0] <= up_to]
+
+
 def train_and_evaluate(
     cell: Cell,
     preset: Preset,
@@ -323,19 +400,26 @@ def train_and_evaluate(
     out: pathlib.Path,
     settings: str,
     write,
+    criterion: Criterion,
+    stamp: dict | None = None,
     mesh=None,
     bar=None,
 ) -> list[dict]:
-    """Trains the seeds of ``cell`` together (resuming from their checkpoints), then evaluates each.
+    """Trains the seeds of ``cell`` together to criterion (resuming from their checkpoints), then
+    evaluates each.
 
     Args:
       cell: the task, encoding and normaliser.
-      preset: the run's settings.
+      preset: the settings this task trains with (``Preset.for_task``).
       seeds: the seeds to train (those with rows left to measure).
       todo: per seed, the rows left: ``(variant, length)`` pairs, ``variant`` None for the
         trained encoding or an :class:`~posenc_jax.bench.presets.EvalVariant`.
       out, settings: the output folder and the preset's fingerprint (where checkpoints go).
       write: called with each result row as soon as it is measured.
+      criterion: when a seed has learned the task (checked on held-out examples every
+        ``preset.check_every`` steps; training stops when every seed met it at two checks in a
+        row, or at ``preset.steps``).
+      stamp: fields every row carries (the commit that made it).
       mesh: a data-parallel mesh, or None.
       bar: ``bar(total, initial, description)`` makes a progress bar (tqdm's interface); it is
         made after the first step, so its rate does not count compilation.
@@ -366,25 +450,44 @@ def train_and_evaluate(
         for seed in seeds
     }
     start = _restore(cell, checkpointers, models, optimizers, recorded)
+    checks = {seed: _read_checks(_checks_path(out, settings, cell, seed), start[seed]) for seed in seeds}
     groups = {}
     for seed in seeds:
         groups.setdefault(start[seed], []).append(seed)
     records = []
     for first_step, group in sorted(groups.items()):
         record = _train_group(
-            cell, preset, group, first_step, models, optimizers, checkpointers, recorded, mesh=mesh, bar=bar
+            cell,
+            preset,
+            group,
+            first_step,
+            models,
+            optimizers,
+            checkpointers,
+            recorded,
+            checks=checks,
+            criterion=criterion,
+            save_checks=lambda seed: _checks_path(out, settings, cell, seed).write_text(json.dumps(checks[seed])),
+            mesh=mesh,
+            bar=bar,
         )
         began = time.perf_counter()
         for seed in group:
+            training = {
+                "steps": record["steps"][seed],
+                "criterion_step": held(checks[seed], criterion),
+                "check_score": checks[seed][-1][1] if checks[seed] else None,
+            }
             for variant, length in todo[seed]:
                 model = models[seed]
                 label = cell.label
                 if variant is not None:
                     tokens = cell.task.max_tokens(length)
                     config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=head_dim)
-                    model = with_eval_encoding(model, cell, preset, config, seed)
+                    model = with_encoding(model, config)
                     label = variant.label
-                write(_row(cell, preset, label, seed, length, evaluate(model, cell, preset, seed, length)))
+                measured = evaluate(model, cell, preset, seed, length)
+                write({**_row(cell, preset, label, seed, length, measured), **training, **(stamp or {})})
         record["eval_seconds"] = time.perf_counter() - began
         records.append(record)
     for ckpt in checkpointers.values():
@@ -392,23 +495,39 @@ def train_and_evaluate(
     return records
 
 
-def _row(cell: Cell, preset: Preset, label: str, seed: int, length: int, value: float) -> dict:
+def _row(cell: Cell, preset: Preset, label: str, seed: int, length: int, measured: dict) -> dict:
     return {
         "task": cell.task_name,
         "encoding": label,
         "seed": seed,
         "length": int(length),
         "metric": cell.task.metric,
-        "value": value,
+        **measured,
         "train_length": int(cell.lengths.train),
         "in_distribution": bool(length <= cell.lengths.train),
         "preset": preset.name,
     }
 
 
-def _train_group(cell, preset, group, first_step, models, optimizers, checkpointers, recorded, *, mesh, bar):
-    """Trains the seeds of ``group`` (all at ``first_step``) to ``preset.steps``; afterwards
-    ``models[seed]`` and ``optimizers[seed]`` hold each seed's trained state."""
+def _train_group(
+    cell,
+    preset,
+    group,
+    first_step,
+    models,
+    optimizers,
+    checkpointers,
+    recorded,
+    *,
+    checks,
+    criterion,
+    save_checks,
+    mesh,
+    bar,
+):
+    """Trains the seeds of ``group`` (all at ``first_step``) until every one has met ``criterion``
+    at two checks in a row, or to ``preset.steps``; afterwards ``models[seed]`` and
+    ``optimizers[seed]`` hold each seed's trained state and ``checks[seed]`` its checks."""
     record = {
         "task": cell.task_name,
         "encoding": cell.label,
@@ -417,15 +536,18 @@ def _train_group(cell, preset, group, first_step, models, optimizers, checkpoint
         "compile_seconds": 0.0,
         "train_seconds": 0.0,
         "final_loss": None,  # unknown when a resumed cell has no steps left
+        "steps": {seed: first_step for seed in group},
     }
-    if first_step >= preset.steps:
+    if first_step >= preset.steps or all(held(checks[seed], criterion) is not None for seed in group):
         return record
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
+    held_out = {seed: check_batch(cell, preset, seed) for seed in group}
     progress = None
     losses = None
-    saving = 0.0  # checkpoint writes, kept out of the training time
+    saving = 0.0  # checkpoint writes and checks, kept out of the training time
     began = time.perf_counter()
-    for step in range(first_step, preset.steps):
+    step = first_step
+    while step < preset.steps:
         per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in group]
         losses = seeds.step({name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]})
         if step == first_step:
@@ -439,17 +561,27 @@ def _train_group(cell, preset, group, first_step, models, optimizers, checkpoint
             progress.update(1)
             if step % 25 == 0:
                 progress.set_postfix(loss=" ".join(f"{x:.3f}" for x in np.asarray(losses)))
-        if (step + 1) % preset.checkpoint_every == 0 or step + 1 == preset.steps:
-            jax.block_until_ready(seeds.state)  # the steps queued so far count as training
-            saved = time.perf_counter()
+        step += 1
+        learned = False
+        paused = time.perf_counter()
+        if step % preset.check_every == 0 or step == preset.steps:
+            for i, seed in enumerate(group):
+                model, _ = seeds.seed(i)
+                checks[seed].append([step, check_score(model, cell, held_out[seed])])
+            learned = all(held(checks[seed], criterion) is not None for seed in group)
+        if learned or step % preset.checkpoint_every == 0 or step == preset.steps:
             for i, seed in enumerate(group):
                 model, optimizer = seeds.seed(i)
-                checkpointers[seed].save(step + 1, model, optimizer, config=recorded[seed])
-            saving += time.perf_counter() - saved
+                checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
+                save_checks(seed)
+        saving += time.perf_counter() - paused
+        if learned:
+            break
     jax.block_until_ready(losses)
     record["train_seconds"] = time.perf_counter() - began - saving
     record["checkpoint_seconds"] = saving
     record["final_loss"] = [float(x) for x in np.asarray(losses)]
+    record["steps"] = {seed: step for seed in group}
     if progress is not None:
         progress.close()
     for i, seed in enumerate(group):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import math
 import pathlib
 import sys
 import textwrap
@@ -50,8 +51,8 @@ def _minutes(seconds: float) -> str:
 def _catalogue() -> str:
     """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
     from posenc_jax.bench.presets import CPU_ESTIMATE, PRESETS, TPU_ESTIMATE, cost, expected_seconds
+    from posenc_jax.bench.tasks import make_task, task_names
     from posenc_jax.functional.registry import encoding_names
-    from posenc_jax.tasks import make_task, task_names
 
     lines = ["presets (expected times are estimates from each preset's FLOPs; seeds train together):"]
     for name, p in PRESETS.items():
@@ -97,6 +98,8 @@ def _preset_from(args):
         "eval_lengths": args.eval_lengths,
         "text_context": args.text_context,
         "learning_rate": args.learning_rate,
+        "text_eval_characters": args.text_eval_characters,
+        "learned_threshold": args.learned_threshold,
     }
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     if args.text_lengths is not None:
@@ -107,6 +110,9 @@ def _preset_from(args):
                 f"multiple of the text context {preset.text_context} (set it with --text-context), got {bad or 'none'}"
             )
         preset = dataclasses.replace(preset, text_multiples=tuple(n // preset.text_context for n in args.text_lengths))
+        if args.text_eval_characters is None:  # every length scores the same characters: a common multiple
+            unit = math.lcm(*args.text_lengths)
+            preset = dataclasses.replace(preset, text_eval_characters=-(-preset.text_eval_characters // unit) * unit)
     if args.eval_lengths is not None and preset.tasks == ("text",):
         raise SystemExit(
             "posenc-bench extrapolate: --eval-lengths sets the algorithmic tasks' lengths and this run has only "
@@ -117,7 +123,7 @@ def _preset_from(args):
 
 def _extrapolate(args) -> int:
     _require_bench_extra(progress=not args.no_progress, plots=not args.no_plots, command="extrapolate")
-    from posenc_jax.bench import extrapolate, report
+    from posenc_jax import bench
 
     preset = _preset_from(args)
     try:
@@ -132,21 +138,17 @@ def _extrapolate(args) -> int:
         flush=True,
     )
     try:
-        record = extrapolate.run(preset, out, corpus=args.corpus, progress=not args.no_progress)
+        bench.run(preset, out, corpus=args.corpus, progress=not args.no_progress, plots=not args.no_plots)
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
-    rows = report.load_results(out / "results.jsonl")
-    text = report.write_report(rows, out, preset=record["preset"], record=record, plots=not args.no_plots)
-    if not args.no_plots:
-        report.plot(rows, out)
-    print(text)
+    print((out / "report.md").read_text())
     print(f"wrote {out}/results.jsonl, run.json, report.md and plots in {time.perf_counter() - began:.0f}s")
     return 0
 
 
 def _probe(args) -> int:
     _require_bench_extra(progress=not args.no_progress, plots=True, command="probe")
-    from posenc_jax.bench import extrapolate, probe, report
+    from posenc_jax.bench import extrapolate, probe, results
 
     try:
         preset = probe.preset_with(
@@ -170,7 +172,7 @@ def _probe(args) -> int:
         record = extrapolate.run(preset, out, progress=not args.no_progress)
     except ValueError as error:
         raise SystemExit(f"posenc-bench probe: {error}") from None
-    rows = report.load_results(out / "results.jsonl")
+    rows = results.read(out).rows
     print(probe.write_probe_report(rows, out, preset=record["preset"]))
     probe.heat_map(rows, out)
     return 0
@@ -227,9 +229,21 @@ def main(argv=None) -> int:
         help="comma-separated evaluation lengths of the text task (characters, multiples of --text-context)",
     )
     ex.add_argument(
+        "--text-corpus",
         "--corpus",
+        dest="corpus",
         help="a text file or folder for the text task, or wikitext103 / tinyshakespeare "
         "(Hugging Face hub, needs the data extra); default: Python's stdlib sources",
+    )
+    ex.add_argument(
+        "--text-eval-characters",
+        type=int,
+        help="test characters every text length scores (a multiple of every text length)",
+    )
+    ex.add_argument(
+        "--learned-threshold",
+        type=float,
+        help="score at the longest training length a seed must reach to count as learned (default 0.95)",
     )
     ex.add_argument("--no-progress", action="store_true", help="no progress bars (needs no tqdm)")
     ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")

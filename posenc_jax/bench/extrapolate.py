@@ -10,26 +10,25 @@ interrupted training from the last checkpoint; the data of step k depends only o
 The pieces live where they change: presets in :mod:`~posenc_jax.bench.presets`, the
 results ledger and provenance in :mod:`~posenc_jax.bench.ledger`, one cell's training and
 evaluation in :mod:`~posenc_jax.bench.cell`, tasks behind one protocol in
-:mod:`posenc_jax.tasks`. This module only plans the cells, shows progress and runs them.
+:mod:`posenc_jax.bench.tasks`. This module only plans the cells, shows progress and runs them.
 """
 
 from __future__ import annotations
 
+import json
 import pathlib
 import time
 
 import jax
 
-from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, encodings_for, row_label, train_and_evaluate
-from posenc_jax.bench.ledger import Ledger, check_writable, fingerprint
+from posenc_jax.bench.baselines import algorithmic_baselines, text_baselines
+from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, row_label, train_and_evaluate
+from posenc_jax.bench.ledger import Ledger, check_writable, fingerprint, git_state
 from posenc_jax.bench.presets import PRESETS, Preset, runs_on
-from posenc_jax.tasks import make_task
+from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import data_parallel_mesh
 
-__all__ = ["PRESETS", "Preset", "fingerprint", "plan", "row_label", "run"]
-
-# Kept under their former names for code that imported them from here.
-_encodings_for = encodings_for
+__all__ = ["PRESETS", "Preset", "baselines", "fingerprint", "plan", "row_label", "run"]
 
 
 def _tasks(preset: Preset, corpus: str | None) -> dict:
@@ -37,8 +36,14 @@ def _tasks(preset: Preset, corpus: str | None) -> dict:
     tasks = {}
     for name in preset.tasks:
         task = make_task(name, corpus=corpus, max_length=max(preset.eval_lengths) + 2)
-        lengths = preset.lengths(task)
+        lengths = preset.for_task(name).lengths(task)
         task.check_lengths(lengths.train, lengths.eval)
+        if lengths.text and len(task.test) < lengths.examples + 1:
+            raise ValueError(
+                f"the text corpus's test split ({task.corpus_description}) has {len(task.test)} characters, fewer "
+                f"than the {lengths.examples} every length scores (text_eval_characters); pass a larger corpus "
+                "(--text-corpus) or score fewer characters (--text-eval-characters)"
+            )
         for n in lengths.eval:
             implementation = preset.implementation_at(task.max_tokens(n))
             if implementation not in SUPPORTED_IMPLEMENTATIONS:
@@ -56,7 +61,7 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print) -> list[tuple[C
     still to do (variant None for the trained encoding itself)."""
     cells = []
     for task_name, task in tasks.items():
-        lengths = preset.lengths(task)
+        lengths = preset.for_task(task_name).lengths(task)
         for encoding in preset.encodings:
             if not runs_on(task, encoding):
                 log(f"{encoding} has no bidirectional form: not run on the encoder task {task_name}")
@@ -77,6 +82,36 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print) -> list[tuple[C
                 if todo:
                     cells.append((cell, todo))
     return cells
+
+
+def baselines(preset: Preset, tasks: dict, out: pathlib.Path | None = None) -> dict:
+    """Per task, what its scores are read against: for an algorithmic task, chance, position-only
+    and content-only at each evaluation length (:func:`~posenc_jax.bench.baselines.algorithmic_baselines`);
+    for text, n-gram models on the scored characters (:func:`~posenc_jax.bench.baselines.text_baselines`).
+    Kept in ``out/baselines.json`` (the n-gram fits take seconds), keyed by what they depend on."""
+    path = None if out is None else pathlib.Path(out) / "baselines.json"
+    stored = json.loads(path.read_text()) if path is not None and path.exists() else {}
+    result = {}
+    for name, task in tasks.items():
+        lengths = preset.for_task(name).lengths(task)
+        if lengths.text:
+            key = f"{task.corpus_description} | {lengths.examples} characters"
+            if stored.get(name, {}).get("key") != key:
+                stored[name] = {"key": key, "ngram": text_baselines(task, lengths.examples)}
+            result[name] = stored[name]
+        else:
+            result[name] = {"lengths": {str(n): algorithmic_baselines(task, n) for n in lengths.eval}}
+    if path is not None:
+        path.write_text(json.dumps({**stored, **result}, indent=1))
+    return result
+
+
+def criterion(preset: Preset, task, task_baselines: dict) -> Criterion:
+    """When a cell of ``task`` has learned it: ``preset.learned_threshold`` at the longest training
+    length; for text, fewer bits per character than the best n-gram baseline."""
+    if "ngram" in task_baselines:
+        return Criterion(min(b["bits_per_char"] for b in task_baselines["ngram"]), higher_is_better=False)
+    return Criterion(preset.learned_threshold, higher_is_better=True)
 
 
 def _duration(seconds: float) -> str:
@@ -136,7 +171,10 @@ def _summary(records: list[dict], steps: int) -> str:
         if record["final_loss"] is None:
             training = f"resumed at step {record['resumed_from_step']} of {steps}, no steps left"
         else:
-            training = "loss " + "/".join(f"{x:.3f}" for x in record["final_loss"])
+            trained = sorted(set(record["steps"].values()))
+            training = f"{'/'.join(map(str, trained))} of {steps} steps, loss " + "/".join(
+                f"{x:.3f}" for x in record["final_loss"]
+            )
             if record["resumed_from_step"]:
                 training += f" (resumed from step {record['resumed_from_step']})"
         parts.append(
@@ -177,6 +215,9 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
         from tqdm.auto import tqdm
 
         log = tqdm.write  # lines above the bars, not through them
+    known = baselines(preset, tasks, out)
+    criteria = {name: criterion(preset.for_task(name), task, known[name]) for name, task in tasks.items()}
+    stamp = git_state()
     cells = plan(preset, tasks, ledger, log)
     mesh = None
     if jax.local_device_count() > 1 and preset.batch_size % jax.local_device_count() == 0:
@@ -186,12 +227,14 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
         began = time.perf_counter()
         records = train_and_evaluate(
             cell,
-            preset,
+            preset.for_task(cell.task_name),
             sorted(todo),
             todo,
             out=out,
             settings=settings,
             write=ledger.write,
+            criterion=criteria[cell.task_name],
+            stamp=stamp,
             mesh=mesh,
             bar=shown.cell_bar if progress else None,
         )
@@ -202,7 +245,8 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
         # LLVM's mapped code memory ("Unable to allocate section memory").
         jax.clear_caches()
         where = shown.finished(index, time.perf_counter() - began)
-        log(f"[{where}] {cell.task_name:14s} {cell.label:12s} {_summary(records, preset.steps)}")
+        budget = preset.for_task(cell.task_name).steps
+        log(f"[{where}] {cell.task_name:14s} {cell.label:12s} {_summary(records, budget)}")
     shown.close()
     ledger.save_record(record)
     return record

@@ -17,29 +17,30 @@ import pathlib
 import platform
 import subprocess
 
-__all__ = ["Ledger", "check_writable", "checkpoint_dir", "fingerprint", "provenance"]
+__all__ = ["METHOD", "Ledger", "check_writable", "checkpoint_dir", "fingerprint", "git_state", "provenance"]
 
 # Fields that choose which rows exist (or only document), not what a row's value is.
 _NOT_HASHED = ("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_tasks", "description", "target")
-# Fields added after results were first published, hashed only when set, so that the
-# fingerprints of earlier runs (and their resumption) stay what they were.
-_HASHED_WHEN_SET = {"eval_implementation": "materialize", "blockwise_from": None, "query_init_scale": 1.0}
+
+
+# The benchmark's method: 2 trains to criterion, gates results on it and scores text on the
+# same characters at every length (1: fixed steps, random text windows).
+METHOD = 2
 
 
 def fingerprint(preset) -> str:
-    """A hash of every setting that shapes a result (not the lists of encodings, tasks, seeds).
+    """A hash of every setting that shapes a result (not the lists of encodings, tasks, seeds)
+    and of the method's version (:data:`METHOD`), so results of another method never mix.
 
     Example:
       >>> from posenc_jax.bench.presets import PRESETS
-      >>> fingerprint(PRESETS["cpu"])  # the same since the cpu preset's first run (docs/)
-      '1b3710b692c1'
+      >>> len(fingerprint(PRESETS["cpu"]))
+      12
     """
     settings = dataclasses.asdict(preset)
     for key in _NOT_HASHED:
         settings.pop(key)
-    for key, default in _HASHED_WHEN_SET.items():
-        if settings[key] == default:
-            settings.pop(key)
+    settings["method"] = METHOD
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 
@@ -64,20 +65,23 @@ def checkpoint_dir(out: pathlib.Path, settings: str, task: str, label: str, seed
     return out / "checkpoints" / settings / task / label.replace("|", "-") / f"seed{seed}"
 
 
-def _git_commit() -> str | None:
+def _git(*args: str) -> str | None:
     try:
-        return (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                cwd=pathlib.Path(__file__).parent,
-            ).stdout.strip()
-            or None
+        result = subprocess.run(
+            ["git", *args], capture_output=True, text=True, timeout=10, cwd=pathlib.Path(__file__).parent
         )
     except (OSError, subprocess.SubprocessError):
         return None
+    return result.stdout.strip() if result.returncode == 0 else None
+
+
+def git_state() -> dict:
+    """``{"commit": ..., "dirty": ...}`` of the checkout this code runs from: the commit (None
+    outside a git checkout, as for an installed wheel) and whether the library's files differ
+    from it (None when unknown)."""
+    commit = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ".") if commit else None
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
 
 
 def provenance() -> dict:
@@ -105,7 +109,7 @@ def provenance() -> dict:
             "kind": jax.devices()[0].device_kind,
             "count": jax.local_device_count(),
         },
-        "git_commit": _git_commit(),
+        "git_commit": git_state()["commit"],
     }
 
 
@@ -171,4 +175,16 @@ class Ledger:
         return record
 
     def save_record(self, record: dict) -> None:
+        """Writes ``run.json``, listing every commit that made a row of ``results.jsonl``."""
+        commits = {}
+        if self.results_path.exists():
+            for line in self.results_path.read_text().splitlines():
+                if line.strip():
+                    row = json.loads(line)
+                    key = (row.get("commit"), row.get("dirty"))
+                    commits[key] = commits.get(key, 0) + 1
+        record["commits"] = [
+            {"commit": commit, "dirty": dirty, "rows": rows}
+            for (commit, dirty), rows in sorted(commits.items(), key=str)
+        ]
         self.run_json.write_text(json.dumps(record, indent=1))

@@ -14,9 +14,9 @@ import dataclasses
 import functools
 import math
 
+from posenc_jax.bench.tasks import make_task, task_names
 from posenc_jax.functional.normalizers import NORMALIZERS
 from posenc_jax.functional.registry import encoding_config, encoding_info, encoding_names
-from posenc_jax.tasks import make_task, task_names
 
 __all__ = [
     "CPU_ESTIMATE",
@@ -39,12 +39,18 @@ IMPLEMENTATIONS = ("materialize", "blockwise", "auto")
 @dataclasses.dataclass(frozen=True)
 class TaskLengths:
     """The lengths one task trains and is tested at, in the task's own unit (symbols of ``x``,
-    or characters of text), and how many test examples each length gets, in batches of ``batch``."""
+    or characters of text), and how many test examples each length gets, in batches of ``batch``
+    (text: ``examples`` is the characters every length scores, in windows of that length)."""
 
     train: int
     eval: tuple[int, ...]
     examples: int
     batch: int
+    text: bool = False
+
+    def examples_at(self, length: int) -> int:
+        """The test examples (text: windows) at ``length``."""
+        return self.examples // length if self.text else self.examples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,8 +90,21 @@ class Preset:
     Algorithmic tasks train on lengths 1..``train_length`` and are tested at
     ``eval_lengths`` on ``eval_examples`` examples each; the text task trains at
     ``text_context`` characters and is tested at ``text_context`` times each of
-    ``text_multiples`` on ``text_eval_windows`` windows each. The seeds of one task and
-    encoding train together (one compiled program for all of them).
+    ``text_multiples``, every length on the same ``text_eval_characters`` characters of the
+    test split, cut into non-overlapping windows of that length (Press et al. 2022's
+    evaluation). The seeds of one task and encoding train together (one compiled program for
+    all of them).
+
+    **Learned first.** Training runs to criterion: every ``check_every`` steps each seed is
+    scored on ``check_examples`` held-out examples at the longest training length (text:
+    held-out windows of the training context), and the cell stops when every seed has met the
+    criterion at two checks in a row, or at ``steps``. The criterion, and the gate a result
+    must pass to be reported, is a score of at least ``learned_threshold`` at the longest
+    training length (text: fewer bits per character than the best n-gram baseline); a cell
+    counts as learned when at least ``learned_fraction`` of its seeds passed.
+    ``extrapolates=False`` allows a preset tested only at its training lengths (the probe).
+    ``task_overrides`` gives a task its own settings (its budget of steps, its learning rate):
+    ``(("copy", (("steps", 6000),)),)``; :meth:`for_task` applies them.
 
     ``eval_only_scalings`` are RoPE scalings (``"yarn"`` for ``rope-yarn``) applied at
     evaluation only to the RoPE model of the tasks in ``eval_only_tasks``. ``normalizers``:
@@ -118,18 +137,30 @@ class Preset:
     eval_examples: int = 128
     text_context: int = 64
     text_multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
-    text_eval_windows: int = 16
+    text_eval_characters: int = 16_384
     checkpoint_every: int = 200
     eval_only_scalings: tuple[str, ...] = ("pi", "ntk", "yarn")
     normalizers: tuple[str, ...] = ("softmax",)
-    # Fields below were added after the first results were published; they enter the
-    # fingerprint only when they differ from these defaults, so earlier runs still resume.
     eval_only_tasks: tuple[str, ...] = ("text",)
     eval_implementation: str = "materialize"
     blockwise_from: int | None = None
     query_init_scale: float = 1.0
+    learned_threshold: float = 0.95
+    learned_fraction: float = 0.8
+    check_every: int = 100
+    check_examples: int = 64
+    task_overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
+    extrapolates: bool = True
     description: str = ""
     target: str = "cpu"
+
+    def for_task(self, task_name: str) -> Preset:
+        """The settings ``task_name`` trains with: this preset with the task's own overrides
+        (``task_overrides``, e.g. more steps for copy than for counting copy)."""
+        for name, overrides in self.task_overrides:
+            if name == task_name:
+                return dataclasses.replace(self, **dict(overrides))
+        return self
 
     def lengths(self, task) -> TaskLengths:
         """The lengths of ``task``, by its ``length_family``."""
@@ -137,8 +168,9 @@ class Preset:
             return TaskLengths(
                 train=self.text_context,
                 eval=tuple(self.text_context * m for m in self.text_multiples),
-                examples=self.text_eval_windows,
-                batch=4,
+                examples=self.text_eval_characters,
+                batch=max(1, 4096 // self.text_context),
+                text=True,
             )
         return TaskLengths(
             train=self.train_length, eval=tuple(self.eval_lengths), examples=self.eval_examples, batch=64
@@ -192,18 +224,50 @@ class Preset:
             )
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
-        if self.batch_size < 1 or self.eval_examples < 1 or self.text_eval_windows < 1:
+        if self.batch_size < 1 or self.eval_examples < 1 or self.check_examples < 1 or self.check_every < 1:
             raise ValueError(
-                f"batch_size, eval_examples and text_eval_windows must be >= 1, got {self.batch_size}, "
-                f"{self.eval_examples}, {self.text_eval_windows}"
+                f"batch_size, eval_examples, check_examples and check_every must be >= 1, got {self.batch_size}, "
+                f"{self.eval_examples}, {self.check_examples}, {self.check_every}"
             )
+        if not 0 < self.learned_threshold <= 1 or not 0 < self.learned_fraction <= 1:
+            raise ValueError(
+                f"learned_threshold and learned_fraction must be in (0, 1], got {self.learned_threshold} and "
+                f"{self.learned_fraction}; 0.95 and 0.8 are the defaults (a score of 0.95 at the training length, "
+                "on 4 of 5 seeds)"
+            )
+        if self.train_length not in self.eval_lengths or 1 not in self.text_multiples:
+            raise ValueError(
+                f"eval lengths {self.eval_lengths} must include the training length {self.train_length}, and text "
+                f"multiples {self.text_multiples} must include 1: the score there decides whether a cell learned "
+                "its task before its extrapolation is reported"
+            )
+        uneven = [
+            self.text_context * m for m in self.text_multiples if self.text_eval_characters % (self.text_context * m)
+        ]
+        if uneven:
+            raise ValueError(
+                f"text_eval_characters={self.text_eval_characters} must be a multiple of every text evaluation "
+                f"length (so that each length scores the same characters), not of {uneven}; "
+                f"use a multiple of {self.text_context * max(self.text_multiples)}"
+            )
+        fields = {f.name for f in dataclasses.fields(self)} - {"name", "task_overrides"}
+        for task_name, overrides in self.task_overrides:
+            unknown = [key for key, _ in overrides if key not in fields]
+            if task_name not in self.tasks or unknown:
+                raise ValueError(
+                    f"task_overrides for {task_name!r}: the task must be one of this preset's {self.tasks} and the "
+                    f"settings preset fields, got unknown settings {unknown}"
+                )
+        for task_name in self.tasks:
+            if task_name in dict(self.task_overrides):
+                dataclasses.replace(self.for_task(task_name), task_overrides=()).validate()
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
         if self.train_length < 1 or self.text_context < 2:
             raise ValueError(
                 f"train_length must be >= 1 and text_context >= 2, got {self.train_length}, {self.text_context}"
             )
-        if not self.eval_lengths or max(self.eval_lengths) <= self.train_length:
+        if not self.eval_lengths or (self.extrapolates and max(self.eval_lengths) <= self.train_length):
             raise ValueError(
                 f"eval lengths {self.eval_lengths} must reach beyond the training length {self.train_length}; "
                 f"an extrapolation benchmark tests longer than it trains"
@@ -253,8 +317,10 @@ PRESETS = {
         eval_examples=16,
         text_context=16,
         text_multiples=(1, 2, 4),
-        text_eval_windows=4,
+        text_eval_characters=1024,
         checkpoint_every=10,
+        check_every=10,
+        check_examples=16,
         description="a pipeline check: every step of the benchmark in seconds; its numbers mean nothing",
     ),
     "cpu": Preset(
@@ -284,7 +350,7 @@ PRESETS = {
         steps=700,
         text_context=256,
         text_multiples=(1, 2, 4, 8, 16, 32, 64, 128),
-        text_eval_windows=4,
+        text_eval_characters=65_536,
         eval_implementation="blockwise",
         blockwise_from=2048,
         description="text trained at 256 characters, tested up to 32,768 (128x) with blockwise attention",
@@ -376,6 +442,8 @@ def cost(preset: Preset) -> Cost:
     cells, train, evaluate, programs = 0, 0.0, 0.0, 0
     for name in preset.tasks:
         task = _task(name, max(preset.eval_lengths) + 2)  # as the runner makes it
+        preset_here = preset
+        preset = preset.for_task(name)
         lengths = preset.lengths(task)
         train_tokens = task.max_tokens(lengths.train)
         longest = task.max_tokens(max(lengths.eval))
@@ -383,7 +451,7 @@ def cost(preset: Preset) -> Cost:
         per_model = 0.0
         for n in lengths.eval:
             tokens = longest if task.fixed_eval_shape else task.max_tokens(n)
-            per_model += lengths.examples * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
+            per_model += lengths.examples_at(n) * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
         for encoding in preset.encodings:
             if not runs_on(task, encoding):
                 continue
@@ -393,6 +461,7 @@ def cost(preset: Preset) -> Cost:
                 train += len(preset.seeds) * preset.steps * step
                 evaluate += len(preset.seeds) * (1 + variants) * per_model
                 programs += (1 if task.fixed_eval_shape else len(lengths.eval)) + variants * len(lengths.eval)
+        preset = preset_here
     return Cost(cells=cells, train_flops=train, eval_flops=evaluate, eval_programs=programs)
 
 

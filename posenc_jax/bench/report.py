@@ -1,23 +1,25 @@
-"""Tables and plots from ``results.jsonl``: ours, with published figures beside them.
+"""The report and plots of a results folder: ours, with baselines and published figures beside them.
 
-Every summary is the mean over seeds with ± one standard deviation over seeds (of each
-seed's mean over the lengths in a table, of each length's value in a plot): the tables
-and the plots' shaded bands say the same thing, and a single seed shows no spread.
+Every score shown comes from a cell that learned its task in distribution
+(:mod:`posenc_jax.bench.results`), as the mean over its learned seeds with a 95% Student-t
+interval; tables and the plots' bands say the same thing. Unlearned cells read "not learned"
+in the tables and are drawn hollow and grey in the plots, never as a score. Baselines
+(chance, position-only, content-only; n-gram models for text) are rows in the tables and
+lines in the plots.
 """
 
 from __future__ import annotations
 
-import collections
 import functools
-import json
 import pathlib
 
 import numpy as np
 
-from posenc_jax.functional.registry import encoding_names
-from posenc_jax.tasks import make_task
+from posenc_jax.bench.results import Results, cells, orderings, read, summarize
+from posenc_jax.bench.tasks import make_task
+from posenc_jax.functional.registry import encoding_info
 
-__all__ = ["PUBLISHED", "TITLES", "figure", "load_results", "overview", "plot", "write_report"]
+__all__ = ["FAMILIES", "PUBLISHED", "TITLES", "family", "figure", "plot", "write_report"]
 
 # Kazemnejad et al. 2023, mean exact match over test lengths 21-40, 3 seeds (BENCHMARKS.md).
 # Their "APE" is the sinusoidal absolute encoding.
@@ -50,150 +52,163 @@ TITLES = {
     "text": "Character-level language modelling (decoder)",
 }
 _BOUNDED = ("exact_match", "accuracy")  # metrics in [0, 1]
-# The order labels take their styles in: the cpu preset's encodings and the RoPE scalings at
-# evaluation first (10 distinct colours), then the rest of the registry.
-_FIRST = ["nope", "sinusoidal", "learned", "rope", "t5", "alibi", "rope+pi@eval", "rope+ntk@eval", "rope+yarn@eval"]
-_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h")
-_LINESTYLES = ("-", "--", "-.", ":")
+# Families for the plots' small multiples, in panel order.
+FAMILIES = ("absolute and none", "RoPE and its scalings", "additive biases", "relative, content-dependent")
+_LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*")
+_HUES = ("tab:blue", "tab:orange", "tab:green", "tab:red")
 
 
-def load_results(path) -> list[dict]:
-    path = pathlib.Path(path)
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _style(label: str, others: list[str]) -> dict:
-    """Colour, marker and line style of a row label, the same in every plot of every run: the
-    labels of ``_FIRST``, then the registry's other names, then labels no name matches (hybrids,
-    normalisers) in sorted order. Colours: tab10, then tab20b, then tab20c (50); 11 markers and
-    4 line styles, so no two of the first 44 labels share both a marker and a line style."""
-    import matplotlib
-
-    names = _FIRST + [n for n in encoding_names() if n not in _FIRST]
-    extra = sorted(label for label in others if label not in names)
-    index = names.index(label) if label in names else len(names) + extra.index(label)
-    if index < 10:
-        colour = matplotlib.colormaps["tab10"](index)
-    else:
-        colour = matplotlib.colormaps["tab20b" if (index - 10) % 40 < 20 else "tab20c"]((index - 10) % 20)
-    return {
-        "color": colour,
-        "marker": _MARKERS[index % len(_MARKERS)],
-        "linestyle": _LINESTYLES[(index // len(_MARKERS)) % len(_LINESTYLES)],
-    }
-
-
-def _by_cell(rows):
-    cells = collections.defaultdict(lambda: collections.defaultdict(dict))
-    for row in rows:
-        cells[row["task"]][row["encoding"]].setdefault(row["seed"], {})[row["length"]] = row["value"]
-    return cells
-
-
-def _summary(per_seed: dict, keep) -> tuple[float, float, int]:
-    """Mean over seeds of each seed's mean over the kept lengths, the standard deviation over
-    seeds of the same, and the number of seeds."""
-    means = []
-    for lengths in per_seed.values():
-        values = [v for n, v in lengths.items() if keep(n)]
-        if values:
-            means.append(float(np.mean(values)))
-    if not means:
-        return float("nan"), float("nan"), 0
-    return float(np.mean(means)), float(np.std(means)), len(means)
-
-
-def _cell(summary: tuple[float, float, int]) -> str:
-    mean, std, seeds = summary
-    if seeds == 0:
-        return "-"
-    return f"{mean:.3f}" if seeds == 1 else f"{mean:.3f} ± {std:.3f}"
+def family(label: str) -> str:
+    """The family of a row label (``enc``, ``enc|normaliser``, ``a+b``, ``rope+pi@eval``): by where
+    its first part acts, from the registry."""
+    base = label.split("|")[0]
+    base = base.split("+")[0]
+    try:
+        info = encoding_info(base)
+    except ValueError:
+        return FAMILIES[-1]
+    if info.acts_on == "embeddings" or not info.hooks:
+        return FAMILIES[0]
+    if "rotate" in info.hooks:
+        return FAMILIES[1]
+    if info.acts_on == "shared_bias":
+        return FAMILIES[2]
+    return FAMILIES[3]
 
 
 def _protocol(preset: dict) -> list[str]:
     text = "text" in preset["tasks"]
     algorithmic = any(task != "text" for task in preset["tasks"])
-    lines = (
+    line = (
         f"Preset `{preset['name']}`: {preset['num_layers']} layers x {preset['model_dim']}, "
-        f"{preset['num_heads']} heads, {preset['steps']} steps, batch {preset['batch_size']}, "
-        f"AdamW lr {preset['learning_rate']} (warmup + cosine), seeds {list(preset['seeds'])}."
+        f"{preset['num_heads']} heads, batch {preset['batch_size']}, AdamW lr {preset['learning_rate']} "
+        f"(warmup + cosine over the step budget), seeds {list(preset['seeds'])}. Training runs to criterion: every "
+        f"{preset['check_every']} steps each seed is scored on {preset['check_examples']} held-out examples at the "
+        f"longest training length, and a cell stops when every seed met the criterion at two checks in a row, or at "
+        f"its budget of {preset['steps']} steps"
     )
+    overrides = [
+        f"{task} {dict(o).get('steps')}" for task, o in preset.get("task_overrides") or () if "steps" in dict(o)
+    ]
+    line += f" ({', '.join(overrides)})." if overrides else "."
     if algorithmic:
-        lines += (
+        line += (
             f" Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested at "
-            f"{list(preset['eval_lengths'])}."
+            f"{list(preset['eval_lengths'])} ({preset['eval_examples']} examples each)."
         )
     if text:
         lengths = [preset["text_context"] * m for m in preset["text_multiples"]]
-        lines += f" Text trains at {preset['text_context']} characters and is tested at {lengths}."
-    return [lines, ""]
+        line += (
+            f" Text trains at {preset['text_context']} characters and is tested at {lengths}, every length on the "
+            f"same {preset['text_eval_characters']:,} test characters in non-overlapping windows."
+        )
+    fraction = preset["learned_fraction"]
+    gate = (
+        f"**Learned first.** A seed has learned its task when its score at the longest training length is at least "
+        f"{preset['learned_threshold']} (text: fewer bits per character than the best n-gram model on the same "
+        f"characters); a cell's scores are reported only when at least {fraction:.0%} of its seeds learned, as the "
+        "mean over the learned seeds with a 95% Student-t interval."
+    )
+    return [line, "", gate, ""]
 
 
-# Short column heads for the overview, one per task.
-_SHORT = {
-    "counting_copy": "counting copy",
-    "copy": "copy",
-    "duplicate": "duplicate",
-    "reverse": "reverse",
-    "reverse_string": "reverse string (enc)",
-    "missing_duplicate": "missing dup. (enc)",
-    "parity": "parity (enc)",
-    "bucket_sort": "bucket sort (enc)",
-    "probe": "probe (enc)",
-    "probe_boundary": "probe + [CLS]/[SEP] (enc)",
-    "text": "text, bits/char",
-}
+def _published_cell(task: str, encoding: str) -> str:
+    published = PUBLISHED.get(task, {})
+    return f"{published[encoding]:.3f}" if encoding in published else "-"
 
 
-def overview(rows: list[dict]) -> list[str]:
-    """One table of every encoding (rows) on every task (columns): the mean beyond the training
-    length, with the in-distribution mean in brackets (both averaged over lengths, then seeds),
-    so a reader sees at once whether a task was learned before asking how it extrapolates.
-    A cell not yet run is ``·``; an encoding that cannot run a task (no bidirectional form on an
-    encoder task) is ``n/a`` when the task has rows for other encodings."""
-    cells = _by_cell(rows)
-    tasks = list(cells)
-    encodings = list(dict.fromkeys(row["encoding"] for row in rows))
-    train = {task: next(r["train_length"] for r in rows if r["task"] == task) for task in tasks}
-    lines = [
-        "| encoding | " + " | ".join(_SHORT.get(task, task) for task in tasks) + " |",
-        "|---|" + "---|" * len(tasks),
-    ]
-    for encoding in encodings:
-        parts = []
-        for task in tasks:
-            per_seed = cells[task].get(encoding)
-            if not per_seed:
-                parts.append("·" if _can_run(task, encoding) else "n/a")
+def _baseline_rows(task: str, results: Results, train_length: int) -> list[str]:
+    """Table rows of the algorithmic baselines: at the training length and mean beyond it."""
+    known = results.baselines.get(task, {}).get("lengths")
+    if not known:
+        return []
+    lengths = sorted(int(n) for n in known)
+    rows = []
+    for name in ("chance", "position-only", "content-only"):
+        inside = known.get(str(train_length), {}).get(name)
+        outside = [known[str(n)][name] for n in lengths if n > train_length and known[str(n)][name] is not None]
+        if inside is None:
+            continue
+        beyond = f"{np.mean(outside):.3f}" if outside else "-"
+        rows.append(f"| *{name} (baseline)* | - | {inside:.3f} | {beyond} | - |")
+    return rows
+
+
+def _text_sections(task: str, results: Results, summaries) -> list[str]:
+    ngram = results.baselines.get(task, {}).get("ngram")
+    lines = []
+    if ngram:
+        best = min(ngram, key=lambda b: b["bits_per_char"])
+        lines += [
+            "Count-based n-gram models (fitted on the train split, scored on the same test characters with their full "
+            "history):",
+            "",
+            "| model | bits/char |",
+            "|---|---|",
+            *(f"| {b['order']}-gram, {b['smoothing'].replace('_', '-')} | {b['bits_per_char']:.3f} |" for b in ngram),
+            "",
+        ]
+        learned = [c for c in summaries if c.learned]
+        best_model = min((c.at_training.mean for c in learned), default=None)
+        if best_model is None or best_model > best["bits_per_char"] - 0.2:
+            lines += [
+                f"**The text models are too small to read these curves:** the best n-gram model scores "
+                f"{best['bits_per_char']:.3f} bits per character, and no learned Transformer beats it by 0.2 "
+                f"(best: {'none learned' if best_model is None else f'{best_model:.3f}'}).",
+                "",
+            ]
+    buckets = {}
+    for row in results.rows:
+        if row["task"] == task and "buckets" in row:
+            buckets.setdefault(row["encoding"], {}).setdefault(row["length"], []).append(row)
+    if buckets:
+        longest = max(n for per in buckets.values() for n in per)
+        names = list(next(r for per in buckets.values() for r in per.get(longest, []))["buckets"])
+        lines += [
+            f"Bits per character by position within the {longest}-character windows (learned seeds' mean; "
+            "positions below the training length, then doublings of it):",
+            "",
+            "| encoding | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for c in summaries:
+            rows = [r for r in buckets.get(c.encoding, {}).get(longest, []) if r["seed"] in c.learned_seeds]
+            if not c.learned or not rows:
+                lines.append(f"| {c.encoding} | " + " | ".join(["not learned"] * len(names)) + " |")
                 continue
-            ind = _summary(per_seed, lambda n, limit=train[task]: n <= limit)[0]
-            ood = _summary(per_seed, lambda n, limit=train[task]: n > limit)[0]
-            parts.append(f"{ood:.2f} ({ind:.2f})")
-        lines.append(f"| {encoding} | " + " | ".join(parts) + " |")
+            means = [np.mean([r["buckets"][b] for r in rows]) for b in names]
+            lines.append(f"| {c.encoding} | " + " | ".join(f"{m:.3f}" for m in means) + " |")
+        lines.append("")
     return lines
 
 
-def _can_run(task_name: str, label: str) -> bool:
-    """Whether the encoding of a row label (``enc``, ``enc|normaliser``, ``rope+pi@eval``) can run
-    ``task_name`` at all (encoder tasks need a bidirectional form); True when unknown."""
-    from posenc_jax.bench.presets import runs_on
+def _ordering_lines(task: str, results: Results) -> list[str]:
+    pairs = orderings(results, task)
+    if not pairs:
+        return []
+    resolved = [p for p in pairs if p.resolved]
+    lines = [
+        f"Orderings beyond the training length (paired over the seeds both learned; 95% interval of the "
+        f"difference): {len(resolved)} of {len(pairs)} pairs resolved."
+    ]
+    if resolved:
+        lines += ["", "| better | worse | difference [95% interval] | seeds |", "|---|---|---|---|"]
+        lines += [f"| {p.better} | {p.worse} | {p.difference} | {p.difference.n} |" for p in resolved]
+    unresolved = [p for p in pairs if not p.resolved]
+    if unresolved:
+        lines += ["", "Unresolved: " + "; ".join(f"{p.better} vs {p.worse}" for p in unresolved) + "."]
+    return [*lines, ""]
 
-    encoding = label.split("|")[0]
-    if encoding.endswith("@eval"):
-        encoding = encoding.split("+")[0]
-    task = _task(task_name)
-    try:
-        return task is None or runs_on(task, encoding)
-    except ValueError:
-        return True
 
-
-def write_report(
-    rows: list[dict], out: pathlib.Path, *, preset: dict | None = None, record: dict | None = None, plots: bool = True
-) -> str:
-    """Writes ``report.md`` (and returns its text)."""
+def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None = None, *, plots: bool = True) -> str:
+    """Writes ``report.md`` into ``out`` (default: the results folder) and returns its text."""
+    if not isinstance(results, Results):
+        out = pathlib.Path(results) if out is None else out
+        results = read(results)
     out = pathlib.Path(out)
-    pipeline_check = bool(preset) and preset["name"] == "smoke"
+    preset, record = results.preset, results.record
+    pipeline_check = preset.get("name") == "smoke"
     lines = ["# Length extrapolation", ""]
     if pipeline_check:
         lines += [
@@ -204,59 +219,65 @@ def write_report(
         ]
     if preset:
         lines += _protocol(preset)
-    if record and record.get("text_corpus"):
+    if record.get("text_corpus"):
         lines += [f"Text corpus: {record['text_corpus']}.", ""]
-    if record:
-        version = record["versions"].get("posenc_jax", "(version not recorded)")
+    if record.get("versions"):
+        commits = record.get("commits") or []
+        made = ", ".join(f"{c['commit'] and c['commit'][:10]}{' (dirty)' if c['dirty'] else ''}" for c in commits)
         lines += [
-            f"Device: {record['device']['kind']} x {record['device']['count']}; posenc_jax {version}, "
-            f"jax {record['versions']['jax']}; commit {record.get('git_commit')}.",
+            f"Device: {record['device']['kind']} x {record['device']['count']}; posenc_jax "
+            f"{record['versions'].get('posenc_jax')}, jax {record['versions']['jax']}; rows made by commit"
+            f"{'s' if len(commits) > 1 else ''} {made or 'unknown'}.",
             "",
         ]
-    if len(_by_cell(rows)) > 1 and not pipeline_check:
+    summaries = cells(results)
+    tasks = list(dict.fromkeys(c.task for c in summaries))
+    if len(tasks) > 1 and not pipeline_check:
         lines += [
             "## Overview",
             "",
-            "Beyond the training length, with the in-distribution score in brackets: means over lengths, "
-            "then over seeds (the sections below give the spread). Exact match or accuracy, higher is better; "
-            "text in bits per character, lower is better. `·`: not run (yet).",
+            "Beyond the training length: the mean over learned seeds [95% interval]; exact match or accuracy, "
+            "higher is better; text in bits per character, lower is better. `not learned (k/n)`: k of n seeds "
+            "learned the task in distribution, too few to report a score.",
             "",
-            *overview(rows),
+            summarize(results),
             "",
         ]
-    for task, encodings in _by_cell(rows).items():
-        sample = next(r for r in rows if r["task"] == task)
-        metric, train_length = sample["metric"], sample["train_length"]
-        lower = metric == "bits_per_char"
-        seeds = max(len(p) for p in encodings.values())
-        title = TITLES.get(task, task)
-        direction = "lower" if lower else "higher"
-        lines += [f"## {title}", "", f"Task `{task}`; {metric.replace('_', ' ')}, {direction} is better.", ""]
+    for task in tasks:
+        here = [c for c in summaries if c.task == task]
+        first = here[0]
+        threshold, higher = results.threshold(task)
+        direction = "higher" if higher else "lower"
+        gate = f"at least {threshold}" if higher else f"below {threshold:.3f} bits per character (best n-gram)"
+        lines += [
+            f"## {TITLES.get(task, task)}",
+            "",
+            f"Task `{task}`; {first.metric.replace('_', ' ')}, {direction} is better. Learned: {gate} at length "
+            f"{first.train_length}.",
+            "",
+        ]
+        published = not pipeline_check and task in PUBLISHED
         header = (
-            f"| encoding | in distribution (length <= {train_length}) | beyond training (length > {train_length}) |"
+            f"| encoding | seeds learned | at training length ({first.train_length}) | beyond training "
+            f"(> {first.train_length}) | steps |"
         )
-        sep = "|---|---|---|"
-        published = None if pipeline_check else PUBLISHED.get(task)
+        sep = "|---|---|---|---|---|"
         if published:
-            header += " published, test 21-40 (different protocol) |"
+            header += " published, test 21-40 (other protocol) |"
             sep += "---|"
         lines += [header, sep]
-        for encoding, per_seed in encodings.items():
-            ind = _summary(per_seed, lambda n, limit=train_length: n <= limit)
-            ood = _summary(per_seed, lambda n, limit=train_length: n > limit)
-            row = f"| {encoding} | {_cell(ind)} | {_cell(ood)} |"
-            if published:
-                row += f" {published[encoding]:.3f} |" if encoding in published else " - |"
-            lines.append(row)
-        lines.append("")
-        if seeds == 1:
-            lines.append("Mean over lengths; one seed, so no spread is shown.")
-        else:
-            lines.append(
-                f"Mean over lengths, then mean ± standard deviation over seeds ({seeds} seeds; the plot's band "
-                "is the same ± 1 standard deviation, per length)."
+        for c in here:
+            steps = [s for s in c.steps.values() if s is not None]
+            steps_text = f"{int(np.median(steps))}" if steps else "-"
+            row = (
+                f"| {c.encoding} | {len(c.learned_seeds)}/{c.seeds} | {c.text('at_training')} | "
+                f"{c.text('extrapolation')} | {steps_text} |"
             )
-        if any(label.endswith("@eval") for label in encodings):
+            if published:
+                row += f" {_published_cell(task, c.encoding)} |"
+            lines.append(row)
+        lines += [*(r + (" |" if published else "") for r in _baseline_rows(task, results, first.train_length)), ""]
+        if any(c.encoding.endswith("@eval") for c in here):
             lines.append(
                 "Rows `rope+<scaling>@eval` are the trained RoPE model evaluated with that RoPE scaling, "
                 "sized at each length (factor = test tokens / training tokens): evaluation only, no training."
@@ -266,8 +287,11 @@ def write_report(
                 f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
                 "ordering, not the numbers."
             )
-        if task == "text" and not pipeline_check:
-            lines.append(f"Reference shape: {TEXT_REFERENCE}")
+        if task == "text":
+            lines += ["", *_text_sections(task, results, here)]
+            if not pipeline_check:
+                lines.append(f"Reference shape: {TEXT_REFERENCE}")
+        lines += ["", *_ordering_lines(task, results)]
         if plots:
             lines.append(f"![{task}]({task}.png)")
         lines.append("")
@@ -284,80 +308,115 @@ def _task(name: str):
         return None
 
 
-def figure(task_name: str, rows: list[dict]):
-    """The matplotlib figure of one task's rows: the metric against evaluation length, the mean
-    over seeds with a band of ± 1 standard deviation; algorithmic tasks on a linear length axis,
-    text on a log axis; bounded metrics on [0, 1]; chance (where it exists) and the training
-    length marked; the legend outside the axes."""
+def figure(task_name: str, results: Results):
+    """The matplotlib figure of one task: small multiples by family (absolute and none, RoPE and its
+    scalings, additive biases, relative), the metric against evaluation length; one hue per family
+    and a line style and marker per encoding within it; learned cells as the mean over learned
+    seeds with a 95% interval band, unlearned cells hollow, grey and dotted (labelled "not
+    learned"); baselines and the training length as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
-    from matplotlib.patches import Patch
 
-    rows = [r for r in rows if r["task"] == task_name]
-    encodings = _by_cell(rows)[task_name]
-    sample = rows[0]
+    summaries = {c.encoding: c for c in cells(results) if c.task == task_name}
+    rows = [r for r in results.rows if r["task"] == task_name]
     task = _task(task_name)
     text = task is not None and task.length_family == "text"
-    fig, ax = plt.subplots(figsize=(8.5, 4.6))
-    seeds = max(len(p) for p in encodings.values())
-    all_lengths = sorted({n for per_seed in encodings.values() for seed in per_seed.values() for n in seed})
-    # Equal curves stay visible: hollow markers of distinct shapes, each curve shifted along the
-    # length axis by its own small offset (together at most a quarter of the narrowest gap).
-    where = np.log2(all_lengths) if text else np.asarray(all_lengths, float)
-    gap = float(np.min(np.diff(where))) if len(where) > 1 else 1.0
-    for rank, (encoding, per_seed) in enumerate(encodings.items()):
-        lengths = sorted({n for seed in per_seed.values() for n in seed})
-        values = np.array([[seed.get(n, np.nan) for n in lengths] for seed in per_seed.values()])
-        mean = np.nanmean(values, axis=0)
-        shift = 0.25 * gap * (rank / max(len(encodings) - 1, 1) - 0.5)
-        x = np.asarray(lengths, float) * 2**shift if text else np.asarray(lengths, float) + shift
-        style = _style(encoding, list(encodings))
-        ax.plot(x, mean, ms=5, lw=1.3, label=encoding, markerfacecolor="none", **style)
-        if values.shape[0] > 1:
-            std = np.nanstd(values, axis=0)
-            ax.fill_between(x, mean - std, mean + std, color=style["color"], alpha=0.15, lw=0)
-    extra = []
-    chance = [task.chance(n) for n in all_lengths] if task is not None else [None]
-    if all(c is not None for c in chance):
-        ax.plot(all_lengths, chance, color="0.4", lw=1, linestyle=(0, (1, 2)), zorder=0, label="_chance")
-        extra.append(Line2D([], [], color="0.4", lw=1, linestyle=(0, (1, 2)), label="chance"))
-    ax.axvline(sample["train_length"], color="k", linestyle="--", linewidth=1, zorder=0)
-    extra.append(Line2D([], [], color="k", lw=1, linestyle="--", label=f"training length ({sample['train_length']})"))
-    if seeds > 1:
-        extra.append(Patch(color="0.6", alpha=0.4, label=f"± 1 std over {seeds} seeds"))
-    if text:
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(all_lengths, [str(n) for n in all_lengths])
-        ax.minorticks_off()
-        ax.set_xlabel("evaluation length (characters, log scale; curves offset slightly to stay visible)")
-    else:
-        ax.set_xticks(all_lengths)
-        ax.set_xlabel("evaluation length (symbols of the input x; curves offset slightly to stay visible)")
-    if sample["metric"] in _BOUNDED:
-        ax.set_ylim(-0.02, 1.02)
-    ax.set_ylabel(sample["metric"].replace("_", " ") + (" (lower is better)" if text else ""))
-    ax.set_title(TITLES.get(task_name, task_name), fontsize=10)
-    ax.grid(alpha=0.25)
-    handles = [h for h in ax.get_lines() if not h.get_label().startswith("_")]
-    columns = 1 if len(handles) + len(extra) <= 18 else 2
-    ax.legend(
-        handles=handles + extra, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, ncol=columns, frameon=False
-    )
+    sample = rows[0]
+    panels = [f for f in FAMILIES if any(family(e) == f for e in summaries)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8), sharey=True, squeeze=False)
+    lengths = sorted({r["length"] for r in rows})
+    known = results.baselines.get(task_name, {})
+    for ax, panel in zip(axes[0], panels, strict=True):
+        hue = _HUES[FAMILIES.index(panel)]
+        members = [e for e in summaries if family(e) == panel]
+        for index, encoding in enumerate(members):
+            summary = summaries[encoding]
+            style = {"linestyle": _LINESTYLES[index % len(_LINESTYLES)], "marker": _MARKERS[index % len(_MARKERS)]}
+            by_seed = {}
+            for r in rows:
+                if r["encoding"] == encoding:
+                    by_seed.setdefault(r["seed"], {})[r["length"]] = r["value"]
+            if not summary.learned:
+                mean = [np.mean([v[n] for v in by_seed.values() if n in v]) for n in lengths]
+                ax.plot(
+                    lengths,
+                    mean,
+                    color="0.6",
+                    lw=1,
+                    ms=4,
+                    markerfacecolor="none",
+                    linestyle=":",
+                    marker=style["marker"],
+                    label=f"{encoding} (not learned)",
+                )
+                continue
+            learned = [by_seed[s] for s in summary.learned_seeds]
+            mean, low, high = [], [], []
+            for n in lengths:
+                values = [v[n] for v in learned if n in v]
+                if len(values) > 1:
+                    from posenc_jax.bench.stats import t_interval
+
+                    interval = t_interval(values)
+                    mean.append(interval.mean), low.append(interval.low), high.append(interval.high)
+                else:
+                    mean.append(values[0] if values else np.nan), low.append(np.nan), high.append(np.nan)
+            ax.plot(lengths, mean, color=hue, lw=1.4, ms=4, label=encoding, **style)
+            ax.fill_between(lengths, low, high, color=hue, alpha=0.12, lw=0)
+        if "lengths" in known:
+            for name, line in (("position-only", (0, (1, 1))), ("content-only", (0, (4, 2))), ("chance", "-")):
+                values = [known["lengths"].get(str(n), {}).get(name) for n in lengths]
+                if all(v is not None for v in values):
+                    ax.plot(lengths, values, color="k", lw=0.8, linestyle=line, alpha=0.6, label=f"{name} baseline")
+        if known.get("ngram"):
+            best = min(known["ngram"], key=lambda b: b["bits_per_char"])
+            ax.axhline(
+                best["bits_per_char"],
+                color="k",
+                lw=0.8,
+                linestyle=(0, (1, 1)),
+                alpha=0.6,
+                label=f"best n-gram ({best['order']}-gram)",
+            )
+        ax.axvline(
+            sample["train_length"],
+            color="tab:purple",
+            linestyle="-.",
+            linewidth=0.8,
+            alpha=0.7,
+            label=f"training length ({sample['train_length']})",
+        )
+        if text:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(lengths, [str(n) for n in lengths], rotation=45)
+            ax.minorticks_off()
+        if sample["metric"] in _BOUNDED:
+            ax.set_ylim(-0.02, 1.02)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("evaluation length (characters)" if text else "evaluation length (symbols of x)", fontsize=8)
+        ax.grid(alpha=0.25)
+        ax.legend(fontsize=6, frameon=False, loc="best")
+    axes[0][0].set_ylabel(sample["metric"].replace("_", " ") + (" (lower is better)" if text else ""))
+    fig.suptitle(f"{TITLES.get(task_name, task_name)}: mean over learned seeds, band = 95% interval", fontsize=10)
+    fig.tight_layout()
     return fig
 
 
-def plot(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
-    """One PNG per task (see :func:`figure`); returns their paths."""
+def plot(results: Results | str | pathlib.Path, out: pathlib.Path | None = None) -> list[pathlib.Path]:
+    """One PNG (150 dpi) and one SVG per task (see :func:`figure`); returns the PNGs' paths."""
     import matplotlib.pyplot as plt
 
+    if not isinstance(results, Results):
+        out = pathlib.Path(results) if out is None else out
+        results = read(results)
     written = []
-    for task_name in _by_cell(rows):
-        fig = figure(task_name, rows)
+    for task_name in dict.fromkeys(r["task"] for r in results.rows):
+        fig = figure(task_name, results)
         path = pathlib.Path(out) / f"{task_name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")
+        fig.savefig(path, dpi=150, bbox_inches="tight")
+        fig.savefig(path.with_suffix(".svg"), bbox_inches="tight")
         plt.close(fig)
         written.append(path)
     return written

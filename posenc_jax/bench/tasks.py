@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import pathlib
 import sysconfig
 from typing import ClassVar, Protocol
@@ -59,6 +60,12 @@ __all__ = [
 NUM_SYMBOLS = 10
 SEP, BLANK, PAD, EOS = NUM_SYMBOLS, NUM_SYMBOLS + 1, NUM_SYMBOLS + 2, NUM_SYMBOLS + 3
 ALGO_VOCAB = NUM_SYMBOLS + 4
+MARKER = 2  # missing duplicate's hidden token, outside its binary alphabet
+
+
+def _half(n: int) -> int:
+    """Missing duplicate: the length of w in ``w w`` for an example of length n (n rounded up to even)."""
+    return max(1, (n + 1) // 2)
 
 
 class Task(Protocol):
@@ -156,15 +163,25 @@ class DecoderTask(_Generated):
     def _example(self, rng: np.random.Generator, n: int):
         if self.name == "counting_copy":
             x = np.full(n, rng.integers(NUM_SYMBOLS))
-            return x, x
-        x = rng.integers(0, NUM_SYMBOLS, n)
-        if self.name == "copy":
-            return x, x
+        elif self.name in ("copy", "duplicate", "reverse"):
+            x = rng.integers(0, NUM_SYMBOLS, n)
+        else:
+            raise ValueError(f"unknown decoder task {self.name!r}")
+        return x, self.answer(x)
+
+    def answer(self, x: np.ndarray) -> np.ndarray:
+        """``y = f(x)`` (without the end token)."""
         if self.name == "duplicate":
-            return x, np.concatenate([x, x])
+            return np.concatenate([x, x])
         if self.name == "reverse":
-            return x, x[::-1]
-        raise ValueError(f"unknown decoder task {self.name!r}")
+            return x[::-1]
+        return x  # copy, counting copy
+
+    def support(self, n: int):
+        """Every input ``x`` of length ``n`` with its probability, as ``(x, p)`` pairs (for exact baselines)."""
+        if self.name == "counting_copy":
+            return [(np.full(n, s), 1 / NUM_SYMBOLS) for s in range(NUM_SYMBOLS)]
+        return [(np.array(x), NUM_SYMBOLS**-n) for x in itertools.product(range(NUM_SYMBOLS), repeat=n)]
 
     def max_tokens(self, n: int) -> int:
         """Model input length for an example of length n (``x SEP y EOS`` less the last token)."""
@@ -215,26 +232,46 @@ class EncoderTask(_Generated):
         return ALGO_VOCAB
 
     def _example(self, rng: np.random.Generator, n: int):
-        if self.name == "reverse_string":
+        if self.name in ("reverse_string", "bucket_sort"):
             x = rng.integers(0, NUM_SYMBOLS, n)
-            return x, x[::-1]
-        if self.name == "bucket_sort":
-            x = rng.integers(0, NUM_SYMBOLS, n)
-            return x, np.sort(x)
-        if self.name == "parity":
+        elif self.name == "parity":
             x = rng.integers(0, 2, n)
-            return x, np.array([x.sum() % 2])
-        if self.name == "missing_duplicate":
+        elif self.name == "missing_duplicate":
             # A binary string w w (length n, rounded up to even) with one token hidden; say which.
-            half = max(1, (n + 1) // 2)
-            w = rng.integers(0, 2, half)
+            w = rng.integers(0, 2, _half(n))
             x = np.concatenate([w, w])
-            hidden = rng.integers(len(x))
-            answer = x[hidden]
-            x = x.copy()
-            x[hidden] = 2  # a marker symbol outside the binary alphabet
-            return x, np.array([answer])
+            x[rng.integers(len(x))] = MARKER
+        else:
+            raise ValueError(f"unknown encoder task {self.name!r}")
+        return x, self.answer(x)
+
+    def answer(self, x: np.ndarray) -> np.ndarray:
+        """The answer written on the blanks."""
+        if self.name == "reverse_string":
+            return x[::-1]
+        if self.name == "bucket_sort":
+            return np.sort(x)
+        if self.name == "parity":
+            return np.array([x.sum() % 2])
+        if self.name == "missing_duplicate":
+            hidden = int(np.flatnonzero(x == MARKER)[0])
+            return np.array([x[(hidden + len(x) // 2) % len(x)]])  # the hidden token's twin
         raise ValueError(f"unknown encoder task {self.name!r}")
+
+    def support(self, n: int):
+        """Every input ``x`` of length ``n`` with its probability, as ``(x, p)`` pairs (for exact baselines)."""
+        if self.name == "parity":
+            return [(np.array(x), 2.0**-n) for x in itertools.product(range(2), repeat=n)]
+        if self.name == "missing_duplicate":
+            half = _half(n)
+            out = []
+            for w in itertools.product(range(2), repeat=half):
+                for hidden in range(2 * half):
+                    x = np.array(w + w)
+                    x[hidden] = MARKER
+                    out.append((x, 2.0**-half / (2 * half)))
+            return out
+        return [(np.array(x), NUM_SYMBOLS**-n) for x in itertools.product(range(NUM_SYMBOLS), repeat=n)]
 
     def max_tokens(self, n: int) -> int:
         """Model input length for an example of length n (x and its answer blanks)."""
@@ -445,7 +482,10 @@ class TextTask:
                 if corpus in HUB_CORPORA
                 else f"{corpus} (first 90% train, last 10% test)"
             )
-        self.train = self._encode(train)
+        train = self._encode(train)
+        # The last twentieth of the train split is held out: training checks its progress there.
+        cut = len(train) - len(train) // 20
+        self.train, self.validation = train[:cut], train[cut:]
         self.test = self._encode(test)
 
     @staticmethod
@@ -467,7 +507,12 @@ class TextTask:
     def check_lengths(self, train_length: int, eval_lengths) -> None:
         """The train split must hold a window of the training context and the test split one of
         the longest evaluation length (each plus the next character to predict)."""
-        for split, data, length in (("train", self.train, train_length), ("test", self.test, max(eval_lengths))):
+        splits = (
+            ("train", self.train, train_length),
+            ("validation", self.validation, train_length),
+            ("test", self.test, max(eval_lengths)),
+        )
+        for split, data, length in splits:
             if len(data) < length + 2:
                 raise ValueError(
                     f"the {split} split of the text corpus ({self.corpus_description}) has {len(data)} characters, "
@@ -475,8 +520,28 @@ class TextTask:
                     f"(--text-context, --text-lengths)"
                 )
 
+    def evaluation_windows(self, length: int, characters: int, batch: int):
+        """The test batches of one evaluation length: the first ``characters`` + 1 characters of
+        the test split cut into non-overlapping windows of ``length`` (Press et al. 2022), so that
+        every length scores the same ``characters`` characters; ``batch`` windows at a time."""
+        if characters % length or len(self.test) < characters + 1:
+            raise ValueError(
+                f"cannot score {characters} test characters in windows of {length}: need a multiple of the length "
+                f"and a test split longer than that ({len(self.test)} characters)"
+            )
+        starts = np.arange(0, characters, length)
+        for first in range(0, len(starts), batch):
+            windows = np.stack([self.test[s : s + length + 1] for s in starts[first : first + batch]])
+            yield {
+                "inputs": windows[:, :-1],
+                "targets": windows[:, 1:],
+                "weights": np.ones((len(windows), length), np.float32),
+                "positions": np.arange(length, dtype=np.int32),
+            }
+
     def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
-        data = self.train if split == "train" else self.test
+        """Windows at random places of ``split`` (``"train"``, ``"validation"`` or ``"test"``)."""
+        data = {"train": self.train, "validation": self.validation, "test": self.test}[split]
         length = int(max(lengths))
         if len(data) < length + 2:
             raise ValueError(f"the {split} text has {len(data)} characters, too few for windows of {length}")

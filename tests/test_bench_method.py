@@ -1,0 +1,277 @@
+"""The benchmark's method: intervals, baselines, the learned-first gate, training to criterion, the
+text protocol, per-row provenance and the results API."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import numpy as np
+import pytest
+
+from posenc_jax.bench import baselines, cell, extrapolate, presets, report, results, stats
+from posenc_jax.bench.ledger import git_state
+from posenc_jax.bench.tasks import make_task
+
+
+@pytest.fixture
+def standard_promotion():
+    with jax.numpy_dtype_promotion("standard"):
+        yield
+
+
+# Student's t quantile t(0.975, 2), from a printed table (Fisher & Yates), not from scipy.
+T_975_2 = 4.302653
+
+
+def test_the_t_interval_against_a_hand_calculation():
+    # 0.9, 0.8, 1.0: mean 0.9, sample standard deviation 0.1, half width 4.302653 * 0.1 / sqrt(3).
+    interval = stats.t_interval([0.9, 0.8, 1.0])
+    half = T_975_2 * 0.1 / math.sqrt(3)
+    assert interval.n == 3 and interval.mean == pytest.approx(0.9)
+    assert interval.low == pytest.approx(0.9 - half, abs=1e-6) and interval.high == pytest.approx(0.9 + half, abs=1e-6)
+    assert str(interval) == "0.900 [0.652, 1.148]"
+    one = stats.t_interval([0.5])
+    assert one.mean == 0.5 and math.isnan(one.low) and not one.excludes(0.0) and str(one) == "0.500 (1 seed)"
+    for bad, message in (([], "non-empty"), ([0.1, float("nan")], "non-finite")):
+        with pytest.raises(ValueError, match=message):
+            stats.t_interval(bad)
+    with pytest.raises(ValueError, match="confidence must be in"):
+        stats.t_interval([1.0, 2.0], confidence=95)
+
+
+def test_paired_differences_use_the_common_seeds_and_say_what_they_resolve():
+    a = {0: 0.9, 1: 0.8, 2: 1.0}
+    b = {0: 0.7, 1: 0.7, 2: 0.7, 3: 0.1}  # seed 3 has no partner in a
+    diff = stats.paired_difference(a, b)
+    # differences 0.2, 0.1, 0.3: mean 0.2, s = 0.1 -> 0.2 ± 0.2484: crosses 0, unresolved.
+    assert diff.n == 3 and diff.mean == pytest.approx(0.2)
+    assert diff.low == pytest.approx(0.2 - T_975_2 * 0.1 / math.sqrt(3), abs=1e-6) and not diff.excludes(0.0)
+    assert stats.paired_difference(a, {7: 1.0}) is None
+    # Higher is better: a well above c on every seed is resolved, a against b is not.
+    c = {0: 0.1, 1: 0.15, 2: 0.12}
+    by_pair = {(o.better, o.worse): o for o in stats.resolved_orderings({"a": a, "b": b, "c": c})}
+    assert by_pair[("a", "c")].resolved and not by_pair[("a", "b")].resolved
+    assert by_pair[("b", "c")].difference.mean > 0  # oriented so that positive favours the better
+    # Lower is better (bits per character): the lower one comes first, with a positive difference.
+    (ordering,) = stats.resolved_orderings(
+        {"x": {0: 2.0, 1: 2.1, 2: 2.05}, "y": {0: 1.5, 1: 1.6, 2: 1.52}}, higher_is_better=False
+    )
+    assert (ordering.better, ordering.worse) == ("y", "x") and ordering.resolved
+    assert ordering.difference.mean == pytest.approx(np.mean([0.5, 0.5, 0.53]))
+
+
+ALGORITHMIC = [
+    "counting_copy",
+    "copy",
+    "duplicate",
+    "reverse",
+    "reverse_string",
+    "bucket_sort",
+    "parity",
+    "missing_duplicate",
+]
+
+
+@pytest.mark.parametrize("name", ALGORITHMIC)
+def test_closed_form_baselines_equal_enumeration_of_every_input(name):
+    task = make_task(name)
+    longest = 5 if name in ("parity", "missing_duplicate", "counting_copy") else 4
+    for n in range(1, longest + 1):
+        closed = baselines.algorithmic_baselines(task, n)
+        walked = baselines.enumerated_baselines(task, n)
+        for key in ("position-only", "content-only"):
+            assert closed[key] == pytest.approx(walked[key], rel=1e-12, abs=1e-15), (name, n, key)
+
+
+def test_baselines_by_hand():
+    # Bucket sort of two symbols: slot 0 holds the smaller, best guess 0 with P(min = 0) = 19/100;
+    # slot 1 the larger, best guess 9 with P(max = 9) = 19/100.
+    assert baselines.algorithmic_baselines(make_task("bucket_sort"), 2)["position-only"] == pytest.approx(0.19)
+    # Reverse string of two symbols, content-only: the larger count is 2 with probability 1/10.
+    # E[max count] / n = (0.1 * 2 + 0.9 * 1) / 2.
+    assert baselines.algorithmic_baselines(make_task("reverse_string"), 2)["content-only"] == pytest.approx(0.55)
+    # Copy of two symbols, content-only: 55 multisets of 100 inputs.
+    assert baselines.algorithmic_baselines(make_task("copy"), 2)["content-only"] == pytest.approx(0.55)
+    assert baselines.algorithmic_baselines(make_task("parity"), 7) == {
+        "chance": 0.5,
+        "position-only": 0.5,
+        "content-only": 1.0,
+    }
+    with pytest.raises(ValueError, match="no algorithmic baselines for task 'text'"):
+        baselines.algorithmic_baselines(make_task("text"), 4)
+    with pytest.raises(ValueError, match="n must be an input length >= 1"):
+        baselines.algorithmic_baselines(make_task("copy"), 0)
+
+
+def test_every_sampled_input_is_in_the_tasks_support():
+    rng = np.random.default_rng(0)
+    for name in ALGORITHMIC:
+        task = make_task(name)
+        support = {tuple(x.tolist()) for x, _ in task.support(3)}
+        assert sum(p for _, p in task.support(3)) == pytest.approx(1.0)
+        for _ in range(50):
+            x, y = task._example(rng, 3)
+            assert tuple(x.tolist()) in support and np.array_equal(task.answer(x), y), name
+
+
+def test_text_is_scored_on_the_same_characters_at_every_length():
+    task = make_task("text")
+    seen = {}
+    for length in (16, 32, 64):
+        targets = np.concatenate([b["targets"].ravel() for b in task.evaluation_windows(length, 256, batch=3)])
+        seen[length] = targets
+        assert all(b["inputs"].shape[1] == length for b in task.evaluation_windows(length, 256, batch=3))
+    assert all(np.array_equal(seen[16], t) for t in seen.values())
+    assert np.array_equal(seen[16], task.test[1:257])
+    with pytest.raises(ValueError, match="need a multiple of the length"):
+        list(task.evaluation_windows(48, 256, batch=3))
+    assert cell.position_buckets(64, 1024) == [
+        ("<1x", 0, 64),
+        ("1-2x", 64, 128),
+        ("2-4x", 128, 256),
+        ("4-8x", 256, 512),
+        ("8-16x", 512, 1024),
+    ]
+    assert cell.position_buckets(64, 64) == [("<1x", 0, 64)]
+    # The validation windows training checks on come from neither the train nor the test text.
+    assert len(task.validation) > 0 and len(task.train) + len(task.validation) > 20 * len(task.validation) - 20
+
+
+def test_training_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_path, monkeypatch, standard_promotion):
+    always = cell.Criterion(threshold=0.0, higher_is_better=True)
+    monkeypatch.setattr(extrapolate, "criterion", lambda *args: always)
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"],
+        encodings=("nope",),
+        tasks=("counting_copy",),
+        seeds=(0, 1),
+        steps=400,
+        check_every=10,
+        checkpoint_every=100,
+    )
+    lines = []
+    extrapolate.run(preset, tmp_path, progress=False, log=lines.append)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert {r["steps"] for r in rows} == {20} and {r["criterion_step"] for r in rows} == {20}
+    assert "20 of 400 steps" in lines[-1]
+    (checks,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1.checks.json")
+    assert [step for step, _ in json.loads(checks.read_text())] == [10, 20]
+    # Run again with the rows gone: the checkpoint at step 20 and its checks say training is done.
+    (tmp_path / "results.jsonl").unlink()
+    again = []
+    record = extrapolate.run(preset, tmp_path, progress=False, log=again.append)
+    assert record["cells"][-1]["resumed_from_step"] == 20 and record["cells"][-1]["final_loss"] is None
+    assert cell.held([[10, 0.5], [20, 0.97], [30, 0.96]], cell.Criterion(0.95, True)) == 30
+    assert cell.held([[10, 0.97], [20, 0.5], [30, 0.96]], cell.Criterion(0.95, True)) is None
+    assert cell.held([[10, 1.9], [20, 1.8]], cell.Criterion(1.85, False)) is None
+
+
+def test_rows_record_their_commit_and_run_json_lists_every_commit(tmp_path, standard_promotion):
+    preset = dataclasses.replace(presets.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=2)
+    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    state = git_state()
+    assert all(r["commit"] == state["commit"] and r["dirty"] == state["dirty"] for r in rows)
+    # A row from another commit, as a run resumed after a change would add.
+    path = tmp_path / "results.jsonl"
+    path.write_text(path.read_text() + json.dumps({**rows[0], "seed": 9, "commit": "0" * 40, "dirty": False}) + "\n")
+    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    commits = json.loads((tmp_path / "run.json").read_text())["commits"]
+    assert sum(c["rows"] for c in commits) == len(rows) + 1
+    assert {"commit": "0" * 40, "dirty": False, "rows": 1} in commits
+
+
+def _write_folder(folder, values_by_encoding, *, train_length=8, lengths=(4, 8, 12, 16), preset=None):
+    """A results folder: ``values_by_encoding[encoding][seed] = (at training length, beyond)``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for encoding, per_seed in values_by_encoding.items():
+        for seed, (inside, beyond) in per_seed.items():
+            for n in lengths:
+                value = 1.0 if n < train_length else inside if n == train_length else beyond
+                rows.append(
+                    {
+                        "task": "copy",
+                        "encoding": encoding,
+                        "seed": seed,
+                        "length": n,
+                        "metric": "exact_match",
+                        "value": value,
+                        "train_length": train_length,
+                        "in_distribution": n <= train_length,
+                        "steps": 100,
+                    }
+                )
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    preset = preset or dataclasses.asdict(presets.PRESETS["cpu"])
+    (folder / "run.json").write_text(json.dumps({"preset": preset}))
+    task = make_task("copy")
+    known = {"copy": {"lengths": {str(n): baselines.algorithmic_baselines(task, n) for n in lengths}}}
+    (folder / "baselines.json").write_text(json.dumps(known))
+
+
+def test_the_gate_hides_an_unlearned_cell(tmp_path):
+    learned = {s: (1.0, 0.2 + 0.01 * s) for s in range(5)}
+    # Unlearned: 0.5 at the training length on every seed, yet a high score beyond it.
+    unlearned = {s: (0.5, 0.9) for s in range(5)}
+    # Four of five seeds learned: reported over those four.
+    mostly = {**{s: (0.97, 0.6 + 0.01 * s) for s in range(4)}, 4: (0.3, 0.0)}
+    _write_folder(tmp_path, {"rope": learned, "nope": unlearned, "alibi": mostly})
+    found = {c.encoding: c for c in results.cells(results.read(tmp_path))}
+    assert not found["nope"].learned and found["nope"].extrapolation is None
+    assert found["alibi"].learned and found["alibi"].learned_seeds == (0, 1, 2, 3)
+    assert found["alibi"].extrapolation.mean == pytest.approx(0.615) and found["alibi"].extrapolation.n == 4
+    table = results.summarize(tmp_path)
+    assert "| nope | not learned (0/5) |" in table and "0.9" not in table.split("| nope |")[1]
+    frame = results.load_results(tmp_path)
+    records = frame.to_dict("records") if hasattr(frame, "to_dict") else frame
+    nope = [r for r in records if r["encoding"] == "nope"]
+    assert all(not r["learned"] and math.isnan(r["mean"]) for r in nope)
+    rope = [r for r in records if r["encoding"] == "rope" and r["length"] == 16][0]
+    assert rope["learned"] and rope["seeds"] == 5 and rope["low"] < rope["mean"] < rope["high"]
+    # The unlearned cell takes part in no ordering; the learned pair is resolved (alibi above rope
+    # by about 0.4 on each of the four seeds both learned).
+    (pair,) = results.orderings(results.read(tmp_path), "copy")
+    assert (pair.better, pair.worse, pair.difference.n) == ("alibi", "rope", 4) and pair.resolved
+    text = report.write_report(tmp_path, plots=False)
+    assert "| nope | 0/5 | 0.500, not learned | not learned (0/5) |" in text
+    assert "*position-only (baseline)*" in text and "1 of 1 pairs resolved" in text
+
+
+def test_plots_by_family_with_baselines_and_unlearned_cells_hollow(tmp_path):
+    import matplotlib.pyplot as plt
+
+    learned = {s: (1.0, 0.2 + 0.01 * s) for s in range(5)}
+    _write_folder(
+        tmp_path,
+        {"rope": learned, "rope+yarn@eval": learned, "nope": {s: (0.5, 0.9) for s in range(5)}, "alibi": learned},
+    )
+    fig = report.figure("copy", results.read(tmp_path))
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["absolute and none", "RoPE and its scalings", "additive biases"]
+    labels = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
+    assert labels["nope (not learned)"].get_markerfacecolor() == "none"
+    assert labels["rope"].get_color() == labels["rope+yarn@eval"].get_color()  # one hue per family
+    assert labels["rope"].get_linestyle() != labels["rope+yarn@eval"].get_linestyle()
+    assert "position-only baseline" in labels and "training length (8)" in labels
+    assert list(labels["rope"].get_xdata()) == [4, 8, 12, 16]  # no jitter
+    plt.close(fig)
+    written = report.plot(tmp_path)
+    assert written[0].suffix == ".png" and written[0].with_suffix(".svg").exists()
+
+
+def test_preset_settings_of_the_method_are_checked():
+    cpu = presets.PRESETS["cpu"]
+    with pytest.raises(ValueError, match="must include the training length 10"):
+        dataclasses.replace(cpu, eval_lengths=(12, 14)).validate()
+    with pytest.raises(ValueError, match="must be a multiple of every text evaluation length"):
+        dataclasses.replace(cpu, text_eval_characters=1000).validate()
+    with pytest.raises(ValueError, match="learned_threshold and learned_fraction must be in"):
+        dataclasses.replace(cpu, learned_threshold=1.5).validate()
+    with pytest.raises(ValueError, match=r"task_overrides for 'copy'"):
+        dataclasses.replace(cpu, task_overrides=(("copy", (("steps", 10),)),)).validate()
+    with pytest.raises(ValueError, match=r"unknown settings \['stepz'\]"):
+        dataclasses.replace(cpu, task_overrides=(("text", (("stepz", 10),)),)).validate()
+    tuned = dataclasses.replace(cpu, task_overrides=(("text", (("steps", 77),)),))
+    assert tuned.for_task("text").steps == 77 and tuned.for_task("counting_copy").steps == cpu.steps
