@@ -50,8 +50,15 @@ def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
     args += ["--out", str(tmp_path), "--no-progress"]
     assert main(args) == 0
     rows = _rows(tmp_path / "results.jsonl")
-    # 2 encodings x counting_copy at 4 lengths, 2 encodings x text at 2 lengths, 3 eval-only RoPE rows x 2 lengths.
-    assert len(rows) == 2 * 4 + 2 * 2 + 3 * 2
+    # 2 encodings x counting_copy at 4 lengths, 2 encodings x text at 2 lengths, 3 eval-only RoPE rows and
+    # 4 fine-tuned ones (plain RoPE and 3 scalings) x 2 lengths.
+    assert len(rows) == 2 * 4 + 2 * 2 + 3 * 2 + 4 * 2
+    assert {r["encoding"] for r in rows if r["encoding"].endswith("@ft")} == {
+        "rope@ft",
+        "rope+pi@ft",
+        "rope+ntk@ft",
+        "rope+yarn@ft",
+    }
     assert {r["task"] for r in rows} == {"counting_copy", "text"}
     assert all(0.0 <= r["value"] <= 1.0 for r in rows if r["metric"] == "exact_match")
     assert all(0.0 < r["value"] < 10.0 for r in rows if r["metric"] == "bits_per_char")

@@ -275,3 +275,27 @@ def test_preset_settings_of_the_method_are_checked():
         dataclasses.replace(cpu, task_overrides=(("text", (("stepz", 10),)),)).validate()
     tuned = dataclasses.replace(cpu, task_overrides=(("text", (("steps", 77),)),))
     assert tuned.for_task("text").steps == 77 and tuned.for_task("counting_copy").steps == cpu.steps
+
+
+def test_fine_tuned_scalings_follow_the_published_protocol(standard_promotion):
+    from flax import nnx
+
+    from posenc_jax.bench.presets import EvalVariant
+
+    preset = dataclasses.replace(presets.PRESETS["smoke"], finetune_steps=2, finetune_multiple=4)
+    labels = [v.label for v in preset.eval_variants("text", "rope", "softmax")]
+    assert labels[-4:] == ["rope@ft", "rope+pi@ft", "rope+ntk@ft", "rope+yarn@ft"]
+    assert not any(v.protocol == "finetune" for v in preset.eval_variants("counting_copy", "rope", "softmax"))
+    task = make_task("text")
+    here = cell.Cell("text", task, "rope", "softmax", preset.lengths(task))
+    configs = cell.encodings_for("rope", preset.model_dim // preset.num_heads, here.train_tokens, here.max_tokens)
+    model = cell.build_model(task, preset, configs, seed=0)
+    before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    tuned = cell.finetuned(model, here, preset, EvalVariant("rope", "rope-pi", "finetune"), seed=0)
+    after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+    assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))  # the trained model is untouched
+    changed = [np.asarray(x) for x in jax.tree.leaves(nnx.state(tuned, nnx.Param))]
+    assert any(not np.array_equal(a, b) for a, b in zip(before, changed, strict=True))
+    # PI sized for 4x the training context, one scaling for every evaluation length.
+    scaling = tuned.blocks[0].attention.encodings[0].config.scaling
+    assert type(scaling).__name__ == "LinearScaling" and scaling.factor == 4.0

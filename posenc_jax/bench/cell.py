@@ -25,12 +25,12 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from posenc_jax.bench.ledger import checkpoint_dir
-from posenc_jax.bench.presets import Preset, TaskLengths
+from posenc_jax.bench.presets import Preset, TaskLengths, finetune_batch
 from posenc_jax.checkpoint import Checkpointer, CheckpointError
 from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.functional.registry import encoding_config, encoding_info
 from posenc_jax.nn import Transformer, with_encoding
-from posenc_jax.training import cross_entropy_loss, make_optimizer, warmup_cosine_adamw
+from posenc_jax.training import cross_entropy_loss, make_optimizer, train_step, warmup_cosine_adamw
 
 __all__ = [
     "SUPPORTED_IMPLEMENTATIONS",
@@ -44,6 +44,7 @@ __all__ = [
     "held",
     "position_buckets",
     "encodings_for",
+    "finetuned",
     "evaluate",
     "train_batch",
 ]
@@ -221,6 +222,33 @@ def evaluate(model, cell: Cell, preset: Preset, seed: int, length: int) -> dict:
         label: float(bits[first:end].mean()) for label, first, end in position_buckets(cell.lengths.train, length)
     }
     return {"value": float(bits.mean()), "buckets": buckets}
+
+
+def finetuned(model: Transformer, cell: Cell, preset: Preset, variant, seed: int) -> Transformer:
+    """A copy of the trained ``model`` with ``variant``'s encoding sized for ``finetune_multiple``
+    times the training context, fine-tuned there for ``preset.finetune_steps`` steps (the
+    protocol of Chen et al. 2023 and Peng et al. 2023; the model itself is unchanged). Each
+    step's windows depend only on (seed, step), and the optimiser starts afresh."""
+    tokens = cell.train_tokens * preset.finetune_multiple
+    graphdef, state = nnx.split(model)
+    tuned = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    if variant.encoding != variant.trained:
+        config = variant.config(
+            train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=preset.model_dim // preset.num_heads
+        )
+        tuned = with_encoding(tuned, config)
+    schedule = warmup_cosine_adamw(
+        learning_rate=preset.finetune_learning_rate,
+        total_steps=preset.finetune_steps,
+        warmup_steps=preset.finetune_steps // 10,
+        weight_decay=preset.weight_decay,
+    )
+    optimizer = make_optimizer(tuned, schedule)
+    windows = finetune_batch(preset, cell.train_tokens)
+    for step in range(preset.finetune_steps):
+        batch = cell.task.batch(np.random.default_rng([seed, 3_000_017, step]), [tokens] * windows)
+        train_step(tuned, optimizer, {k: jnp.asarray(v) for k, v in batch.items()})
+    return tuned
 
 
 def check_score(model, cell: Cell, batch: dict) -> float:
@@ -478,10 +506,16 @@ def train_and_evaluate(
                 "criterion_step": held(checks[seed], criterion),
                 "check_score": checks[seed][-1][1] if checks[seed] else None,
             }
+            tuned = {}  # fine-tuned models, one per variant, made when first needed
             for variant, length in todo[seed]:
                 model = models[seed]
                 label = cell.label
-                if variant is not None:
+                if variant is not None and variant.protocol == "finetune":
+                    if variant not in tuned:
+                        tuned[variant] = finetuned(model, cell, preset, variant, seed)
+                    model = tuned[variant]
+                    label = variant.label
+                elif variant is not None:
                     tokens = cell.task.max_tokens(length)
                     config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=head_dim)
                     model = with_encoding(model, config)

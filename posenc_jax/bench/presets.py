@@ -29,6 +29,7 @@ __all__ = [
     "TaskLengths",
     "cost",
     "expected_seconds",
+    "finetune_batch",
     "runs_on",
 ]
 
@@ -55,23 +56,34 @@ class TaskLengths:
 
 @dataclasses.dataclass(frozen=True)
 class EvalVariant:
-    """A trained model evaluated with another encoding in place of the one it trained with.
+    """A trained model evaluated with another encoding in place of the one it trained with, by
+    one of two protocols.
 
-    ``EvalVariant("rope", "rope-yarn")`` is the model trained with RoPE, evaluated with
-    YaRN-scaled RoPE; the scaling is sized at each evaluation length by the encoding's
-    ``for_lengths`` (factor = evaluation tokens / training tokens, original context = the
-    training tokens). Its rows are labelled ``rope+yarn@eval``.
+    * ``protocol="eval"``: applied at evaluation only. ``EvalVariant("rope", "rope-yarn")`` is the
+      model trained with RoPE, evaluated with YaRN-scaled RoPE sized at each evaluation length by
+      the encoding's ``for_lengths`` (factor = evaluation tokens / training tokens, original
+      context = the training tokens). Rows ``rope+yarn@eval``.
+    * ``protocol="finetune"``: as Chen et al. 2023 (PI) and Peng et al. 2023 (YaRN) publish it:
+      the trained model takes the scaling sized for ``finetune_tokens`` (factor = those tokens /
+      the training tokens), is fine-tuned briefly at that length, and is evaluated with that one
+      scaling at every length. ``EvalVariant("rope", "rope", "finetune")``, plain RoPE fine-tuned
+      the same way, is the control. Rows ``rope+yarn@ft`` and ``rope@ft``.
     """
 
     trained: str
     encoding: str
+    protocol: str = "eval"
 
     @property
     def label(self) -> str:
-        return f"{self.trained}+{self.encoding.removeprefix(self.trained + '-')}@eval"
+        suffix = "eval" if self.protocol == "eval" else "ft"
+        if self.encoding == self.trained:
+            return f"{self.trained}@{suffix}"
+        return f"{self.trained}+{self.encoding.removeprefix(self.trained + '-')}@{suffix}"
 
     def config(self, *, train_tokens: int, eval_tokens: int, head_dim: int):
-        """The encoding config for one evaluation length."""
+        """The encoding config for one length: the evaluation length (``"eval"``), or the
+        fine-tuning length (``"finetune"``: pass it as ``eval_tokens``)."""
         info = encoding_info(self.encoding)
         base = encoding_config(self.encoding, **{k: info.small_settings[k] for k in info.required})
         return base.for_lengths(train_length=train_tokens, max_length=eval_tokens, head_dim=head_dim)
@@ -102,6 +114,9 @@ class Preset:
     must pass to be reported, is a score of at least ``learned_threshold`` at the longest
     training length (text: fewer bits per character than the best n-gram baseline); a cell
     counts as learned when at least ``learned_fraction`` of its seeds passed.
+    ``finetune_scalings``: RoPE scalings fine-tuned into the trained text RoPE model for
+    ``finetune_steps`` steps at ``finetune_multiple`` times the training context, at peak
+    learning rate ``finetune_learning_rate`` (warm-up and cosine over those steps; 0 steps: none).
     ``extrapolates=False`` allows a preset tested only at its training lengths (the probe).
     ``task_overrides`` gives a task its own settings (its budget of steps, its learning rate):
     ``(("copy", (("steps", 6000),)),)``; :meth:`for_task` applies them.
@@ -151,6 +166,10 @@ class Preset:
     check_examples: int = 64
     task_overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
     extrapolates: bool = True
+    finetune_scalings: tuple[str, ...] = ("pi", "ntk", "yarn")
+    finetune_multiple: int = 4
+    finetune_steps: int = 100
+    finetune_learning_rate: float = 1e-3
     description: str = ""
     target: str = "cpu"
 
@@ -177,10 +196,19 @@ class Preset:
         )
 
     def eval_variants(self, task_name: str, encoding: str, normalizer: str) -> tuple[EvalVariant, ...]:
-        """The evaluation-only variants of one trained cell (RoPE scalings of the softmax RoPE model)."""
-        if encoding != "rope" or normalizer != "softmax" or task_name not in self.eval_only_tasks:
+        """The variants of one trained cell: RoPE scalings of the softmax RoPE model applied at
+        evaluation (tasks in ``eval_only_tasks``) and, on text, after a short fine-tune at
+        ``finetune_multiple`` times the training context (``finetune_scalings``, with plain RoPE
+        fine-tuned the same way as the control, when ``finetune_steps`` > 0)."""
+        if encoding != "rope" or normalizer != "softmax":
             return ()
-        return tuple(EvalVariant("rope", f"rope-{name}") for name in self.eval_only_scalings)
+        variants = []
+        if task_name in self.eval_only_tasks:
+            variants += [EvalVariant("rope", f"rope-{name}") for name in self.eval_only_scalings]
+        if task_name == "text" and self.finetune_steps and self.finetune_scalings:
+            variants.append(EvalVariant("rope", "rope", "finetune"))
+            variants += [EvalVariant("rope", f"rope-{name}", "finetune") for name in self.finetune_scalings]
+        return tuple(variants)
 
     def implementation_at(self, tokens: int) -> str:
         """The attention implementation evaluation uses at ``tokens`` tokens."""
@@ -213,10 +241,19 @@ class Preset:
         unknown = [t for t in (*self.tasks, *self.eval_only_tasks) if t not in task_names()]
         if unknown:
             raise ValueError(f"unknown tasks {unknown}; known tasks: {', '.join(task_names())}")
-        unknown = [s for s in self.eval_only_scalings if f"rope-{s}" not in encoding_names()]
+        scalings = (*self.eval_only_scalings, *self.finetune_scalings)
+        unknown = [s for s in scalings if f"rope-{s}" not in encoding_names()]
         if unknown:
             scalings = [n.removeprefix("rope-") for n in encoding_names() if n.startswith("rope-")]
-            raise ValueError(f"unknown RoPE scalings {unknown} in eval_only_scalings; known: {', '.join(scalings)}")
+            raise ValueError(
+                f"unknown RoPE scalings {unknown} in eval_only_scalings or finetune_scalings; "
+                f"known: {', '.join(scalings)}"
+            )
+        if self.finetune_steps < 0 or self.finetune_multiple < 2 or not self.finetune_learning_rate > 0:
+            raise ValueError(
+                f"finetune_steps must be >= 0, finetune_multiple >= 2 and finetune_learning_rate > 0, got "
+                f"{self.finetune_steps}, {self.finetune_multiple}, {self.finetune_learning_rate}"
+            )
         if not (self.query_init_scale > 0 and math.isfinite(self.query_init_scale)):
             raise ValueError(
                 f"query_init_scale must be a positive finite number, got {self.query_init_scale}; "
@@ -321,6 +358,7 @@ PRESETS = {
         checkpoint_every=10,
         check_every=10,
         check_examples=16,
+        finetune_steps=3,
         description="a pipeline check: every step of the benchmark in seconds; its numbers mean nothing",
     ),
     "cpu": Preset(
@@ -404,6 +442,11 @@ PRESETS = {
 }
 
 
+def finetune_batch(preset: Preset, train_tokens: int) -> int:
+    """Windows per fine-tuning step: as many tokens a step as training's (at least one window)."""
+    return max(1, preset.batch_size // preset.finetune_multiple)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cost:
     """What a preset asks for: trained cells (task x encoding x normaliser, all seeds together),
@@ -456,9 +499,16 @@ def cost(preset: Preset) -> Cost:
             if not runs_on(task, encoding):
                 continue
             for normalizer in preset.normalizers:
-                variants = len(preset.eval_variants(name, encoding, normalizer))
+                found = preset.eval_variants(name, encoding, normalizer)
+                variants = len(found)
                 cells += 1
                 train += len(preset.seeds) * preset.steps * step
+                tuned = sum(v.protocol == "finetune" for v in found)
+                if tuned:
+                    tokens = train_tokens * preset.finetune_multiple
+                    flops = 3 * finetune_batch(preset, train_tokens) * tokens
+                    flops *= _forward_flops_per_token(preset, tokens, task.vocab_size)
+                    train += len(preset.seeds) * tuned * preset.finetune_steps * flops
                 evaluate += len(preset.seeds) * (1 + variants) * per_model
                 programs += (1 if task.fixed_eval_shape else len(lengths.eval)) + variants * len(lengths.eval)
         preset = preset_here

@@ -282,6 +282,13 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
                 "Rows `rope+<scaling>@eval` are the trained RoPE model evaluated with that RoPE scaling, "
                 "sized at each length (factor = test tokens / training tokens): evaluation only, no training."
             )
+        if any(c.encoding.endswith("@ft") for c in here):
+            multiple, steps = preset.get("finetune_multiple"), preset.get("finetune_steps")
+            lines.append(
+                f"Rows `rope+<scaling>@ft` are the trained RoPE model given that scaling for {multiple}x the training "
+                f"context and fine-tuned {steps} steps there (as Chen et al. 2023 and Peng et al. 2023 do), "
+                "then evaluated with that one scaling at every length; `rope@ft` is plain RoPE fine-tuned the same way."
+            )
         if published:
             lines.append(
                 f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
