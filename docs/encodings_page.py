@@ -17,6 +17,13 @@ API_PAGES = {
     "api/linen/index.html": ["posenc_jax.linen"],
     "api/reference/index.html": ["posenc_jax.reference"],
     "api/tasks/index.html": ["posenc_jax.bench.tasks"],
+    "api/bench/index.html": [
+        "posenc_jax.bench",
+        "posenc_jax.bench.results",
+        "posenc_jax.bench.stats",
+        "posenc_jax.bench.baselines",
+        "posenc_jax.bench.ngram",
+    ],
 }
 # Packages whose modules' own ``__all__`` names not exported by the package go on the helpers page.
 HELPER_PACKAGES = ("posenc_jax.functional", "posenc_jax.nn")
