@@ -269,8 +269,9 @@ def test_preset_settings_of_the_method_are_checked():
         dataclasses.replace(cpu, text_eval_characters=1000).validate()
     with pytest.raises(ValueError, match="learned_threshold and learned_fraction must be in"):
         dataclasses.replace(cpu, learned_threshold=1.5).validate()
-    with pytest.raises(ValueError, match=r"task_overrides for 'copy'"):
-        dataclasses.replace(cpu, task_overrides=(("copy", (("steps", 10),)),)).validate()
+    with pytest.raises(ValueError, match=r"task_overrides for 'copyy': the task must be a known task"):
+        dataclasses.replace(cpu, task_overrides=(("copyy", (("steps", 10),)),)).validate()
+    dataclasses.replace(cpu, tasks=("counting_copy",)).validate()  # the text task's override waits unused
     with pytest.raises(ValueError, match=r"unknown settings \['stepz'\]"):
         dataclasses.replace(cpu, task_overrides=(("text", (("stepz", 10),)),)).validate()
     tuned = dataclasses.replace(cpu, task_overrides=(("text", (("steps", 77),)),))

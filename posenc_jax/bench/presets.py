@@ -290,10 +290,10 @@ class Preset:
         fields = {f.name for f in dataclasses.fields(self)} - {"name", "task_overrides"}
         for task_name, overrides in self.task_overrides:
             unknown = [key for key, _ in overrides if key not in fields]
-            if task_name not in self.tasks or unknown:
+            if task_name not in task_names() or unknown:
                 raise ValueError(
-                    f"task_overrides for {task_name!r}: the task must be one of this preset's {self.tasks} and the "
-                    f"settings preset fields, got unknown settings {unknown}"
+                    f"task_overrides for {task_name!r}: the task must be a known task ({', '.join(task_names())}) "
+                    f"and the settings preset fields, got unknown settings {unknown}"
                 )
         for task_name in self.tasks:
             if task_name in dict(self.task_overrides):
