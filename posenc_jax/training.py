@@ -138,8 +138,13 @@ def fit(
     start_step: int = 0,
     progress: bool = False,
     log: Callable[[str], None] | None = print,
-) -> list[float]:
-    """Trains ``model`` with :func:`train_step` on batches from an iterable, up to step ``steps``.
+    step_fn: Callable | None = None,
+    save: Callable[[int], None] | None = None,
+    check_every: int | None = None,
+    check: Callable[[int], bool] | None = None,
+) -> list:
+    """Trains ``model`` with :func:`train_step` on batches from an iterable, up to step ``steps``,
+    or until ``check`` says to stop.
 
     Args:
       model, optimizer: as for :func:`train_step` (``make_optimizer(model, tx)``).
@@ -155,9 +160,16 @@ def fit(
       start_step: the step to count from (after ``Checkpointer.restore``, its step).
       progress: show a tqdm progress bar (needs ``tqdm``, in the ``bench`` extra).
       log: where log lines go (default ``print``).
+      step_fn: ``step_fn(model, optimizer, batch) -> loss`` in place of :func:`train_step`
+        (the benchmark passes one that steps several seeds together; its loss may be an array).
+      save: ``save(step)`` in place of ``checkpointer.save`` (when saving means more than one
+        model: the benchmark saves each seed), at the same moments.
+      check_every, check: every ``check_every`` steps and at the last, ``check(step)`` is
+        called after the step; when it returns True training stops there (saved first, as at
+        the end): training to a criterion.
 
     Returns:
-      The loss of every step run, as floats.
+      The loss of every step run (floats; arrays where ``step_fn`` returns them).
 
     Example:
       >>> from posenc_jax.nn import Transformer
@@ -174,16 +186,25 @@ def fit(
         raise ValueError(
             f"need steps >= 1 and 0 <= start_step <= steps, got steps={steps!r}, start_step={start_step!r}"
         )
-    if checkpoint_every is not None and (checkpointer is None or checkpoint_every < 1):
+    if checkpoint_every is not None and (checkpointer is None and save is None or checkpoint_every < 1):
         raise ValueError(
-            f"checkpoint_every={checkpoint_every!r} needs a checkpointer and a value >= 1 (steps between saves)"
+            f"checkpoint_every={checkpoint_every!r} needs a checkpointer (or save) and a value >= 1 "
+            "(steps between saves)"
         )
+    if (check is None) != (check_every is None) or (check_every is not None and check_every < 1):
+        raise ValueError(
+            f"check and check_every go together, check_every >= 1 (steps between checks); got check={check!r}, "
+            f"check_every={check_every!r}"
+        )
+    if save is None and checkpointer is not None:
+        save = lambda step: checkpointer.save(step, model, optimizer, config=checkpoint_config)
+    step_fn = train_step if step_fn is None else step_fn
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, initial=start_step, unit="step")
-    losses: list[float] = []
+    losses: list = []
     iterator = iter(batches)
     began = time.perf_counter()
     step = start_step
@@ -196,19 +217,23 @@ def fit(
                     f"batches ran out after {step - start_step} batches; training to step {steps} from step "
                     f"{start_step} needs {steps - start_step}"
                 ) from None
-            loss = float(train_step(model, optimizer, batch))
+            loss = step_fn(model, optimizer, batch)
+            loss = float(loss) if np.ndim(loss) == 0 else np.asarray(loss)
             losses.append(loss)
             step += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}")
+                bar.set_postfix(loss=f"{np.mean(loss):.4f}")
             if log is not None and log_every and (step % log_every == 0 or step == steps):
                 rate = (step - start_step) / max(time.perf_counter() - began, 1e-9)
-                log(f"step {step}/{steps}  loss {loss:.4f}  ({rate:.1f} steps/s)")
-            if checkpointer is not None and (
-                step == steps or (checkpoint_every is not None and step % checkpoint_every == 0)
+                log(f"step {step}/{steps}  loss {np.mean(loss):.4f}  ({rate:.1f} steps/s)")
+            stop = check is not None and (step % check_every == 0 or step == steps) and bool(check(step))
+            if save is not None and (
+                stop or step == steps or (checkpoint_every is not None and step % checkpoint_every == 0)
             ):
-                checkpointer.save(step, model, optimizer, config=checkpoint_config)
+                save(step)
+            if stop:
+                break
     finally:
         if bar is not None:
             bar.close()

@@ -102,6 +102,29 @@ def test_fit_trains_logs_and_checkpoints(tmp_path):
     np.testing.assert_allclose(resumed, losses[4:], rtol=1e-5)
 
 
+def test_fit_trains_to_a_criterion_and_saves_where_it_stops():
+    model = _model()
+    optimizer = make_optimizer(model, optax.adam(3e-3))
+    checked, saved = [], []
+    losses = fit(
+        model,
+        optimizer,
+        _batches(20),
+        steps=20,
+        log=None,
+        check_every=3,
+        check=lambda step: checked.append(step) or step >= 6,  # the criterion holds from step 6
+        save=saved.append,
+        checkpoint_every=5,
+    )
+    assert len(losses) == 6 and checked == [3, 6] and saved == [5, 6]
+    # A step function of its own (the benchmark's seeds stepped together) may return an array of losses.
+    losses = fit(model, optimizer, _batches(2), steps=2, log=None, step_fn=lambda m, o, b: np.array([1.0, 2.0]))
+    assert [list(x) for x in losses] == [[1.0, 2.0], [1.0, 2.0]]
+    with pytest.raises(ValueError, match="check and check_every go together"):
+        fit(model, optimizer, _batches(2), steps=2, log=None, check=lambda step: False)
+
+
 def test_fit_says_when_the_batches_run_out():
     model = _model()
     optimizer = make_optimizer(model, optax.adam(1e-3))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import pathlib
 import time
@@ -30,7 +31,7 @@ from posenc_jax.checkpoint import Checkpointer, CheckpointError
 from posenc_jax.functional.normalizers import normalizer_config
 from posenc_jax.functional.registry import encoding_config, encoding_info
 from posenc_jax.nn import Transformer, with_encoding
-from posenc_jax.training import cross_entropy_loss, make_optimizer, train_step, warmup_cosine_adamw
+from posenc_jax.training import cross_entropy_loss, fit, make_optimizer, train_step, warmup_cosine_adamw
 
 __all__ = [
     "SUPPORTED_IMPLEMENTATIONS",
@@ -574,6 +575,76 @@ def _train_group(
     }
     if first_step >= preset.steps or all(held(checks[seed], criterion) is not None for seed in group):
         return record
+    seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
+    held_out = {seed: check_batch(cell, preset, seed) for seed in group}
+    progress = None
+    paused = 0.0  # checks and checkpoint writes, kept out of the training time
+    began = time.perf_counter()
+
+    def batches():
+        for step in itertools.count(first_step):
+            per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in group]
+            yield {name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]}
+
+    def step_fn(group_, _, batch):
+        nonlocal began, progress
+        losses = group_.step(batch)
+        if progress is None and record["compile_seconds"] == 0.0:  # the first step: its time is compilation
+            jax.block_until_ready(losses)
+            record["compile_seconds"] = time.perf_counter() - began
+            began = time.perf_counter()
+            if bar is not None:
+                progress = bar(preset.steps, first_step + 1, f"{cell.task_name} / {cell.label} / seeds {seed_list}")
+        elif progress is not None:
+            progress.update(1)
+        return losses
+
+    def check(step) -> bool:
+        nonlocal paused
+        jax.block_until_ready(seeds.state)  # the steps queued so far count as training
+        started = time.perf_counter()
+        for i, seed in enumerate(group):
+            model, _ = seeds.seed(i)
+            checks[seed].append([step, check_score(model, cell, held_out[seed])])
+        paused += time.perf_counter() - started
+        if progress is not None:
+            progress.set_postfix(check=" ".join(f"{checks[seed][-1][1]:.3f}" for seed in group))
+        return all(held(checks[seed], criterion) is not None for seed in group)
+
+    def save(step) -> None:
+        nonlocal paused
+        jax.block_until_ready(seeds.state)
+        started = time.perf_counter()
+        for i, seed in enumerate(group):
+            model, optimizer = seeds.seed(i)
+            checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
+            save_checks(seed)
+        paused += time.perf_counter() - started
+
+    seed_list = ",".join(map(str, group))
+    losses = fit(
+        seeds,
+        None,
+        batches(),
+        steps=preset.steps,
+        start_step=first_step,
+        log=None,
+        step_fn=step_fn,
+        save=save,
+        checkpoint_every=preset.checkpoint_every,
+        check_every=preset.check_every,
+        check=check,
+    )
+    jax.block_until_ready(seeds.state)
+    record["train_seconds"] = time.perf_counter() - began - paused
+    record["checkpoint_seconds"] = paused
+    record["final_loss"] = [float(x) for x in np.asarray(losses[-1])]
+    record["steps"] = {seed: first_step + len(losses) for seed in group}
+    if progress is not None:
+        progress.close()
+    for i, seed in enumerate(group):
+        models[seed], optimizers[seed] = seeds.seed(i)
+    return record
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
     held_out = {seed: check_batch(cell, preset, seed) for seed in group}
     progress = None
