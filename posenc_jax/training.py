@@ -217,13 +217,12 @@ def fit(
                     f"batches ran out after {step - start_step} batches; training to step {steps} from step "
                     f"{start_step} needs {steps - start_step}"
                 ) from None
-            loss = step_fn(model, optimizer, batch)
-            loss = float(loss) if np.ndim(loss) == 0 else np.asarray(loss)
+            loss = step_fn(model, optimizer, batch)  # left on the device: reading it waits for the step
             losses.append(loss)
             step += 1
             if bar is not None:
                 bar.update(1)
-                bar.set_postfix(loss=f"{np.mean(loss):.4f}")
+                bar.set_postfix(loss=f"{float(np.mean(loss)):.4f}")
             if log is not None and log_every and (step % log_every == 0 or step == steps):
                 rate = (step - start_step) / max(time.perf_counter() - began, 1e-9)
                 log(f"step {step}/{steps}  loss {np.mean(loss):.4f}  ({rate:.1f} steps/s)")
@@ -237,7 +236,7 @@ def fit(
     finally:
         if bar is not None:
             bar.close()
-    return losses
+    return [float(x) if np.ndim(x) == 0 else np.asarray(x) for x in losses]
 
 
 def data_parallel_mesh(devices=None) -> Mesh:

@@ -269,11 +269,14 @@ def test_preset_settings_of_the_method_are_checked():
         dataclasses.replace(cpu, text_eval_characters=1000).validate()
     with pytest.raises(ValueError, match="learned_threshold and learned_fraction must be in"):
         dataclasses.replace(cpu, learned_threshold=1.5).validate()
-    with pytest.raises(ValueError, match=r"task_overrides for 'copyy': the task must be a known task"):
+    with pytest.raises(ValueError, match=r"task_overrides for 'copyy': name a known task"):
         dataclasses.replace(cpu, task_overrides=(("copyy", (("steps", 10),)),)).validate()
     dataclasses.replace(cpu, tasks=("counting_copy",)).validate()  # the text task's override waits unused
-    with pytest.raises(ValueError, match=r"unknown settings \['stepz'\]"):
-        dataclasses.replace(cpu, task_overrides=(("text", (("stepz", 10),)),)).validate()
+    for key in ("stepz", "seeds", "eval_only_scalings"):  # unknown, or not a task's own
+        with pytest.raises(ValueError, match=rf"only settings a task may have of its own .*got \['{key}'\]"):
+            dataclasses.replace(cpu, task_overrides=(("text", ((key, 10),)),)).validate()
+    with pytest.raises(ValueError, match="warmup_fraction must be in"):
+        dataclasses.replace(cpu, warmup_fraction=1.0).validate()
     tuned = dataclasses.replace(cpu, task_overrides=(("text", (("steps", 77),)),))
     assert tuned.for_task("text").steps == 77 and tuned.for_task("counting_copy").steps == cpu.steps
 
@@ -300,3 +303,85 @@ def test_fine_tuned_scalings_follow_the_published_protocol(standard_promotion):
     # PI sized for 4x the training context, one scaling for every evaluation length.
     scaling = tuned.blocks[0].attention.encodings[0].config.scaling
     assert type(scaling).__name__ == "LinearScaling" and scaling.factor == 4.0
+
+
+def test_a_seed_that_learned_keeps_its_state_while_the_others_train_on(standard_promotion):
+    from flax import nnx
+
+    preset = presets.PRESETS["smoke"]
+    task = make_task("counting_copy")
+    here = cell.Cell("counting_copy", task, "nope", "softmax", preset.lengths(task))
+    configs = cell.encodings_for("nope", preset.model_dim // preset.num_heads, here.train_tokens, here.max_tokens)
+    built = [cell.build(here, preset, configs, seed) for seed in (0, 1)]
+    group = cell.SeedGroup([m for m, _ in built], [o for _, o in built])
+    before = [jax.tree.leaves(nnx.state(group.seed(i)[0], nnx.Param)) for i in (0, 1)]
+    batches = [cell.train_batch(task, preset, seed, 0, here.lengths) for seed in (0, 1)]
+    group.step({k: np.stack([b[k] for b in batches]) for k in batches[0]}, frozen=[True, False])
+    after = [jax.tree.leaves(nnx.state(group.seed(i)[0], nnx.Param)) for i in (0, 1)]
+    assert all(np.array_equal(a, b) for a, b in zip(before[0], after[0], strict=True))
+    assert any(not np.array_equal(a, b) for a, b in zip(before[1], after[1], strict=True))
+
+
+def test_the_text_criterion_compares_with_the_ngram_on_the_same_characters():
+    task = make_task("text")
+    known = {"ngram": [{"order": 3, "smoothing": "kneser_ney", "bits_per_char": 2.5}]}
+    text = extrapolate.criterion(presets.PRESETS["cpu"], task, known)
+    assert text.threshold == 0.0 and not text.higher_is_better and text.reference.shape == task.validation.shape
+    assert text.met(-0.01) and not text.met(0.0)
+    here = cell.Cell("text", task, "nope", "softmax", presets.PRESETS["smoke"].lengths(task))
+    batch = cell.check_batch(here, presets.PRESETS["smoke"], seed=0)
+    window = batch["starts"][0]
+    assert np.array_equal(batch["targets"][0], task.validation[window + 1 : window + 17])
+
+
+def test_partial_rows_are_averaged_over_the_lengths_every_seed_has(tmp_path):
+    _write_folder(tmp_path, {"a": {s: (1.0, 0.5) for s in range(5)}, "b": {s: (1.0, 0.6) for s in range(5)}})
+    path = tmp_path / "results.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    # Seed 1 of "a" evaluated only up to 12 (a run read mid-evaluation), where it did best.
+    rows = [r for r in rows if not (r["encoding"] == "a" and r["seed"] == 1 and r["length"] == 16)]
+    for r in rows:
+        if r["encoding"] == "a" and r["seed"] == 1 and r["length"] == 12:
+            r["value"] = 0.99
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    found = {c.encoding: c for c in results.cells(results.read(tmp_path))}
+    assert found["a"].beyond == {0: 0.5, 1: 0.99, 2: 0.5, 3: 0.5, 4: 0.5}  # length 12 alone, for every seed
+    assert found["b"].beyond[1] == pytest.approx(0.6)
+
+
+def test_another_text_corpus_is_refused_where_results_of_one_are(tmp_path, standard_promotion):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("def f(x):\n    return x + 1\n" * 400)
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"], encodings=("nope",), tasks=("text",), steps=2, finetune_steps=0
+    )
+    extrapolate.run(preset, tmp_path / "out", corpus=str(corpus), progress=False, log=lambda line: None)
+    corpus.write_text("class A:\n    pass\n" * 800)
+    with pytest.raises(ValueError, match="holds results made with other settings"):
+        extrapolate.run(preset, tmp_path / "out", corpus=str(corpus), progress=False, log=lambda line: None)
+
+
+def test_seeds_with_no_step_in_common_start_again_together(tmp_path, standard_promotion):
+    import shutil
+
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"],
+        encodings=("nope",),
+        tasks=("counting_copy",),
+        seeds=(0, 1),
+        steps=3,
+        checkpoint_every=1,
+    )
+    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    read = lambda: sorted(
+        (r["seed"], r["length"], r["value"])
+        for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())
+    )
+    first = read()
+    # As if killed while the first checkpoints were written: seed 1 has none.
+    (seed1,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1")
+    shutil.rmtree(seed1)
+    (tmp_path / "results.jsonl").unlink()
+    record = extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    assert record["cells"][-1]["seeds"] == [0, 1] and record["cells"][-1]["resumed_from_step"] == 0
+    assert read() == first

@@ -33,8 +33,8 @@ Closed forms (symbols uniform over an alphabet of A = 10, or over bits):
 * parity, missing duplicate (one binary answer): position-only 1/2; content-only 1 (the
   number of ones decides parity; in ``w w`` with one bit hidden, the parity of the visible
   ones is the hidden bit).
-* the blind-spot probe (each position's index on n identical tokens): position-only 1 (the
-  answer is the position), content-only 1/n.
+* the blind-spot probe (each position's index on n identical tokens): both 1, since the
+  answer is the slot itself; what the probe reads against is chance, 1/n.
 """
 
 from __future__ import annotations
@@ -105,8 +105,9 @@ def algorithmic_baselines(task, n: int) -> dict[str, float | None]:
     elif name in ("parity", "missing_duplicate"):
         position, content = Fraction(1, 2), Fraction(1)
     elif name in ("probe", "probe_boundary"):
-        # The answer is the position itself; the content (n identical tokens) says nothing of it.
-        position, content = Fraction(1), Fraction(1, n)
+        # The answer is the slot itself, which both predictors know; the line that matters is chance
+        # (1/n), what a model that cannot tell the positions apart scores.
+        position, content = Fraction(1), Fraction(1)
     else:
         raise ValueError(
             f"no algorithmic baselines for task {name!r}: they exist for the generated decoder and encoder "

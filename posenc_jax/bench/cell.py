@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import os
 import pathlib
 import time
 
@@ -168,7 +169,8 @@ def check_batch(cell: Cell, preset: Preset, seed: int) -> dict:
     rng = np.random.default_rng([seed, 2_000_003])
     length = cell.lengths.train
     if cell.lengths.text:
-        return cell.task.batch(rng, [length] * preset.check_examples, split="validation")
+        starts = rng.integers(0, len(cell.task.validation) - length - 1, preset.check_examples)
+        return {**cell.task.windows_at("validation", starts, length), "starts": starts}
     return cell.task.batch(rng, [length] * preset.check_examples, split="test", pad_to=cell.eval_tokens(length))
 
 
@@ -225,6 +227,18 @@ def evaluate(model, cell: Cell, preset: Preset, seed: int, length: int) -> dict:
     return {"value": float(bits.mean()), "buckets": buckets}
 
 
+@functools.cache
+def _finetune_transform(preset: Preset):
+    """The fine-tuning optimiser: one object per preset, so every seed's and variant's fine-tuning
+    step compiles once."""
+    return warmup_cosine_adamw(
+        learning_rate=preset.finetune_learning_rate,
+        total_steps=preset.finetune_steps,
+        warmup_steps=preset.finetune_steps // 10,
+        weight_decay=preset.weight_decay,
+    )
+
+
 def finetuned(model: Transformer, cell: Cell, preset: Preset, variant, seed: int) -> Transformer:
     """A copy of the trained ``model`` with ``variant``'s encoding sized for ``finetune_multiple``
     times the training context, fine-tuned there for ``preset.finetune_steps`` steps (the
@@ -238,13 +252,7 @@ def finetuned(model: Transformer, cell: Cell, preset: Preset, variant, seed: int
             train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=preset.model_dim // preset.num_heads
         )
         tuned = with_encoding(tuned, config)
-    schedule = warmup_cosine_adamw(
-        learning_rate=preset.finetune_learning_rate,
-        total_steps=preset.finetune_steps,
-        warmup_steps=preset.finetune_steps // 10,
-        weight_decay=preset.weight_decay,
-    )
-    optimizer = make_optimizer(tuned, schedule)
+    optimizer = make_optimizer(tuned, _finetune_transform(preset))
     windows = finetune_batch(preset, cell.train_tokens)
     for step in range(preset.finetune_steps):
         batch = cell.task.batch(np.random.default_rng([seed, 3_000_017, step]), [tokens] * windows)
@@ -252,19 +260,31 @@ def finetuned(model: Transformer, cell: Cell, preset: Preset, variant, seed: int
     return tuned
 
 
-def check_score(model, cell: Cell, batch: dict) -> float:
-    """The task's metric on the held-out check examples."""
-    outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()})
-    return float(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch).mean())
+def check_score(model, cell: Cell, batch: dict, criterion: Criterion) -> float:
+    """The task's metric on the held-out check examples; for a criterion with a ``reference``
+    (text), the metric less the reference's on the same characters (bits per character below the
+    n-gram model's where negative)."""
+    outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items() if k != "starts"})
+    score = float(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch).mean())
+    if criterion.reference is None:
+        return score
+    length = batch["targets"].shape[1]
+    return score - float(np.mean([criterion.reference[s + 1 : s + length + 1].mean() for s in batch["starts"]]))
 
 
 @dataclasses.dataclass(frozen=True)
 class Criterion:
     """What "learned" means for one task: a score of at least ``threshold`` (``higher_is_better``)
-    or below it (bits per character under the best n-gram baseline), at the longest training length."""
+    or below it, at the longest training length.
+
+    For text, ``reference`` holds the best n-gram model's bits for every character of the
+    validation split, and the score checked is the model's bits per character less the
+    n-gram's on the same characters, below ``threshold`` = 0: the same test the gate applies
+    to the test characters, free of the sampling noise of comparing different characters."""
 
     threshold: float
     higher_is_better: bool
+    reference: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def met(self, score: float) -> bool:
         return score >= self.threshold if self.higher_is_better else score < self.threshold
@@ -291,10 +311,11 @@ def _slice(tree, i):
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
-def _train_step(graphdef, state, batch, batched: bool):
+def _train_step(graphdef, state, batch, batched: bool, frozen):
     """One optimisation step of every seed: ``state`` and ``batch`` carry a leading seed axis.
     ``batched``: the seeds as one batched computation (``jax.vmap``), else one after another
-    inside the same program (``jax.lax.map``)."""
+    inside the same program (``jax.lax.map``). Seeds where ``frozen`` (a ``[S]`` bool array)
+    keep their state: a seed that has learned its task stops there while the others train on."""
 
     def one(state, batch):
         model, optimizer = nnx.merge(graphdef, state)
@@ -305,8 +326,15 @@ def _train_step(graphdef, state, batch, batched: bool):
         return nnx.split((model, optimizer))[1], loss
 
     if batched:
-        return jax.vmap(one)(state, batch)
-    return jax.lax.map(lambda pair: one(*pair), (state, batch))
+        new, losses = jax.vmap(one)(state, batch)
+    else:
+        new, losses = jax.lax.map(lambda pair: one(*pair), (state, batch))
+
+    def keep(updated, old):
+        mask = frozen.reshape(frozen.shape + (1,) * (updated.ndim - 1))
+        return jax.lax.select(jnp.broadcast_to(mask, updated.shape), old, updated)
+
+    return jax.tree.map(keep, new, state), losses
 
 
 def default_batched() -> bool:
@@ -359,9 +387,11 @@ class SeedGroup:
         if mesh is not None:
             self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
 
-    def step(self, batch: dict) -> jax.Array:
-        """One step of every seed on ``batch`` (arrays with a leading seed axis); returns the losses."""
-        self.state, losses = _train_step(self.graphdef, self.state, _place(batch, self.mesh), self.batched)
+    def step(self, batch: dict, frozen=None) -> jax.Array:
+        """One step of every seed on ``batch`` (arrays with a leading seed axis); returns the losses.
+        Seeds marked in ``frozen`` (a sequence of bools, one per seed) keep their state."""
+        frozen = jnp.zeros(self.size, bool) if frozen is None else jnp.asarray(frozen, bool)
+        self.state, losses = _train_step(self.graphdef, self.state, _place(batch, self.mesh), self.batched, frozen)
         return losses
 
     def seed(self, i: int):
@@ -411,6 +441,13 @@ def _restore(cell, checkpointers, models, optimizers, recorded) -> dict:
 def _checks_path(out: pathlib.Path, settings: str, cell: Cell, seed: int) -> pathlib.Path:
     """Where one seed keeps its held-out checks, ``[[step, score], ...]``, beside its checkpoints."""
     return checkpoint_dir(out, settings, cell.task_name, cell.label, seed).with_suffix(".checks.json")
+
+
+def _write_checks(path: pathlib.Path, checks: list) -> None:
+    """Writes a seed's checks whole or not at all (a kill mid-write leaves the previous file)."""
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps(checks))
+    os.replace(partial, path)
 
 
 def _read_checks(path: pathlib.Path, up_to: int) -> list:
@@ -479,6 +516,13 @@ def train_and_evaluate(
         for seed in seeds
     }
     start = _restore(cell, checkpointers, models, optimizers, recorded)
+    if len(set(start.values())) > 1:
+        # No step every seed has (a kill in the middle of the first saves): they start again from
+        # their initialisation, together, as an uninterrupted run trains them.
+        built = {seed: build(cell, preset, configs, seed) for seed in seeds}
+        models = {seed: m for seed, (m, _) in built.items()}
+        optimizers = {seed: o for seed, (_, o) in built.items()}
+        start = dict.fromkeys(seeds, 0)
     checks = {seed: _read_checks(_checks_path(out, settings, cell, seed), start[seed]) for seed in seeds}
     groups = {}
     for seed in seeds:
@@ -496,7 +540,7 @@ def train_and_evaluate(
             recorded,
             checks=checks,
             criterion=criterion,
-            save_checks=lambda seed: _checks_path(out, settings, cell, seed).write_text(json.dumps(checks[seed])),
+            save_checks=lambda seed: _write_checks(_checks_path(out, settings, cell, seed), checks[seed]),
             mesh=mesh,
             bar=bar,
         )
@@ -560,9 +604,11 @@ def _train_group(
     mesh,
     bar,
 ):
-    """Trains the seeds of ``group`` (all at ``first_step``) until every one has met ``criterion``
-    at two checks in a row, or to ``preset.steps``; afterwards ``models[seed]`` and
-    ``optimizers[seed]`` hold each seed's trained state and ``checks[seed]`` its checks."""
+    """Trains the seeds of ``group`` (all at ``first_step``), each until it has met ``criterion`` at
+    two checks in a row (it then keeps that state while the others train on) and all of them at
+    most to ``preset.steps``; afterwards ``models[seed]`` and ``optimizers[seed]`` hold each
+    seed's trained state and ``checks[seed]`` its checks. So a seed's result depends on its own
+    seed alone, not on which seeds it trained beside."""
     record = {
         "task": cell.task_name,
         "encoding": cell.label,
@@ -571,7 +617,7 @@ def _train_group(
         "compile_seconds": 0.0,
         "train_seconds": 0.0,
         "final_loss": None,  # unknown when a resumed cell has no steps left
-        "steps": {seed: first_step for seed in group},
+        "steps": {seed: held(checks[seed], criterion) or first_step for seed in group},
     }
     if first_step >= preset.steps or all(held(checks[seed], criterion) is not None for seed in group):
         return record
@@ -586,9 +632,14 @@ def _train_group(
             per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in group]
             yield {name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]}
 
+    def learned(seed) -> bool:
+        return held(checks[seed], criterion) is not None
+
+    frozen = [learned(seed) for seed in group]
+
     def step_fn(group_, _, batch):
         nonlocal began, progress
-        losses = group_.step(batch)
+        losses = group_.step(batch, frozen)
         if progress is None and record["compile_seconds"] == 0.0:  # the first step: its time is compilation
             jax.block_until_ready(losses)
             record["compile_seconds"] = time.perf_counter() - began
@@ -604,21 +655,26 @@ def _train_group(
         jax.block_until_ready(seeds.state)  # the steps queued so far count as training
         started = time.perf_counter()
         for i, seed in enumerate(group):
+            if frozen[i]:
+                continue  # stopped at its criterion: its state, and so its score, no longer change
             model, _ = seeds.seed(i)
-            checks[seed].append([step, check_score(model, cell, held_out[seed])])
+            checks[seed].append([step, check_score(model, cell, held_out[seed], criterion)])
+            frozen[i] = learned(seed)
         paused += time.perf_counter() - started
         if progress is not None:
             progress.set_postfix(check=" ".join(f"{checks[seed][-1][1]:.3f}" for seed in group))
-        return all(held(checks[seed], criterion) is not None for seed in group)
+        return all(frozen)
 
     def save(step) -> None:
         nonlocal paused
         jax.block_until_ready(seeds.state)
         started = time.perf_counter()
         for i, seed in enumerate(group):
+            # The checks first: a kill between the two leaves checks a step ahead of the newest
+            # checkpoint, which reading them up to the restored step drops.
+            save_checks(seed)
             model, optimizer = seeds.seed(i)
             checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
-            save_checks(seed)
         paused += time.perf_counter() - started
 
     seed_list = ",".join(map(str, group))
@@ -639,54 +695,7 @@ def _train_group(
     record["train_seconds"] = time.perf_counter() - began - paused
     record["checkpoint_seconds"] = paused
     record["final_loss"] = [float(x) for x in np.asarray(losses[-1])]
-    record["steps"] = {seed: first_step + len(losses) for seed in group}
-    if progress is not None:
-        progress.close()
-    for i, seed in enumerate(group):
-        models[seed], optimizers[seed] = seeds.seed(i)
-    return record
-    seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
-    held_out = {seed: check_batch(cell, preset, seed) for seed in group}
-    progress = None
-    losses = None
-    saving = 0.0  # checkpoint writes and checks, kept out of the training time
-    began = time.perf_counter()
-    step = first_step
-    while step < preset.steps:
-        per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in group]
-        losses = seeds.step({name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]})
-        if step == first_step:
-            jax.block_until_ready(losses)
-            record["compile_seconds"] = time.perf_counter() - began
-            began = time.perf_counter()
-            if bar is not None:
-                seed_list = ",".join(map(str, group))
-                progress = bar(preset.steps, step + 1, f"{cell.task_name} / {cell.label} / seeds {seed_list}")
-        elif progress is not None:
-            progress.update(1)
-            if step % 25 == 0:
-                progress.set_postfix(loss=" ".join(f"{x:.3f}" for x in np.asarray(losses)))
-        step += 1
-        learned = False
-        paused = time.perf_counter()
-        if step % preset.check_every == 0 or step == preset.steps:
-            for i, seed in enumerate(group):
-                model, _ = seeds.seed(i)
-                checks[seed].append([step, check_score(model, cell, held_out[seed])])
-            learned = all(held(checks[seed], criterion) is not None for seed in group)
-        if learned or step % preset.checkpoint_every == 0 or step == preset.steps:
-            for i, seed in enumerate(group):
-                model, optimizer = seeds.seed(i)
-                checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
-                save_checks(seed)
-        saving += time.perf_counter() - paused
-        if learned:
-            break
-    jax.block_until_ready(losses)
-    record["train_seconds"] = time.perf_counter() - began - saving
-    record["checkpoint_seconds"] = saving
-    record["final_loss"] = [float(x) for x in np.asarray(losses)]
-    record["steps"] = {seed: step for seed in group}
+    record["steps"] = {seed: held(checks[seed], criterion) or first_step + len(losses) for seed in group}
     if progress is not None:
         progress.close()
     for i, seed in enumerate(group):

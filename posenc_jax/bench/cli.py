@@ -110,9 +110,10 @@ def _preset_from(args):
                 f"multiple of the text context {preset.text_context} (set it with --text-context), got {bad or 'none'}"
             )
         preset = dataclasses.replace(preset, text_multiples=tuple(n // preset.text_context for n in args.text_lengths))
-        if args.text_eval_characters is None:  # every length scores the same characters: a common multiple
-            unit = math.lcm(*args.text_lengths)
-            preset = dataclasses.replace(preset, text_eval_characters=-(-preset.text_eval_characters // unit) * unit)
+    if args.text_eval_characters is None and (args.text_lengths or args.text_context):
+        # Every length scores the same characters: at least the preset's number, a multiple of every length.
+        unit = math.lcm(*(preset.text_context * m for m in preset.text_multiples))
+        preset = dataclasses.replace(preset, text_eval_characters=-(-preset.text_eval_characters // unit) * unit)
     if args.eval_lengths is not None and preset.tasks == ("text",):
         raise SystemExit(
             "posenc-bench extrapolate: --eval-lengths sets the algorithmic tasks' lengths and this run has only "

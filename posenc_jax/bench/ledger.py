@@ -28,9 +28,10 @@ _NOT_HASHED = ("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_
 METHOD = 2
 
 
-def fingerprint(preset) -> str:
-    """A hash of every setting that shapes a result (not the lists of encodings, tasks, seeds)
-    and of the method's version (:data:`METHOD`), so results of another method never mix.
+def fingerprint(preset, data: str | None = None) -> str:
+    """A hash of every setting that shapes a result (not the lists of encodings, tasks, seeds),
+    of the method's version (:data:`METHOD`) and of ``data`` (the text corpus's digest, where
+    the run has the text task), so results of another method or text never mix.
 
     Example:
       >>> from posenc_jax.bench.presets import PRESETS
@@ -41,6 +42,8 @@ def fingerprint(preset) -> str:
     for key in _NOT_HASHED:
         settings.pop(key)
     settings["method"] = METHOD
+    if data is not None:  # the text corpus's digest, when the run has the text task
+        settings["data"] = data
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:12]
 
 

@@ -21,6 +21,7 @@ from posenc_jax.functional.registry import encoding_config, encoding_info, encod
 __all__ = [
     "CPU_ESTIMATE",
     "IMPLEMENTATIONS",
+    "PER_TASK",
     "PRESETS",
     "Cost",
     "EvalVariant",
@@ -93,6 +94,30 @@ def runs_on(task, encoding: str) -> bool:
     """Whether ``encoding`` (``a+b`` for a hybrid) can run on ``task``: an encoder task needs
     every part to have a bidirectional form (read from the registry's metadata)."""
     return task.kind != "encoder" or all("bidirectional" in encoding_info(part).forms for part in encoding.split("+"))
+
+
+# The settings a task may have of its own (Preset.task_overrides): those of its model, its
+# training and its gate; which cells, seeds and variants run is the preset's alone.
+PER_TASK = (
+    "model_dim",
+    "num_layers",
+    "num_heads",
+    "mlp_dim",
+    "dropout_rate",
+    "steps",
+    "batch_size",
+    "learning_rate",
+    "warmup_fraction",
+    "weight_decay",
+    "checkpoint_every",
+    "check_every",
+    "check_examples",
+    "learned_threshold",
+    "query_init_scale",
+    "finetune_steps",
+    "finetune_multiple",
+    "finetune_learning_rate",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,14 +312,15 @@ class Preset:
                 f"length (so that each length scores the same characters), not of {uneven}; "
                 f"use a multiple of {self.text_context * max(self.text_multiples)}"
             )
-        fields = {f.name for f in dataclasses.fields(self)} - {"name", "task_overrides"}
         for task_name, overrides in self.task_overrides:
-            unknown = [key for key, _ in overrides if key not in fields]
+            unknown = [key for key, _ in overrides if key not in PER_TASK]
             if task_name not in task_names() or unknown:
                 raise ValueError(
-                    f"task_overrides for {task_name!r}: the task must be a known task ({', '.join(task_names())}) "
-                    f"and the settings preset fields, got unknown settings {unknown}"
+                    f"task_overrides for {task_name!r}: name a known task ({', '.join(task_names())}) and only "
+                    f"settings a task may have of its own ({', '.join(PER_TASK)}); got {unknown or 'an unknown task'}"
                 )
+        if not 0 <= self.warmup_fraction < 1:
+            raise ValueError(f"warmup_fraction must be in [0, 1), got {self.warmup_fraction}; 0.06 is the default")
         for task_name in self.tasks:
             if task_name in dict(self.task_overrides):
                 dataclasses.replace(self.for_task(task_name), task_overrides=()).validate()
@@ -514,7 +540,7 @@ def cost(preset: Preset) -> Cost:
             if not runs_on(task, encoding):
                 continue
             for normalizer in preset.normalizers:
-                found = preset.eval_variants(name, encoding, normalizer)
+                found = preset.eval_variants(name, encoding, normalizer)  # preset: this task's settings
                 variants = len(found)
                 cells += 1
                 train += len(preset.seeds) * preset.steps * step

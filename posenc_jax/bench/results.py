@@ -123,14 +123,17 @@ def cells(results: Results) -> list[CellSummary]:
         train = sample["train_length"]
         threshold, higher = results.threshold(task)
         inside, beyond, steps, learned = {}, {}, {}, []
+        # Beyond training, every seed is averaged over the same lengths: those all of the cell's
+        # seeds have (a run read mid-evaluation, or resumed, may have more for some seeds).
+        outside = set.intersection(*({n for n in by_length if n > train} for by_length in per_seed.values()))
         for seed, by_length in sorted(per_seed.items()):
             if train not in by_length:
                 continue  # not yet evaluated at the training length: nothing can be said of it
             inside[seed] = by_length[train]["value"]
             steps[seed] = by_length[train].get("steps")
-            outside = [row["value"] for n, row in by_length.items() if n > train]
-            if outside:
-                beyond[seed] = float(np.mean(outside))
+            values = [by_length[n]["value"] for n in outside]
+            if values and all(math.isfinite(v) for v in values):
+                beyond[seed] = float(np.mean(values))
             if (inside[seed] >= threshold) if higher else (inside[seed] < threshold):
                 learned.append(seed)
         cell_learned = bool(inside) and len(learned) >= math.ceil(fraction * len(inside) - 1e-9)
@@ -184,7 +187,7 @@ def load_results(path):
         lengths = sorted({n for by_length in per_seed.values() for n in by_length})
         for n in lengths:
             values = {s: by_length[n]["value"] for s, by_length in per_seed.items() if n in by_length}
-            kept = [values[s] for s in summary.learned_seeds if s in values]
+            kept = [values[s] for s in summary.learned_seeds if s in values and math.isfinite(values[s])]
             interval = t_interval(kept) if summary.learned and kept else None
             out.append(
                 {

@@ -539,18 +539,30 @@ class TextTask:
                 "positions": np.arange(length, dtype=np.int32),
             }
 
+    @property
+    def digest(self) -> str:
+        """A hash of the corpus's three splits: results of different texts never mix."""
+        sha = hashlib.sha256()
+        for data in (self.train, self.validation, self.test):
+            sha.update(np.ascontiguousarray(data, np.int32).tobytes())
+        return sha.hexdigest()[:12]
+
     def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         """Windows at random places of ``split`` (``"train"``, ``"validation"`` or ``"test"``)."""
         data = {"train": self.train, "validation": self.validation, "test": self.test}[split]
         length = int(max(lengths))
         if len(data) < length + 2:
             raise ValueError(f"the {split} text has {len(data)} characters, too few for windows of {length}")
-        starts = rng.integers(0, len(data) - length - 1, len(lengths))
+        return self.windows_at(split, rng.integers(0, len(data) - length - 1, len(lengths)), length)
+
+    def windows_at(self, split: str, starts, length: int) -> dict:
+        """The windows of ``length`` characters (and the character after each) starting at ``starts`` of ``split``."""
+        data = {"train": self.train, "validation": self.validation, "test": self.test}[split]
         windows = np.stack([data[s : s + length + 1] for s in starts])
         return {
             "inputs": windows[:, :-1],
             "targets": windows[:, 1:],
-            "weights": np.ones((len(lengths), length), np.float32),
+            "weights": np.ones((len(starts), length), np.float32),
             "positions": np.arange(length, dtype=np.int32),
         }
 
