@@ -41,7 +41,7 @@ def run(
       corpus: the text task's corpus: a file or folder of text, or a hub corpus name.
       progress: tqdm progress bars (needs the ``bench`` extra).
       report, plots: write ``report.md`` and the plots (PNG and SVG; plots need matplotlib).
-      log: where each finished cell's line goes.
+      log: where each finished cell's line goes (None: nowhere).
       **settings: preset fields to change, e.g. ``encodings=("rope", "alibi")``, ``seeds=(0, 1)``.
 
     Returns:
@@ -62,7 +62,7 @@ def run(
         raise ValueError(f"unknown preset settings {unknown}; see posenc_jax.bench.presets.Preset for the fields")
     preset = dataclasses.replace(preset, **settings)
     out = pathlib.Path(out or f"results/extrapolation/{preset.name}")
-    extrapolate.run(preset, out, corpus=corpus, progress=progress, log=log)
+    extrapolate.run(preset, out, corpus=corpus, progress=progress, log=log or (lambda line: None))
     if report:
         reporting.write_report(out, plots=plots)
     if plots:
