@@ -202,7 +202,14 @@ def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_prom
     assert records[0]["seeds"] == [0, 1] and len(records[0]["final_loss"]) == 2
 
 
-def test_seeds_left_at_different_steps_resume_together_from_their_common_step(tmp_path, standard_promotion):
+@pytest.mark.parametrize(
+    "lost, resumed_from",
+    # Killed after seed 0 saved step 3 and before seed 1 did: both go back to step 2. Killed while
+    # the first checkpoints were written (seed 1 has none): both start again from step 0.
+    [("3", 2), ("", 0)],
+    ids=["common step", "no common step"],
+)
+def test_seeds_left_at_different_steps_resume_together(tmp_path, standard_promotion, lost, resumed_from):
     preset = dataclasses.replace(
         presets.PRESETS["smoke"],
         encodings=("nope",),
@@ -213,12 +220,11 @@ def test_seeds_left_at_different_steps_resume_together_from_their_common_step(tm
     )
     extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
     first = _values(tmp_path / "results.jsonl")
-    # As if killed after seed 0 saved step 3 and before seed 1 did, with no row written.
     (seed1,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1")
-    subprocess.run(["rm", "-rf", str(seed1 / "3")], check=True)
+    subprocess.run(["rm", "-rf", str(seed1 / lost)], check=True)
     (tmp_path / "results.jsonl").unlink()
     record = extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
-    assert record["cells"][-1]["seeds"] == [0, 1] and record["cells"][-1]["resumed_from_step"] == 2
+    assert record["cells"][-1]["seeds"] == [0, 1] and record["cells"][-1]["resumed_from_step"] == resumed_from
     assert _values(tmp_path / "results.jsonl") == first
 
 

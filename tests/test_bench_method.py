@@ -359,29 +359,3 @@ def test_another_text_corpus_is_refused_where_results_of_one_are(tmp_path, stand
     corpus.write_text("class A:\n    pass\n" * 800)
     with pytest.raises(ValueError, match="holds results made with other settings"):
         extrapolate.run(preset, tmp_path / "out", corpus=str(corpus), progress=False, log=lambda line: None)
-
-
-def test_seeds_with_no_step_in_common_start_again_together(tmp_path, standard_promotion):
-    import shutil
-
-    preset = dataclasses.replace(
-        presets.PRESETS["smoke"],
-        encodings=("nope",),
-        tasks=("counting_copy",),
-        seeds=(0, 1),
-        steps=3,
-        checkpoint_every=1,
-    )
-    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
-    read = lambda: sorted(
-        (r["seed"], r["length"], r["value"])
-        for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())
-    )
-    first = read()
-    # As if killed while the first checkpoints were written: seed 1 has none.
-    (seed1,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1")
-    shutil.rmtree(seed1)
-    (tmp_path / "results.jsonl").unlink()
-    record = extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
-    assert record["cells"][-1]["seeds"] == [0, 1] and record["cells"][-1]["resumed_from_step"] == 0
-    assert read() == first
