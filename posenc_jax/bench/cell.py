@@ -434,7 +434,7 @@ def _restore(cell, checkpointers, models, optimizers, recorded) -> dict:
                         checkpointers[seed].restore(models[seed], optimizers[seed], step, config=recorded[seed])
                         start[seed] = step
             except CheckpointError:
-                pass  # a damaged common step: the seeds train in groups by step instead
+                pass  # a damaged common step: the seeds differ in step, and train_and_evaluate restarts them all
     return start
 
 
