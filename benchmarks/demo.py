@@ -29,8 +29,8 @@ from posenc_jax.functional import (
     learned_position_embedding,
     sinusoidal_encoding,
 )
-from posenc_jax.functional.positions import position_angles
-from posenc_jax.functional.rope import rope_inverse_frequencies
+from posenc_jax.functional.core.positions import position_angles
+from posenc_jax.functional.encodings.rope import rope_inverse_frequencies
 from posenc_jax.reference import d2l_positional_encoding, su_rope
 
 

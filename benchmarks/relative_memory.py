@@ -36,7 +36,7 @@ from posenc_jax.functional import (
     dot_product_attention,
     t5_relative_bucket,
 )
-from posenc_jax.functional.deberta import deberta_relative_index
+from posenc_jax.functional.encodings.deberta import deberta_relative_index
 
 H, K_CLIP, D_XL = 64, 128, 64
 

@@ -53,7 +53,7 @@ from posenc_jax.functional import (
     encoding_info,
     encoding_names,
 )
-from posenc_jax.functional.hooks import BiasHook
+from posenc_jax.functional.core.hooks import BiasHook
 from posenc_jax.nn import Transformer
 
 try:  # the split-state decoding step (absent from older checkouts, for before/after runs)

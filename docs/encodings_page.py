@@ -44,7 +44,7 @@ def _helper_names() -> list[str]:
 
 def _encodings_markdown() -> str:
     from posenc_jax.functional import encoding_info, encoding_names
-    from posenc_jax.functional.registry import _entry
+    from posenc_jax.functional.core.registry import _entry
 
     parts = []
     for name in encoding_names():
@@ -52,7 +52,7 @@ def _encodings_markdown() -> str:
         config_type = _entry(name).config_type
         module = inspect.getmodule(config_type)
         if name.startswith("rope-") and config_type.__name__ == "RoPE":  # a RoPE scaling: defined there
-            module = importlib.import_module("posenc_jax.functional.rope_scaling")
+            module = importlib.import_module("posenc_jax.functional.encodings.rope_scaling")
         source = info.source
         arxiv = f" [arXiv:{source.arxiv}](https://arxiv.org/abs/{source.arxiv})" if source.arxiv else ""
         settings = ", ".join(f"`{s}`" + (" (required)" if s in info.required else "") for s in info.settings)

@@ -30,6 +30,7 @@ import json
 import pathlib
 import warnings
 from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -55,8 +56,23 @@ class DamagedCheckpointError(CheckpointError):
         self.reason = reason
 
 
+@runtime_checkable
+class Describes(Protocol):
+    """A model that describes its settings (``Transformer.describe()``), recorded with each checkpoint."""
+
+    def describe(self) -> Mapping: ...
+
+
+def _path_key(key) -> str:
+    if isinstance(key, jax.tree_util.DictKey):
+        return str(key.key)
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return str(key.idx)
+    return str(key)
+
+
 def _path_name(path) -> str:
-    return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+    return "/".join(_path_key(key) for key in path)
 
 
 def _arrays(tree) -> dict:
@@ -65,14 +81,14 @@ def _arrays(tree) -> dict:
 
 
 def _is_key(x) -> bool:
-    return jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 
 
 def _layout(tree) -> dict[str, tuple]:
     """Each array's path -> ``(shape, dtype)``; PRNG keys keep their key dtype (``key<fry>``)."""
     layout = {}
     for name, x in _arrays(tree).items():
-        x = x if hasattr(x, "dtype") else np.asarray(x)  # a Python number
+        x = x if isinstance(x, (jax.Array, np.ndarray, np.generic)) else np.asarray(x)  # a Python number
         layout[name] = (tuple(x.shape), str(x.dtype))
     return layout
 
@@ -158,8 +174,7 @@ class Checkpointer:
 
     @staticmethod
     def _description(model):
-        describe = getattr(model, "describe", None)
-        return _as_json(describe(), "the model's describe()") if callable(describe) else None
+        return _as_json(model.describe(), "the model's describe()") if isinstance(model, Describes) else None
 
     def save(
         self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, config: Mapping | None = None

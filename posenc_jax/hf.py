@@ -47,18 +47,18 @@ from collections.abc import Mapping
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.deberta import DeBERTaConfig
-from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, ParameterFree, pytree_dataclass
-from posenc_jax.functional.learned_absolute import LearnedAbsoluteConfig
-from posenc_jax.functional.rope import RoPE
-from posenc_jax.functional.rope_scaling import (
+from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, ParameterFree, pytree_dataclass
+from posenc_jax.functional.encodings.deberta import DeBERTaConfig
+from posenc_jax.functional.encodings.learned_absolute import LearnedAbsoluteConfig
+from posenc_jax.functional.encodings.rope import RoPE
+from posenc_jax.functional.encodings.rope_scaling import (
     DynamicNTKScaling,
     LinearScaling,
     Llama3Scaling,
     LongRoPEScaling,
     YaRNScaling,
 )
-from posenc_jax.functional.t5 import T5Config
+from posenc_jax.functional.encodings.t5 import T5Config
 
 __all__ = ["FixedScoreScale", "HFEncoding", "ROPE_TYPES", "deberta_position_tables", "from_hf_config"]
 

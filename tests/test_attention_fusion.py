@@ -1,9 +1,9 @@
 """The attention core's fast paths against their plain references, and the compiled program's shape.
 
-The mask is kept as parts (:class:`~posenc_jax.functional.masks.MaskParts`): which keys some
+The mask is kept as parts (:class:`~posenc_jax.functional.core.masks.MaskParts`): which keys some
 query sees is computed from them, not by reducing the ``[B, N, T, S]`` mask; the softmax has
 no selection after its exponential; the non-finite values term is a conditional that stays one
-under ``vmap`` (:func:`~posenc_jax.functional.attention.cond_over_batch`).
+under ``vmap`` (:func:`~posenc_jax.functional.core.attention.cond_over_batch`).
 """
 
 import re
@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import dot_product_attention
-from posenc_jax.functional.attention import cond_over_batch, masked_value_product, softmax_weights
-from posenc_jax.functional.masks import MaskParts, keys_seen_by_segment
+from posenc_jax.functional.core.attention import cond_over_batch, masked_value_product
+from posenc_jax.functional.core.masks import MaskParts, keys_seen_by_segment
+from posenc_jax.functional.core.normalizers import softmax_weights
 
 LOWEST = np.finfo(np.float32).min
 

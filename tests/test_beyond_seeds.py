@@ -34,8 +34,8 @@ from posenc_jax.functional import (
     fire_bias,
     randomized_positions,
 )
-from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.rope import rope_inverse_frequencies
+from posenc_jax.functional.core.hooks import AttentionContext
+from posenc_jax.functional.encodings.rope import rope_inverse_frequencies
 from posenc_jax.reference import beyond_seeds as ref
 from posenc_jax.reference import su_rope
 from small_encodings import small_config
@@ -624,7 +624,7 @@ def test_cope_reverse_cumsum_is_the_sum_over_later_keys(length):
     """CoPE's counts by blocks (a triangle product per block, then the later blocks' totals): the
     sums ``Σ_{s' >= s} x[s']`` in float64 numpy, and the gradient of a reverse cumulative sum
     (a forward cumulative sum of the cotangent)."""
-    from posenc_jax.functional.cope import reverse_cumsum
+    from posenc_jax.functional.encodings.cope import reverse_cumsum
 
     rng = np.random.default_rng(length)
     x = rng.random((2, 3, length)).astype(np.float32)
@@ -658,7 +658,7 @@ def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
     """The pair gather (and its one scatter of pairs) equals the floor/ceil gathers in value and in both
     gradients, at fractional counts, at exact integers (a saturated gate's count), at the top
     position P - 1 and past it (clipped as CoPE clips), with leading axes like CoPE's [B, N, T]."""
-    from posenc_jax.functional.cope import interpolate_positions
+    from posenc_jax.functional.encodings.cope import interpolate_positions
 
     rng = np.random.default_rng(num_positions)
     per_position = jnp.asarray(rng.normal(size=(2, 3, 4, num_positions)), jnp.float32)
@@ -689,7 +689,7 @@ def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
 def test_cope_interpolation_keeps_nan_and_checks_shapes():
     """A NaN count (a visible key's NaN score) gives NaN, not another position's value; mismatched leading
     axes are refused with both shapes named."""
-    from posenc_jax.functional.cope import interpolate_positions
+    from posenc_jax.functional.encodings.cope import interpolate_positions
 
     per_position = jnp.arange(12.0).reshape(2, 6)
     counts = jnp.array([[0.5, jnp.nan], [jnp.nan, 5.0]])

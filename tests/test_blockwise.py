@@ -241,7 +241,7 @@ def test_masked_nan_keys_never_leak_and_empty_rows_are_zero():
 
 
 def test_auto_goes_blockwise_above_the_budget(monkeypatch):
-    import posenc_jax.functional.attention as attention
+    import posenc_jax.functional.core.attention as attention
 
     q, k, v, kwargs = _inputs(seed=14)
     plain = dot_product_attention(q, k, v, causal=True, **kwargs)

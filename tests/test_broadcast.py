@@ -1,7 +1,7 @@
 """``broadcast_to`` and ``sum_to_shape`` against plain broadcasting, and the form of the attention's gradient.
 
 A term shared by the batch (a ``[1, N, T, S]`` bias, URPE's factor) reaches the scores through
-:func:`~posenc_jax.functional.broadcast.broadcast_to`, whose gradient sums the batch as slices
+:func:`~posenc_jax.functional.kernels.broadcast.broadcast_to`, whose gradient sums the batch as slices
 (XLA:CPU's strided reduction over a leading axis cost five copies of the array).
 """
 
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import dot_product_attention, t5_bias
-from posenc_jax.functional.attention import SharedBias
-from posenc_jax.functional.broadcast import broadcast_to, sum_to_shape
-from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.normalizers import URPE
+from posenc_jax.functional.core.attention import SharedBias
+from posenc_jax.functional.core.hooks import AttentionContext
+from posenc_jax.functional.core.normalizers import URPE
+from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
 
 
 @pytest.mark.parametrize(

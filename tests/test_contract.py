@@ -1,7 +1,10 @@
 """The encoding contract: metadata for every name, hooks as pytrees, defaults that follow the model,
 and a new encoding added in one place."""
 
+import importlib.util
+import pathlib
 import re
+import uuid
 from typing import ClassVar
 
 import jax
@@ -22,13 +25,14 @@ from posenc_jax.functional import (
     normalizer_config,
     pytree_dataclass,
     register_encoding,
-    registry,
 )
-from posenc_jax.functional.autodiff import plain_autodiff
-from posenc_jax.functional.hooks import PLACEMENTS, ParameterFree, Placement
-from posenc_jax.functional.rope import RoPE, apply_rope
-from posenc_jax.functional.rope_scaling import DynamicNTKScaling, LongRoPEScaling
+from posenc_jax.functional.core import registry
+from posenc_jax.functional.core.hooks import PLACEMENTS, ParameterFree, PerTokenRotation, Placement, RotatesAbout
+from posenc_jax.functional.encodings.rope import RoPE, apply_rope
+from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
+from posenc_jax.functional.kernels.autodiff import plain_autodiff
 from posenc_jax.nn import Transformer
+from posenc_jax.nn.attention import _stores_rotated_keys
 from small_encodings import small_config
 
 B, T, N, H = 2, 6, 2, 8
@@ -292,3 +296,95 @@ def test_a_new_encoding_is_one_registered_class(rng, scratch_registry):
     )
     via_model = mha(x, jnp.arange(T), causal=True, shared=[WindowBias()])
     np.testing.assert_allclose(mha.out(direct.reshape(B, T, N * H)), via_model, atol=1e-5)
+
+
+def _load_p_rope():
+    """tests/p_rope.py loaded afresh (it registers "p-rope" on import; the registry is the test's copy)."""
+    path = pathlib.Path(__file__).with_name("p_rope.py")
+    spec = importlib.util.spec_from_file_location(f"p_rope_{uuid.uuid4().hex}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# Positions with large gaps: a length-dependent scaling (max position + 1) treats 2 alone and 2 among
+# them differently.
+_SPREAD = jnp.asarray([0, 2, 7, 300, 5000, 5001], jnp.int32)
+
+
+def _rotates_each_token_alone(hook, rng) -> bool:
+    """Whether rotating each token on its own gives the rows of rotating them all together."""
+    q, k = _normal(rng, (B, _SPREAD.size, N, H)), _normal(rng, (B, _SPREAD.size, N, H))
+
+    @jax.jit  # compiled twice: all tokens, and one
+    def rotate(q, k, positions):
+        context = AttentionContext(positions, positions, H**-0.5, H, N, True, positions.size)
+        return hook.rotate(q, k, context)
+
+    together = rotate(q, k, _SPREAD)
+    for i in range(_SPREAD.size):
+        alone = rotate(q[:, i : i + 1], k[:, i : i + 1], _SPREAD[i : i + 1])
+        for a, b in zip(alone, together, strict=True):
+            if not np.allclose(a[:, 0], b[:, i], atol=1e-5, rtol=1e-5):
+                return False
+    return True
+
+
+def _declares_per_token(hook) -> bool:
+    return (isinstance(hook, PerTokenRotation) and hook.rotates_per_token) or isinstance(hook, RotatesAbout)
+
+
+_ROTATIONS = [n for n in encoding_names() if "rotate" in encoding_info(n).hooks]
+
+
+@pytest.mark.parametrize("name", _ROTATIONS)
+def test_a_rotation_that_rotates_per_token_declares_it(rng, name):
+    """A KV cache stores keys rotated only for a rotation that says it rotates each token by its own
+    position (PerTokenRotation); one that does without saying so makes every decoding step re-rotate
+    the whole cache, with equal outputs, so only this test notices."""
+    hook = _built(name)
+    if isinstance(hook, RotatesAbout):  # xPos: per token given its fixed centre, which the cache keeps
+        return
+    assert _rotates_each_token_alone(hook, rng) == _declares_per_token(hook), (
+        f"{name}: rotates each token alone: {_rotates_each_token_alone(hook, rng)}; declares it: "
+        f"{_declares_per_token(hook)} (fill PerTokenRotation: rotates_per_token)"
+    )
+
+
+def test_a_rope_variant_is_one_file(rng, scratch_registry):
+    p_rope = _load_p_rope()
+    assert "p-rope" in encoding_names()
+    assert encoding_info("p-rope").hooks == ("rotate",)
+    # Its mathematics: p = 1 is RoPE (half layout), p = 0 rotates nothing.
+    q, k = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
+    positions = jnp.arange(T) + 3
+    context = AttentionContext(positions, positions, H**-0.5, H, N, True, T)
+    full = RoPE(layout="half").rotate(q, k, context)
+    for got, want in zip(p_rope.PRoPE(proportion=1.0).rotate(q, k, context), full, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    for got, want in zip(p_rope.PRoPE(proportion=0.0).rotate(q, k, context), (q, k), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    # The contract test above holds it, and catches the same rotation when it does not declare it.
+    declared, undeclared = p_rope.PRoPE(proportion=0.5), p_rope.UndeclaredPRoPE(proportion=0.5)
+    assert _rotates_each_token_alone(declared, rng) and _declares_per_token(declared)
+    assert _rotates_each_token_alone(undeclared, rng) and not _declares_per_token(undeclared)
+    # In a model: a decoder whose cached decoding equals its full forward, with keys stored rotated.
+    model = Transformer(
+        vocab_size=16,
+        model_dim=N * H,
+        num_layers=1,
+        num_heads=N,
+        mlp_dim=32,
+        encoding="p-rope",
+        causal=True,
+        rngs=nnx.Rngs(0),
+    )
+    tokens = jnp.asarray(rng.integers(0, 16, (B, T)), jnp.int32)
+    full_logits = model(tokens, jnp.arange(T))
+    caches = model.init_cache(B, T)
+    steps = []
+    for t in range(T):
+        logits, caches = model.decode(tokens[:, t : t + 1], jnp.full((B, 1), t, jnp.int32), caches)
+        steps.append(logits[:, 0])
+    np.testing.assert_allclose(jnp.stack(steps, axis=1), full_logits, atol=1e-4, rtol=1e-4)
+    assert _stores_rotated_keys([declared]) and not _stores_rotated_keys([undeclared])

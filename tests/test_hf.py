@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import AttentionContext, dot_product_attention
-from posenc_jax.functional.deberta import DeBERTaConfig
-from posenc_jax.functional.learned_absolute import LearnedAbsoluteConfig
-from posenc_jax.functional.t5 import T5Config
+from posenc_jax.functional.encodings.deberta import DeBERTaConfig
+from posenc_jax.functional.encodings.learned_absolute import LearnedAbsoluteConfig
+from posenc_jax.functional.encodings.t5 import T5Config
 from posenc_jax.hf import FixedScoreScale, deberta_position_tables, from_hf_config
 
 # --- transformers' RoPE formulas, transliterated --------------------------------------------

@@ -1,6 +1,7 @@
 """The project's promises outside the math: README commands and quickstart, CI, layering (notebooks:
 test_notebooks.py)."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -45,6 +46,49 @@ def test_functional_layer_imports_no_flax():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+def _import_graph():
+    """Each module of the package and the package modules it imports (at any depth of its code)."""
+    graph = {}
+    for path in (ROOT / "posenc_jax").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("posenc_jax"):
+                imported |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                imported |= {alias.name for alias in node.names if alias.name.startswith("posenc_jax")}
+        graph[name] = imported
+    return {name: {m for m in imported if m in graph and m != name} for name, imported in graph.items()}
+
+
+def test_no_import_circle_and_the_core_imports_no_encoding():
+    graph = _import_graph()
+    state, path, circles = {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        path.append(module)
+        for other in sorted(graph[module]):
+            if state.get(other) == "open":
+                circles.append(path[path.index(other) :] + [other])
+            elif other not in state:
+                visit(other)
+        path.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert circles == []
+    for module, imported in graph.items():
+        if module.startswith(("posenc_jax.functional.core", "posenc_jax.functional.kernels")):
+            assert not any(m.startswith("posenc_jax.functional.encodings") for m in imported), module
+            assert "posenc_jax.functional" not in imported, module  # the package imports every encoding
+        if module.startswith("posenc_jax.functional.kernels"):
+            assert not any(m.startswith("posenc_jax.functional.core") for m in imported), module
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "benchmarks").glob("*.py")))

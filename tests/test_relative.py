@@ -25,10 +25,9 @@ from posenc_jax.functional import (
     t5_relative_bucket,
     transformer_xl_logits,
 )
-from posenc_jax.functional.autodiff import plain_autodiff
-from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.positions import batched_positions
-from posenc_jax.functional.relative import (
+from posenc_jax.functional.core.hooks import AttentionContext
+from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.relative import (
     bucket_relative,
     by_query_blocks,
     clipped_relative_index,
@@ -38,7 +37,8 @@ from posenc_jax.functional.relative import (
     gather_by_distance,
     sum_by_distance,
 )
-from posenc_jax.functional.transformer_xl import project_distances
+from posenc_jax.functional.encodings.transformer_xl import project_distances
+from posenc_jax.functional.kernels.autodiff import plain_autodiff
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -435,7 +435,7 @@ def test_by_causal_prefix_blocks_adds_the_causal_term_over_each_stage_prefix(q_l
     """Each stage's blocks see the keys up to the stage's last row only; a causal term (nothing after the
     query) then comes out as over all keys: for 1 to 5 stages, blocks of one row to a whole stage (the
     last block of a stage shifted back), each row read before its term is added."""
-    from posenc_jax.functional.relative import by_causal_prefix_blocks
+    from posenc_jax.functional.core.relative import by_causal_prefix_blocks
 
     into = jnp.asarray(np.random.default_rng(q_len).normal(size=(2, 3, q_len, q_len)), jnp.float32)
     causal = np.tril(np.ones((q_len, q_len), bool))
@@ -479,7 +479,7 @@ def test_by_causal_prefix_blocks_adds_the_causal_term_over_each_stage_prefix(q_l
 
 
 def test_deberta_slots_saturate_where_claimed():
-    from posenc_jax.functional.deberta import _saturation_distance
+    from posenc_jax.functional.encodings.deberta import _saturation_distance
 
     for span, buckets, max_pos in (
         (4, 0, 512),
@@ -1074,7 +1074,7 @@ def test_take_along_last_axis_matches_take_along_axis(transposed):
     batch, and values shared by the batch), clips slots into [0, L) (a negative one reads slot 0), reads a
     key-side table per (query, key) pair when transposed, and is one gather from a flat operand (no
     batch dimensions, which XLA:CPU lays out index first and transposes)."""
-    from posenc_jax.functional.relative import take_along_last_axis
+    from posenc_jax.functional.core.relative import take_along_last_axis
 
     rng = np.random.default_rng(int(transposed))
     batch, heads, q_len, k_len, slots = 2, 3, 5, 4, 6

@@ -21,17 +21,17 @@ from posenc_jax.functional import (
     dot_product_attention,
     encoding_config,
 )
-from posenc_jax.functional.alibi import alibi_bias, alibi_slopes
-from posenc_jax.functional.cache import KVCache
-from posenc_jax.functional.fire import fire_bias, fire_init
-from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.kerple import kerple_bias
-from posenc_jax.functional.masks import causal_mask
-from posenc_jax.functional.normalizers import URPE, normalizer_config
-from posenc_jax.functional.positions import position_difference
-from posenc_jax.functional.relative import expand_relative_bias, relative_positions
-from posenc_jax.functional.shaw import shaw_value_term
-from posenc_jax.functional.xpos import apply_xpos_qk
+from posenc_jax.functional.core.cache import KVCache
+from posenc_jax.functional.core.hooks import AttentionContext
+from posenc_jax.functional.core.masks import causal_mask
+from posenc_jax.functional.core.normalizers import URPE, normalizer_config
+from posenc_jax.functional.core.positions import position_difference
+from posenc_jax.functional.core.relative import expand_relative_bias, relative_positions
+from posenc_jax.functional.encodings.alibi import alibi_bias, alibi_slopes
+from posenc_jax.functional.encodings.fire import fire_bias, fire_init
+from posenc_jax.functional.encodings.kerple import kerple_bias
+from posenc_jax.functional.encodings.shaw import shaw_value_term
+from posenc_jax.functional.encodings.xpos import apply_xpos_qk
 from posenc_jax.nn import Transformer
 from posenc_jax.reference import beyond_seeds as reference
 from small_encodings import small_config

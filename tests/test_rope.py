@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import RoPE, RotaryTable, apply_rope, apply_rope_qk
-from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.positions import position_angles
-from posenc_jax.functional.rope import rope_inverse_frequencies
+from posenc_jax.functional.core.hooks import AttentionContext
+from posenc_jax.functional.core.positions import position_angles
+from posenc_jax.functional.encodings.rope import rope_inverse_frequencies
 from posenc_jax.reference import rope_by_rotation_matrices, su_rope
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import Sandwich, dot_product_attention, encoding_config, encoding_info, sandwich_bias
-from posenc_jax.functional.hooks import AttentionContext
-from posenc_jax.functional.sandwich import SANDWICH, sandwich_frequencies
+from posenc_jax.functional.core.hooks import AttentionContext
+from posenc_jax.functional.encodings.sandwich import SANDWICH, sandwich_frequencies
 from posenc_jax.reference import sandwich as ref
 
 # Tolerances, in units of the uncompressed sum Σ_i cos(r θ_i) - d̄/2 (a head's bias times h·8/N).

@@ -23,7 +23,7 @@ from posenc_jax.functional import (
     l2_normalized_weights,
     relu2_weights,
 )
-from posenc_jax.functional.shaw import ShawConfig
+from posenc_jax.functional.encodings.shaw import ShawConfig
 from posenc_jax.nn import Transformer
 from small_encodings import small_config
 
@@ -195,7 +195,7 @@ def test_biases_of_the_distance_alone_cannot_tell_a_position_from_its_mirror(nor
     # probe's ceiling for these is ceil(n/2)/n (posenc_jax.bench.probe.MIRROR_SYMMETRIC). The
     # others tell them apart.
     from posenc_jax.bench.probe import MIRROR_SYMMETRIC
-    from posenc_jax.functional.normalizers import normalizer_config
+    from posenc_jax.functional.core.normalizers import normalizer_config
 
     chosen = normalizer_config(normalizer)
     for name in ["nope", *MIRROR_SYMMETRIC, "t5", "clipped-bias", "rope", "functional-relative", "shaw"]:

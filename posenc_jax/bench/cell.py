@@ -29,8 +29,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from posenc_jax.bench.ledger import checkpoint_dir
 from posenc_jax.bench.presets import Preset, TaskLengths, finetune_batch
 from posenc_jax.checkpoint import Checkpointer, CheckpointError
-from posenc_jax.functional.normalizers import normalizer_config
-from posenc_jax.functional.registry import encoding_config, encoding_info
+from posenc_jax.functional.core.normalizers import normalizer_config
+from posenc_jax.functional.core.registry import encoding_config, encoding_info
 from posenc_jax.nn import Transformer, with_encoding
 from posenc_jax.training import cross_entropy_loss, fit, make_optimizer, train_step, warmup_cosine_adamw
 

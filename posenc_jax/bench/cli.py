@@ -52,7 +52,7 @@ def _catalogue() -> str:
     """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
     from posenc_jax.bench.presets import CPU_ESTIMATE, PRESETS, TPU_ESTIMATE, cost, expected_seconds
     from posenc_jax.bench.tasks import make_task, task_names
-    from posenc_jax.functional.registry import encoding_names
+    from posenc_jax.functional.core.registry import encoding_names
 
     lines = ["presets (expected times are estimates from each preset's FLOPs; seeds train together):"]
     for name, p in PRESETS.items():

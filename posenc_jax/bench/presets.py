@@ -15,8 +15,8 @@ import functools
 import math
 
 from posenc_jax.bench.tasks import make_task, task_names
-from posenc_jax.functional.normalizers import NORMALIZERS
-from posenc_jax.functional.registry import encoding_config, encoding_info, encoding_names
+from posenc_jax.functional.core.normalizers import NORMALIZERS
+from posenc_jax.functional.core.registry import encoding_config, encoding_info, encoding_names
 
 __all__ = [
     "CPU_ESTIMATE",

@@ -18,8 +18,8 @@ import pathlib
 import numpy as np
 
 from posenc_jax.bench.presets import Preset
-from posenc_jax.functional.normalizers import NORMALIZERS
-from posenc_jax.functional.registry import encoding_info
+from posenc_jax.functional.core.normalizers import NORMALIZERS
+from posenc_jax.functional.core.registry import encoding_info
 
 __all__ = ["MIRROR_SYMMETRIC", "PROBE_PRESETS", "expected_outcome", "heat_map", "write_probe_report"]
 

@@ -17,7 +17,7 @@ import numpy as np
 
 from posenc_jax.bench.results import Results, cells, orderings, read, summarize
 from posenc_jax.bench.tasks import make_task
-from posenc_jax.functional.registry import encoding_info
+from posenc_jax.functional.core.registry import encoding_info
 
 __all__ = ["FAMILIES", "PUBLISHED", "TITLES", "family", "figure", "plot", "write_report"]
 

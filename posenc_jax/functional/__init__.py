@@ -2,21 +2,16 @@
 
 Everything here is plain ``jax.numpy`` (no Flax). Each encoding lives in its own
 module with its functions, its hook (a pytree dataclass filling the hooks of
-:mod:`posenc_jax.functional.hooks`), its config and its registration; the attention
+:mod:`posenc_jax.functional.core.hooks`), its config and its registration; the attention
 composes the hooks. Helpers (position checks, relative gathers, phase tables) stay
-importable from their modules (``posenc_jax.functional.relative``, ``.positions``, ...).
+importable from their modules (``posenc_jax.functional.core.relative``, ``.positions``, ...).
 """
 
 # The attention, its hooks and the registry.
 # The encodings, one module each (importing a module registers its encoding).
-from posenc_jax.functional.alibi import ALiBi, alibi_bias, alibi_slopes
-from posenc_jax.functional.attention import SharedBias, dot_product_attention
-from posenc_jax.functional.axial_rope import AxialRoPE, apply_rope_2d
-from posenc_jax.functional.cache import CachedKeyTerm, KVCache
-from posenc_jax.functional.cope import CoPE, CoPEConfig, cope_logits
-from posenc_jax.functional.deberta import DeBERTa, DeBERTaConfig, deberta_log_bucket, deberta_logits
-from posenc_jax.functional.fire import Fire, FireConfig, fire_bias, fire_init
-from posenc_jax.functional.hooks import (
+from posenc_jax.functional.core.attention import SharedBias, dot_product_attention
+from posenc_jax.functional.core.cache import CachedKeyTerm, KVCache
+from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
     Embed,
@@ -33,12 +28,8 @@ from posenc_jax.functional.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.kerple import Kerple, KerpleConfig, kerple_bias
-from posenc_jax.functional.learned_absolute import LearnedAbsolute, LearnedAbsoluteConfig, learned_position_embedding
-from posenc_jax.functional.learned_relative import ClippedBiasConfig, ClippedRelativeBias, clipped_relative_bias
-from posenc_jax.functional.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
-from posenc_jax.functional.nope import NoPE
-from posenc_jax.functional.normalizers import (
+from posenc_jax.functional.core.masks import causal_mask, combine_masks, key_padding_mask, segment_mask
+from posenc_jax.functional.core.normalizers import (
     NORMALIZERS,
     URPE,
     ReLU2,
@@ -48,8 +39,7 @@ from posenc_jax.functional.normalizers import (
     relu2_weights,
     softmax_weights,
 )
-from posenc_jax.functional.randomized import RandomizedPositions, randomized_positions
-from posenc_jax.functional.registry import (
+from posenc_jax.functional.core.registry import (
     EncodingInfo,
     Source,
     encoding_config,
@@ -57,8 +47,26 @@ from posenc_jax.functional.registry import (
     encoding_names,
     register_encoding,
 )
-from posenc_jax.functional.rope import RoPE, RotaryTable, apply_rope, apply_rope_qk
-from posenc_jax.functional.rope_scaling import (
+from posenc_jax.functional.encodings.alibi import ALiBi, alibi_bias, alibi_slopes
+from posenc_jax.functional.encodings.axial_rope import AxialRoPE, apply_rope_2d
+from posenc_jax.functional.encodings.cope import CoPE, CoPEConfig, cope_logits
+from posenc_jax.functional.encodings.deberta import DeBERTa, DeBERTaConfig, deberta_log_bucket, deberta_logits
+from posenc_jax.functional.encodings.fire import Fire, FireConfig, fire_bias, fire_init
+from posenc_jax.functional.encodings.kerple import Kerple, KerpleConfig, kerple_bias
+from posenc_jax.functional.encodings.learned_absolute import (
+    LearnedAbsolute,
+    LearnedAbsoluteConfig,
+    learned_position_embedding,
+)
+from posenc_jax.functional.encodings.learned_relative import (
+    ClippedBiasConfig,
+    ClippedRelativeBias,
+    clipped_relative_bias,
+)
+from posenc_jax.functional.encodings.nope import NoPE
+from posenc_jax.functional.encodings.randomized import RandomizedPositions, randomized_positions
+from posenc_jax.functional.encodings.rope import RoPE, RotaryTable, apply_rope, apply_rope_qk
+from posenc_jax.functional.encodings.rope_scaling import (
     DynamicNTKScaling,
     LinearScaling,
     Llama3Scaling,
@@ -66,13 +74,18 @@ from posenc_jax.functional.rope_scaling import (
     NTKScaling,
     YaRNScaling,
 )
-from posenc_jax.functional.sandwich import Sandwich, sandwich_bias
-from posenc_jax.functional.shaw import Shaw, ShawConfig, shaw_key_logits, shaw_value_term
-from posenc_jax.functional.sinusoidal import Sinusoidal, sinusoidal_encoding
-from posenc_jax.functional.sinusoidal_relative import SinusoidalRelative, sinusoidal_relative_logits
-from posenc_jax.functional.t5 import T5Bias, T5Config, t5_bias, t5_relative_bucket
-from posenc_jax.functional.transformer_xl import TransformerXL, TransformerXLConfig, rel_shift, transformer_xl_logits
-from posenc_jax.functional.xpos import XPos, apply_xpos_qk
+from posenc_jax.functional.encodings.sandwich import Sandwich, sandwich_bias
+from posenc_jax.functional.encodings.shaw import Shaw, ShawConfig, shaw_key_logits, shaw_value_term
+from posenc_jax.functional.encodings.sinusoidal import Sinusoidal, sinusoidal_encoding
+from posenc_jax.functional.encodings.sinusoidal_relative import SinusoidalRelative, sinusoidal_relative_logits
+from posenc_jax.functional.encodings.t5 import T5Bias, T5Config, t5_bias, t5_relative_bucket
+from posenc_jax.functional.encodings.transformer_xl import (
+    TransformerXL,
+    TransformerXLConfig,
+    rel_shift,
+    transformer_xl_logits,
+)
+from posenc_jax.functional.encodings.xpos import XPos, apply_xpos_qk
 
 __all__ = [
     # attention, hooks, masks, normalisers, registry

@@ -23,10 +23,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.attention import IMPLEMENTATIONS, dot_product_attention, softmax_weights
-from posenc_jax.functional.cache import CachedKeyTerm, CachedTable, KVCache
-from posenc_jax.functional.hooks import AttentionContext, EncodingConfig, Normalize, Rotate, hook_names
-from posenc_jax.functional.normalizers import normalizer_config
+from posenc_jax.functional.core.attention import IMPLEMENTATIONS, dot_product_attention
+from posenc_jax.functional.core.cache import CachedKeyTerm, CachedTable, KVCache
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    EncodingConfig,
+    Normalize,
+    PerTokenRotation,
+    Rotate,
+    RotatesAbout,
+    hook_names,
+)
+from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
 from posenc_jax.nn.encoding import PositionEncoding
 
 __all__ = ["KVCache", "MultiHeadAttention"]
@@ -36,7 +44,8 @@ def _stores_rotated_keys(hooks: Sequence) -> bool:
     """Whether a cache may hold keys rotated: every rotate hook rotates by each token's own position alone
     (``rotates_per_token``), or does given a fixed reference position (``rotate_about``, xPos's centre)."""
     return all(
-        (getattr(hook, "rotates_per_token", False) or hasattr(hook, "rotate_about")) and hook_names(hook) == ("rotate",)
+        ((isinstance(hook, PerTokenRotation) and hook.rotates_per_token) or isinstance(hook, RotatesAbout))
+        and hook_names(hook) == ("rotate",)
         for hook in hooks
         if isinstance(hook, Rotate)
     )
@@ -265,7 +274,7 @@ class MultiHeadAttention(nnx.Module):
             key_length=k.shape[1],
         )
         for hook in hooks:
-            if isinstance(hook, Rotate) and hasattr(hook, "rotate_about"):
+            if isinstance(hook, Rotate) and isinstance(hook, RotatesAbout):
                 q, k = hook.rotate_about(q, k, context, reference)
             elif isinstance(hook, Rotate):
                 q, k = hook.rotate(q, k, context)

@@ -1,7 +1,7 @@
 """A Flax NNX module that holds one encoding's parameters.
 
-Every encoding config (an :class:`~posenc_jax.functional.hooks.EncodingConfig`, see
-:mod:`posenc_jax.functional.registry`) says how to make its parameters (``init``),
+Every encoding config (an :class:`~posenc_jax.functional.core.hooks.EncodingConfig`, see
+:mod:`posenc_jax.functional.core.registry`) says how to make its parameters (``init``),
 how to turn them into a hook object (``build``), and where it acts (``acts_on``).
 :class:`PositionEncoding` stores those parameters as ``nnx.Param``
 and, when called, returns the hook built from their current values. Parameter-free
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from flax import nnx
 
-from posenc_jax.functional.hooks import EncodingConfig
-from posenc_jax.functional.registry import encoding_config
+from posenc_jax.functional.core.hooks import EncodingConfig
+from posenc_jax.functional.core.registry import encoding_config
 
 __all__ = ["PositionEncoding", "resolve_config"]
 

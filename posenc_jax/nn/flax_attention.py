@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.attention import SharedBias, dot_product_attention
-from posenc_jax.functional.hooks import ATTENTION_HOOKS, EncodingConfig, ParameterFree, hook_names
+from posenc_jax.functional.core.attention import SharedBias, dot_product_attention
+from posenc_jax.functional.core.hooks import ATTENTION_HOOKS, EncodingConfig, ParameterFree, hook_names
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
 __all__ = ["AttentionFunction", "call_positions", "make_attention_fn"]

@@ -12,6 +12,7 @@ import jax
 from flax import nnx
 
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
+from posenc_jax.nn.transformer import Transformer
 
 __all__ = ["with_encoding"]
 
@@ -123,13 +124,12 @@ def with_encoding(model: nnx.Module, encoding, *, replace=None) -> nnx.Module:
 
 def _refresh(model: nnx.Module, old, new) -> None:
     """Settings a model derived from its encodings' configs (a Transformer's description and cache rule)."""
-    settings = getattr(model, "_settings", None)
-    if isinstance(settings, tuple):
-        model._settings = tuple(
-            (name, tuple(repr(new) if r == repr(old) else r for r in value) if name == "encodings" else value)
-            for name, value in settings
-        )
-    if hasattr(model, "length_dependent") and hasattr(model, "blocks"):
-        model.length_dependent = any(
-            m.config.length_dependent for m in _encoding_modules(model) if m.acts_on not in ("shared_bias",)
-        )
+    if not isinstance(model, Transformer):
+        return
+    model._settings = tuple(
+        (name, tuple(repr(new) if r == repr(old) else r for r in value) if name == "encodings" else value)
+        for name, value in model._settings
+    )
+    model.length_dependent = any(
+        m.config.length_dependent for m in _encoding_modules(model) if m.acts_on not in ("shared_bias",)
+    )

@@ -27,16 +27,18 @@ model's split state, the caches donated).
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.attention import SharedBias, goes_blockwise, softmax_weights
-from posenc_jax.functional.cache import KVCache
-from posenc_jax.functional.hooks import AttentionContext, ParameterFree
-from posenc_jax.functional.positions import check_positions
+from posenc_jax.functional.core.attention import SharedBias, goes_blockwise
+from posenc_jax.functional.core.cache import KVCache
+from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, PreparesTables
+from posenc_jax.functional.core.normalizers import softmax_weights
+from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
@@ -45,7 +47,7 @@ __all__ = ["Block", "Transformer", "decode_step"]
 
 def _name_of(normalizer) -> str:
     """A function by its import path, a config (URPE) by its repr: the same text in every process."""
-    if hasattr(normalizer, "__qualname__"):
+    if inspect.isfunction(normalizer) or inspect.isclass(normalizer):
         return f"{normalizer.__module__}.{normalizer.__qualname__}"
     return repr(normalizer)
 
@@ -271,7 +273,7 @@ class Transformer(nnx.Module):
         # Parameter-free rotations (RoPE): their tables once for this forward, used by every layer.
         prepared = [
             module.config.prepare(positions, head_dim)
-            if isinstance(module.config, ParameterFree) and hasattr(module.config, "prepare")
+            if isinstance(module.config, ParameterFree) and isinstance(module.config, PreparesTables)
             else None
             for module in self.blocks[0].attention.encodings
         ]

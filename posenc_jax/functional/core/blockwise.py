@@ -1,0 +1,312 @@
+"""Blockwise attention: the same function, in tiles, in memory linear in the length.
+
+:func:`blockwise_attention` computes exactly what
+:func:`~posenc_jax.functional.core.attention.dot_product_attention` computes, without ever
+holding the ``[B, N, T, S]`` scores. Queries are cut into blocks of ``block_q`` rows and
+keys into blocks of ``block_k``; for each query block a ``lax.scan`` visits the key blocks
+and keeps, per query row, a running maximum ``m``, a running denominator ``l`` and a
+running output ``o`` (the online softmax of Milakov & Gimelshein 2018, as in
+FlashAttention, Dao et al. 2022):
+
+    m' = max(m, max_s s[t, s])          c = exp(m - m')
+    p  = exp(s - m')                    l' = c·l + Σ_s p
+    o' = c·o + p · v                    out = o / l   (after the last key block)
+
+Only one ``[B, N, block_q, block_k]`` tile of scores exists at a time. Every hook is
+computed per tile, from the tile's own positions (an :class:`AttentionContext` whose
+positions and mask are the tile's):
+
+* ``rotate`` hooks (RoPE and its scalings, xPos, axial RoPE) run once on the whole q and k
+  before tiling: a rotation is per token.
+* ``logits`` hooks (T5, ALiBi, Kerple, FIRE, Sandwich, the clipped and functional relative
+  biases, Shaw's R_K, Transformer-XL, DeBERTa) compute their tile from the tile's positions
+  and the tile's q and k; per-key arrays a hook read from a KV cache are cut to the tile's
+  keys (``map_key_features``). A hook whose tile depends on key tiles after it (CoPE: its gate
+  sums run over the keys up to the query) is a :class:`CarriedLogits`: key blocks are then
+  visited last first and the hook carries its sums from tile to tile.
+* ``values`` hooks (Shaw's R_V) must be linear in the weights: the tile's term is accumulated
+  beside the output with the same rescaling ``c`` and divided by the same denominator.
+* Normalisers bring their tiled form through the contract
+  (:class:`~posenc_jax.functional.core.hooks.TiledNormalize`), so a user's normaliser tiles
+  too: softmax and URPE (softmax times a per-tile Toeplitz factor) online as above; L2 online
+  with ``l`` the running sum of ``p²`` (rescaled by ``c²``) and ``√l`` at the end; relu²/n
+  with no maximum at all (``p = relu(s)²``, divided by n at the end).
+
+A hook that cannot be computed per tile says so (it derives from ``MaterializeOnly``)
+and is refused with an error that names it; nothing is silently materialised.
+
+A causal key block that every query of the block is before (by position) is skipped with a
+``lax.cond``. Gradients: each query block and each key step is a ``jax.checkpoint``, so the
+backward pass recomputes tiles instead of storing them, and its memory stays linear in T and
+S (the per-query-block residuals are ``[B, block_q, N, H]`` per key block).
+
+Dropout draws its keep-mask per tile (``fold_in`` of the query and key block indices): the
+same distribution as the materialising path's, not the same mask.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import einops
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    CarriedLogits,
+    KeyFeatures,
+    Logits,
+    MaterializeOnly,
+    Rotate,
+    TiledNormalize,
+    Values,
+)
+from posenc_jax.functional.core.products import content_scores, selected_product, value_product
+from posenc_jax.functional.kernels.broadcast import broadcast_to
+
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
+
+DEFAULT_BLOCK_Q = 512
+DEFAULT_BLOCK_K = 512
+
+
+def check_blockwise(hooks: Sequence, normalizer) -> None:
+    """Raises a ValueError naming the first hook or normaliser that cannot run in tiles."""
+    for hook in hooks:
+        if isinstance(hook, MaterializeOnly):
+            raise ValueError(
+                f"{type(hook).__name__} cannot be computed per tile (it is MaterializeOnly); use "
+                f"implementation='materialize' for it"
+            )
+    if not isinstance(normalizer, TiledNormalize):
+        raise ValueError(
+            f"the normalizer {normalizer!r} has no blockwise form (it does not fill TiledNormalize: tile_init, "
+            f"tile_weights, tile_denominator); use implementation='materialize' for it"
+        )
+
+
+def _pad_to(x: jax.Array, length: int, axis: int, *, edge: bool = False) -> jax.Array:
+    """``x`` padded along ``axis`` to ``length`` (with zeros, or by repeating the last entry)."""
+    extra = length - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, mode="edge" if edge else "constant")
+
+
+def _tile(x: jax.Array | None, index, size: int, axis: int) -> jax.Array | None:
+    """The ``index``-th block of ``size`` along ``axis`` (a broadcast axis of 1 is kept whole)."""
+    if x is None or x.shape[axis] == 1:
+        return x
+    return jax.lax.dynamic_slice_in_dim(x, index * size, size, axis=axis)
+
+
+def _tile_product(p: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
+    """``Σ_s p[b,n,t,s] · v[b,s,n]`` over a tile, ``[B, bq, N, H]`` float32, exact whatever masked values hold.
+
+    ``p`` is zero where the mask is False, but ``0 · NaN`` is NaN: a tile whose values are
+    all finite takes the plain einsum, any other the selecting product (a ``lax.cond``).
+    """
+    plain = value_product
+    if mask is None:
+        return plain(p, value)
+    finite = jnp.isfinite(value)
+
+    def selecting(p, value):
+        # The finite values by the einsum; the others only where seen, by blocks of query rows
+        # (never a [B, N, bq, bk, H] product), not differentiated (the rows they reach are not finite).
+        finite_part = plain(p, jnp.where(finite, value, jnp.zeros((), value.dtype)))
+        nonfinite = jax.lax.stop_gradient(jnp.where(finite, jnp.zeros((), value.dtype), value))
+        return finite_part + selected_product(jax.lax.stop_gradient(p), nonfinite, mask, block_elements=1 << 18)
+
+    return jax.lax.cond(finite.all(), plain, selecting, p, value)
+
+
+def blockwise_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    hooks: Sequence,
+    normalizer,
+    context: AttentionContext,
+    key_mask: jax.Array | None,
+    query_segment_ids: jax.Array | None,
+    key_segment_ids: jax.Array | None,
+    mask: jax.Array | None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    block_k: int = DEFAULT_BLOCK_K,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+) -> jax.Array:
+    """Attention over tiles; the inputs as checked by ``dot_product_attention``'s first stage.
+
+    Use it through ``dot_product_attention(..., implementation="blockwise")``, which checks
+    the arguments and builds ``context`` (whose ``mask`` is None here: the mask is built per
+    tile from the positions, ``key_mask``, the segment ids and ``mask``).
+
+    Returns:
+      ``[B, T, N, H]`` float32.
+    """
+    check_blockwise(hooks, normalizer)
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"{name} must be a positive integer, got {size!r}")
+    batch, q_len, num_heads, head_dim = query.shape
+    k_len = key.shape[1]
+    if dropout_rate > 0.0 and dropout_rng is None:
+        raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng PRNG key")
+
+    for hook in hooks:
+        if isinstance(hook, Rotate):
+            query, key = hook.rotate(query, key, context)
+    block_q, block_k = min(int(block_q), q_len), min(int(block_k), k_len)
+    num_q_blocks, num_k_blocks = math.ceil(q_len / block_q), math.ceil(k_len / block_k)
+    q_pad, k_pad = num_q_blocks * block_q, num_k_blocks * block_k
+
+    # Keys that no query may see by key_mask are zeroed (their NaNs reach nothing).
+    key_valid = None if key_mask is None else jnp.asarray(key_mask)
+    key_valid = None if key_valid is None else (key_valid if key_valid.ndim == 2 else key_valid[None])
+    if key_valid is not None:
+        key = jnp.where(key_valid[:, :, None, None], key, jnp.zeros((), key.dtype))
+        value = jnp.where(key_valid[:, :, None, None], value, jnp.zeros((), value.dtype))
+    # relu²/n's n per query, as stage 1 counted it (None: all S keys); padded queries repeat the last.
+    counts = context.sequence_lengths
+    counts = None if counts is None else _pad_to(counts, q_pad, 1, edge=True)
+
+    # Padded keys are invalid; padded queries are computed and dropped.
+    if k_pad != k_len:
+        real = jnp.arange(k_pad) < k_len
+        key_valid = real[None] if key_valid is None else _pad_to(key_valid, k_pad, 1) & real[None]
+    query = _pad_to(query, q_pad, 1)
+    key, value = _pad_to(key, k_pad, 1), _pad_to(value, k_pad, 1)
+    # Without positions (no mask or hook reads them) the tiles still need some: the indices.
+    qpos = jnp.arange(q_len) if context.query_positions is None else context.query_positions
+    kpos = jnp.arange(k_len) if context.key_positions is None else context.key_positions
+    qpos = _pad_to(jnp.atleast_2d(qpos), q_pad, 1, edge=True)
+    kpos = _pad_to(jnp.atleast_2d(kpos), k_pad, 1, edge=True)
+    qseg = kseg = None
+    if query_segment_ids is not None:
+        qseg = _pad_to(jnp.atleast_2d(jnp.asarray(query_segment_ids)), q_pad, 1, edge=True)
+        kseg = _pad_to(jnp.atleast_2d(jnp.asarray(key_segment_ids)), k_pad, 1, edge=True)
+    extra = None
+    if mask is not None:
+        extra = jnp.asarray(mask)
+        extra = extra.reshape((1,) * (4 - extra.ndim) + extra.shape)
+        extra = _pad_to(extra, q_pad, 2) if extra.shape[2] != 1 else extra
+        extra = _pad_to(extra, k_pad, 3) if extra.shape[3] != 1 else extra
+
+    # Hooks that read per-key arrays stored earlier (a KV cache's: DeBERTa's key projections, Transformer-XL's
+    # u·k, the functional encoding's key sinusoids) read each key tile's, padded as the keys are.
+    hooks = [
+        hook.map_key_features(lambda x: _pad_to(x, k_pad, 1)) if isinstance(hook, KeyFeatures) else hook
+        for hook in hooks
+    ]
+    carried = [hook for hook in hooks if isinstance(hook, CarriedLogits)]
+    values_hooks = [hook for hook in hooks if isinstance(hook, Values)]
+    key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
+    causal = context.causal
+
+    def query_block(qi):
+        q = _tile(query, qi, block_q, 1)
+        q_positions = _tile(qpos, qi, block_q, 1)
+        q_segments = _tile(qseg, qi, block_q, 1)
+        q_extra = _tile(extra, qi, block_q, 2)
+        q_context = AttentionContext(
+            q_positions,
+            q_positions,
+            context.scale,
+            head_dim,
+            num_heads,
+            causal,
+            k_len,
+            None,
+            _tile(counts, qi, block_q, 1),
+        )
+        rows = (batch, num_heads, block_q)
+        carry = (
+            normalizer.tile_init(rows),  # the normaliser's running statistics
+            jnp.zeros((batch, block_q, num_heads, head_dim), jnp.float32),  # running output
+            tuple(jnp.zeros((batch, block_q, num_heads, head_dim), jnp.float32) for _ in values_hooks),
+            tuple(hook.init_carry(q, q_context) for hook in carried),
+        )
+
+        def step(carry, kj):
+            state, acc, vacc, hook_carry = carry
+            k = _tile(key, kj, block_k, 1)
+            v = _tile(value, kj, block_k, 1)
+            k_positions = _tile(kpos, kj, block_k, 1)
+            tile_mask = None
+            parts = []
+            if causal:
+                parts.append(k_positions[:, None, None, :] <= q_positions[:, None, :, None])
+            if key_valid is not None:
+                parts.append(_tile(key_valid, kj, block_k, 1)[:, None, None, :])
+            if q_segments is not None:
+                parts.append(q_segments[:, None, :, None] == _tile(kseg, kj, block_k, 1)[:, None, None, :])
+            if q_extra is not None:
+                parts.append(_tile(q_extra, kj, block_k, 3))
+            for part in parts:
+                tile_mask = part if tile_mask is None else jnp.logical_and(tile_mask, part)
+            tile_context = AttentionContext(
+                q_positions, k_positions, context.scale, head_dim, num_heads, causal, k_len, tile_mask
+            )
+
+            s = content_scores(q, k, context.scale)
+            new_hook_carry = []
+            for hook in hooks:
+                if isinstance(hook, KeyFeatures):
+                    hook = hook.map_key_features(lambda x: _tile(x, kj, block_k, 1))
+                if isinstance(hook, CarriedLogits):
+                    term, c = hook.carried_logits(q, k, tile_context, hook_carry[len(new_hook_carry)])
+                    new_hook_carry.append(c)
+                else:
+                    term = hook.logits(q, k, tile_context) if isinstance(hook, Logits) else None
+                if term is not None:
+                    term = term.astype(jnp.float32)
+                    s = s + broadcast_to(term.reshape((1,) * (4 - term.ndim) + term.shape), s.shape)
+            visible = jnp.ones(s.shape, bool) if tile_mask is None else jnp.broadcast_to(tile_mask, s.shape)
+
+            p, state, correction = normalizer.tile_weights(s, visible, state, tile_context)
+            if dropout_rate > 0.0:
+                rng = jax.random.fold_in(jax.random.fold_in(dropout_rng, qi), kj)
+                keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, p.shape)
+                p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
+            out = _tile_product(p, v, tile_mask)
+            terms = []
+            for hook in values_hooks:
+                term = hook.values(p, tile_context)
+                terms.append(jnp.zeros_like(acc) if term is None else term.astype(jnp.float32))
+            if correction is not None:
+                rescale = einops.rearrange(correction, "B N T -> B T N 1")
+                acc = acc * rescale
+                vacc = tuple(a * rescale for a in vacc)
+            acc = acc + out
+            vacc = tuple(a + t for a, t in zip(vacc, terms, strict=True))
+            return (state, acc, vacc, tuple(new_hook_carry))
+
+        def maybe_step(carry, kj):
+            if not causal:
+                return step(carry, kj)
+            # Every query of the block is before every key of the key block: nothing to see, and a
+            # carried hook's sums pass through unchanged (the tile's gates are all masked).
+            hidden = jnp.all(_tile(kpos, kj, block_k, 1).min(-1) > q_positions.max(-1))
+            return jax.lax.cond(hidden, lambda c, _: c, step, carry, kj)
+
+        # The checkpoint holds the cond too: a differentiated cond would keep its branch's residuals
+        # for every key block, and the backward pass's memory would grow with T x S.
+        maybe_step = jax.checkpoint(maybe_step)
+
+        (state, acc, vacc, _), _ = jax.lax.scan(lambda c, kj: (maybe_step(c, kj), None), carry, key_order)
+        acc = acc + sum(vacc) if vacc else acc
+        denominator = jnp.broadcast_to(normalizer.tile_denominator(state, q_context), rows)
+        denominator = jnp.where(denominator > 0, denominator, 1.0)
+        return acc / einops.rearrange(denominator, "B N T -> B T N 1")
+
+    blocks = jax.lax.map(jax.checkpoint(query_block), jnp.arange(num_q_blocks))  # [nq, B, bq, N, H]
+    out = einops.rearrange(blocks, "Q B T N H -> B (Q T) N H")
+    return out[:, :q_len]

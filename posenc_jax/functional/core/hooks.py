@@ -1,0 +1,424 @@
+"""The encoding contract: the hooks an encoding fills and the context every hook receives.
+
+An encoding is defined by where it acts. It fills one or more of these hooks, each a
+:class:`typing.Protocol`, and :func:`posenc_jax.functional.dot_product_attention`
+composes whatever it is given:
+
+==============  ===========================================  ==================================
+hook            signature                                    encodings
+==============  ===========================================  ==================================
+``embed``       ``embed(x, positions) -> x``                 sinusoidal, learned absolute, NoPE
+``rotate``      ``rotate(q, k, context) -> (q, k)``          RoPE and its scalings, xPos, axial
+``logits``      ``logits(q, k, context) -> [B,N,T,S]``       T5, ALiBi, Kerple, FIRE, Shaw, ...
+``values``      ``values(weights, context) -> [B,T,N,H]``    Shaw's R_V
+``normalize``   ``normalize(scores, mask, context)``         softmax, L2, relu²/n, URPE
+==============  ===========================================  ==================================
+
+Two more protocols say how a hook may be used: a :class:`PositionBias` is a ``logits``
+term that depends on positions alone (``bias(context)``), so a model computes it once per
+forward and shares it across layers; a :class:`ScoreScale` prescribes the content-score
+scale (DeBERTa's ``1/√(3H)``).
+
+Every attention hook receives one :class:`AttentionContext`: the query and key positions,
+the boolean mask, the score scale, the head dim and head count, whether the attention is
+causal, and the key length. An encoding reads what it needs there (a term that shares the score scale
+reads ``context.scale``; an encoding with a causal and a bidirectional form follows
+``context.causal`` unless told otherwise); nothing rewrites an encoding's fields.
+
+Hooks and configs are frozen dataclasses registered as pytrees with
+:func:`pytree_dataclass`: fields made with :func:`parameter` are leaves (arrays that
+``jax.jit``, ``jax.vmap`` and ``jax.grad`` see), every other field is a static setting.
+A built hook can therefore be an argument of a transformed function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
+
+import jax
+
+__all__ = [
+    "AddsLogits",
+    "AddsLogitsToContent",
+    "AttentionContext",
+    "BiasHook",
+    "Embed",
+    "KeyFeatures",
+    "EncodingConfig",
+    "Logits",
+    "MaterializeOnly",
+    "CarriedLogits",
+    "Normalize",
+    "ParameterFree",
+    "PerTokenRotation",
+    "Placement",
+    "PositionBias",
+    "PositionSampler",
+    "PreparesTables",
+    "Rotate",
+    "RotatesAbout",
+    "ScoreFeatures",
+    "ScoreScale",
+    "TiledNormalize",
+    "Values",
+    "hook_names",
+    "parameter",
+    "pytree_dataclass",
+]
+
+Placement = Literal["embeddings", "positions", "attention", "shared_bias", "normalizer"]
+PLACEMENTS: tuple[str, ...] = ("embeddings", "positions", "attention", "shared_bias", "normalizer")
+
+
+def parameter(**kwargs) -> Any:
+    """A dataclass field holding a parameter: a pytree leaf (or subtree) of the hook."""
+    return dataclasses.field(metadata={"parameter": True}, **kwargs)
+
+
+def pytree_dataclass(cls):
+    """Makes ``cls`` a frozen dataclass registered as a pytree.
+
+    Fields declared with :func:`parameter` are the children; the others are static
+    auxiliary data (hashable settings). Unflattening bypasses ``__init__``, so the
+    checks in ``__post_init__`` run when a user builds the object, not when JAX rebuilds
+    it around tracers or placeholder leaves.
+    """
+    cls = dataclasses.dataclass(frozen=True)(cls)
+    fields = dataclasses.fields(cls)
+    data = tuple(f.name for f in fields if f.metadata.get("parameter"))
+    meta = tuple(f.name for f in fields if not f.metadata.get("parameter"))
+
+    def flatten_with_keys(obj):
+        children = [(jax.tree_util.GetAttrKey(name), getattr(obj, name)) for name in data]
+        return children, tuple(getattr(obj, name) for name in meta)
+
+    def flatten(obj):
+        return [getattr(obj, name) for name in data], tuple(getattr(obj, name) for name in meta)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for name, value in zip(meta, aux, strict=True):
+            object.__setattr__(obj, name, value)
+        for name, value in zip(data, children, strict=True):
+            object.__setattr__(obj, name, value)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
+
+
+@pytree_dataclass
+class AttentionContext:
+    """What one attention call tells every hook.
+
+    Attributes:
+      query_positions: int32 ``[T]`` or ``[B, T]``.
+      key_positions: int32 ``[S]`` or ``[B, S]`` (the same object as ``query_positions``
+        in self-attention, so tables computed from positions are computed once).
+      scale: the content-score scale of this call (explicit, prescribed by an
+        encoding, or ``1/√H``); terms bilinear in q read it.
+      head_dim: H.
+      num_heads: N, the number of query heads.
+      causal: whether keys after the query (by position) are masked.
+      key_length: S, the number of keys of this call.
+      mask: the call's boolean mask ``[B|1, N|1, T, S]`` (True = attend), or None: the
+        causal mask, key padding (and a KV cache's empty slots), segments and any extra
+        mask, combined. A hook that sums over keys (CoPE's gates, a value term) must
+        leave masked keys out by selecting (``jnp.where``), not by multiplying by zero,
+        so that whatever a masked key holds (NaN, inf) never reaches the output.
+      sequence_lengths: float32 ``[B|1, T]``, for each query the number of keys of its
+        sequence (real keys of its packed segment; the causal mask does not enter), or
+        None when every one of the ``key_length`` keys counts (relu²/n reads it).
+
+    In blockwise attention a hook sees one tile at a time: the positions, ``mask`` and
+    ``sequence_lengths`` are the tile's (``key_length`` stays the whole call's S), so a
+    hook that computes its term from the context's positions works unchanged in tiles.
+    """
+
+    query_positions: jax.Array = parameter()
+    key_positions: jax.Array = parameter()
+    scale: float = 1.0
+    head_dim: int = 0
+    num_heads: int = 0
+    causal: bool = False
+    key_length: int = 0
+    mask: jax.Array | None = parameter(default=None)
+    sequence_lengths: jax.Array | None = parameter(default=None)
+
+    def bidirectional(self, setting: bool | None) -> bool:
+        """An encoding's direction: its explicit ``setting``, else the attention's (not causal)."""
+        return (not self.causal) if setting is None else bool(setting)
+
+    def check_heads(self, heads: int, what: str) -> None:
+        """Refuses a per-head parameter (``what``, for ``heads`` heads) that does not match N (when known)."""
+        if self.num_heads and heads != self.num_heads:
+            raise ValueError(
+                f"{what} has {heads} heads but the attention has N={self.num_heads} query heads; "
+                f"make it for {self.num_heads} heads (init(..., num_heads={self.num_heads}))"
+            )
+
+
+@runtime_checkable
+class Embed(Protocol):
+    """Adds position information to token embeddings ``x`` ``[..., T, D]`` before the first layer."""
+
+    def embed(self, x: jax.Array, positions: jax.Array) -> jax.Array: ...
+
+
+@runtime_checkable
+class PositionSampler(Protocol):
+    """Replaces the positions themselves (randomized positions) before any other encoding sees them."""
+
+    def sample(self, key: jax.Array, positions: jax.Array, *, train: bool) -> jax.Array: ...
+
+
+@runtime_checkable
+class Rotate(Protocol):
+    """Transforms queries ``[B, T, N, H]`` and keys ``[B, S, K, H]`` (RoPE family, xPos)."""
+
+    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
+
+
+@runtime_checkable
+class Logits(Protocol):
+    """A term added to the scaled ``[B, N, T, S]`` scores (float32, broadcastable), or None.
+
+    Faster forms a hook may also fill: :class:`AddsLogits`, :class:`AddsLogitsToContent`,
+    :class:`ScoreFeatures` (the attention then uses them; ``logits`` stays the reference).
+    """
+
+    def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class AddsLogits(Protocol):
+    """A ``logits`` hook that adds its term into the scores itself: ``add_logits(scores, q, k, context)``
+    returns ``scores + logits(q, k, context)``, the term built by blocks of query rows and never
+    stored whole (FIRE's MLP bias, Transformer-XL's terms, CoPE's term). ``logits`` stays the
+    reference, and blockwise attention calls it per tile."""
+
+    def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class AddsLogitsToContent(Protocol):
+    """An :class:`AddsLogits` hook that also makes the content scores when it adds the first term.
+
+    ``add_logits_to_content(content, q, k, context)`` is called instead of ``add_logits`` when the
+    hook adds the first term and no features are joined: ``content()`` makes the content scores,
+    exactly ``context.scale · q·k``; the hook returns them plus its term. A term that reads them
+    uses them rather than compute ``q·k`` again (CoPE's gates), and may make them inside a
+    run-time conditional, which would copy scores given to it.
+    """
+
+    def add_logits_to_content(
+        self, content: Callable[[], jax.Array], q: jax.Array, k: jax.Array, context: AttentionContext
+    ) -> jax.Array: ...
+
+
+@runtime_checkable
+class ScoreFeatures(Protocol):
+    """A ``logits`` term that splits into per-query and per-key features.
+
+    ``score_features(q, k, context) -> (fq [B, T, N, F], fk [B|1, S, F])`` with
+    ``context.scale · einsum("BTNF,BSF->BNTS", fq, fk)`` equal to the term: float32 attention
+    appends them to q and k, so one contraction gives content and term (the functional
+    relative encoding's sinusoid identity).
+    """
+
+    def score_features(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
+
+
+@runtime_checkable
+class KeyFeatures(Protocol):
+    """A hook holding per-key arrays ``[B, S, ...]`` (read from a KV cache: DeBERTa's key projections,
+    Transformer-XL's ``u·k``): ``map_key_features(fn)`` is the hook with ``fn`` applied to each, which
+    blockwise attention uses to pad them and cut them to each key tile."""
+
+    def map_key_features(self, fn: Callable[[jax.Array], jax.Array]) -> Any: ...
+
+
+class MaterializeOnly:
+    """Base of a hook that cannot be computed per tile: blockwise attention refuses it by name."""
+
+
+@runtime_checkable
+class PerTokenRotation(Protocol):
+    """A ``rotate`` hook that says whether it rotates each token by that token's position alone.
+
+    When ``rotates_per_token`` is True (RoPE and its fixed scalings, axial RoPE) a KV cache may
+    store keys rotated and each decoding step rotates only its new tokens; a length-dependent
+    scaling says False. A rotate hook that does not fill this protocol is treated as not per
+    token (correct, but the cache re-rotates every stored key at each step).
+    """
+
+    @property
+    def rotates_per_token(self) -> bool: ...
+
+
+@runtime_checkable
+class RotatesAbout(Protocol):
+    """A ``rotate`` hook that rotates per token given a fixed reference position (xPos's centre):
+    ``rotate_about(q, k, context, reference)``; a KV cache stores its keys rotated about it."""
+
+    def rotate_about(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext, reference: jax.Array | None
+    ) -> tuple[jax.Array, jax.Array]: ...
+
+
+@runtime_checkable
+class PreparesTables(Protocol):
+    """A parameter-free ``rotate`` hook whose tables depend on positions alone.
+
+    ``prepare(positions, head_dim)`` returns a ``rotate`` hook that rotates by tables computed
+    once for those positions; a model calls it once per forward and shares the result across
+    its layers (RoPE and its scalings).
+    """
+
+    def prepare(self, positions: jax.Array, head_dim: int) -> Rotate: ...
+
+
+@runtime_checkable
+class CarriedLogits(Protocol):
+    """A ``logits`` term whose tile also depends on the key tiles after it (CoPE's gate sums).
+
+    Blockwise attention visits the key tiles of a query block last first: ``init_carry``
+    gives the carry for a query block (``q`` and ``context`` are the block's), and
+    ``carried_logits`` gives one tile's ``[B, N, bq, bk]`` term from the sums of the
+    tiles after it, and the sums passed on. The hook still fills ``logits`` for the
+    materialising path.
+    """
+
+    def init_carry(self, q: jax.Array, context: AttentionContext) -> Any: ...
+
+    def carried_logits(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext, carry: Any
+    ) -> tuple[jax.Array, Any]: ...
+
+
+@runtime_checkable
+class PositionBias(Protocol):
+    """A ``logits`` term that depends on positions alone: computed once per forward, shared by layers."""
+
+    def bias(self, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class Values(Protocol):
+    """A ``[B, T, N, H]`` term added to the attention output, from the ``[B, N, T, S]`` weights, or None."""
+
+    def values(self, weights: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class Normalize(Protocol):
+    """Turns float32 scores ``[B, N, T, S]`` and a boolean mask (or None) into weights.
+
+    The weights must be exactly zero where the mask is False (by selection, whatever the
+    masked scores hold): the attention adds no selection of its own.
+    """
+
+    def normalize(self, scores: jax.Array, mask: jax.Array | None, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class TiledNormalize(Protocol):
+    """A normaliser blockwise attention runs in tiles: ``out = Σ_tiles p · v / denominator``.
+
+    For each block of query rows (``rows`` = ``(B, N, bq)``) the attention starts from
+    ``tile_init(rows)``, a pytree of running statistics. Each key tile's float32 ``scores``
+    ``[B, N, bq, bk]`` and boolean ``visible`` give ``tile_weights(...) -> (p, state,
+    correction)``: the tile's unnormalised weights (zero where not visible), the new state,
+    and the factor ``[B, N, bq]`` by which the output accumulated so far is rescaled (None:
+    no rescaling, e.g. without a running maximum). After the last tile the output is divided
+    by ``tile_denominator(state, context)`` (broadcastable to ``rows``; a zero becomes 1).
+    ``context`` is the tile's in ``tile_weights`` (its positions and mask) and the query
+    block's in ``tile_denominator`` (``sequence_lengths`` of the block's rows).
+    """
+
+    def tile_init(self, rows: tuple[int, ...]) -> Any: ...
+
+    def tile_weights(
+        self, scores: jax.Array, visible: jax.Array, state: Any, context: AttentionContext
+    ) -> tuple[jax.Array, Any, jax.Array | None]: ...
+
+    def tile_denominator(self, state: Any, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class ScoreScale(Protocol):
+    """Prescribes the content-score scale for a head dim (DeBERTa: ``1/√(3H)``)."""
+
+    def score_scale(self, head_dim: int) -> float: ...
+
+
+_HOOKS = {
+    "embed": Embed,
+    "rotate": Rotate,
+    "logits": Logits,
+    "values": Values,
+    "normalize": Normalize,
+    "sample": PositionSampler,
+}
+ATTENTION_HOOKS: tuple[str, ...] = ("rotate", "logits", "values")
+
+
+def hook_names(hook) -> tuple[str, ...]:
+    """The hooks ``hook`` fills, in the order of the design's table.
+
+    Example:
+      >>> from posenc_jax.functional import RoPE
+      >>> hook_names(RoPE())
+      ('rotate',)
+    """
+    return tuple(name for name, protocol in _HOOKS.items() if isinstance(hook, protocol))
+
+
+class EncodingConfig:
+    """Base of every registered encoding's configuration (a frozen dataclass of settings).
+
+    ``acts_on`` says where the encoding acts, so a model places it without building it:
+    ``"embeddings"`` (added to token embeddings), ``"positions"`` (replaces the positions),
+    ``"attention"`` (hooks inside each layer's attention, with that layer's parameters),
+    ``"shared_bias"`` (a position-only bias with one set of parameters, computed once per
+    forward for all layers) or ``"normalizer"``.
+    """
+
+    acts_on: ClassVar[Placement] = "attention"
+
+    def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        """The encoding's parameters (a dict of arrays; empty when it has none)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define init()")
+
+    def build(self, params: dict):
+        """The hook object made from ``params``."""
+        raise NotImplementedError(f"{type(self).__name__} does not define build()")
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether the encoding reads the sequence length (``max(position) + 1``): dynamic NTK, LongRoPE."""
+        return False
+
+    def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> EncodingConfig:
+        """This config sized for a model trained on ``train_length`` tokens and tested up to
+        ``max_length`` (tables long enough, scalings' factors); most encodings need nothing."""
+        return self
+
+
+class ParameterFree(EncodingConfig):
+    """Base of encodings without parameters: each is its own config (``build`` returns it)."""
+
+    def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return {}
+
+    def build(self, params: dict):
+        return self
+
+
+class BiasHook:
+    """Mixin for :class:`PositionBias` encodings: the ``logits`` term is ``bias(context)``."""
+
+    def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        return self.bias(context)

@@ -1,0 +1,222 @@
+"""Encodings by name: the registry, and the metadata each encoding registers with.
+
+Each encoding registers itself where it is defined::
+
+    @register_encoding("t5", description="...", source=Source(...), small_settings=dict(num_buckets=8))
+    @pytree_dataclass
+    class T5Config(EncodingConfig):
+        ...
+
+``encoding_config("t5", num_buckets=64)`` then returns a frozen config with ``init``
+(its parameters) and ``build`` (its hook object), ``encoding_names()`` lists every name,
+and ``encoding_info("t5")`` says what it is, where it acts, and where it comes from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+
+import jax
+
+from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, MaterializeOnly, hook_names
+
+__all__ = ["EncodingInfo", "Source", "encoding_config", "encoding_info", "encoding_names", "register_encoding"]
+
+FORMS = ("causal", "bidirectional")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """Where an encoding comes from: the paper, and a BibTeX entry to cite it by."""
+
+    title: str
+    authors: str
+    year: int
+    arxiv: str | None
+    bibtex: str
+
+    @classmethod
+    def paper(
+        cls, key: str, *, title: str, authors: str, year: int, arxiv: str | None = None, venue: str | None = None
+    ) -> Source:
+        """A source whose BibTeX entry is made from its fields (``authors`` as BibTeX writes them,
+        ``" and "``-separated)."""
+        lines = [f"  title = {{{title}}}", f"  author = {{{authors}}}", f"  year = {{{year}}}"]
+        if venue:
+            lines.append(f"  journal = {{{venue}}}")
+        if arxiv:
+            lines += [f"  eprint = {{{arxiv}}}", "  archivePrefix = {arXiv}"]
+        bibtex = f"@article{{{key},\n" + ",\n".join(lines) + "\n}"
+        return cls(title=title, authors=authors, year=year, arxiv=arxiv, bibtex=bibtex)
+
+
+@dataclasses.dataclass(frozen=True)
+class EncodingInfo:
+    """What ``encoding_info(name)`` tells about a registered encoding.
+
+    Attributes:
+      name: the registered name.
+      description: one line.
+      acts_on: ``"embeddings"``, ``"positions"``, ``"attention"``, ``"shared_bias"``
+        (a position-only bias shared by all layers) or ``"normalizer"``.
+      hooks: the hooks its built object fills (``("rotate",)``, ``("logits", "values")``, ...).
+      forms: ``("causal", "bidirectional")`` when it has both forms (it then follows the
+        attention's ``causal`` unless set), or the one form it is defined for.
+      kv_cache: whether decoding with a KV cache gives the logits of the full forward.
+      length_dependent: whether it reads the sequence length (``max(position) + 1``).
+      blockwise: whether blockwise attention can compute it tile by tile (read off the
+        built hook: False only for a ``MaterializeOnly`` hook).
+      settings: the names ``encoding_config(name, ...)`` accepts.
+      required: those of them without a default.
+      small_settings: settings for a tiny model (head dim 8, up to 16 tokens) that
+        exercise every branch; the tests use them.
+      source: the paper.
+    """
+
+    name: str
+    description: str
+    acts_on: str
+    hooks: tuple[str, ...]
+    forms: tuple[str, ...]
+    kv_cache: bool
+    length_dependent: bool
+    blockwise: bool
+    settings: tuple[str, ...]
+    required: tuple[str, ...]
+    small_settings: Mapping
+    source: Source
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    """How to make the config, and the metadata given at registration (the rest is read off the code)."""
+
+    factory: Callable
+    config_type: type
+    metadata: dict  # the EncodingInfo fields given to register_encoding
+
+
+_REGISTRY: dict[str, _Entry] = {}
+
+
+def dataclass_settings(config_type: type, fixed: Mapping = ()) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A dataclass's settings (its init fields less ``fixed``) and the required ones among them."""
+    fields = [f for f in dataclasses.fields(config_type) if f.init and f.name not in fixed]
+    missing = dataclasses.MISSING
+    required = [f.name for f in fields if f.default is missing and f.default_factory is missing]
+    return tuple(f.name for f in fields), tuple(required)
+
+
+def register_encoding(
+    name: str,
+    *,
+    description: str,
+    source: Source,
+    forms: tuple[str, ...] = FORMS,
+    kv_cache: bool = True,
+    length_dependent: bool = False,
+    small_settings: Mapping | None = None,
+    fixed: Mapping | None = None,
+    factory: Callable | None = None,
+    settings: tuple[str, ...] | None = None,
+    required: tuple[str, ...] = (),
+):
+    """Registers an encoding config class under ``name`` (a class decorator).
+
+    Args:
+      name: the name users pass to ``encoding_config``, models and the benchmark.
+      description, source, forms, kv_cache, length_dependent, small_settings:
+        the metadata (see :class:`EncodingInfo`).
+      fixed: settings this name fixes (``kerple-log`` fixes ``variant="log"``); they are
+        not among the name's settings.
+      factory: ``factory(**settings) -> config`` when the name is not the class itself
+        (the RoPE scalings); then ``settings`` lists what it accepts and ``required`` what
+        it cannot do without.
+    """
+    fixed = dict(fixed or {})
+    if not set(forms) <= set(FORMS) or not forms:
+        raise ValueError(f"forms must be a non-empty subset of {FORMS}, got {forms!r}")
+
+    def add(config_type):
+        if name in _REGISTRY:
+            raise ValueError(f"encoding name {name!r} is already registered")
+        if not (isinstance(config_type, type) and issubclass(config_type, EncodingConfig)):
+            raise TypeError(f"register_encoding({name!r}) decorates an EncodingConfig subclass, got {config_type!r}")
+        if config_type.acts_on not in PLACEMENTS:
+            raise ValueError(f"{config_type.__name__}.acts_on must be one of {PLACEMENTS}, got {config_type.acts_on!r}")
+        make = factory if factory is not None else functools.partial(config_type, **fixed) if fixed else config_type
+        names, needed = (
+            (tuple(settings), tuple(required)) if factory is not None else dataclass_settings(config_type, fixed)
+        )
+        metadata = dict(
+            settings=names,
+            required=needed,
+            description=description,
+            source=source,
+            forms=tuple(forms),
+            kv_cache=kv_cache,
+            length_dependent=length_dependent,
+            small_settings=dict(small_settings or {}),
+        )
+        _REGISTRY[name] = _Entry(factory=make, config_type=config_type, metadata=metadata)
+        return config_type
+
+    return add
+
+
+def encoding_names() -> list[str]:
+    """The registered encoding names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def _entry(name: str) -> _Entry:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown encoding {name!r}; known encodings: {', '.join(encoding_names())}")
+    return _REGISTRY[name]
+
+
+def encoding_config(name: str, **settings) -> EncodingConfig:
+    """The config registered as ``name``, with ``settings`` for its fields.
+
+    Example:
+      >>> encoding_config("alibi")
+      ALiBi(bidirectional=None)
+      >>> encoding_config("rope-pi", factor=4.0).scaling
+      LinearScaling(factor=4.0)
+    """
+    entry = _entry(name)
+    accepted = entry.metadata["settings"]
+    unknown = sorted(set(settings) - set(accepted))
+    if unknown:
+        raise ValueError(f"bad settings {unknown} for encoding {name!r}; its settings are {list(accepted)}")
+    try:
+        return entry.factory(**settings)
+    except TypeError as error:
+        raise ValueError(
+            f"bad settings {settings} for encoding {name!r} (its settings: {list(accepted)}): {error}"
+        ) from None
+
+
+@functools.cache
+def encoding_info(name: str) -> EncodingInfo:
+    """The metadata of the encoding registered as ``name``.
+
+    Example:
+      >>> info = encoding_info("t5")
+      >>> info.acts_on, info.hooks, info.forms, info.source.arxiv
+      ('shared_bias', ('logits',), ('causal', 'bidirectional'), '1910.10683')
+    """
+    entry = _entry(name)
+    # Where it acts and which hooks it fills are read off the code (the hooks off a tiny built
+    # instance), so they cannot drift from it.
+    config = entry.factory(**entry.metadata["small_settings"])
+    hook = config.build(config.init(jax.random.key(0), num_heads=2, head_dim=8, model_dim=16))
+    return EncodingInfo(
+        name=name,
+        acts_on=entry.config_type.acts_on,
+        hooks=hook_names(hook),
+        blockwise=not isinstance(hook, MaterializeOnly),
+        **entry.metadata,
+    )

@@ -1,0 +1,663 @@
+"""Relative positions and the gather/scatter patterns every relative encoding shares.
+
+Convention: the relative distance of query t and key s is ``key_pos[s] - query_pos[t]``
+(j - i), as in T5's reference code. A key in the past has a negative distance.
+Distances never wrap around: any two int32 positions are supported, the int32
+distance saturates at ``±(2**31 - 1)`` where the true one does not fit (see
+:func:`~posenc_jax.functional.core.positions.position_difference`).
+
+Positions are explicit arrays, so they may have offsets and gaps; the distance
+matrix is then not Toeplitz in the array indices. The memory-lean patterns here
+hold for any positions and never build a ``[T, S, H]`` tensor:
+
+* a table indexed by clipped distance (``[..., 2k+1]`` values per query row) is
+  expanded to ``[..., T, S]`` by a gather (:func:`gather_relative`);
+* attention weights are summed into ``[..., T, 2k+1]`` buckets by a scatter-add
+  (:func:`bucket_relative`), the transpose of that gather.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.core.positions import batched_positions, position_difference
+from posenc_jax.functional.kernels.autodiff import custom_gradients
+from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
+
+__all__ = [
+    "bucket_relative",
+    "by_causal_prefix_blocks",
+    "by_causal_prefixes_where",
+    "by_query_blocks",
+    "check_max_distance",
+    "clipped_relative_index",
+    "consecutive_rows",
+    "diagonal_sums",
+    "distance_slots",
+    "expand_relative_bias",
+    "gather_by_distance",
+    "gather_relative",
+    "gather_relative_transposed",
+    "relative_positions",
+    "sum_by_distance",
+    "take_along_last_axis",
+]
+
+
+def relative_positions(query_positions, key_positions, *, dtype=jnp.int32) -> jax.Array:
+    """``rel[b, t, s] = key_pos[b, s] - query_pos[b, t]`` (j - i), ``[B|1, T, S]``.
+
+    For any int32 positions, without wrap-around: int32 distances are exact up to
+    ``±(2**31 - 1)`` and saturate there (past every clip distance); ``dtype=jnp.float32``
+    gives the exact distance rounded once to float32, for encodings linear or
+    logarithmic in it (ALiBi, Kerple, FIRE).
+
+    Example:
+      >>> relative_positions(jnp.arange(3), jnp.arange(4))[0]
+      Array([[ 0,  1,  2,  3],
+             [-1,  0,  1,  2],
+             [-2, -1,  0,  1]], dtype=int32)
+    """
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    return position_difference(k[:, None, :], q[:, :, None], dtype=dtype)
+
+
+def check_max_distance(max_distance, name: str = "max_distance") -> int:
+    """Validates a clip distance k >= 1 and returns it as an int."""
+    if not isinstance(max_distance, (int, np.integer)) or isinstance(max_distance, bool) or max_distance < 1:
+        raise ValueError(
+            f"{name} must be an integer >= 1 (distances are clipped to [-{name}, {name}]), got {max_distance!r}"
+        )
+    return int(max_distance)
+
+
+def clipped_relative_index(query_positions, key_positions, max_distance: int, *, sign: int = 1) -> jax.Array:
+    """``clip(sign · (key_pos - query_pos), -k, k) + k``, int32 ``[B|1, T, S]`` in ``[0, 2k]``.
+
+    ``sign=-1`` gives the query-minus-key convention (i - j) of Transformer-XL and DeBERTa.
+    """
+    k = check_max_distance(max_distance)
+    return distance_slots(query_positions, key_positions, sign=sign, offset=k, slots=2 * k + 1)
+
+
+def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: bool = False) -> jax.Array:
+    """``out[..., j] = values[..., clip(index[..., j], 0, L - 1)]``, ``index``'s leading axes broadcasting.
+
+    ``values`` ``[*lead, L]``; ``index`` int, its leading axes and ``lead`` broadcasting
+    against each other (a slot map shared by the batch or the heads stays ``[1, 1, T, S]``;
+    values shared by the batch stay ``[1, ...]``). With ``transposed``,
+    the row read is the index's last coordinate instead: ``out[..., i, j] = values[..., j,
+    index[..., i, j]]`` for ``values`` ``[..., S, L]`` (a key-side table read per (query,
+    key) pair without transposing it).
+
+    One scalar gather from ``values`` laid out flat, at offsets computed from iotas: XLA
+    fuses it into its consumer and writes the output in the consumer's layout.
+    ``take_along_axis`` with a broadcast index is a gather with batch dimensions that
+    XLA:CPU lays out index first (``[T·S, B, N]``) and then transposes: a strided pass over
+    the whole output.
+
+    Example:
+      >>> take_along_last_axis(jnp.arange(6.0).reshape(2, 3), jnp.array([[2, 0]]))
+      Array([[2., 0.],
+             [5., 3.]], dtype=float32)
+    """
+    values, index = jnp.asarray(values), jnp.asarray(index)
+    lead, length = tuple(values.shape[:-1]), values.shape[-1]
+    index = index.reshape((1,) * (len(lead) + 1 - index.ndim) + index.shape)
+    try:
+        if transposed:
+            out_lead = tuple(np.broadcast_shapes(lead[:-1] + tuple(index.shape[-2:-1]), index.shape[:-1]))
+            fits = lead[-1:] == tuple(index.shape[-1:])
+        else:
+            out_lead = tuple(np.broadcast_shapes(lead, index.shape[:-1]))
+            fits = True
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"index {index.shape} does not fit values {values.shape}"
+            + (" (transposed: values [..., S, L] for index [..., T, S])" if transposed else "")
+        )
+    out_shape = out_lead + tuple(index.shape[-1:])
+    if values.size >= 2**31 or length == 0:  # flat offsets past int32 (or nothing to read)
+        index = jnp.broadcast_to(index, out_shape)
+        if transposed:
+            return jnp.take_along_axis(jnp.swapaxes(values, -1, -2), index, axis=-2, mode="clip")
+        return jnp.take_along_axis(values, index, axis=-1, mode="clip")
+    row = jnp.zeros((), jnp.int32)
+    for axis, size in enumerate(lead):  # the flat row of every output entry, from iotas
+        source = len(out_shape) - 1 if (transposed and axis == len(lead) - 1) else axis
+        row = row * size + (jax.lax.broadcasted_iota(jnp.int32, out_shape, source) if size > 1 else 0)
+    flat = row * length + jnp.clip(index, 0, length - 1).astype(jnp.int32)
+    return values.reshape(-1).at[flat].get(mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
+    """Expands per-distance scores to ``[B, N, T, S]``: ``out[b,n,t,s] = x[b,n,t,index[b,t,s]]``.
+
+    Args:
+      per_distance: ``[B, N, T, R]`` values for each query and each of R relative slots.
+      index: int ``[B|1, T, S]`` slot of every (query, key) pair (clipped into ``[0, R)``).
+    """
+    return jnp.take_along_axis(per_distance, index[:, None, :, :], axis=-1, mode="clip")
+
+
+def gather_relative_transposed(per_distance: jax.Array, index: jax.Array) -> jax.Array:
+    """``out[b,n,t,s] = x[b,n,s,index[b,t,s]]`` for key-side values ``x`` ``[B, N, S, R]``."""
+    return jnp.take_along_axis(jnp.swapaxes(per_distance, -1, -2), index[:, None, :, :], axis=-2, mode="clip")
+
+
+def by_query_blocks(
+    block_fn,
+    out_shape,
+    dtype,
+    *,
+    block_elements: int = 1 << 20,
+    into: jax.Array | None = None,
+    reads_into: bool = False,
+) -> jax.Array:
+    """Builds a ``[B, N, T, X]`` array from blocks of query rows, ``block_fn(start, rows)``.
+
+    ``block_fn`` returns rows ``start .. start + rows - 1`` as ``[B, N, rows, X]`` (or
+    broadcastable to it); ``rows`` is static and chosen so a block holds about
+    ``block_elements`` values. The blocks are written in place into one output buffer, so
+    no intermediate as large as the output is stored. The last block is shifted back to
+    stay in bounds; its overlap rewrites equal values.
+
+    With ``into`` (an ``out_shape`` array), each block is added to ``into``'s rows instead,
+    in place, each row exactly once (the last block's overlap adds nothing): the result is
+    ``into + blocks`` without the blocks ever stored whole, as when a logits term is added
+    to the scores. With ``reads_into`` too, ``block_fn(start, rows, current)`` is also given
+    those rows of ``into`` as they are before its block is added (rows the shifted last
+    block shares with the block before are given with that block's values already added,
+    and what it computes for them is dropped).
+    """
+    if reads_into and into is None:
+        raise ValueError("reads_into=True reads the rows of into: pass into")
+    if into is not None and tuple(into.shape) != tuple(out_shape):
+        raise ValueError(f"into has shape {into.shape}, expected {tuple(out_shape)}")
+    batch, heads, q_len, width = out_shape
+    rows = int(max(1, min(q_len, block_elements // max(1, batch * heads * width))))
+    num_blocks = -(-q_len // rows)
+    if num_blocks == 1:
+        whole = (block_fn(0, q_len, into) if reads_into else block_fn(0, q_len)).astype(dtype)
+        return whole if into is None else into + whole
+
+    def body(block, out):
+        start = jnp.minimum(block * rows, q_len - rows)
+        if into is None:
+            return jax.lax.dynamic_update_slice_in_dim(out, block_fn(start, rows).astype(dtype), start, axis=2)
+        current = jax.lax.dynamic_slice_in_dim(out, start, rows, axis=2)
+        values = block_fn(start, rows, current) if reads_into else block_fn(start, rows)
+        return jax.lax.dynamic_update_slice_in_dim(
+            out, _add_fresh_rows(current, values, start, block * rows), start, axis=2
+        )
+
+    return jax.lax.fori_loop(0, num_blocks, body, jnp.zeros(out_shape, dtype) if into is None else into.astype(dtype))
+
+
+def _add_fresh_rows(current: jax.Array, values: jax.Array, start, begin) -> jax.Array:
+    """``current`` (rows ``start ..`` of ``[B, N, ., X]``) plus ``values`` (broadcast to it) on the rows from
+    ``begin`` on: a shifted-back block adds nothing to the rows the block before it already added."""
+    values = values.astype(current.dtype)
+    values = broadcast_to(values.reshape((1,) * (4 - values.ndim) + values.shape), current.shape)
+    fresh = (start + jnp.arange(current.shape[2])) >= begin
+    return current + jnp.where(fresh[:, None], values, 0)
+
+
+def by_causal_prefix_blocks(
+    block_fn, into: jax.Array, *, stages: int = 4, block_elements: int = 1 << 20, prefix_ok=True
+) -> jax.Array:
+    """``into`` plus a causal term built by blocks of query rows, each over the keys up to its rows only.
+
+    For self-attention where query t is key t and sees no later key: the rows ``[a, b)`` of
+    stage j (the T rows cut into ``stages`` equal runs) need the keys ``0 .. b - 1`` only,
+    so each stage's blocks are ``[B, N, rows, b]``, not ``[B, N, rows, S]``: with 4 stages
+    5/8 of the work of :func:`by_query_blocks`. ``block_fn(start, rows, width, current)``
+    returns the term of query rows ``start .. start + rows - 1`` for keys ``0 .. width - 1``,
+    ``[B, N, rows, width]``, given those entries of ``into`` as they are before its block is
+    added (``width``, ``rows`` static). Entries of keys past a stage's width get nothing
+    added (they must be masked). Each stage is a loop over blocks of about
+    ``block_elements`` values, the last shifted back within the stage (its overlap adds
+    nothing), written in place into ``into``.
+
+    ``prefix_ok``: True, or a traced boolean saying whether the prefixes hold every key a
+    query sees (checked at run time by the caller). Where it is False, each block is
+    computed over all S keys instead (a conditional per block, on block-sized rows, so the
+    scores are never copied; blocks then hold about ``block_elements`` values at full width,
+    and the all-keys branch is rematerialised in the gradient, so it stores no residuals).
+    """
+    batch, heads, q_len, k_len = into.shape
+    if q_len != k_len:
+        raise ValueError(f"causal prefix blocks pair query t with key t: T = {q_len} and S = {k_len} must be equal")
+    checked = not (isinstance(prefix_ok, bool) and prefix_ok)
+    bounds = sorted({int(round(q_len * (j + 1) / max(1, stages))) for j in range(max(1, stages))} - {0})
+    out, first = into, 0
+    for last in bounds:
+        width = last  # keys 0 .. last - 1: every key a row of this stage may see
+        per_row = batch * heads * (k_len if checked else width)
+        rows = int(max(1, min(last - first, block_elements // max(1, per_row))))
+        num_blocks = -(-(last - first) // rows)
+
+        def body(block, out, first=first, last=last, rows=rows, width=width):
+            begin = first + block * rows
+            start = jnp.minimum(begin, last - rows)
+
+            def add(current, width):
+                return _add_fresh_rows(current, block_fn(start, rows, width, current), start, begin)
+
+            if not checked:
+                current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, width))
+                return jax.lax.dynamic_update_slice(out, add(current, width), (0, 0, start, 0))
+            current = jax.lax.dynamic_slice(out, (0, 0, start, 0), (batch, heads, rows, k_len))
+            prefix = lambda current: current.at[..., :width].set(add(current[..., :width], width))
+            every_key = jax.checkpoint(lambda current: add(current, k_len))
+            return jax.lax.dynamic_update_slice(
+                out, jax.lax.cond(prefix_ok, prefix, every_key, current), (0, 0, start, 0)
+            )
+
+        out = body(0, out) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, body, out)
+        first = last
+    return out
+
+
+def by_causal_prefixes_where(ok, make_scores, make_block, every_key, *, block_elements: int = 1 << 20) -> jax.Array:
+    """The scores ``make_scores()`` plus a causal term: by :func:`by_causal_prefix_blocks`, with the block
+    function ``make_block()``, where ``ok``, a run-time check that the prefixes hold every key a query
+    sees; else ``every_key(scores)``, which adds the term over all keys.
+
+    One conditional for the whole term, each branch making the scores itself: scores handed to
+    a conditional would be copied into it (one more ``[B, N, T, S]`` buffer). ``make_block`` is
+    called inside its branch, so what it prepares for the blocks is computed only there. The
+    ``every_key`` branch is rematerialised in the gradient, so it keeps no residuals where not
+    taken (a conditional keeps both branches' residuals, zero-filled for the one not taken).
+    """
+
+    def prefixes():
+        return by_causal_prefix_blocks(make_block(), make_scores().astype(jnp.float32), block_elements=block_elements)
+
+    return jax.lax.cond(ok, prefixes, jax.checkpoint(lambda: every_key(make_scores())))
+
+
+def bucket_relative(
+    weights: jax.Array, index, num_slots: int, *, mask=None, block_elements: int = 1 << 20
+) -> jax.Array:
+    """Sums attention weights by relative slot: ``out[b,n,t,r] = Σ_{s: index[b,t,s]=r} w[b,n,t,s]``.
+
+    The transpose of :func:`gather_relative`: ``[B, N, T, S]`` weights become
+    ``[B, N, T, R]`` without a ``[T, S, R]`` one-hot. Rows are processed in blocks
+    of about ``block_elements`` weights, so the scatter's temporaries stay a
+    small fraction of one ``[T, S]`` array.
+
+    Args:
+      weights: ``[B, N, T, S]`` attention weights.
+      index: int ``[B|1, T, S]`` slot of every (query, key) pair, in ``[0, R)``; or a
+        function ``(start, rows) -> [B|1, rows, S]`` giving the slots of query rows
+        ``start .. start + rows - 1``, so that the full index is never stored.
+      num_slots: R.
+      mask: optional boolean mask broadcastable to ``[B, N, T, S]``; the weights it hides
+        are left out by selection (a NaN weight there does not reach any bucket).
+      block_elements: scatter temporaries budget, in elements.
+    """
+    batch, heads, q_len, k_len = weights.shape
+    if callable(index):
+        index_rows = index
+    else:
+        index_rows = lambda start, rows: jax.lax.dynamic_slice_in_dim(index, start, rows, axis=1)
+
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        mask = jnp.broadcast_to(mask, mask.shape[:2] + (q_len, k_len))
+
+    def block_sum(start, rows):
+        w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)  # [B, N, rows, S]
+        if mask is not None:
+            w = jnp.where(jax.lax.dynamic_slice_in_dim(mask, start, rows, axis=2), w, jnp.zeros((), w.dtype))
+        idx = index_rows(start, rows)  # [B|1, rows, S]
+        flat_row = jnp.arange(batch * heads * rows, dtype=jnp.int32).reshape(batch, heads, rows, 1)
+        segment = (flat_row * num_slots + idx[:, None]).reshape(-1)
+        summed = jax.ops.segment_sum(w.reshape(-1), segment, num_segments=batch * heads * rows * num_slots)
+        return summed.reshape(batch, heads, rows, num_slots)
+
+    # The block size is set by the [rows, S] weights, not by the [rows, R] output.
+    block_rows_elements = block_elements * num_slots // max(1, k_len)
+    return by_query_blocks(
+        block_sum, (batch, heads, q_len, num_slots), weights.dtype, block_elements=max(1, block_rows_elements)
+    )
+
+
+def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions, max_distance: int) -> jax.Array:
+    """Expands per-distance biases ``[N, 2k+1]`` to ``[B|1, N, T, S]``.
+
+    ``bias[b, n, t, s] = per_distance[n, clip(key_pos - query_pos, -k, k) + k]``:
+    the Toeplitz pattern of T5 and learned clipped biases, computed once from
+    ``2k+1`` distinct values and expanded by a gather, for any positions.
+
+    Gradient: the plain transpose of that gather scatters every one of the ``T·S`` (per
+    batch row) cotangents into the table, one at a time on a CPU. Where every row of
+    query and key positions is a run of consecutive integers (the usual training batch),
+    the bias depends on ``s - t`` alone, so the cotangent is first summed along its
+    ``T + S - 1`` diagonals (a dense pad-reshape-sum, no scatter) and only those sums go
+    to the table; gapped positions keep the scatter. Both give the plain autodiff
+    gradient (``tests/test_relative.py`` compares them).
+    """
+    k = check_max_distance(max_distance)
+    q = batched_positions(query_positions, "query_positions")
+    kp = batched_positions(key_positions, "key_positions")
+    if not custom_gradients():
+        return _expand_by_gather(per_distance.astype(jnp.float32), q, kp, k)
+    return _expand(per_distance.astype(jnp.float32), q, kp, k)
+
+
+def _expand_by_gather(per_distance, query_positions, key_positions, k: int) -> jax.Array:
+    index = clipped_relative_index(query_positions, key_positions, k)  # [B|1, T, S]
+    bias = jnp.take(per_distance, index, axis=1, mode="clip")  # [N, B|1, T, S]
+    return jnp.moveaxis(bias, 0, 1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand(per_distance, query_positions, key_positions, k: int) -> jax.Array:
+    return _expand_by_gather(per_distance, query_positions, key_positions, k)
+
+
+def _expand_forward(per_distance, query_positions, key_positions, k: int):
+    bias = _expand_by_gather(per_distance, query_positions, key_positions, k)
+    return bias, (per_distance, query_positions, key_positions)
+
+
+def _expand_backward(k: int, residuals, cotangent):
+    per_distance, query_positions, key_positions = residuals
+
+    def by_scatter(cotangent):
+        _, transpose = jax.vjp(lambda p: _expand_by_gather(p, query_positions, key_positions, k), per_distance)
+        return transpose(cotangent)[0]
+
+    def by_diagonals(cotangent):
+        return _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k, per_distance.shape[1])
+
+    runs = consecutive_rows(query_positions) & consecutive_rows(key_positions)
+    grad = jax.lax.cond(runs, by_diagonals, by_scatter, cotangent.astype(jnp.float32))
+    return grad.astype(per_distance.dtype), None, None
+
+
+_expand.defvjp(_expand_forward, _expand_backward)
+
+
+def consecutive_rows(positions) -> jax.Array:
+    """Whether every row of ``positions`` (``[T]`` or ``[B, T]``) counts up by exactly one: a boolean scalar.
+
+    Then distances depend on array indices alone (``key_pos[s] - query_pos[t]`` is a row
+    offset plus ``s - t``), which lets Toeplitz shortcuts replace gathers and scatters.
+
+    Example:
+      >>> bool(consecutive_rows(jnp.arange(5) + 7)), bool(consecutive_rows(jnp.array([0, 1, 3])))
+      (True, False)
+    """
+    positions = batched_positions(positions)
+    if positions.shape[-1] < 2:
+        return jnp.bool_(True)
+    return jnp.all(position_difference(positions[:, 1:], positions[:, :-1]) == 1)
+
+
+def diagonal_sums(x: jax.Array) -> jax.Array:
+    """``out[..., c] = Σ_t x[..., t, c - (T - 1) + t]``: sums along the ``T + S - 1`` diagonals of ``[..., T, S]``.
+
+    Diagonal ``c`` holds the entries with ``s - t = c - (T - 1)``. Computed by a skew: the
+    rows, last first, padded with T zeros and read back ``T + S - 1`` wide, so diagonal c
+    becomes column c; then one sum over rows. No scatter.
+
+    Example:
+      >>> diagonal_sums(jnp.arange(6.0).reshape(2, 3))  # [[0, 1, 2], [3, 4, 5]]
+      Array([3., 4., 6., 2.], dtype=float32)
+    """
+    *lead, rows, cols = x.shape
+    width = rows + cols - 1
+    padded = jnp.pad(x[..., ::-1, :], [(0, 0)] * len(lead) + [(0, 0), (0, rows)])  # [..., T, S + T]
+    flat = padded.reshape(*lead, rows * (cols + rows))[..., : rows * width]
+    return flat.reshape(*lead, rows, width).sum(axis=-2)
+
+
+def _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k: int, num_slots: int) -> jax.Array:
+    """The table gradient ``[N, 2k+1]`` from a bias cotangent ``[B|1, N, T, S]`` when positions are runs."""
+    batch, _, q_len, k_len = cotangent.shape
+    sums = diagonal_sums(cotangent)  # [B|1, N, T + S - 1]
+    # Row b's diagonal c is at distance (key_pos[b, 0] - query_pos[b, 0]) + c - (T - 1); clipping the
+    # offset first keeps the sum in int32 and changes no slot.
+    reach = k + q_len + k_len
+    offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)  # [B|1, 1]
+    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
+    slots = jnp.broadcast_to(jnp.clip(distance, -k, k) + k, (batch, q_len + k_len - 1))
+    return jax.ops.segment_sum(
+        jnp.moveaxis(sums, 1, -1).reshape(-1, sums.shape[1]), slots.reshape(-1), num_segments=num_slots
+    ).T
+
+
+def distance_slots(query_positions, key_positions, *, sign: int, offset: int, slots: int) -> jax.Array:
+    """``clip(sign · (key_pos - query_pos) + offset, 0, slots - 1)``, int32 ``[B|1, T, S]``.
+
+    The slot map of Shaw (``sign=1, offset=k, slots=2k+1``) and of DeBERTa's raw clipped
+    distances (``sign=-1``, the query-minus-key convention), without int32 overflow.
+
+    Example:
+      >>> distance_slots(jnp.arange(3), jnp.arange(3), sign=1, offset=1, slots=3)[0]
+      Array([[1, 2, 2],
+             [0, 1, 2],
+             [0, 0, 1]], dtype=int32)
+    """
+    _check_slot_map(sign, offset, slots)
+    rel = relative_positions(query_positions, key_positions)
+    return jnp.clip(sign * rel, -offset, slots - 1 - offset) + offset
+
+
+def _check_slot_map(sign, offset, slots):
+    if isinstance(sign, bool) or sign not in (1, -1):
+        raise ValueError(f"sign must be 1 or -1 (the direction of key_pos - query_pos), got {sign!r}")
+    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
+        raise ValueError(f"slots must be an integer >= 1, got {slots!r}")
+    if isinstance(offset, bool) or not isinstance(offset, (int, np.integer)) or not 0 <= offset < slots:
+        raise ValueError(f"offset (the slot of distance 0) must be an integer in [0, slots={slots}), got {offset!r}")
+
+
+# Scatter temporaries budget of the gapped-positions path, in elements.
+_SCATTER_BLOCK = 1 << 20
+
+
+def gather_by_distance(
+    per_distance: jax.Array, query_positions, key_positions, *, sign: int, offset: int, key_side: bool = False
+) -> jax.Array:
+    """``out[b,n,t,s] = x[b,n,t,slot(t,s)]`` with ``slot = clip(sign·(key_pos[s] - query_pos[t]) + offset, 0, R-1)``.
+
+    :func:`gather_relative` for a clipped-distance slot map, with a gradient that needs no
+    scatter: where every row of positions is a run of consecutive integers, each interior
+    slot r of query t is read by exactly one key, ``s = t + sign·(r - offset) - d`` with
+    ``d = key_pos[0] - query_pos[0]``, so the gradient is a gather of the cotangent and the
+    two end slots are masked row sums (:func:`sum_by_distance`); gapped positions keep the
+    scatter. Both are plain autodiff's gradient (``tests/test_relative.py``). Reverse mode
+    only: for ``jax.jvp`` trace it inside :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`.
+
+    Args:
+      per_distance: ``[B, N, T, R]`` values per query and slot (``[B, N, S, R]`` per key
+        with ``key_side``: then ``out[b,n,t,s] = x[b,n,s,slot(t,s)]``, DeBERTa's p2c).
+      query_positions, key_positions: integer ``[T]``/``[B, T]`` and ``[S]``/``[B, S]``.
+      sign, offset: the slot map; ``R = per_distance.shape[-1]`` slots.
+      key_side: the values belong to keys, not queries.
+
+    Returns:
+      ``[B, N, T, S]``, ``per_distance``'s dtype.
+
+    Example:
+      >>> x = jnp.arange(3.0).reshape(1, 1, 1, 3) * jnp.ones((1, 1, 3, 1))
+      >>> gather_by_distance(x, jnp.arange(3), jnp.arange(3), sign=1, offset=1)[0, 0]
+      Array([[1., 2., 2.],
+             [0., 1., 2.],
+             [0., 0., 1.]], dtype=float32)
+    """
+    slots = per_distance.shape[-1]
+    _check_slot_map(sign, offset, slots)
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    if not custom_gradients() or q.shape[1] == 0 or k.shape[1] == 0:
+        return _gather_plain(per_distance, q, k, sign, offset, key_side)
+    return _gather_by_distance(
+        per_distance, q, k, sign, offset, key_side, tuple(per_distance.shape), jnp.dtype(per_distance.dtype)
+    )
+
+
+def sum_by_distance(
+    weights: jax.Array,
+    query_positions,
+    key_positions,
+    *,
+    sign: int,
+    offset: int,
+    slots: int,
+    mask=None,
+    block_elements: int = _SCATTER_BLOCK,
+) -> jax.Array:
+    """``out[b,n,t,r] = Σ_{s: slot(t,s) = r} w[b,n,t,s]``: the transpose of :func:`gather_by_distance`.
+
+    Where positions are runs, a gather of the interior slots and two masked row sums (no
+    scatter); otherwise :func:`bucket_relative`'s blocked scatter. Sums accumulate in
+    float32 whatever the weights' dtype. Its gradient is the gather. ``mask``
+    (broadcastable to ``[B, N, T, S]``) leaves hidden weights out by selection, whatever
+    they hold; ``block_elements`` bounds the scatter's temporaries.
+
+    Returns:
+      ``[B, N, T, slots]``, the weights' dtype.
+
+    Example:
+      >>> w = jnp.ones((1, 1, 3, 3))
+      >>> sum_by_distance(w, jnp.arange(3), jnp.arange(3), sign=1, offset=1, slots=3)[0, 0]
+      Array([[0., 1., 2.],
+             [1., 1., 1.],
+             [2., 1., 0.]], dtype=float32)
+    """
+    _check_slot_map(sign, offset, slots)
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    if mask is not None:  # [B|1, N|1, T|1, S|1]; applied inside each path, so no masked copy is stored
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    if weights.shape[-2] == 0 or weights.shape[-1] == 0:  # no query or no key: every sum is empty
+        return jnp.zeros((*weights.shape[:-1], slots), weights.dtype)
+    if not custom_gradients():
+        return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
+    return _sum_by_distance(
+        weights, q, k, mask, sign, offset, slots, block_elements, tuple(weights.shape), jnp.dtype(weights.dtype)
+    )
+
+
+def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
+    index = distance_slots(q, k, sign=sign, offset=offset, slots=per_distance.shape[-1])
+    if flat:
+        return take_along_last_axis(per_distance, index[:, None], transposed=key_side)
+    return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _gather_by_distance(per_distance, q, k, sign, offset, key_side, shape, dtype):
+    return _gather_plain(per_distance, q, k, sign, offset, key_side)
+
+
+def _gather_by_distance_forward(per_distance, q, k, sign, offset, key_side, shape, dtype):
+    # The same values by the flat gather: in a program with the gradient, XLA:CPU does not fuse
+    # the gather into the scores and stores it, and take_along_axis's index-first layout then
+    # costs a transposing pass (DeBERTa's attention with gradient, B=8: 2.8x plain's time
+    # against 1.7x). Without the gradient the gather fuses, and take_along_axis's is the faster.
+    return _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True), (q, k)
+
+
+def _gather_by_distance_backward(sign, offset, key_side, shape, dtype, residuals, cotangent):
+    q, k = residuals
+    slots = shape[-1]
+    if key_side:  # x[b,n,s,slot]: the same map seen from the keys, distances negated
+        summed = _sums(jnp.swapaxes(cotangent, -1, -2), k, q, -sign, offset, slots)
+    else:
+        summed = _sums(cotangent, q, k, sign, offset, slots)
+    return sum_to_shape(summed, shape).astype(dtype), None, None
+
+
+_gather_by_distance.defvjp(_gather_by_distance_forward, _gather_by_distance_backward)
+
+
+def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None):
+    """:func:`sum_by_distance` where every row of positions is a run: no scatter."""
+    if mask is not None:
+        weights = jnp.where(mask, weights, jnp.zeros((), weights.dtype))
+    if slots == 1:
+        return weights.sum(axis=-1, keepdims=True)
+    _, _, q_len, k_len = weights.shape
+    reach = q_len + k_len + slots  # a row offset beyond this puts every pair in one end slot either way
+    row_offset = jnp.clip(position_difference(k[:, :1], q[:, :1]), -reach, reach)[:, :, None]  # [B|1, 1, 1]
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+    s = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    r = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, R]
+    # The slot before clipping, sign·(key_pos - query_pos) + offset, at every (t, s): [B|1, T, S].
+    value = sign * (row_offset + s - t) + offset
+    zero = jnp.zeros((), weights.dtype)
+    # Both end slots in one reduction with two outputs: as two reductions, XLA:CPU stored the weights
+    # once more (their third and fourth readers besides the value product and the gather).
+    low, high = jax.lax.reduce(
+        (jnp.where((value <= 0)[:, None], weights, zero), jnp.where((value >= slots - 1)[:, None], weights, zero)),
+        (zero, zero),
+        lambda x, y: (x[0] + y[0], x[1] + y[1]),
+        (3,),
+    )  # [B, N, T] each
+    key = t + sign * (r - offset) - row_offset  # the key of slot r in row t: [B|1, T, R]
+    inside = (key >= 0) & (key < k_len) & (r > 0) & (r < slots - 1)
+    interior = take_along_last_axis(weights, key[:, None])  # clipped into [0, S)
+    interior = jnp.where(inside[:, None], interior, zero)
+    r = r[:, None]  # [1, 1, 1, R]
+    return interior + jnp.where(r == 0, low[..., None], zero) + jnp.where(r == slots - 1, high[..., None], zero)
+
+
+def _sums_by_scatter(weights, q, k, sign: int, offset: int, slots: int, block_elements: int, mask=None):
+    def index_rows(start, rows):
+        block = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)
+        return distance_slots(block, k, sign=sign, offset=offset, slots=slots)
+
+    return bucket_relative(weights, index_rows, slots, mask=mask, block_elements=block_elements)
+
+
+def _sums(weights, q, k, sign, offset, slots, block_elements=_SCATTER_BLOCK, mask=None):
+    """Float32 sums by slot, by runs or by scatter as the positions allow; the weights' dtype.
+
+    The mask goes into the conditional as it is and is applied inside each branch, where it
+    fuses: a masked copy of the weights as the conditional's operand would be stored whole.
+    """
+    runs = consecutive_rows(q) & consecutive_rows(k)
+    summed = jax.lax.cond(
+        runs,
+        lambda w, m: _sums_over_runs(w, q, k, sign, offset, slots, m),
+        lambda w, m: _sums_by_scatter(w, q, k, sign, offset, slots, block_elements, m),
+        weights.astype(jnp.float32),
+        mask,
+    )
+    return summed.astype(weights.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _sum_by_distance(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
+    return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
+
+
+def _sum_by_distance_forward(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
+    return _sums(weights, q, k, sign, offset, slots, block_elements, mask), (q, k, mask)
+
+
+def _sum_by_distance_backward(sign, offset, slots, block_elements, shape, dtype, residuals, cotangent):
+    q, k, mask = residuals
+    gathered = _gather_plain(cotangent, q, k, sign, offset, False)
+    if mask is not None:
+        gathered = jnp.where(mask, gathered, jnp.zeros((), gathered.dtype))
+    gathered = sum_to_shape(jnp.broadcast_to(gathered, jnp.broadcast_shapes(gathered.shape, shape)), shape)
+    return gathered.astype(dtype), None, None, None
+
+
+_sum_by_distance.defvjp(_sum_by_distance_forward, _sum_by_distance_backward)

@@ -1,0 +1,172 @@
+"""FIRE: functional interpolation for relative positions (Li et al. 2023).
+
+``logits[n, t, s] += f_θ( ψ(i - j) / ψ(max(L, i)) )[n]`` with ``i = query_pos[t]``,
+``j = key_pos[s]``, ``ψ(x) = log(c·x + 1)``, a learned threshold ``L > 0`` and
+``f_θ`` a small MLP (one hidden ReLU layer, one output per head). Dividing by
+``ψ(max(L, i))`` maps every distance seen by query i into ``[0, 1]``, so a longer
+sequence interpolates rather than extrapolates. Causal: future keys (``j > i``)
+get distance 0 and are expected to be masked. Distances are exact integers until
+the log (rounded once to float32), so the bias is right at any int32 position.
+
+The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
+activations are never stored whole.
+
+Reference: Li et al., "Functional Interpolation for Relative Positions Improves
+Long Context Transformers", ICLR 2024, arXiv:2310.04418.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Placement,
+    parameter,
+    pytree_dataclass,
+)
+from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.products import broadcasts_to
+from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.relative import by_query_blocks, relative_positions
+
+__all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
+
+FIRE = Source.paper(
+    "li2023functional",
+    title="Functional Interpolation for Relative Positions Improves Long Context Transformers",
+    authors="Li, Shanda and You, Chong and Guruganesh, Guru and Ainslie, Joshua and Ontanon, Santiago and "
+    "Zaheer, Manzil and Sanghai, Sumit and Yang, Yiming and Kumar, Sanjiv and Bhojanapalli, Srinadh",
+    year=2023,
+    arxiv="2310.04418",
+)
+
+
+def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.1, threshold: float = 512.0) -> dict:
+    """FIRE parameters whose bias starts monotone non-increasing in distance.
+
+    ``w1 > 0`` with kinks ``-b1/w1`` inside ``[0, 1]`` and ``w2 < 0``, so
+    ``f(x) = Σ_h w2[h, n] relu(w1[h] x + b1[h]) + b2[n]`` never increases with x
+    (like ALiBi and Kerple at the start); training may change that.
+    """
+    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
+        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
+    if not isinstance(hidden, (int, np.integer)) or hidden < 1:
+        raise ValueError(f"hidden must be an integer >= 1, got {hidden!r}")
+    if not (c > 0 and threshold > 0):
+        raise ValueError(f"c and threshold must be > 0, got c={c}, threshold={threshold}")
+    k1, k2, k3 = jax.random.split(key, 3)
+    w1 = jax.random.uniform(k1, (hidden,), minval=0.5, maxval=2.0)
+    b1 = -w1 * jax.random.uniform(k2, (hidden,))
+    w2 = -jax.random.uniform(k3, (hidden, num_heads)) / np.sqrt(hidden)
+    return {
+        "w1": w1,
+        "b1": b1,
+        "w2": w2,
+        "b2": jnp.zeros((num_heads,)),
+        "c": jnp.asarray(c, jnp.float32),
+        "threshold": jnp.asarray(threshold, jnp.float32),
+    }
+
+
+def fire_bias(
+    params: dict, query_positions, key_positions, *, block_elements: int = 1 << 18, into: jax.Array | None = None
+) -> jax.Array:
+    """FIRE bias ``[B|1, N, T, S]`` float32 from ``params`` (see :func:`fire_init`).
+
+    Args:
+      params: ``w1`` ``[hidden]``, ``b1`` ``[hidden]``, ``w2`` ``[hidden, N]``, ``b2`` ``[N]``,
+        and positive scalars ``c`` and ``threshold`` (L).
+      query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
+      block_elements: about how many (query, key) pairs each block of rows holds.
+      into: optional float32 ``[B, N, T, S]`` scores: the bias is added to them block by block,
+        in place, and ``into + bias`` is returned without the bias ever stored whole.
+
+    Example:
+      >>> params = fire_init(jax.random.key(0), 4)
+      >>> fire_bias(params, jnp.arange(5), jnp.arange(5)).shape
+      (1, 4, 5, 5)
+    """
+    missing = {"w1", "b1", "w2", "b2", "c", "threshold"} - set(params)
+    if missing:
+        raise ValueError(f"FIRE params are missing {sorted(missing)}")
+    hidden, num_heads = np.shape(params["w2"])
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
+    threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
+    psi = lambda x: jnp.log1p(c * x)
+    w1 = jnp.asarray(params["w1"], jnp.float32).reshape(1, 1, 1, hidden)
+    b1 = jnp.asarray(params["b1"], jnp.float32).reshape(1, 1, 1, hidden)
+    w2 = jnp.asarray(params["w2"], jnp.float32)
+    b2 = jnp.asarray(params["b2"], jnp.float32).reshape(1, num_heads, 1, 1)
+    batch = max(q.shape[0], k.shape[0])
+
+    def block(start, rows):
+        qb = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)  # int32 [B|1, rows]
+        # i - j as an exact integer, rounded once to float32 only for the log: a float32
+        # difference of float32 positions would be off by up to 8 at position 1e8.
+        distance = jnp.maximum(-relative_positions(qb, k, dtype=jnp.float32), 0.0)  # [B, rows, S]
+        x = psi(distance) / psi(jnp.maximum(threshold, qb.astype(jnp.float32)))[:, :, None]
+        h = jax.nn.relu(x[..., None] * w1 + b1)  # [B, rows, S, hidden]
+        out = jnp.einsum("BTSh,hN->BNTS", h, w2) + b2
+        return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))
+
+    out_shape = (batch, num_heads, q.shape[1], k.shape[1])
+    if into is not None:
+        if into.ndim != 4 or not broadcasts_to(out_shape, into.shape):
+            raise ValueError(f"into must be scores [B, N, T, S] the bias {out_shape} broadcasts to, got {into.shape}")
+        out_shape = tuple(into.shape)
+    return by_query_blocks(block, out_shape, jnp.float32, block_elements=max(1, block_elements * num_heads), into=into)
+
+
+@pytree_dataclass
+class Fire(BiasHook):
+    """FIRE as a ``logits`` hook; ``params`` as made by :func:`fire_init`.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> fire = Fire(fire_init(jax.random.key(0), 2))
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[fire], causal=True).shape
+      (1, 4, 2, 8)
+    """
+
+    params: dict = parameter()
+
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        return fire_bias(self.params, context.query_positions, context.key_positions)
+
+    def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        """``scores + bias``, the bias added by blocks of query rows into the scores (never stored whole)."""
+        return fire_bias(self.params, context.query_positions, context.key_positions, into=scores)
+
+
+@register_encoding(
+    "fire",
+    description="A learned MLP of the log distance over the log query position: it interpolates, not extrapolates.",
+    source=FIRE,
+    forms=("causal",),
+)
+@pytree_dataclass
+class FireConfig(EncodingConfig):
+    """FIRE MLP (``hidden`` units), ``c`` and threshold ``L``; see :func:`fire_init`."""
+
+    hidden: int = 32
+    c: float = 0.1
+    threshold: float = 512.0
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        return fire_init(key, num_heads, hidden=self.hidden, c=self.c, threshold=self.threshold)
+
+    def build(self, params: dict) -> Fire:
+        return Fire(params)

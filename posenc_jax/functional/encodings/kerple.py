@@ -1,0 +1,158 @@
+"""Kerple: kernelized relative positional embedding (Chi et al. 2022).
+
+Two conditionally positive definite kernels of the distance ``d = |key_pos - query_pos|``
+with learned per-head ``r1, r2 > 0``:
+
+* logarithmic: ``logits += -r1 · log(1 + r2 · d)``;
+* power: ``logits += -r1 · d ** r2`` with ``r2`` in ``(0, 2]``.
+
+Both decrease with distance for positive parameters. The hook uses the values it is
+given; a module keeps them positive (e.g. by clamping at a small epsilon, as the
+authors do). Computed in float32 from positions, no length ceiling.
+
+Reference: Chi, Fan, Ramadge and Rudnicky, "KERPLE: Kernelized Relative Positional
+Embedding for Length Extrapolation", NeurIPS 2022, arXiv:2205.09921.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    Placement,
+    parameter,
+    pytree_dataclass,
+)
+from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.relative import relative_positions
+
+__all__ = ["Kerple", "KerpleConfig", "kerple_bias"]
+
+KERPLE = Source.paper(
+    "chi2022kerple",
+    title="KERPLE: Kernelized Relative Positional Embedding for Length Extrapolation",
+    authors="Chi, Ta-Chung and Fan, Ting-Han and Ramadge, Peter J. and Rudnicky, Alexander I.",
+    year=2022,
+    arxiv="2205.09921",
+)
+
+_VARIANTS = ("log", "power")
+
+
+def kerple_bias(r1, r2, query_positions, key_positions, *, variant: Literal["log", "power"] = "log"):
+    """Kerple bias ``[B|1, N, T, S]`` float32 for per-head ``r1``, ``r2`` ``[N]``.
+
+    Example:
+      >>> b = kerple_bias(jnp.ones(2), jnp.ones(2), jnp.arange(3), jnp.arange(3))
+      >>> b.shape, float(b[0, 0, 2, 0])  # -log(1 + 2)
+      ((1, 2, 3, 3), -1.0986123085021973)
+    """
+    _check_variant(variant)
+    if np.ndim(r1) != 1 or np.shape(r1) != np.shape(r2):
+        raise ValueError(f"r1 and r2 must both have shape [N], got {np.shape(r1)} and {np.shape(r2)}")
+    num_heads = np.shape(r1)[0]
+    distance = jnp.abs(relative_positions(query_positions, key_positions, dtype=jnp.float32))[:, None]
+    r1 = jnp.asarray(r1, jnp.float32).reshape(1, num_heads, 1, 1)
+    r2 = jnp.asarray(r2, jnp.float32).reshape(1, num_heads, 1, 1)
+    if variant == "log":
+        return -r1 * jnp.log1p(r2 * distance)
+    # d ** r2 with a gradient that stays finite at d = 0.
+    safe = jnp.where(distance > 0, distance, 1.0)
+    return jnp.where(distance > 0, -r1 * safe**r2, 0.0)
+
+
+def _check_concrete_positive(name, value, upper=None):
+    try:
+        values = np.asarray(value)
+    except jax.errors.TracerArrayConversionError:
+        return
+    if np.any(values <= 0) or (upper is not None and np.any(values > upper)):
+        bound = f"in (0, {upper}]" if upper is not None else "> 0"
+        raise ValueError(f"Kerple {name} must be {bound} for every head, got {values}")
+
+
+@pytree_dataclass
+class Kerple(BiasHook):
+    """Kerple as a ``logits`` hook; ``r1``, ``r2`` ``[N]`` are parameters of the caller.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> enc = Kerple(jnp.ones(2), jnp.ones(2), variant="power")
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, encodings=[enc]).shape
+      (1, 4, 2, 8)
+    """
+
+    r1: jax.Array = parameter()
+    r2: jax.Array = parameter()
+    variant: Literal["log", "power"] = "log"
+
+    def __post_init__(self):
+        _check_variant(self.variant)
+        _check_concrete_positive("r1", self.r1)
+        _check_concrete_positive("r2", self.r2, 2.0 if self.variant == "power" else None)
+
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
+        return kerple_bias(self.r1, self.r2, context.query_positions, context.key_positions, variant=self.variant)
+
+
+def _check_variant(variant):
+    if variant not in _VARIANTS:
+        raise ValueError(f"variant must be one of {_VARIANTS}, got {variant!r}")
+
+
+_DESCRIPTION = "A learned conditionally positive definite kernel of the distance: -r1 {} per head."
+
+
+@register_encoding(
+    "kerple-log",
+    description=_DESCRIPTION.format("log(1 + r2 |j - i|)"),
+    source=KERPLE,
+    fixed=dict(variant="log"),
+)
+@register_encoding(
+    "kerple-power",
+    description=_DESCRIPTION.format("|j - i|^r2"),
+    source=KERPLE,
+    fixed=dict(variant="power"),
+)
+@pytree_dataclass
+class KerpleConfig(EncodingConfig):
+    """Kerple ``r1``, ``r2`` ``[N]``; kept positive (and r2 <= 2 for power) by clamping at ``eps``.
+
+    Initialised as in the authors' code: ``r1 ~ U(0, 1)``, ``r2 ~ U(0, 2)`` (power) or
+    ``U(0, 1)`` (log), then clamped.
+    """
+
+    variant: Literal["log", "power"] = "log"
+    eps: float = 1e-2
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        _check_variant(self.variant)
+        if not self.eps > 0:
+            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+
+    def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
+        k1, k2 = jax.random.split(key)
+        r2_max = 2.0 if self.variant == "power" else 1.0
+        return {
+            "r1": jax.random.uniform(k1, (num_heads,), minval=self.eps, maxval=1.0),
+            "r2": jax.random.uniform(k2, (num_heads,), minval=self.eps, maxval=r2_max),
+        }
+
+    def build(self, params: dict) -> Kerple:
+        r1 = jnp.maximum(params["r1"], self.eps)
+        r2 = jnp.maximum(params["r2"], self.eps)
+        if self.variant == "power":
+            r2 = jnp.minimum(r2, 2.0)
+        return Kerple(r1, r2, variant=self.variant)
