@@ -198,8 +198,7 @@ QWEN_YARN = {  # Qwen2.5 with its documented YaRN extension (rope_scaling added 
     "rope_theta": 1000000.0,
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
 }
-DEEPSEEK_YARN = {  # DeepSeek-V2-Lite's rope block: mscale / mscale_all_dim, rotary head 64
-    "model_type": "deepseek_v2",
+DEEPSEEK_YARN = {  # DeepSeek-V2-Lite's rope block (mscale / mscale_all_dim) on a plain 64-wide RoPE head
     "hidden_size": 2048,
     "num_attention_heads": 16,
     "head_dim": 64,
@@ -215,8 +214,7 @@ DEEPSEEK_YARN = {  # DeepSeek-V2-Lite's rope block: mscale / mscale_all_dim, rot
         "original_max_position_embeddings": 4096,
     },
 }
-GPT_OSS_YARN = {  # transformers 5 style: rope_parameters, truncate false
-    "model_type": "gpt_oss",
+GPT_OSS_YARN = {  # gpt-oss's rope block in transformers 5 style (rope_parameters, truncate false), one layer type
     "hidden_size": 2880,
     "num_attention_heads": 64,
     "head_dim": 64,
@@ -281,7 +279,7 @@ FIXED_LENGTH = {
 def test_rope_configs_reproduce_transformers_frequencies(config):
     loaded = from_hf_config(config)
     (rope,) = loaded.encodings
-    assert loaded.family == "rope" and rope.layout == "half" and loaded.scale is None
+    assert loaded.family == "rope" and rope.layout == "half" and loaded.scale == loaded.head_dim**-0.5
     want_freq, want_factor = hf_rope_parameters(config)
     freq, factor = rope.frequencies(loaded.head_dim)
     np.testing.assert_allclose(freq, want_freq, rtol=2e-6)
@@ -396,7 +394,7 @@ def test_layer_typed_rope_parameters_need_a_layer_type():
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     }
-    with pytest.raises(ValueError, match=r"differ by layer type \['full_attention', 'sliding_attention'\]"):
+    with pytest.raises(ValueError, match=r"differ by type \['full_attention', 'sliding_attention'\]"):
         from_hf_config(config)
     full = from_hf_config(config, layer_type="full_attention").encodings[0]
     assert full.base == 1e6 and full.scaling.factor == 8.0
@@ -598,7 +596,8 @@ def test_the_deberta_v3_config_loads_in_one_call():
     loaded = from_hf_config(DEBERTA_V3_BASE)
     (deberta,) = loaded.encodings
     assert deberta == DeBERTaConfig(span=256, position_buckets=256, max_relative_positions=512, terms=("p2c", "c2p"))
-    assert loaded.family == "deberta-v2" and loaded.scale is None and loaded.head_dim == 64
+    assert loaded.family == "deberta-v2" and loaded.head_dim == 64
+    assert loaded.scale == pytest.approx((64 * 3) ** -0.5)  # both terms: 1/sqrt(3H)
     v2 = dict(DEBERTA_V3_BASE, position_biased_input=True, position_buckets=-1, pos_att_type=["c2p"])
     absolute, deberta = from_hf_config(v2).encodings
     assert absolute == LearnedAbsoluteConfig(max_positions=512)
