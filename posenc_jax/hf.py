@@ -423,7 +423,9 @@ _FAMILY_READS = {
     "qwen2_moe": _QWEN_READS,
     "qwen3": _QWEN_READS,
     "qwen3_moe": _QWEN_READS,
-    "gemma2": frozenset({"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"}),
+    "gemma2": frozenset(
+        {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window_size"}
+    ),
     "gemma3_text": frozenset(
         {
             "query_pre_attn_scalar",
@@ -741,6 +743,12 @@ def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: l
         raise ValueError(
             "use_bidirectional_attention=True (bidirectional Gemma 3): its symmetric window masks are not "
             "reproduced by this loader"
+        )
+    legacy = fields.get("sliding_window_size")  # Gemma 2 files repeat the window under this name
+    if legacy is not None and legacy != fields.get("sliding_window"):
+        raise ValueError(
+            f"sliding_window_size={legacy!r} differs from sliding_window={fields.get('sliding_window')!r}; "
+            f"transformers reads sliding_window"
         )
     per_layer, types = _layer_types(fields, model_type)
     raw = _rope_dict(fields)
