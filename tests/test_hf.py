@@ -1,11 +1,14 @@
 """Hugging Face configs: each one loads in one call and reproduces transformers' formulas.
 
 The ``hf_*`` functions below transliterate transformers' code into NumPy, as written in
-``modeling_rope_utils.py`` (transformers 5: ``_compute_*_parameters``), ``modeling_llama.py``
-(``rotate_half``, ``apply_rotary_pos_emb``), ``modeling_t5.py`` (``_relative_position_bucket``,
-``compute_bias`` and the unscaled scores) and ``modeling_deberta_v2.py``
-(``make_log_bucket_position``, ``build_relative_position``, ``DisentangledSelfAttention``),
-with float32 where transformers computes in float32. Neither transformers nor torch is needed.
+transformers 5.24.0 (its PyPI wheel): ``modeling_rope_utils.py`` (``_compute_*_parameters``,
+``standardize_rope_params``), ``modeling_llama.py`` (``rotate_half``, ``apply_rotary_pos_emb``),
+the rotary functions of GPT-J, DeepSeek-V2/V3 and gpt-oss, the ALiBi tensors and attention of
+BLOOM, Falcon and MPT, ``modeling_t5.py`` (``_relative_position_bucket``, ``compute_bias`` and the
+unscaled scores) and ``modeling_deberta_v2.py`` (``make_log_bucket_position``,
+``build_relative_position``, ``DisentangledSelfAttention``, the encoder's LayerNorm of
+``rel_embeddings``), with float32 where transformers computes in float32. Neither transformers
+nor torch is needed: state dicts are NumPy arrays, torch's ``[out, in]`` Linear layout included.
 """
 
 import math
@@ -1694,3 +1697,44 @@ def test_hooks_called_by_hand_match_the_attention(rng):
         .build({"table": table})
         .bias(AttentionContext.from_positions(pos, pos, causal=False, scale=1.0)),
     )
+
+
+def hf_as_transformers_5(config):
+    """The config as transformers 5 saves it: convert_rope_params_to_dict and standardize_rope_params."""
+    c = hf_text_fields(config)
+    mt = c["model_type"]
+    if "rope_parameters" in c:  # already so
+        return c
+    if mt == "gemma3_text":
+        full = dict(c.pop("rope_scaling", None) or {"rope_type": "default"})
+        full.setdefault("rope_theta", c.pop("rope_theta", 1e6))
+        sliding = {"rope_type": "default", "rope_theta": c.pop("rope_local_base_freq", 1e4)}
+        c["rope_parameters"] = {"full_attention": full, "sliding_attention": sliding}
+        return c
+    rope = dict(c.pop("rope_scaling", None) or {})
+    theta, partial = c.pop("rope_theta", 10000.0), c.pop("partial_rotary_factor", None)
+    if mt == "gpt_neox":  # GPTNeoXConfig pops its own names
+        theta, partial = c.pop("rotary_emb_base"), c.pop("rotary_pct")
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    rope.setdefault("rope_theta", theta)
+    if partial is not None:
+        rope.setdefault("partial_rotary_factor", partial)
+    if rope["rope_type"] in ("llama3", "yarn", "longrope"):
+        original = c.get("original_max_position_embeddings")
+        rope["original_max_position_embeddings"] = original or rope.get(
+            "original_max_position_embeddings", c["max_position_embeddings"]
+        )
+    c["rope_parameters"] = rope
+    return c
+
+
+@pytest.mark.parametrize("name", [name for name in ROPE_SHIPPED if SHIPPED[name][0] is not GPT_J_6B])
+def test_transformers_5_files_load_as_transformers_4_files(name):
+    config, layer_type = SHIPPED[name][:2]
+    v4, v5 = (
+        from_hf_config(config, layer_type=layer_type),
+        from_hf_config(hf_as_transformers_5(config), layer_type=layer_type),
+    )
+    assert "rope_parameters" in hf_as_transformers_5(config) and "rope_scaling" not in hf_as_transformers_5(config)
+    for field in ("encodings", "scale", "head_dim", "rotary_dim", "num_kv_heads", "sliding_window", "layer_type"):
+        assert getattr(v5, field) == getattr(v4, field), field
