@@ -99,6 +99,7 @@ __all__ = [
     "deberta_position_tables",
     "from_hf_config",
     "load_hf_position_weights",
+    "sliding_window_mask",
 ]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -385,7 +386,20 @@ class HFEncoding:
 
 
 def sliding_window_mask(query_positions, key_positions, window: int) -> jax.Array:
-    """``[B|1, 1, T, S]`` boolean: True where ``query_pos - key_pos < window`` (transformers' window)."""
+    """A sliding window as a boolean mask ``[B|1, 1, T, S]``: True where ``query_pos - key_pos < window``.
+
+    transformers' ``sliding_window_overlay``: a query sees the ``window`` most recent keys,
+    itself included (the causal mask removes later keys).
+
+    Example:
+      >>> sliding_window_mask(jnp.arange(4), jnp.arange(4), 2)[0, 0].astype(int)
+      Array([[1, 1, 1, 1],
+             [1, 1, 1, 1],
+             [0, 1, 1, 1],
+             [0, 0, 1, 1]], dtype=int32)
+    """
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
     q = jnp.asarray(query_positions)
     k = jnp.asarray(key_positions)
     q = q[None] if q.ndim == 1 else q
@@ -433,11 +447,12 @@ _FAMILY_READS = {
             "final_logit_softcapping",
             "rope_local_base_freq",
             "sliding_window_pattern",
+            "_sliding_window_pattern",  # a transformers 5 object's to_dict()
             "use_bidirectional_attention",
         }
     ),
-    "deepseek_v2": frozenset({"qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"}),
-    "deepseek_v3": frozenset({"qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "rope_interleave"}),
+    "deepseek_v2": frozenset({"qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim"}),
+    "deepseek_v3": frozenset({"qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim", "rope_interleave"}),
     "gpt_neox": frozenset({"rotary_pct", "rotary_emb_base"}),
     "gptj": frozenset({"rotary_dim", "rotary", "n_positions", "scale_attn_weights"}),
     "falcon": frozenset({"alibi"}),
@@ -476,7 +491,6 @@ _DEFAULTS = {
         "rope_local_base_freq": 10_000.0,
         "query_pre_attn_scalar": 256,
         "sliding_window": 4096,
-        "sliding_window_pattern": 6,
         "max_position_embeddings": 131_072,
     },
     "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "sliding_window": 4096},
@@ -645,7 +659,9 @@ def _layer_types(fields: dict, model_type: str | None) -> tuple[tuple[str, ...],
         if model_type in ("gemma2", "gpt_oss"):
             return bool((i + 1) % 2)
         if model_type == "gemma3_text":
-            return bool((i + 1) % int(fields.get("sliding_window_pattern") or 6))
+            # Gemma3TextConfig: every sliding_window_pattern-th layer is full (6 by default).
+            pattern = fields.get("sliding_window_pattern") or fields.get("_sliding_window_pattern") or 6
+            return bool((i + 1) % int(pattern))
         if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
             first = fields.get("max_window_layers", 28)
             return bool(fields.get("use_sliding_window")) and window is not None and i >= first
@@ -729,8 +745,51 @@ def _rope_params(fields: dict, model_type: str | None, layer_type: str, nested: 
 
 
 def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: list) -> HFEncoding:
-    reads = _ROPE_READS | _FAMILY_READS.get(model_type, frozenset())
-    _check_reads(fields, reads, f"{model_type or 'RoPE'}")
+    _check_rope_fields(fields, model_type, notes)
+    layer_type, per_layer, params = _rope_layer(fields, model_type, layer_type, notes)
+    num_heads = _num_heads(fields, "n_head")
+    head_dim, rope_head = _rope_heads(fields, model_type, num_heads, notes)
+    rotary_dim = _rotary_dim(fields, model_type, params, rope_head, notes)
+    layout = "half"
+    if model_type in ("gptj", "deepseek_v2") or (model_type == "deepseek_v3" and fields.get("rope_interleave")):
+        layout = "interleaved"
+        notes.append("interleaved pairs (x[2i], x[2i+1]), as transformers rotates this family")
+    scaling = _scaling(params, fields, rotary_dim, notes)
+    if scaling is not None and scaling.attention_factor(None) != 1.0:
+        notes.append(
+            f"{params['rope_type']} attention factor {scaling.attention_factor(None):.6g} multiplies the rotated q "
+            f"and k (inside the RoPE), as transformers multiplies cos and sin"
+        )
+    rope = RoPE(
+        base=_base(fields, model_type, params, notes),
+        rotary_dim=None if rotary_dim == rope_head else rotary_dim,
+        layout=layout,
+        scaling=scaling,
+    )
+    window = fields.get("sliding_window") if layer_type == "sliding_attention" else None
+    softcap = fields.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
+    _note_what_is_not_applied(model_type, softcap, notes)
+    return HFEncoding(
+        family="rope",
+        encodings=(RoPEOnLastFeatures(rope, rope_head) if rope_head != head_dim else rope,),
+        scale=_rope_scale(fields, model_type, params, head_dim, notes),
+        head_dim=head_dim,
+        num_heads=num_heads,
+        notes=tuple(notes),
+        model_type=model_type,
+        num_kv_heads=_kv_heads(fields, num_heads, model_type),
+        rotary_dim=rotary_dim,
+        layer_type=layer_type,
+        layer_types=per_layer,
+        causal=True,
+        sliding_window=None if window is None else _count(fields, "sliding_window", "the sliding window"),
+        logit_softcap=None if softcap is None else float(softcap),
+    )
+
+
+def _check_rope_fields(fields: dict, model_type: str | None, notes: list) -> None:
+    """Refuses fields the family does not read, configs without RoPE, and settings not reproduced."""
+    _check_reads(fields, _ROPE_READS | _FAMILY_READS.get(model_type, frozenset()), f"{model_type or 'RoPE'}")
     if model_type not in _ROPE_MODEL_TYPES:
         if not (fields.get("rope_theta") or fields.get("rope_parameters") or fields.get("rope_scaling")):
             raise ValueError(
@@ -750,6 +809,10 @@ def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: l
             f"sliding_window_size={legacy!r} differs from sliding_window={fields.get('sliding_window')!r}; "
             f"transformers reads sliding_window"
         )
+
+
+def _rope_layer(fields: dict, model_type: str | None, layer_type: str | None, notes: list):
+    """(the layer type read, each layer's type, that type's flat rope dict)."""
     per_layer, types = _layer_types(fields, model_type)
     raw = _rope_dict(fields)
     # transformers 5 nests rope_parameters by layer type (None: a layer type without RoPE).
@@ -773,40 +836,32 @@ def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: l
     layer_type = _pick_layer_type(layer_type, types, why)
     if layer_type not in ("full_attention", "sliding_attention"):
         raise ValueError(f"layer type {layer_type!r} is not supported; supported: full_attention, sliding_attention")
-    params = _rope_params(fields, model_type, layer_type, nested, notes)
+    return layer_type, per_layer, _rope_params(fields, model_type, layer_type, nested, notes)
 
-    num_heads = _num_heads(fields, "n_head")
-    num_kv_heads = _kv_heads(fields, num_heads, model_type)
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        rope_head = _count(fields, "qk_rope_head_dim", "DeepSeek's rotary head")
-        head_dim = rope_head + _count(fields, "qk_nope_head_dim", "DeepSeek's query/key head")
-        notes.append(
-            f"multi-head latent attention: q/k heads of qk_nope_head_dim + qk_rope_head_dim = {head_dim}, the RoPE on "
-            f"the last {rope_head} (each query head's and the one shared key part); values of v_head_dim "
-            f"{fields.get('v_head_dim')}"
-        )
-    else:
+
+def _rope_heads(fields: dict, model_type: str | None, num_heads: int, notes: list) -> tuple[int, int]:
+    """(the query/key head size, the part of it the RoPE acts on: all of it but for DeepSeek)."""
+    if model_type not in ("deepseek_v2", "deepseek_v3"):
         head_dim = _head_dim(fields, num_heads, "n_embd")
-        rope_head = head_dim
-    rotary_dim = _rotary_dim(fields, model_type, params, rope_head, notes)
-    base = _base(fields, model_type, params, rope_head, notes)
-    layout = "half"
-    if model_type in ("gptj", "deepseek_v2") or (model_type == "deepseek_v3" and fields.get("rope_interleave")):
-        layout = "interleaved"
-        notes.append("interleaved pairs (x[2i], x[2i+1]), as transformers rotates this family")
-    scaling = _scaling(params, fields, rotary_dim, notes)
-    if scaling is not None and scaling.attention_factor(None) != 1.0:
-        notes.append(
-            f"{params['rope_type']} attention factor {scaling.attention_factor(None):.6g} multiplies the rotated q "
-            f"and k (inside the RoPE), as transformers multiplies cos and sin"
-        )
-    rope = RoPE(base=base, rotary_dim=None if rotary_dim == rope_head else rotary_dim, layout=layout, scaling=scaling)
-    encoding = RoPEOnLastFeatures(rope, rope_head) if rope_head != head_dim else rope
-    scale = _rope_scale(fields, model_type, params, head_dim, notes)
-    window = fields.get("sliding_window") if layer_type == "sliding_attention" else None
-    if window is not None:
-        window = _count(fields, "sliding_window", "the sliding window")
-    softcap = fields.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
+        return head_dim, head_dim
+    rope_head = _count(fields, "qk_rope_head_dim", "DeepSeek's rotary head")
+    head_dim = rope_head + _count(fields, "qk_nope_head_dim", "DeepSeek's query/key head")
+    # A transformers 5 object's to_dict() repeats them as head_dim and qk_head_dim.
+    for name, value in (("head_dim", rope_head), ("qk_head_dim", head_dim)):
+        if fields.get(name) not in (None, value):
+            raise ValueError(
+                f"{name}={fields[name]!r} contradicts qk_rope_head_dim={rope_head} and qk_nope_head_dim="
+                f"{head_dim - rope_head} (transformers sets {name} = {value}); fix or remove it"
+            )
+    notes.append(
+        f"multi-head latent attention: q/k heads of qk_nope_head_dim + qk_rope_head_dim = {head_dim}, the RoPE on "
+        f"the last {rope_head} (each query head's and the one shared key part); values of v_head_dim "
+        f"{fields.get('v_head_dim')}"
+    )
+    return head_dim, rope_head
+
+
+def _note_what_is_not_applied(model_type: str | None, softcap, notes: list) -> None:
     if softcap is not None:
         notes.append(
             f"attn_logit_softcapping = {softcap}: the checkpoint caps scores as c*tanh(s/c) before the softmax, "
@@ -817,22 +872,6 @@ def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: l
             "attention sinks: gpt-oss adds a learned per-head logit (its 'sinks' weights) to each softmax "
             "denominator, which this library's softmax does not"
         )
-    return HFEncoding(
-        family="rope",
-        encodings=(encoding,),
-        scale=scale,
-        head_dim=head_dim,
-        num_heads=num_heads,
-        notes=tuple(notes),
-        model_type=model_type,
-        num_kv_heads=num_kv_heads,
-        rotary_dim=rotary_dim,
-        layer_type=layer_type,
-        layer_types=per_layer,
-        causal=True,
-        sliding_window=window,
-        logit_softcap=None if softcap is None else float(softcap),
-    )
 
 
 def _kv_heads(fields: dict, num_heads: int, model_type: str | None) -> int:
@@ -877,7 +916,7 @@ def _rotary_dim(fields: dict, model_type: str | None, params: dict, head_dim: in
     return rotary
 
 
-def _base(fields: dict, model_type: str | None, params: dict, head_dim: int, notes: list) -> float:
+def _base(fields: dict, model_type: str | None, params: dict, notes: list) -> float:
     if model_type == "gptj":
         return 10000.0  # transformers' GPT-J fixes it
     base = params.get("rope_theta")
@@ -980,44 +1019,8 @@ def _scaling(params: dict, fields: dict, rotary_dim: int, notes: list):
 
 
 def _alibi(fields: dict, model_type: str, notes: list) -> HFEncoding:
-    if model_type == "bloom":
-        _check_reads(fields, frozenset({"offset_alibi"}), "bloom")
-        num_heads = _num_heads(fields, "n_head")
-        head_dim = _head_dim(fields, num_heads, "n_embed")
-        if "offset_alibi" in fields:
-            notes.append("offset_alibi is a Megatron training setting that transformers' BLOOM does not read")
-        encoding, kv_heads = ALiBi(bidirectional=False), num_heads
-        scale = head_dim**-0.5
-    elif model_type == "falcon":
-        _check_reads(fields, _ROPE_READS | frozenset({"alibi"}), "falcon")
-        num_heads = _num_heads(fields, "n_head")
-        head_dim = _head_dim(fields, num_heads, "n_embed")
-        slopes = alibi_slopes(num_heads) / math.sqrt(head_dim)
-        encoding = ALiBiSlopes(tuple(float(s) for s in slopes), bidirectional=False)
-        kv_heads = _kv_heads(fields, num_heads, "falcon")
-        notes.append(
-            f"Falcon adds ALiBi before dividing the scores by sqrt(H): slopes get_slopes(N) / sqrt({head_dim})"
-        )
-        scale = head_dim**-0.5
-    else:
-        _check_reads(fields, frozenset({"max_seq_len", "learned_pos_emb"}), "mpt")
-        num_heads = _num_heads(fields, "n_heads")
-        head_dim = _head_dim(fields, num_heads, "d_model")
-        attn = _mpt_attention(fields.get("attn_config") or {})
-        bias_max = attn["alibi_bias_max"]
-        if bias_max == 8:
-            encoding = ALiBi(bidirectional=False)  # MPT's slopes are get_slopes(N) for the default 8
-        else:
-            encoding = ALiBiSlopes(tuple(float(s) for s in _mpt_slopes(num_heads, bias_max)), bidirectional=False)
-            notes.append(f"alibi_bias_max = {bias_max}: MPT's slopes (transformers' MPT uses 8 whatever the config)")
-        if fields.get("learned_pos_emb"):
-            notes.append("learned_pos_emb: no table with ALiBi on (transformers' MPT has none)")
-        kv_heads = {"multihead_attention": num_heads, "multiquery_attention": 1}.get(
-            attn["attn_type"], attn["kv_n_heads"] or num_heads
-        )
-        scale = head_dim**-0.5 if attn["softmax_scale"] is None else float(attn["softmax_scale"])
-        if attn["softmax_scale"] is not None:
-            notes.append(f"score scale attn_config.softmax_scale = {scale}")
+    family = {"bloom": _bloom, "falcon": _falcon_alibi, "mpt": _mpt}[model_type]
+    encoding, num_heads, head_dim, kv_heads, scale = family(fields, notes)
     notes.append("ALiBi in its causal form m*(j - i), which differs from the checkpoint's m*j by a per-row constant")
     return HFEncoding(
         family="alibi",
@@ -1032,8 +1035,60 @@ def _alibi(fields: dict, model_type: str, notes: list) -> HFEncoding:
     )
 
 
+def _bloom(fields: dict, notes: list):
+    """BLOOM: Press et al.'s slopes added to q·k/√H (``alibi.baddbmm(q, k, alpha=1/√H)``)."""
+    _check_reads(fields, frozenset({"offset_alibi"}), "bloom")
+    num_heads = _num_heads(fields, "n_head")
+    head_dim = _head_dim(fields, num_heads, "n_embed")
+    if "offset_alibi" in fields:
+        notes.append("offset_alibi is a Megatron training setting that transformers' BLOOM does not read")
+    return ALiBi(bidirectional=False), num_heads, head_dim, num_heads, head_dim**-0.5
+
+
+def _falcon_alibi(fields: dict, notes: list):
+    """Falcon with ``alibi``: ``(q·k + alibi) / √H``, so the slopes are ``get_slopes(N) / √H``."""
+    _check_reads(fields, _ROPE_READS | frozenset({"alibi"}), "falcon")
+    num_heads = _num_heads(fields, "n_head")
+    head_dim = _head_dim(fields, num_heads, "n_embed")
+    slopes = alibi_slopes(num_heads) / math.sqrt(head_dim)
+    notes.append(f"Falcon adds ALiBi before dividing the scores by sqrt(H): slopes get_slopes(N) / sqrt({head_dim})")
+    encoding = ALiBiSlopes(tuple(float(s) for s in slopes), bidirectional=False)
+    return encoding, num_heads, head_dim, _kv_heads(fields, num_heads, "falcon"), head_dim**-0.5
+
+
+def _mpt(fields: dict, notes: list):
+    """MPT: ``q·k · softmax_scale + alibi`` with slopes from ``alibi_bias_max`` (Press et al.'s for 8)."""
+    _check_reads(fields, frozenset({"max_seq_len", "learned_pos_emb"}), "mpt")
+    num_heads = _num_heads(fields, "n_heads")
+    head_dim = _head_dim(fields, num_heads, "d_model")
+    attn = _mpt_attention(fields.get("attn_config") or {})
+    bias_max = attn["alibi_bias_max"]
+    if bias_max == 8:
+        encoding = ALiBi(bidirectional=False)  # MPT's slopes are get_slopes(N) for the default 8
+    else:
+        encoding = ALiBiSlopes(tuple(float(s) for s in _mpt_slopes(num_heads, bias_max)), bidirectional=False)
+        notes.append(f"alibi_bias_max = {bias_max}: MPT's slopes (transformers' MPT uses 8 whatever the config)")
+    if fields.get("learned_pos_emb"):
+        notes.append("learned_pos_emb: no table with ALiBi on (transformers' MPT has none)")
+    kv_heads = {"multihead_attention": num_heads, "multiquery_attention": 1}.get(
+        attn["attn_type"], attn["kv_n_heads"] or num_heads
+    )
+    scale = head_dim**-0.5
+    if attn["softmax_scale"] is not None:
+        scale = float(attn["softmax_scale"])
+        notes.append(f"score scale attn_config.softmax_scale = {scale}")
+    return encoding, num_heads, head_dim, kv_heads, scale
+
+
 def _mpt_attention(attn: dict) -> dict:
-    unknown = sorted(set(attn) - set(_MPT_ATTN_DEFAULTS) - {"rope", "sliding_window_size"})
+    # A transformers object's attn_config.to_dict() carries every generic config field too.
+    unknown = sorted(
+        k
+        for k in attn
+        if k not in _MPT_ATTN_DEFAULTS
+        and k not in ("rope", "sliding_window_size")
+        and (_POSITION_FIELD.search(k) or k.startswith(("attn_", "qk_", "alibi")))
+    )
     if unknown:
         raise ValueError(
             f"attn_config has {unknown}, which this loader does not read (it reads {sorted(_MPT_ATTN_DEFAULTS)})"

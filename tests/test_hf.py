@@ -1738,3 +1738,18 @@ def test_transformers_5_files_load_as_transformers_4_files(name):
     assert "rope_parameters" in hf_as_transformers_5(config) and "rope_scaling" not in hf_as_transformers_5(config)
     for field in ("encodings", "scale", "head_dim", "rotary_dim", "num_kv_heads", "sliding_window", "layer_type"):
         assert getattr(v5, field) == getattr(v4, field), field
+
+
+def test_transformers_5_objects_to_dict_load_as_their_files():
+    """What a transformers 5.24 config object's to_dict() adds: DeepSeek's head_dim and qk_head_dim,
+    Gemma 3's _sliding_window_pattern, every generic field in MPT's attn_config."""
+    deepseek = dict(DEEPSEEK_V3, head_dim=64, qk_head_dim=192)
+    assert from_hf_config(deepseek).scale == from_hf_config(DEEPSEEK_V3).scale
+    with pytest.raises(ValueError, match="qk_head_dim=128 contradicts"):
+        from_hf_config(dict(DEEPSEEK_V3, qk_head_dim=128))
+    gemma = {k: v for k, v in GEMMA_3_1B.items() if k != "sliding_window_pattern"}
+    gemma["_sliding_window_pattern"] = 2
+    assert from_hf_config(gemma, layer_type=SLIDE).layer_types[:4] == (SLIDE, FULL, SLIDE, FULL)
+    generic = {"architectures": None, "model_type": "", "return_dict": True, "id2label": {0: "LABEL_0"}}
+    mpt = dict(MPT_7B, attn_config=dict(MPT_7B["attn_config"], **generic))
+    assert from_hf_config(mpt).encodings == from_hf_config(MPT_7B).encodings
