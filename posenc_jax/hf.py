@@ -633,7 +633,11 @@ def from_hf_config(config, *, layer_type: str | None = None, decoder: bool | Non
     elif model_type in ("bloom", "mpt") or (model_type == "falcon" and fields.get("alibi")):
         loaded = _alibi(fields, model_type, notes)
     else:
-        return _rope(fields, model_type, layer_type, notes)
+        loaded = _rope(fields, model_type, layer_type, notes)
+    if decoder is not None and loaded.family != "t5":
+        raise ValueError(f"decoder= is for T5's encoder and decoder; model_type {model_type!r} has one attention")
+    if loaded.family == "rope":
+        return loaded
     if layer_type not in (None, "full_attention"):
         raise ValueError(
             f"layer_type {layer_type!r} is not one of this config's layer types ['full_attention'] "

@@ -1753,3 +1753,9 @@ def test_transformers_5_objects_to_dict_load_as_their_files():
     generic = {"architectures": None, "model_type": "", "return_dict": True, "id2label": {0: "LABEL_0"}}
     mpt = dict(MPT_7B, attn_config=dict(MPT_7B["attn_config"], **generic))
     assert from_hf_config(mpt).encodings == from_hf_config(MPT_7B).encodings
+
+
+def test_decoder_is_for_t5_only():
+    with pytest.raises(ValueError, match="decoder= is for T5's encoder and decoder; model_type 'llama'"):
+        from_hf_config(LLAMA_2_7B, decoder=True)
+    assert from_hf_config(MT5_SMALL, decoder=True).causal is True
