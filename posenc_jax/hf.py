@@ -801,7 +801,8 @@ def _check_rope_fields(fields: dict, model_type: str | None, notes: list) -> Non
                 f"rope_parameters / rope_scaling (RoPE), relative_attention_num_buckets (T5), pos_att_type "
                 f"(DeBERTa-v2) or a model_type this loader knows: {sorted((*_ROPE_MODEL_TYPES, 'bloom', 'mpt'))}"
             )
-        notes.append(f"model_type {model_type!r} is not one of the checked families: read as a Llama-style RoPE")
+        which = "no model_type" if model_type is None else f"model_type {model_type!r}, not one of the checked families"
+        notes.append(f"{which}: read as a Llama-style RoPE config")
     if fields.get("use_bidirectional_attention"):
         raise ValueError(
             "use_bidirectional_attention=True (bidirectional Gemma 3): its symmetric window masks are not "
