@@ -1,32 +1,49 @@
 """Hugging Face transformers configs in this library's terms.
 
 :func:`from_hf_config` reads the position settings of a transformers config (a dict
-such as a ``config.json``, or any object with the same fields) and returns the
-encodings that reproduce them:
+such as a ``config.json``, or any object with the same fields) and returns an
+:class:`HFEncoding`: the encodings that reproduce them, with the layout, rotary size,
+scaling, layer type and score scale the checkpoint was trained with.
+:meth:`HFEncoding.attention_kwargs` gives the keyword arguments of
+:func:`posenc_jax.functional.dot_product_attention` for one layer, and
+:func:`load_hf_position_weights` maps a checkpoint's position parameters (T5's bias
+table, DeBERTa's relative embeddings and projections, a learned absolute table) into
+the encodings' parameters.
 
-* **RoPE** (Llama, Mistral, Qwen, Phi-3, DeepSeek, GPT-NeoX ports, ...): ``rope_theta``,
-  ``partial_rotary_factor``, ``head_dim`` and ``rope_parameters`` (transformers 5) or
-  ``rope_scaling`` (transformers 4) with ``rope_type`` (or the older ``type``)
-  ``default``, ``linear``, ``dynamic``, ``yarn`` (``factor``, ``attention_factor``,
-  ``beta_fast``, ``beta_slow``, ``mscale``, ``mscale_all_dim``, ``truncate``,
-  ``original_max_position_embeddings``), ``llama3`` and ``longrope`` (``short_factor``,
-  ``long_factor`` and the optional ``factor`` and ``attention_factor``). These checkpoints
-  pair feature i with feature i + R/2 (``rotate_half``), so the RoPE has ``layout="half"``.
-* **T5** (``relative_attention_num_buckets``, ``relative_attention_max_distance``):
-  bidirectional buckets in the encoder, causal ones in the decoder, and no division by
-  √H: T5 adds its bias to raw ``q·k`` scores, so the result's ``scale`` is 1 and its
-  encodings carry a :class:`FixedScoreScale` that says so to the attention.
-* **DeBERTa-v2/v3** (``relative_attention``, ``position_buckets``,
-  ``max_relative_positions``, ``pos_att_type``, ``share_att_key``,
-  ``position_biased_input``): the disentangled c2p/p2c terms with the tables only the
-  chosen terms read, and a learned absolute table when positions are added to the input.
-  :func:`deberta_position_tables` makes the ``[2·span, N, H]`` tables from a checkpoint's
-  relative embeddings and projections, as DeBERTa-v2 does at every forward.
+The families, by ``model_type``, and what each reads (transformers 5.24 for the
+formulas; transformers 4 files, with ``rope_scaling``, load the same):
 
-Where transformers 4 and 5 differ, this follows transformers 5: a YaRN or LongRoPE
-``factor`` given in the config is used as given (transformers 4 replaced it by
-``max_position_embeddings / original_max_position_embeddings`` when the latter was set).
-Only the configuration is read; loading weights is left to the caller.
+* **Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5/3 and their MoE, Phi-3/3.5/4, gpt-oss,
+  Falcon (RoPE)**: ``rope_theta``, ``head_dim`` (else ``hidden_size /
+  num_attention_heads``, which must divide), ``partial_rotary_factor`` and
+  ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4) of type ``default``,
+  ``linear``, ``dynamic``, ``yarn``, ``llama3`` or ``longrope``; split-half pairs
+  (``rotate_half``); the score scale ``1/√head_dim``; ``sliding_window`` with
+  ``layer_types`` (or Qwen's ``use_sliding_window`` / ``max_window_layers``, gpt-oss's
+  alternating layers).
+* **Gemma 2/3**: as above, with the score scale ``query_pre_attn_scalar^-0.5``; Gemma 3's
+  sliding layers use ``rope_local_base_freq``, unscaled (``rope_scaling`` is the full
+  layers'); ``attn_logit_softcapping`` (Gemma 2) is reported, not applied.
+* **DeepSeek-V2/V3**: the RoPE acts on the last ``qk_rope_head_dim`` features of the
+  ``qk_nope_head_dim + qk_rope_head_dim`` query/key heads, in interleaved pairs (V2;
+  V3 unless ``rope_interleave`` is false); the score scale is ``qk_head_dim^-0.5 ·
+  m(factor, mscale_all_dim)²`` with ``m(s, a) = 0.1·a·ln s + 1``.
+* **GPT-NeoX / Pythia**: ``rotary_pct`` of the head rotates, base ``rotary_emb_base``.
+* **GPT-J**: the first ``rotary_dim`` features rotate, in interleaved pairs.
+* **BLOOM, MPT, Falcon (``alibi: true``)**: ALiBi with Press et al.'s slopes; Falcon adds
+  it before dividing by √H (slopes ``m/√H``); MPT's ``attn_config`` gives
+  ``alibi_bias_max`` and ``softmax_scale``.
+* **T5, mT5, Flan-T5**: bucketed relative bias (bidirectional in the encoder, causal in
+  the decoder), no division by √H (score scale 1).
+* **DeBERTa-v2/v3**: disentangled c2p/p2c terms over log buckets, score scale
+  ``1/√(H·(1 + number of terms))``, and a learned absolute table when
+  ``position_biased_input``.
+
+A field that bears on positions or the score scale and that the loader does not read is
+an error naming it, as are an unknown ``rope_type``, a ``rope_scaling`` key that the
+type does not have, and a ``layer_type=`` the config does not have. Where transformers
+4 and 5 differ, this follows transformers 5: a YaRN or LongRoPE ``factor`` given in the
+config is used as given.
 
 Example:
   >>> llama31 = {"model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32,
@@ -36,18 +53,31 @@ Example:
   >>> loaded = from_hf_config(llama31)
   >>> loaded.encodings[0].layout, loaded.encodings[0].base, loaded.encodings[0].scaling.factor
   ('half', 500000.0, 8.0)
+  >>> round(loaded.scale, 6), loaded.causal
+  (0.088388, True)
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Mapping, Sequence
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, ParameterFree, pytree_dataclass
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    BiasHook,
+    EncodingConfig,
+    ParameterFree,
+    Placement,
+    pytree_dataclass,
+)
+from posenc_jax.functional.encodings.alibi import ALiBi, alibi_bias, alibi_slopes
 from posenc_jax.functional.encodings.deberta import DeBERTaConfig
 from posenc_jax.functional.encodings.learned_absolute import LearnedAbsoluteConfig
 from posenc_jax.functional.encodings.rope import RoPE
@@ -60,9 +90,46 @@ from posenc_jax.functional.encodings.rope_scaling import (
 )
 from posenc_jax.functional.encodings.t5 import T5Config
 
-__all__ = ["FixedScoreScale", "HFEncoding", "ROPE_TYPES", "deberta_position_tables", "from_hf_config"]
+__all__ = [
+    "ALiBiSlopes",
+    "FixedScoreScale",
+    "HFEncoding",
+    "ROPE_TYPES",
+    "RoPEOnLastFeatures",
+    "deberta_position_tables",
+    "from_hf_config",
+    "load_hf_position_weights",
+    "sliding_window_mask",
+]
 
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+# The keys each rope_type may have besides rope_type/type, rope_theta and partial_rotary_factor
+# (transformers 5's validators).
+_ROPE_KEYS = {
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset(
+        {
+            "factor",
+            "original_max_position_embeddings",
+            "attention_factor",
+            "beta_fast",
+            "beta_slow",
+            "mscale",
+            "mscale_all_dim",
+            "truncate",
+        }
+    ),
+    "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}),
+    "longrope": frozenset(
+        {"short_factor", "long_factor", "factor", "original_max_position_embeddings", "attention_factor"}
+    ),
+}
+
+
+# --- hooks the families need beyond the registered encodings ------------------------------------
 
 
 @pytree_dataclass
@@ -96,31 +163,367 @@ class FixedScoreScale(ParameterFree):
         return None
 
 
+@pytree_dataclass
+class ALiBiSlopes(BiasHook, ParameterFree):
+    """ALiBi with given per-head slopes, ``logits[n, t, s] += m_n · (j - i)`` (causal form).
+
+    For checkpoints whose slopes are not Press et al.'s ``get_slopes(N)``: Falcon adds the
+    bias before dividing the scores by √H, so its slopes are ``get_slopes(N) / √H``; MPT
+    with ``alibi_bias_max`` b has ``2^(-b·k/N')``. ``bidirectional`` as in
+    :class:`posenc_jax.functional.ALiBi`.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[ALiBiSlopes((0.25, 0.0625))], causal=True).shape
+      (1, 4, 2, 8)
+    """
+
+    slopes: tuple[float, ...] = ()
+    bidirectional: bool | None = None
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        slopes = np.asarray(self.slopes, np.float64)
+        if slopes.ndim != 1 or slopes.size == 0 or not np.all(np.isfinite(slopes)):
+            raise ValueError(f"slopes must be a non-empty tuple of finite numbers, one per head, got {self.slopes!r}")
+
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        context.check_heads(len(self.slopes), f"ALiBiSlopes ({len(self.slopes)} slopes)")
+        return alibi_bias(
+            len(self.slopes),
+            context.query_positions,
+            context.key_positions,
+            bidirectional=context.bidirectional(self.bidirectional),
+            slopes=np.asarray(self.slopes, np.float64),
+        )
+
+
+@pytree_dataclass
+class RoPEOnLastFeatures(ParameterFree):
+    """``rope`` applied to the last ``num_features`` features of each query and key head.
+
+    DeepSeek's multi-head latent attention lays a query/key head out as
+    ``[no-position part (qk_nope_head_dim) | rotary part (qk_rope_head_dim)]``; this hook
+    rotates the rotary part and passes the rest, so the heads go to the attention as
+    transformers builds them.
+
+    Example:
+      >>> q = k = jnp.ones((1, 5, 2, 24)); pos = jnp.arange(5)
+      >>> hook = RoPEOnLastFeatures(RoPE(layout="interleaved"), num_features=8)
+      >>> context = AttentionContext.from_positions(pos, pos, causal=True, scale=24**-0.5)
+      >>> rotated, _ = hook.rotate(q, k, context)
+      >>> bool(jnp.all(rotated[..., :16] == 1.0)), rotated.shape
+      (True, (1, 5, 2, 24))
+    """
+
+    rope: RoPE = dataclasses.field(default_factory=RoPE)
+    num_features: int = 64
+
+    def __post_init__(self):
+        if not isinstance(self.rope, RoPE):
+            raise ValueError(f"rope must be a RoPE, got {self.rope!r}")
+        if not isinstance(self.num_features, int) or self.num_features < 2 or self.num_features % 2:
+            raise ValueError(f"num_features must be an even integer >= 2, got {self.num_features!r}")
+        if self.rope.rotary_dim not in (None, self.num_features):
+            raise ValueError(
+                f"the RoPE rotates {self.rope.rotary_dim} features of the {self.num_features} it is given; "
+                f"make it RoPE(rotary_dim=None)"
+            )
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.rope.length_dependent
+
+    @property
+    def rotates_per_token(self) -> bool:
+        """As :attr:`RoPE.rotates_per_token` (a KV cache then stores keys rotated)."""
+        return self.rope.rotates_per_token
+
+    def frequencies(self, head_dim: int | None = None, length: int | None = None) -> tuple[np.ndarray, float]:
+        """The rotary part's ``[num_features / 2]`` inverse frequencies and attention factor."""
+        return self.rope.frequencies(self.num_features, length)
+
+    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]:
+        r = self.num_features
+        if q.shape[-1] < r or k.shape[-1] < r:
+            raise ValueError(f"heads of q {q.shape} and k {k.shape} are narrower than the {r} rotary features")
+        q_rot, k_rot = self.rope.rotate(q[..., -r:], k[..., -r:], context)
+        return (
+            jnp.concatenate([q[..., :-r], q_rot], axis=-1),
+            jnp.concatenate([k[..., :-r], k_rot], axis=-1),
+        )
+
+
+# --- the result ---------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class HFEncoding:
     """The position settings of a transformers config, in this library's terms.
 
     Attributes:
-      family: ``"rope"``, ``"t5"`` or ``"deberta-v2"``.
+      family: ``"rope"``, ``"alibi"``, ``"t5"`` or ``"deberta-v2"``.
       encodings: the encoding configs, for ``Transformer(encoding=list(encodings))`` or
-        ``MultiHeadAttention(encodings=...)`` (an absolute table goes to the Transformer).
-      scale: the content-score scale the checkpoint uses: None for ``1/√H`` (or the scale
-        an encoding prescribes, as DeBERTa's ``1/√(3H)``), 1.0 for T5.
-      head_dim: H.
+        ``MultiHeadAttention(encodings=...)`` (an absolute table goes to the Transformer);
+        :meth:`hooks` builds them.
+      scale: the content-score scale the checkpoint uses: ``q·k`` (after rotation) is
+        multiplied by it (``1/√H``, Gemma's ``query_pre_attn_scalar^-0.5``, DeepSeek's
+        mscale-corrected ``1/√qk_head_dim``, 1 for T5, ``1/√(3H)`` for DeBERTa with both
+        terms). A YaRN or LongRoPE attention factor is not in it: the RoPE multiplies the
+        rotated q and k by it, as transformers multiplies cos and sin.
+      head_dim: H, the query/key head size (DeepSeek: ``qk_head_dim``).
       num_heads: N.
-      notes: what the loader decided that the config left open.
+      notes: what the loader decided that the config left open or that this library
+        does not apply (Gemma 2's score soft-capping, gpt-oss's attention sinks).
+      model_type: the config's ``model_type``.
+      num_kv_heads: K, the key/value heads.
+      rotary_dim: the number of rotated features per head (RoPE family), else None.
+      layer_type: the layer type these settings are for (``"full_attention"``,
+        ``"sliding_attention"``).
+      layer_types: each layer's type, in order (empty when the config does not say how
+        many layers there are).
+      causal: whether the checkpoint's attention is causal (decoders).
+      sliding_window: for a sliding layer, how many keys a query sees (itself included),
+        else None.
+      logit_softcap: Gemma 2's ``attn_logit_softcapping`` (scores become ``c·tanh(s/c)``),
+        which this library's attention does not apply; None when the config has none.
     """
 
     family: str
     encodings: tuple[EncodingConfig, ...]
-    scale: float | None
+    scale: float
     head_dim: int
     num_heads: int
     notes: tuple[str, ...] = ()
+    model_type: str | None = None
+    num_kv_heads: int | None = None
+    rotary_dim: int | None = None
+    layer_type: str = "full_attention"
+    layer_types: tuple[str, ...] = ()
+    causal: bool = True
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+    @property
+    def rope(self) -> RoPE | None:
+        """The RoPE among the encodings (DeepSeek's unwrapped), or None."""
+        for encoding in self.encodings:
+            if isinstance(encoding, RoPEOnLastFeatures):
+                return encoding.rope
+            if isinstance(encoding, RoPE):
+                return encoding
+        return None
+
+    def hooks(self, params: Sequence[Mapping] | None = None) -> list:
+        """The built hooks, one per encoding; ``params[i]`` for ``encodings[i]``.
+
+        ``params`` is what :func:`load_hf_position_weights` returns; parameter-free
+        encodings (RoPE, ALiBi) need none.
+        """
+        if params is not None and len(params) != len(self.encodings):
+            raise ValueError(
+                f"params has {len(params)} entries but there are {len(self.encodings)} encodings "
+                f"({[type(e).__name__ for e in self.encodings]}); pass load_hf_position_weights(...)'s result"
+            )
+        hooks = []
+        for i, encoding in enumerate(self.encodings):
+            if isinstance(encoding, ParameterFree):
+                hooks.append(encoding.build({}))
+                continue
+            if params is None or not params[i]:
+                raise ValueError(
+                    f"encodings[{i}] ({type(encoding).__name__}) has parameters: pass "
+                    f"params=load_hf_position_weights(config, state_dict, ...) (or its init(...))"
+                )
+            hooks.append(encoding.build(dict(params[i])))
+        return hooks
+
+    def context(self, query_positions, key_positions) -> AttentionContext:
+        """The :class:`AttentionContext` of this checkpoint's attention, for calling hooks directly."""
+        return AttentionContext.from_positions(
+            query_positions,
+            key_positions,
+            causal=self.causal,
+            scale=self.scale,
+            head_dim=self.head_dim,
+            num_heads=self.num_heads,
+        )
+
+    def attention_kwargs(self, query_positions, key_positions=None, *, params: Sequence[Mapping] | None = None) -> dict:
+        """The keyword arguments of ``dot_product_attention`` for one layer of this type.
+
+        ``dot_product_attention(q, k, v, **loaded.attention_kwargs(positions))`` computes
+        the checkpoint's attention from its projected q ``[B, T, N, H]``, k and v: the
+        attention's hooks (an absolute table, which acts on the embeddings, is left out),
+        ``scale``, ``causal`` and, for a sliding layer, the window as ``mask``.
+
+        Args:
+          query_positions: integer ``[T]`` or ``[B, T]``.
+          key_positions: integer ``[S]`` or ``[B, S]``; default the query positions.
+          params: the encodings' parameters, as in :meth:`hooks`.
+
+        Example:
+          >>> from posenc_jax.functional import dot_product_attention
+          >>> loaded = from_hf_config({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4})
+          >>> q = k = v = jnp.ones((1, 6, 4, 16))
+          >>> dot_product_attention(q, k, v, **loaded.attention_kwargs(jnp.arange(6))).shape
+          (1, 6, 4, 16)
+        """
+        key_positions = query_positions if key_positions is None else key_positions
+        attention = [
+            hook
+            for encoding, hook in zip(self.encodings, self.hooks(params), strict=True)
+            if encoding.acts_on != "embeddings"
+        ]
+        kwargs = dict(
+            query_positions=query_positions,
+            key_positions=key_positions,
+            encodings=attention,
+            scale=self.scale,
+            causal=self.causal,
+        )
+        if self.sliding_window is not None:
+            kwargs["mask"] = sliding_window_mask(query_positions, key_positions, self.sliding_window)
+        return kwargs
 
 
-def _fields(config) -> dict:
+def sliding_window_mask(query_positions, key_positions, window: int) -> jax.Array:
+    """A sliding window as a boolean mask ``[B|1, 1, T, S]``: True where ``query_pos - key_pos < window``.
+
+    transformers' ``sliding_window_overlay``: a query sees the ``window`` most recent keys,
+    itself included (the causal mask removes later keys).
+
+    Example:
+      >>> sliding_window_mask(jnp.arange(4), jnp.arange(4), 2)[0, 0].astype(int)
+      Array([[1, 1, 1, 1],
+             [1, 1, 1, 1],
+             [0, 1, 1, 1],
+             [0, 0, 1, 1]], dtype=int32)
+    """
+    if isinstance(window, bool) or not isinstance(window, (int, np.integer)) or window < 1:
+        raise ValueError(f"window must be an integer >= 1, got {window!r}")
+    q = jnp.asarray(query_positions)
+    k = jnp.asarray(key_positions)
+    q = q[None] if q.ndim == 1 else q
+    k = k[None] if k.ndim == 1 else k
+    return (q[:, None, :, None] - k[:, None, None, :]) < window
+
+
+# --- reading a config ---------------------------------------------------------------------------
+
+# A field whose name says it bears on positions or the score scale; one that the family's
+# loader does not read is an error, never ignored.
+_POSITION_FIELD = re.compile(
+    r"rope|rotary|posit|^pos_|_pos_|alibi|relative|window|layer_types|pre_attn|softmax_scale|softcap|"
+    r"scale_attn|attn_scal|head_dim|head_size|interleave|mscale|bucket|max_seq_len|n_ctx"
+)
+
+# Fields every RoPE-family loader reads.
+_ROPE_READS = frozenset(
+    {
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "partial_rotary_factor",
+        "head_dim",
+        "max_position_embeddings",
+        "original_max_position_embeddings",
+        "layer_types",
+        "sliding_window",
+    }
+)
+_QWEN_READS = frozenset({"use_sliding_window", "max_window_layers"})
+# What else each family reads (or knowingly leaves: noted where it is met).
+_FAMILY_READS = {
+    "qwen2": _QWEN_READS,
+    "qwen2_moe": _QWEN_READS,
+    "qwen3": _QWEN_READS,
+    "qwen3_moe": _QWEN_READS,
+    "gemma2": frozenset(
+        {"query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "sliding_window_size"}
+    ),
+    "gemma3_text": frozenset(
+        {
+            "query_pre_attn_scalar",
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "rope_local_base_freq",
+            "sliding_window_pattern",
+            "_sliding_window_pattern",  # a transformers 5 object's to_dict()
+            "use_bidirectional_attention",
+        }
+    ),
+    "deepseek_v2": frozenset({"qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim"}),
+    "deepseek_v3": frozenset({"qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "qk_head_dim", "rope_interleave"}),
+    "gpt_neox": frozenset({"rotary_pct", "rotary_emb_base"}),
+    "gptj": frozenset({"rotary_dim", "rotary", "n_positions", "scale_attn_weights"}),
+    "falcon": frozenset({"alibi"}),
+}
+_ROPE_MODEL_TYPES = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "gpt_oss",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_neox",
+    "gptj",
+    "falcon",
+)
+# Families whose sliding_window applies to every layer (no layer types).
+_WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3")
+
+# Defaults of transformers' config classes for position fields that shipped config.json
+# files leave out (Gemma 3's text_config holds only what differs from Gemma3TextConfig).
+_DEFAULTS = {
+    "gemma3_text": {
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_size": 2304,
+        "num_hidden_layers": 26,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "max_position_embeddings": 131_072,
+    },
+    "gemma2": {"query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "sliding_window": 4096},
+    "deepseek_v2": {"qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128},
+    "deepseek_v3": {"qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "rope_interleave": True},
+    "t5": {"relative_attention_max_distance": 128},
+    "mt5": {"relative_attention_max_distance": 128},
+}
+# MPT's attn_config keys, with MptAttentionConfig's defaults.
+_MPT_ATTN_DEFAULTS = {
+    "attn_type": "multihead_attention",
+    "attn_pdrop": 0.0,
+    "attn_impl": "torch",
+    "clip_qkv": None,
+    "softmax_scale": None,
+    "prefix_lm": False,
+    "qk_ln": False,
+    "attn_uses_sequence_id": False,
+    "alibi": True,
+    "alibi_bias_max": 8,
+    "kv_n_heads": None,
+}
+
+
+def _as_dict(config) -> dict:
     """A transformers config object or dict as a plain dict of its fields."""
+    if config is None:
+        return {}
     if isinstance(config, Mapping):
         return dict(config)
     if hasattr(config, "to_dict"):
@@ -135,96 +538,429 @@ def _fields(config) -> dict:
     raise ValueError(f"config must be a dict or a transformers config object (fields as attributes), got {config!r}")
 
 
+def _fields(config, notes: list) -> dict:
+    """The config's fields (a multimodal config's text_config), with transformers' defaults filled in."""
+    fields = _as_dict(config)
+    if fields.get("model_type") == "gemma3" or ("text_config" in fields and fields.get("num_attention_heads") is None):
+        text = _as_dict(fields.get("text_config"))
+        text.setdefault("model_type", "gemma3_text" if fields.get("model_type") == "gemma3" else None)
+        notes.append(f"read text_config (model_type {text['model_type']!r}) of the {fields.get('model_type')!r} config")
+        fields = text
+    if "attn_config" in fields:
+        fields["attn_config"] = _as_dict(fields["attn_config"])
+    model_type = fields.get("model_type")
+    for name, value in _DEFAULTS.get(model_type, {}).items():
+        if name not in fields:
+            fields[name] = value
+            notes.append(f"{name} = {value!r}: transformers' default for {model_type} (absent from the config)")
+    return fields
+
+
+def _check_reads(fields: dict, reads: frozenset, what: str) -> None:
+    unread = sorted(k for k in fields if _POSITION_FIELD.search(k) and k not in reads)
+    if unread:
+        shown = ", ".join(f"{k}={fields[k]!r}" for k in unread)
+        raise ValueError(
+            f"the config has {shown}, which bear(s) on positions or the score scale but which the {what} loader does "
+            f"not read; this loader cannot reproduce such a checkpoint (remove the field only if it has no effect)"
+        )
+
+
 def _required(fields: dict, name: str, what: str):
     if fields.get(name) is None:
         raise ValueError(f"the config has no {name!r}, which {what} needs; add it (as in the model's config.json)")
     return fields[name]
 
 
-def _heads(fields: dict) -> tuple[int, int]:
-    num_heads = int(_required(fields, "num_attention_heads", "the head count"))
-    head_dim = fields.get("head_dim") or fields.get("attention_head_size")
-    if head_dim is None:
-        hidden = int(_required(fields, "hidden_size", "the head dim (hidden_size / num_attention_heads)"))
-        head_dim = hidden // num_heads
-    return int(head_dim), num_heads
+def _count(fields: dict, name: str, what: str) -> int:
+    value = _required(fields, name, what)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1 ({what}), got {value!r}")
+    return int(value)
+
+
+def _head_dim(fields: dict, num_heads: int, *names: str) -> int:
+    """The ``head_dim`` (or ``attention_head_size``) field, else ``hidden_size / num_heads``, which must divide."""
+    for name in ("head_dim", "attention_head_size"):
+        if fields.get(name) is not None:
+            return _count(fields, name, "the head dim")
+    hidden_name = next((n for n in ("hidden_size", *names) if fields.get(n) is not None), "hidden_size")
+    hidden = _count(fields, hidden_name, f"the head dim ({hidden_name} / num_attention_heads)")
+    if hidden % num_heads:
+        raise ValueError(
+            f"{hidden_name}={hidden} is not a multiple of num_attention_heads={num_heads}, so the head dim "
+            f"{hidden} / {num_heads} is not a whole number; give head_dim in the config"
+        )
+    return hidden // num_heads
+
+
+def _num_heads(fields: dict, *aliases: str) -> int:
+    name = next((n for n in ("num_attention_heads", *aliases) if fields.get(n) is not None), "num_attention_heads")
+    return _count(fields, name, "the head count")
 
 
 def from_hf_config(config, *, layer_type: str | None = None, decoder: bool | None = None) -> HFEncoding:
-    """The encodings of a Hugging Face transformers config (RoPE family, T5 or DeBERTa-v2).
+    """The encodings of a Hugging Face transformers config, with the checkpoint's score scale.
 
     Args:
       config: a dict (e.g. a parsed ``config.json``) or a transformers config object.
-      layer_type: for configs whose ``rope_parameters`` are nested per layer type
-        (``"full_attention"``, ``"sliding_attention"``), the one to read.
+      layer_type: the layer type to read (``"full_attention"``, ``"sliding_attention"``)
+        when the config's layers differ (Gemma 2/3, gpt-oss, Qwen with a window, nested
+        ``rope_parameters``); it must be one of the config's types.
       decoder: T5 only: the decoder's causal buckets (True) or the encoder's
         bidirectional ones (False); default the config's ``is_decoder``.
 
     Returns:
-      An :class:`HFEncoding`: the encoding configs, the score scale and the sizes.
+      An :class:`HFEncoding`: the encoding configs, the score scale, the sizes, the
+      layer type and its window, and whether the attention is causal.
 
     Raises:
       ValueError: naming the field, its value and the fix, for a config this loader
-        cannot reproduce (an unknown ``rope_type``, no position settings, ...).
+        cannot reproduce (an unknown ``rope_type`` or field, no position settings, a
+        layer type the config does not have, ...).
     """
-    fields = _fields(config)
-    if fields.get("relative_attention_num_buckets") is not None:
-        return _t5(fields, decoder)
-    if (
-        "pos_att_type" in fields
-        or "position_buckets" in fields
-        or fields.get("model_type") in ("deberta-v2", "deberta")
+    notes: list[str] = []
+    fields = _fields(config, notes)
+    model_type = fields.get("model_type")
+    if model_type == "deberta":
+        raise ValueError(
+            "DeBERTa v1 configs are not supported: v1 slices its relative table by the sequence length; "
+            "load a deberta-v2 (or v3) config"
+        )
+    if model_type in ("t5", "mt5") or (
+        model_type not in _ROPE_MODEL_TYPES and fields.get("relative_attention_num_buckets") is not None
     ):
-        return _deberta(fields)
-    return _rope(fields, layer_type)
+        loaded = _t5(fields, decoder, notes)
+    elif model_type == "deberta-v2" or (
+        model_type not in _ROPE_MODEL_TYPES and ("pos_att_type" in fields or "position_buckets" in fields)
+    ):
+        loaded = _deberta(fields, notes)
+    elif model_type in ("bloom", "mpt") or (model_type == "falcon" and fields.get("alibi")):
+        loaded = _alibi(fields, model_type, notes)
+    else:
+        loaded = _rope(fields, model_type, layer_type, notes)
+    if decoder is not None and loaded.family != "t5":
+        raise ValueError(f"decoder= is for T5's encoder and decoder; model_type {model_type!r} has one attention")
+    if loaded.family == "rope":
+        return loaded
+    if layer_type not in (None, "full_attention"):
+        raise ValueError(
+            f"layer_type {layer_type!r} is not one of this config's layer types ['full_attention'] "
+            f"(model_type {model_type!r} has one kind of layer)"
+        )
+    return loaded
 
 
 # --- RoPE family -------------------------------------------------------------------------------
 
 
-def _rope_parameters(fields: dict, layer_type: str | None) -> dict:
-    """The flat rope dict (transformers 5 ``rope_parameters`` or 4 ``rope_scaling``), type named."""
-    params = fields.get("rope_parameters") or fields.get("rope_scaling") or {}
+def _layer_types(fields: dict, model_type: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(each layer's type, in order, or () when the layer count is unknown; the types there are)."""
+    given = fields.get("layer_types")
+    if given is not None:
+        if isinstance(given, str) or not all(isinstance(t, str) for t in given):
+            raise ValueError(f"layer_types must be a list of layer type names, got {given!r}")
+        return tuple(given), tuple(sorted(set(given)))
+    layers = fields.get("num_hidden_layers")
+    window = fields.get("sliding_window")
+
+    def sliding(i: int) -> bool:
+        if model_type in ("gemma2", "gpt_oss"):
+            return bool((i + 1) % 2)
+        if model_type == "gemma3_text":
+            # Gemma3TextConfig: every sliding_window_pattern-th layer is full (6 by default).
+            pattern = fields.get("sliding_window_pattern") or fields.get("_sliding_window_pattern") or 6
+            return bool((i + 1) % int(pattern))
+        if model_type in ("qwen2", "qwen2_moe", "qwen3", "qwen3_moe"):
+            first = fields.get("max_window_layers", 28)
+            return bool(fields.get("use_sliding_window")) and window is not None and i >= first
+        return model_type in _WINDOW_EVERY_LAYER and window is not None
+
+    if isinstance(layers, int) and layers > 0:
+        per_layer = tuple("sliding_attention" if sliding(i) else "full_attention" for i in range(layers))
+        return per_layer, tuple(sorted(set(per_layer)))
+    if model_type in ("gemma2", "gpt_oss", "gemma3_text"):
+        return (), ("full_attention", "sliding_attention")
+    return (), ("sliding_attention",) if sliding(0) else ("full_attention",)
+
+
+def _pick_layer_type(layer_type: str | None, types: tuple[str, ...], why: str) -> str:
+    if layer_type is None:
+        if len(types) > 1:
+            raise ValueError(f"this config's layers differ by type {list(types)} ({why}); pass layer_type= one of them")
+        return types[0]
+    if layer_type not in types:
+        raise ValueError(f"layer_type {layer_type!r} is not one of this config's layer types {list(types)}")
+    return layer_type
+
+
+def _rope_dict(fields: dict) -> dict:
+    """transformers 5's ``rope_parameters`` or transformers 4's ``rope_scaling`` (one of them)."""
+    v5, v4 = fields.get("rope_parameters"), fields.get("rope_scaling")
+    if v5 and v4 and v5 != v4:
+        raise ValueError(
+            f"the config has both rope_parameters={v5!r} and rope_scaling={v4!r}, which differ; keep one "
+            f"(rope_parameters in transformers 5 files, rope_scaling in transformers 4 files)"
+        )
+    params = v5 or v4 or {}
     if not isinstance(params, Mapping):
         raise ValueError(f"rope_parameters / rope_scaling must be a dict, got {params!r}")
-    nested = [key for key, value in params.items() if isinstance(value, Mapping)]
+    return dict(params)
+
+
+def _rope_params(fields: dict, model_type: str | None, layer_type: str, nested: dict, notes: list) -> dict:
+    """The flat rope dict of ``layer_type`` with its ``rope_type`` and ``rope_theta``; keys checked."""
     if nested:
-        if layer_type is None:
+        params = nested[layer_type]
+        source = f"rope_parameters[{layer_type!r}]"
+        if params is None:
+            raise ValueError(f"{source} is null (a layer without RoPE); this loader does not read such layers")
+        params = dict(params)
+    elif model_type == "gemma3_text" and layer_type == "sliding_attention":
+        # transformers 4 form: rope_scaling and rope_theta are the full layers'.
+        params = {"rope_type": "default", "rope_theta": float(fields["rope_local_base_freq"])}
+        source = "rope_local_base_freq"
+        notes.append(
+            f"sliding layers: base rope_local_base_freq = {params['rope_theta']}, unscaled (rope_scaling and "
+            f"rope_theta are the full-attention layers')"
+        )
+    else:
+        params = _rope_dict(fields)
+        source = "rope_parameters" if fields.get("rope_parameters") else "rope_scaling"
+    if "rope_type" not in params and "type" not in params:
+        settings = sorted(set(params) - {"rope_theta", "partial_rotary_factor"})
+        if settings:
             raise ValueError(
-                f"this config's rope_parameters differ by layer type {sorted(nested)}; pass layer_type= one of them"
+                f"{source} {params!r} has {settings} but no 'rope_type' (or 'type'); name its method, e.g. "
+                f'"rope_type": "linear" (supported: {ROPE_TYPES})'
             )
-        if layer_type not in params:
-            raise ValueError(
-                f"layer_type {layer_type!r} is not in rope_parameters; its layer types are {sorted(nested)}"
-            )
-        params = params[layer_type]
-    params = dict(params)
-    params["rope_type"] = params.get("rope_type", params.get("type", "default"))
+        params["rope_type"] = "default"
+    named = params.pop("type", None)
+    if named is not None and params.get("rope_type", named) != named:
+        raise ValueError(f"{source} has rope_type {params['rope_type']!r} and type {named!r}; keep one")
+    rope_type = params.setdefault("rope_type", named)
+    if model_type == "phi3" and rope_type == "su":
+        params["rope_type"] = rope_type = "longrope"
+        notes.append("rope_type 'su' read as 'longrope' (its later name, as transformers does for phi3)")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"{source} rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
+    unknown = sorted(set(params) - _ROPE_KEYS[rope_type] - {"rope_type", "rope_theta", "partial_rotary_factor"})
+    if unknown:
+        raise ValueError(
+            f"{source} has {unknown}, which rope_type {rope_type!r} does not have (its keys: "
+            f"{sorted(_ROPE_KEYS[rope_type])}); this loader does not guess what they mean"
+        )
     return params
 
 
-def _rope(fields: dict, layer_type: str | None) -> HFEncoding:
-    params = _rope_parameters(fields, layer_type)
-    if not params.get("rope_theta") and fields.get("rope_theta") is None and len(params) == 1:
-        model_type = fields.get("model_type", "unknown")
-        raise ValueError(
-            f"found no position settings in this config (model_type {model_type!r}): expected rope_theta or "
-            f"rope_parameters / rope_scaling (RoPE), relative_attention_num_buckets (T5), or pos_att_type (DeBERTa-v2)"
-        )
-    head_dim, num_heads = _heads(fields)
-    base = float(params.get("rope_theta") or fields.get("rope_theta") or 10000.0)
-    partial = params.get("partial_rotary_factor", fields.get("partial_rotary_factor"))
-    partial = 1.0 if partial is None else float(partial)
-    rotary_dim = int(head_dim * partial)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise ValueError(
-            f"head_dim * partial_rotary_factor = {head_dim} * {partial} gives {rotary_dim} rotated features; RoPE "
-            f"needs an even number >= 2"
-        )
-    notes = []
+def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: list) -> HFEncoding:
+    _check_rope_fields(fields, model_type, notes)
+    layer_type, per_layer, params = _rope_layer(fields, model_type, layer_type, notes)
+    num_heads = _num_heads(fields, "n_head")
+    head_dim, rope_head = _rope_heads(fields, model_type, num_heads, notes)
+    rotary_dim = _rotary_dim(fields, model_type, params, rope_head, notes)
+    layout = "half"
+    if model_type in ("gptj", "deepseek_v2") or (model_type == "deepseek_v3" and fields.get("rope_interleave")):
+        layout = "interleaved"
+        notes.append("interleaved pairs (x[2i], x[2i+1]), as transformers rotates this family")
     scaling = _scaling(params, fields, rotary_dim, notes)
-    rope = RoPE(base=base, rotary_dim=None if rotary_dim == head_dim else rotary_dim, layout="half", scaling=scaling)
-    return HFEncoding("rope", (rope,), None, head_dim, num_heads, tuple(notes))
+    if scaling is not None and scaling.attention_factor(None) != 1.0:
+        notes.append(
+            f"{params['rope_type']} attention factor {scaling.attention_factor(None):.6g} multiplies the rotated q "
+            f"and k (inside the RoPE), as transformers multiplies cos and sin"
+        )
+    rope = RoPE(
+        base=_base(fields, model_type, params, notes),
+        rotary_dim=None if rotary_dim == rope_head else rotary_dim,
+        layout=layout,
+        scaling=scaling,
+    )
+    window = fields.get("sliding_window") if layer_type == "sliding_attention" else None
+    softcap = fields.get("attn_logit_softcapping") if model_type in ("gemma2", "gemma3_text") else None
+    _note_what_is_not_applied(model_type, softcap, notes)
+    return HFEncoding(
+        family="rope",
+        encodings=(RoPEOnLastFeatures(rope, rope_head) if rope_head != head_dim else rope,),
+        scale=_rope_scale(fields, model_type, params, head_dim, notes),
+        head_dim=head_dim,
+        num_heads=num_heads,
+        notes=tuple(notes),
+        model_type=model_type,
+        num_kv_heads=_kv_heads(fields, num_heads, model_type),
+        rotary_dim=rotary_dim,
+        layer_type=layer_type,
+        layer_types=per_layer,
+        causal=True,
+        sliding_window=None if window is None else _count(fields, "sliding_window", "the sliding window"),
+        logit_softcap=None if softcap is None else float(softcap),
+    )
+
+
+def _check_rope_fields(fields: dict, model_type: str | None, notes: list) -> None:
+    """Refuses fields the family does not read, configs without RoPE, and settings not reproduced."""
+    _check_reads(fields, _ROPE_READS | _FAMILY_READS.get(model_type, frozenset()), f"{model_type or 'RoPE'}")
+    if model_type not in _ROPE_MODEL_TYPES:
+        if not (fields.get("rope_theta") or fields.get("rope_parameters") or fields.get("rope_scaling")):
+            raise ValueError(
+                f"found no position settings in this config (model_type {model_type!r}): expected rope_theta or "
+                f"rope_parameters / rope_scaling (RoPE), relative_attention_num_buckets (T5), pos_att_type "
+                f"(DeBERTa-v2) or a model_type this loader knows: {sorted((*_ROPE_MODEL_TYPES, 'bloom', 'mpt'))}"
+            )
+        which = "no model_type" if model_type is None else f"model_type {model_type!r}, not one of the checked families"
+        notes.append(f"{which}: read as a Llama-style RoPE config")
+    if fields.get("use_bidirectional_attention"):
+        raise ValueError(
+            "use_bidirectional_attention=True (bidirectional Gemma 3): its symmetric window masks are not "
+            "reproduced by this loader"
+        )
+    legacy = fields.get("sliding_window_size")  # Gemma 2 files repeat the window under this name
+    if legacy is not None and legacy != fields.get("sliding_window"):
+        raise ValueError(
+            f"sliding_window_size={legacy!r} differs from sliding_window={fields.get('sliding_window')!r}; "
+            f"transformers reads sliding_window"
+        )
+
+
+def _rope_layer(fields: dict, model_type: str | None, layer_type: str | None, notes: list):
+    """(the layer type read, each layer's type, that type's flat rope dict)."""
+    per_layer, types = _layer_types(fields, model_type)
+    raw = _rope_dict(fields)
+    # transformers 5 nests rope_parameters by layer type (None: a layer type without RoPE).
+    nested = {
+        key: value
+        for key, value in raw.items()
+        if isinstance(value, Mapping) or (value is None and (key in types or key.endswith("_attention")))
+    }
+    if nested:
+        if len(nested) != len(raw):
+            raise ValueError(
+                f"rope_parameters mixes per-layer-type entries {sorted(nested)} with flat keys "
+                f"{sorted(set(raw) - set(nested))}; give every setting inside its layer type"
+            )
+        if fields.get("layer_types") is None:
+            types = tuple(sorted(nested))
+        missing = sorted(set(types) - set(nested))
+        if missing:
+            raise ValueError(f"rope_parameters has no entry for the layer types {missing}; it has {sorted(nested)}")
+    why = "rope_parameters differ by layer type" if nested else "their window or RoPE differ"
+    layer_type = _pick_layer_type(layer_type, types, why)
+    if layer_type not in ("full_attention", "sliding_attention"):
+        raise ValueError(f"layer type {layer_type!r} is not supported; supported: full_attention, sliding_attention")
+    return layer_type, per_layer, _rope_params(fields, model_type, layer_type, nested, notes)
+
+
+def _rope_heads(fields: dict, model_type: str | None, num_heads: int, notes: list) -> tuple[int, int]:
+    """(the query/key head size, the part of it the RoPE acts on: all of it but for DeepSeek)."""
+    if model_type not in ("deepseek_v2", "deepseek_v3"):
+        head_dim = _head_dim(fields, num_heads, "n_embd")
+        return head_dim, head_dim
+    rope_head = _count(fields, "qk_rope_head_dim", "DeepSeek's rotary head")
+    head_dim = rope_head + _count(fields, "qk_nope_head_dim", "DeepSeek's query/key head")
+    # A transformers 5 object's to_dict() repeats them as head_dim and qk_head_dim.
+    for name, value in (("head_dim", rope_head), ("qk_head_dim", head_dim)):
+        if fields.get(name) not in (None, value):
+            raise ValueError(
+                f"{name}={fields[name]!r} contradicts qk_rope_head_dim={rope_head} and qk_nope_head_dim="
+                f"{head_dim - rope_head} (transformers sets {name} = {value}); fix or remove it"
+            )
+    notes.append(
+        f"multi-head latent attention: q/k heads of qk_nope_head_dim + qk_rope_head_dim = {head_dim}, the RoPE on "
+        f"the last {rope_head} (each query head's and the one shared key part); values of v_head_dim "
+        f"{fields.get('v_head_dim')}"
+    )
+    return head_dim, rope_head
+
+
+def _note_what_is_not_applied(model_type: str | None, softcap, notes: list) -> None:
+    if softcap is not None:
+        notes.append(
+            f"attn_logit_softcapping = {softcap}: the checkpoint caps scores as c*tanh(s/c) before the softmax, "
+            f"which this library's attention does not do (logit_softcap)"
+        )
+    if model_type == "gpt_oss":
+        notes.append(
+            "attention sinks: gpt-oss adds a learned per-head logit (its 'sinks' weights) to each softmax "
+            "denominator, which this library's softmax does not"
+        )
+
+
+def _kv_heads(fields: dict, num_heads: int, model_type: str | None) -> int:
+    if model_type == "falcon":
+        if fields.get("new_decoder_architecture"):
+            return int(fields.get("num_kv_heads") or num_heads)
+        return 1 if fields.get("multi_query", True) else num_heads
+    value = fields.get("num_key_value_heads")
+    return num_heads if value is None else int(value)
+
+
+def _partial_factor(value, source: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"{source} must be a number in (0, 1], the fraction of each head that rotates, got {value!r}")
+    return float(value)
+
+
+def _rotary_dim(fields: dict, model_type: str | None, params: dict, head_dim: int, notes: list) -> int:
+    if model_type == "gptj":
+        rotary = fields.get("rotary_dim")
+        if rotary is None:
+            raise ValueError(
+                "rotary_dim is null: transformers' GPT-J then rotates by a table of hidden_size, which "
+                "does not fit its heads; give rotary_dim (64 in GPT-J-6B)"
+            )
+        rotary = int(rotary)
+        source = f"rotary_dim = {rotary}"
+    else:
+        partial = params.get("partial_rotary_factor", fields.get("partial_rotary_factor"))
+        name = "partial_rotary_factor"
+        if partial is None and model_type == "gpt_neox":
+            partial, name = fields.get("rotary_pct", 0.25), "rotary_pct"
+            if "rotary_pct" not in fields:
+                notes.append("rotary_pct = 0.25: transformers' default for gpt_neox (absent from the config)")
+        if partial is None:
+            return head_dim
+        partial = _partial_factor(partial, name)
+        rotary = int(head_dim * partial)
+        source = f"head_dim * {name} = {head_dim} * {partial}"
+    if rotary < 2 or rotary % 2 or rotary > head_dim:
+        raise ValueError(f"{source} gives {rotary} rotated features; RoPE needs an even number in [2, {head_dim}]")
+    return rotary
+
+
+def _base(fields: dict, model_type: str | None, params: dict, notes: list) -> float:
+    if model_type == "gptj":
+        return 10000.0  # transformers' GPT-J fixes it
+    base = params.get("rope_theta")
+    if base is None:
+        base = fields.get("rope_theta")
+    if base is None and model_type == "gpt_neox":
+        base = fields.get("rotary_emb_base")
+    if base is None:
+        base = 10000.0
+        notes.append("rope_theta = 10000: transformers' default (absent from the config)")
+    return float(base)
+
+
+def _rope_scale(fields: dict, model_type: str | None, params: dict, head_dim: int, notes: list) -> float:
+    if model_type in ("gemma2", "gemma3_text"):
+        scalar = _required(fields, "query_pre_attn_scalar", "Gemma's score scale")
+        if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not scalar > 0:
+            raise ValueError(f"query_pre_attn_scalar must be a number > 0, got {scalar!r}")
+        notes.append(f"score scale query_pre_attn_scalar^-0.5 = {scalar}^-0.5")
+        return float(scalar) ** -0.5
+    scale = head_dim**-0.5
+    if (
+        model_type in ("deepseek_v2", "deepseek_v3")
+        and params["rope_type"] != "default"
+        and params.get("mscale_all_dim")
+    ):
+        factor = float(_required(params, "factor", "DeepSeek's mscale"))
+        mscale = 0.1 * float(params["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
+        notes.append(
+            f"score scale qk_head_dim^-0.5 * mscale^2 = {head_dim}^-0.5 * {mscale:.6g}^2, mscale = "
+            f"0.1 * mscale_all_dim * ln(factor) + 1"
+        )
+        scale *= mscale * mscale
+    return scale
 
 
 def _original_context(params: dict, fields: dict, notes: list) -> int:
@@ -242,8 +978,6 @@ def _scaling(params: dict, fields: dict, rotary_dim: int, notes: list):
     rope_type = params["rope_type"]
     if rope_type == "default":
         return None
-    if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
     if rope_type == "linear":
         return LinearScaling(factor=float(_required(params, "factor", "linear RoPE scaling")))
     if rope_type == "dynamic":
@@ -291,23 +1025,158 @@ def _scaling(params: dict, fields: dict, rotary_dim: int, notes: list):
     )
 
 
+# --- ALiBi: BLOOM, MPT, Falcon-RW --------------------------------------------------------------
+
+
+def _alibi(fields: dict, model_type: str, notes: list) -> HFEncoding:
+    family = {"bloom": _bloom, "falcon": _falcon_alibi, "mpt": _mpt}[model_type]
+    encoding, num_heads, head_dim, kv_heads, scale = family(fields, notes)
+    notes.append("ALiBi in its causal form m*(j - i), which differs from the checkpoint's m*j by a per-row constant")
+    return HFEncoding(
+        family="alibi",
+        encodings=(encoding,),
+        scale=scale,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        notes=tuple(notes),
+        model_type=model_type,
+        num_kv_heads=kv_heads,
+        causal=True,
+    )
+
+
+def _bloom(fields: dict, notes: list):
+    """BLOOM: Press et al.'s slopes added to q·k/√H (``alibi.baddbmm(q, k, alpha=1/√H)``)."""
+    _check_reads(fields, frozenset({"offset_alibi"}), "bloom")
+    num_heads = _num_heads(fields, "n_head")
+    head_dim = _head_dim(fields, num_heads, "n_embed")
+    if "offset_alibi" in fields:
+        notes.append("offset_alibi is a Megatron training setting that transformers' BLOOM does not read")
+    return ALiBi(bidirectional=False), num_heads, head_dim, num_heads, head_dim**-0.5
+
+
+def _falcon_alibi(fields: dict, notes: list):
+    """Falcon with ``alibi``: ``(q·k + alibi) / √H``, so the slopes are ``get_slopes(N) / √H``."""
+    _check_reads(fields, _ROPE_READS | frozenset({"alibi"}), "falcon")
+    num_heads = _num_heads(fields, "n_head")
+    head_dim = _head_dim(fields, num_heads, "n_embed")
+    slopes = alibi_slopes(num_heads) / math.sqrt(head_dim)
+    notes.append(f"Falcon adds ALiBi before dividing the scores by sqrt(H): slopes get_slopes(N) / sqrt({head_dim})")
+    encoding = ALiBiSlopes(tuple(float(s) for s in slopes), bidirectional=False)
+    return encoding, num_heads, head_dim, _kv_heads(fields, num_heads, "falcon"), head_dim**-0.5
+
+
+def _mpt(fields: dict, notes: list):
+    """MPT: ``q·k · softmax_scale + alibi`` with slopes from ``alibi_bias_max`` (Press et al.'s for 8)."""
+    _check_reads(fields, frozenset({"max_seq_len", "learned_pos_emb"}), "mpt")
+    num_heads = _num_heads(fields, "n_heads")
+    head_dim = _head_dim(fields, num_heads, "d_model")
+    attn = _mpt_attention(fields.get("attn_config") or {})
+    bias_max = attn["alibi_bias_max"]
+    if bias_max == 8:
+        encoding = ALiBi(bidirectional=False)  # MPT's slopes are get_slopes(N) for the default 8
+    else:
+        encoding = ALiBiSlopes(tuple(float(s) for s in _mpt_slopes(num_heads, bias_max)), bidirectional=False)
+        notes.append(f"alibi_bias_max = {bias_max}: MPT's slopes (transformers' MPT uses 8 whatever the config)")
+    if fields.get("learned_pos_emb"):
+        notes.append("learned_pos_emb: no table with ALiBi on (transformers' MPT has none)")
+    kv_heads = {"multihead_attention": num_heads, "multiquery_attention": 1}.get(
+        attn["attn_type"], attn["kv_n_heads"] or num_heads
+    )
+    scale = head_dim**-0.5
+    if attn["softmax_scale"] is not None:
+        scale = float(attn["softmax_scale"])
+        notes.append(f"score scale attn_config.softmax_scale = {scale}")
+    return encoding, num_heads, head_dim, kv_heads, scale
+
+
+def _mpt_attention(attn: dict) -> dict:
+    # A transformers object's attn_config.to_dict() carries every generic config field too.
+    unknown = sorted(
+        k
+        for k in attn
+        if k not in _MPT_ATTN_DEFAULTS
+        and k not in ("rope", "sliding_window_size")
+        and (_POSITION_FIELD.search(k) or k.startswith(("attn_", "qk_", "alibi")))
+    )
+    if unknown:
+        raise ValueError(
+            f"attn_config has {unknown}, which this loader does not read (it reads {sorted(_MPT_ATTN_DEFAULTS)})"
+        )
+    if attn.get("rope") or attn.get("sliding_window_size") not in (None, -1):
+        raise ValueError(
+            f"attn_config rope={attn.get('rope')!r}, sliding_window_size={attn.get('sliding_window_size')!r}: "
+            f"transformers' MPT has neither; this loader reads ALiBi MPT checkpoints only"
+        )
+    attn = {**_MPT_ATTN_DEFAULTS, **{k: v for k, v in attn.items() if k in _MPT_ATTN_DEFAULTS}}
+    if not attn["alibi"]:
+        raise ValueError("attn_config alibi=False: transformers' MPT always adds ALiBi, so its positions are unknown")
+    if attn["prefix_lm"]:
+        raise ValueError("attn_config prefix_lm=True: the prefix-LM mask is not reproduced by this loader")
+    return attn
+
+
+def _mpt_slopes(num_heads: int, bias_max: float) -> np.ndarray:
+    """MPT's ``build_alibi_bias`` slopes: ``2^(-b·k/N')`` for the next power of two N', reordered if N' > N."""
+    padded = 2 ** math.ceil(math.log2(num_heads))
+    slopes = 1.0 / 2.0 ** (np.arange(1, padded + 1) * (bias_max / padded))
+    if padded != num_heads:
+        slopes = np.concatenate([slopes[1::2], slopes[::2]])[:num_heads]
+    return slopes
+
+
 # --- T5 ----------------------------------------------------------------------------------------
 
 
-def _t5(fields: dict, decoder: bool | None) -> HFEncoding:
-    num_heads = int(_required(fields, "num_heads", "T5's bias table [num_buckets, N]"))
-    head_dim = int(_required(fields, "d_kv", "T5's head dim"))
+def _t5(fields: dict, decoder: bool | None, notes: list) -> HFEncoding:
+    _check_reads(
+        fields,
+        frozenset({"relative_attention_num_buckets", "relative_attention_max_distance", "n_positions"}),
+        "t5",
+    )
+    num_heads = _count(fields, "num_heads", "T5's bias table [num_buckets, N]")
+    head_dim = _count(fields, "d_kv", "T5's head dim")
     decoder = bool(fields.get("is_decoder", False)) if decoder is None else bool(decoder)
+    max_distance = fields.get("relative_attention_max_distance")
+    if max_distance is None:
+        max_distance = 128
+        notes.append("relative_attention_max_distance = 128: transformers' default (absent from the config)")
     t5 = T5Config(
-        num_buckets=int(fields["relative_attention_num_buckets"]),
-        max_distance=int(fields.get("relative_attention_max_distance") or 128),
+        num_buckets=_count(fields, "relative_attention_num_buckets", "T5's bias"),
+        max_distance=int(max_distance),
         bidirectional=not decoder,
     )
-    notes = ("T5 scores are q·k without 1/√H: scale 1 (FixedScoreScale)",)
-    return HFEncoding("t5", (t5, FixedScoreScale(1.0)), 1.0, head_dim, num_heads, notes)
+    notes.append("T5 scores are q·k without 1/√H: scale 1 (FixedScoreScale)")
+    if "n_positions" in fields:
+        notes.append("n_positions is a legacy field that transformers' T5 does not read (no length limit)")
+    return HFEncoding(
+        family="t5",
+        encodings=(t5, FixedScoreScale(1.0)),
+        scale=1.0,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        notes=tuple(notes),
+        model_type=fields.get("model_type"),
+        num_kv_heads=num_heads,
+        causal=decoder,
+    )
 
 
 # --- DeBERTa-v2 --------------------------------------------------------------------------------
+
+_DEBERTA_READS = frozenset(
+    {
+        "max_position_embeddings",
+        "relative_attention",
+        "position_buckets",
+        "max_relative_positions",
+        "pos_att_type",
+        "share_att_key",
+        "position_biased_input",
+        "norm_rel_ebd",
+        "attention_head_size",
+    }
+)
 
 
 def _deberta_terms(pos_att_type) -> tuple[str, ...]:
@@ -322,15 +1191,11 @@ def _deberta_terms(pos_att_type) -> tuple[str, ...]:
     return terms
 
 
-def _deberta(fields: dict) -> HFEncoding:
-    if fields.get("model_type") == "deberta":
-        raise ValueError(
-            "DeBERTa v1 configs are not supported: v1 slices its relative table by the sequence length; "
-            "load a deberta-v2 (or v3) config"
-        )
-    head_dim, num_heads = _heads(fields)
+def _deberta(fields: dict, notes: list) -> HFEncoding:
+    _check_reads(fields, _DEBERTA_READS, "deberta-v2")
+    num_heads = _num_heads(fields)
+    head_dim = _head_dim(fields, num_heads)
     encodings: list[EncodingConfig] = []
-    notes = []
     if fields.get("position_biased_input", True):
         size = int(_required(fields, "max_position_embeddings", "DeBERTa's absolute table"))
         encodings.append(LearnedAbsoluteConfig(max_positions=size))
@@ -350,7 +1215,19 @@ def _deberta(fields: dict) -> HFEncoding:
             notes.append("share_att_key: the position tables come from the layer's own query/key projections")
     else:
         notes.append("no relative attention terms (relative_attention false or pos_att_type empty)")
-    return HFEncoding("deberta-v2", tuple(encodings), None, head_dim, num_heads, tuple(notes))
+    # DisentangledSelfAttention divides by sqrt(H * (1 + number of pos_att_type terms)) whatever relative_attention.
+    scale = (head_dim * (1 + len(terms))) ** -0.5
+    return HFEncoding(
+        family="deberta-v2",
+        encodings=tuple(encodings),
+        scale=scale,
+        head_dim=head_dim,
+        num_heads=num_heads,
+        notes=tuple(notes),
+        model_type=fields.get("model_type"),
+        num_kv_heads=num_heads,
+        causal=False,
+    )
 
 
 def deberta_position_tables(
@@ -369,7 +1246,8 @@ def deberta_position_tables(
     (read by p2c), split into N heads. With ``share_att_key`` the kernels are the layer's
     own key and query projections, otherwise its ``pos_key_proj`` and ``pos_query_proj``;
     ``rel_embeddings`` is the encoder's table after its LayerNorm when ``norm_rel_ebd``
-    says ``layer_norm``, cut to its first ``2·span`` rows.
+    says ``layer_norm``, cut to its first ``2·span`` rows. :func:`load_hf_position_weights`
+    does all of this from a state dict.
 
     Args:
       rel_embeddings: ``[2·span, D]``.
@@ -406,3 +1284,132 @@ def deberta_position_tables(
             )
         tables[name] = projected.reshape(rel.shape[0], num_heads, projected.shape[-1] // num_heads)
     return tables
+
+
+# --- checkpoint weights -------------------------------------------------------------------------
+
+
+def _array(value) -> np.ndarray:
+    """A state-dict value as float32 NumPy (a torch tensor through ``.detach().cpu().float().numpy()``)."""
+    if hasattr(value, "detach"):
+        value = value.detach().cpu().float().numpy()
+    return np.asarray(value, np.float32)
+
+
+def _find(state_dict: Mapping, suffix: str):
+    """The one value whose key is ``suffix`` or ends with ``"." + suffix`` (any model prefix)."""
+    keys = [key for key in state_dict if key == suffix or key.endswith("." + suffix)]
+    if len(keys) == 1:
+        return _array(state_dict[keys[0]])
+    if keys:
+        raise ValueError(f"several state-dict keys end with {suffix!r}: {sorted(keys)}; pass the one model's weights")
+    last = suffix.rsplit(".", 2)[-2]
+    near = sorted(key for key in state_dict if last in key)[:5]
+    raise ValueError(f"the state dict has no key ending with {suffix!r} (keys with {last!r}: {near})")
+
+
+def load_hf_position_weights(
+    config,
+    state_dict: Mapping,
+    *,
+    layer: int | None = None,
+    layer_type: str | None = None,
+    decoder: bool | None = None,
+) -> tuple[dict, ...]:
+    """A checkpoint's position parameters as the encodings' ``params``, one dict per encoding.
+
+    The result lines up with ``from_hf_config(config, layer_type=..., decoder=...).encodings``
+    and goes to :meth:`HFEncoding.hooks` or :meth:`HFEncoding.attention_kwargs`
+    (``params=``). Keys are matched by their ending, so any model prefix (``deberta.``,
+    ``encoder.`` of a T5EncoderModel, ...) works; values are NumPy arrays or torch tensors.
+
+    * T5: ``{"table": relative_attention_bias.weight}`` ``[num_buckets, N]`` of the first
+      block's self-attention (the one every layer shares), the encoder's or the decoder's.
+    * DeBERTa-v2: ``{"pos_key": K_r, "pos_query": Q_r}`` of ``layer``:
+      ``rel_embeddings.weight`` (after the encoder's ``LayerNorm`` when ``norm_rel_ebd``
+      says ``layer_norm``) through the layer's ``pos_key_proj`` / ``pos_query_proj`` (its
+      ``key_proj`` / ``query_proj`` with ``share_att_key``), torch's ``[out, in]`` kernels
+      transposed; and ``{"table": embeddings.position_embeddings.weight}`` for the
+      absolute table when ``position_biased_input``.
+    * RoPE and ALiBi: ``{}`` (no parameters).
+
+    Args:
+      config: as for :func:`from_hf_config`.
+      state_dict: the checkpoint's ``{name: array}``.
+      layer: DeBERTa: the layer whose projections to use (each layer projects the shared
+        table with its own weights).
+      layer_type, decoder: as for :func:`from_hf_config`.
+
+    Example:
+      >>> t5 = {"model_type": "t5", "d_kv": 8, "num_heads": 2, "relative_attention_num_buckets": 32}
+      >>> state = {"encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight": np.zeros((32, 2))}
+      >>> params = load_hf_position_weights(t5, state)
+      >>> params[0]["table"].shape, params[1]
+      ((32, 2), {})
+    """
+    loaded = from_hf_config(config, layer_type=layer_type, decoder=decoder)
+    fields = _fields(config, [])
+    params: list[dict] = []
+    for encoding in loaded.encodings:
+        if isinstance(encoding, T5Config):
+            side = "decoder" if not encoding.bidirectional else "encoder"
+            table = _find(state_dict, f"{side}.block.0.layer.0.SelfAttention.relative_attention_bias.weight")
+            if table.shape != (encoding.num_buckets, loaded.num_heads):
+                raise ValueError(
+                    f"relative_attention_bias has shape {table.shape}, expected [num_buckets, N] = "
+                    f"{(encoding.num_buckets, loaded.num_heads)}"
+                )
+            params.append({"table": jnp.asarray(table)})
+        elif isinstance(encoding, LearnedAbsoluteConfig):
+            table = _find(state_dict, "embeddings.position_embeddings.weight")
+            if table.shape[0] != encoding.max_positions:
+                raise ValueError(
+                    f"position_embeddings has {table.shape[0]} rows, expected max_position_embeddings="
+                    f"{encoding.max_positions}"
+                )
+            params.append({"table": jnp.asarray(table)})
+        elif isinstance(encoding, DeBERTaConfig):
+            params.append(_deberta_weights(fields, encoding, loaded.num_heads, state_dict, layer))
+        else:
+            params.append({})
+    return tuple(params)
+
+
+def _deberta_weights(fields: dict, encoding: DeBERTaConfig, num_heads: int, state_dict: Mapping, layer) -> dict:
+    if isinstance(layer, bool) or not isinstance(layer, int) or layer < 0:
+        raise ValueError(
+            f"DeBERTa's position tables differ by layer (each projects the shared table with its own weights): "
+            f"pass layer= the layer index (an integer >= 0), got {layer!r}"
+        )
+    rel = _find(state_dict, "encoder.rel_embeddings.weight")
+    if rel.shape[0] < 2 * encoding.span:
+        raise ValueError(
+            f"rel_embeddings has {rel.shape[0]} rows; DeBERTa with span {encoding.span} needs {2 * encoding.span}"
+        )
+    norms = [x.strip() for x in str(fields.get("norm_rel_ebd") or "none").lower().split("|")]
+    if "layer_norm" in norms:
+        weight = _find(state_dict, "encoder.LayerNorm.weight")
+        bias = _find(state_dict, "encoder.LayerNorm.bias")
+        eps = float(fields.get("layer_norm_eps", 1e-7))
+        mean = rel.mean(-1, keepdims=True)
+        var = ((rel - mean) ** 2).mean(-1, keepdims=True)
+        rel = (rel - mean) / np.sqrt(var + eps) * weight + bias
+    shared = bool(fields.get("share_att_key", False))
+    prefix = f"encoder.layer.{layer}.attention.self."
+    sides = {"c2p": "key_proj" if shared else "pos_key_proj", "p2c": "query_proj" if shared else "pos_query_proj"}
+    weights = {}
+    for term in encoding.terms:
+        # torch's Linear holds [out, in]; the tables need x @ W with W [in, out].
+        weights[term] = (
+            _find(state_dict, prefix + sides[term] + ".weight").T,
+            _find(state_dict, prefix + sides[term] + ".bias"),
+        )
+    return deberta_position_tables(
+        rel[: 2 * encoding.span],
+        num_heads=num_heads,
+        terms=encoding.terms,
+        key_kernel=weights.get("c2p", (None, None))[0],
+        key_bias=weights.get("c2p", (None, None))[1],
+        query_kernel=weights.get("p2c", (None, None))[0],
+        query_bias=weights.get("p2c", (None, None))[1],
+    )

@@ -31,6 +31,7 @@ from posenc_jax.functional.core.hooks import PLACEMENTS, ParameterFree, PerToken
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
 from posenc_jax.functional.kernels.autodiff import plain_autodiff
+from posenc_jax.hf import RoPEOnLastFeatures
 from posenc_jax.nn import Transformer
 from posenc_jax.nn.attention import _stores_rotated_keys
 from small_encodings import small_config
@@ -388,3 +389,8 @@ def test_a_rope_variant_is_one_file(rng, scratch_registry):
         steps.append(logits[:, 0])
     np.testing.assert_allclose(jnp.stack(steps, axis=1), full_logits, atol=1e-4, rtol=1e-4)
     assert _stores_rotated_keys([declared]) and not _stores_rotated_keys([undeclared])
+
+
+def test_the_hugging_face_partial_rotation_declares_its_per_token_rotation(rng):
+    hook = RoPEOnLastFeatures(RoPE(layout="interleaved"), num_features=4)
+    assert _rotates_each_token_alone(hook, rng) and _declares_per_token(hook)

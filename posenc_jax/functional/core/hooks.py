@@ -39,6 +39,8 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import jax
 
+from posenc_jax.functional.core.positions import check_positions
+
 __all__ = [
     "AddsLogits",
     "AddsLogitsToContent",
@@ -146,6 +148,65 @@ class AttentionContext:
     key_length: int = 0
     mask: jax.Array | None = parameter(default=None)
     sequence_lengths: jax.Array | None = parameter(default=None)
+
+    @classmethod
+    def from_positions(
+        cls,
+        query_positions,
+        key_positions,
+        *,
+        causal: bool,
+        scale: float,
+        head_dim: int = 0,
+        num_heads: int = 0,
+        mask: jax.Array | None = None,
+        sequence_lengths: jax.Array | None = None,
+    ) -> AttentionContext:
+        """The context of one attention call over these positions, for calling hooks directly.
+
+        ``causal`` and ``scale`` have no default: an encoding with a causal and a
+        bidirectional form (T5, ALiBi) follows ``causal``, and a term bilinear in q
+        (DeBERTa, Shaw, Transformer-XL) multiplies by ``scale``, so a guessed value would
+        silently change the result. ``key_length`` is the number of keys, ``S``.
+
+        Args:
+          query_positions: integer ``[T]`` or ``[B, T]``.
+          key_positions: integer ``[S]`` or ``[B, S]``; pass the very same object as
+            ``query_positions`` in self-attention (tables are then computed once).
+          causal: whether keys after the query (by position) are masked.
+          scale: the content-score scale, e.g. ``1/√H`` (or ``HFEncoding.scale``).
+          head_dim, num_heads: H and N, for hooks that read them (ALiBi's slopes read N).
+          mask, sequence_lengths: as in the attributes above.
+
+        Example:
+          >>> from posenc_jax.functional import RoPE
+          >>> pos = jnp.arange(4); q = k = jnp.ones((1, 4, 2, 8))
+          >>> context = AttentionContext.from_positions(pos, pos, causal=True, scale=8**-0.5)
+          >>> [x.shape for x in RoPE().rotate(q, k, context)]
+          [(1, 4, 2, 8), (1, 4, 2, 8)]
+        """
+        if not isinstance(causal, bool):
+            raise ValueError(f"causal must be True or False, got {causal!r}")
+        try:
+            value = float(scale)
+        except (TypeError, ValueError):
+            value = float("nan")
+        if isinstance(scale, bool) or not 0 < value < float("inf"):
+            raise ValueError(f"scale must be a finite number > 0 (e.g. 1/sqrt(head_dim)), got {scale!r}")
+        same = key_positions is query_positions
+        query_positions = check_positions(query_positions, "query_positions")
+        key_positions = query_positions if same else check_positions(key_positions, "key_positions")
+        return cls(
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=value,
+            head_dim=int(head_dim),
+            num_heads=int(num_heads),
+            causal=causal,
+            key_length=int(key_positions.shape[-1]),
+            mask=mask,
+            sequence_lengths=sequence_lengths,
+        )
 
     def bidirectional(self, setting: bool | None) -> bool:
         """An encoding's direction: its explicit ``setting``, else the attention's (not causal)."""
