@@ -35,7 +35,7 @@ from posenc_jax.functional.core.hooks import (
     hook_names,
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
-from posenc_jax.nn.encoding import PositionEncoding
+from posenc_jax.nn.encoding import PositionEncoding, check_size
 
 __all__ = ["KVCache", "MultiHeadAttention"]
 
@@ -112,6 +112,13 @@ class MultiHeadAttention(nnx.Module):
     ):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        check_size("model_dim", model_dim)
+        check_size("num_heads", num_heads)
+        for name, size in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+            if size is not None:
+                check_size(name, size)
+        if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
+            encodings = [encodings]  # one encoding
         self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:

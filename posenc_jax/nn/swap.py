@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from posenc_jax.nn.encoding import PositionEncoding, resolve_config
+from posenc_jax.nn.encoding import PositionEncoding, check_together, resolve_config
 from posenc_jax.nn.transformer import Transformer
 
 __all__ = ["with_encoding"]
@@ -102,6 +102,8 @@ def with_encoding(model: nnx.Module, encoding, *, replace=None) -> nnx.Module:
     if not modules:
         raise ValueError(f"{type(model).__name__} holds no encoding modules (PositionEncoding) to replace")
     old = _pick_old([m.config for m in modules], replace, new)
+    if isinstance(model, Transformer):
+        check_together([new], causal=model.causal)
     if new.acts_on != old.acts_on:
         raise ValueError(
             f"{new!r} acts on the {new.acts_on} but {old!r} acts on the {old.acts_on}; they do not fit in the same "

@@ -40,7 +40,7 @@ from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, Pr
 from posenc_jax.functional.core.normalizers import softmax_weights
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.nn.attention import MultiHeadAttention
-from posenc_jax.nn.encoding import PositionEncoding, resolve_config
+from posenc_jax.nn.encoding import PositionEncoding, check_size, check_together, resolve_config
 
 __all__ = ["Block", "Transformer", "decode_step"]
 
@@ -172,8 +172,19 @@ class Transformer(nnx.Module):
         block_k: int | None = None,
         rngs: nnx.Rngs,
     ):
+        for name, size in (
+            ("vocab_size", vocab_size),
+            ("model_dim", model_dim),
+            ("num_layers", num_layers),
+            ("num_heads", num_heads),
+            ("mlp_dim", mlp_dim),
+        ):
+            check_size(name, size)
+        if not isinstance(causal, bool):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
         specs = [encoding] if isinstance(encoding, str) or not isinstance(encoding, Sequence) else encoding
         configs = [resolve_config(e) for e in specs]
+        check_together(configs, causal=causal)
         if model_dim % num_heads:
             raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")
         head_dim = model_dim // num_heads

@@ -68,9 +68,11 @@ from posenc_jax.functional.core.hooks import (
     AddsLogitsToContent,
     AttentionContext,
     BiasHook,
+    CausalOnly,
     EncodingConfig,
     Logits,
     Normalize,
+    ParameterFree,
     Rotate,
     ScoreFeatures,
     ScoreScale,
@@ -89,6 +91,7 @@ from posenc_jax.functional.core.products import (
     selected_product,
     value_product,
 )
+from posenc_jax.functional.core.registry import encoding_config
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
@@ -128,11 +131,28 @@ class SharedBias(BiasHook):
         return self.value
 
 
-def _attention_hooks(encodings: Sequence) -> list:
-    """The encodings that act in attention; a config that fills no hook at all (NoPE) adds nothing."""
+def _as_encodings(encodings) -> list:
+    """One encoding (a hook, a config or a registered name) or a sequence of them, as a list."""
+    if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
+        encodings = [encodings]
+    return [encoding_config(e) if isinstance(e, str) else e for e in encodings]
+
+
+def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
+    """The encodings that act in attention, checked to make sense together.
+
+    A parameter-free config that fills no hook at all (NoPE) adds nothing. ``causal=None``
+    skips the check of causal-only forms (the dispatch rule, before the call is checked).
+    """
     hooks = []
-    for encoding in encodings:
+    for encoding in _as_encodings(encodings):
         names = hook_names(encoding)
+        if isinstance(encoding, EncodingConfig) and not isinstance(encoding, ParameterFree):
+            raise ValueError(
+                f"{encoding!r} has learned parameters, which dot_product_attention does not hold: pass its built "
+                f"hook (config.build(config.init(key, num_heads=N, head_dim=H, model_dim=D))) or use it in a module "
+                f"(MultiHeadAttention, Transformer), which holds them"
+            )
         if set(names) & set(ATTENTION_HOOKS):
             hooks.append(encoding)
         elif not names and isinstance(encoding, EncodingConfig):
@@ -148,7 +168,49 @@ def _attention_hooks(encodings: Sequence) -> list:
                 f"{encoding!r} fills none of the attention hooks {ATTENTION_HOOKS}; an encoding passed to "
                 f"dot_product_attention must define at least one (see posenc_jax.functional.core.hooks)"
             )
+    rotations = [type(h).__name__ for h in hooks if isinstance(h, Rotate)]
+    if len(rotations) > 1:
+        raise ValueError(
+            f"the encodings rotate queries and keys {len(rotations)} times ({', '.join(rotations)}); pass one rotation"
+        )
+    kinds = [type(h) for h in hooks if not isinstance(h, SharedBias)]
+    twice = sorted({kind.__name__ for kind in kinds if kinds.count(kind) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} is passed more than once; pass each encoding once")
+    if causal is False:
+        causal_only = [type(h).__name__ for h in hooks if isinstance(h, CausalOnly)]
+        if causal_only:
+            raise ValueError(
+                f"{', '.join(causal_only)} is defined for causal attention only; pass causal=True, or choose an "
+                f"encoding with a bidirectional form"
+            )
     return hooks
+
+
+def _check_arrays(query, key, value) -> None:
+    for name, x in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(x, (jax.Array, np.ndarray)):
+            raise TypeError(
+                f"{name} must be an array [B, T, N, H] (or [T, N, H]), got {type(x).__name__}; wrap it with jnp.asarray"
+            )
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(
+                f"{name} must be a floating array (float32, bfloat16, float16 or float64), got {x.dtype}; cast it, "
+                f"e.g. {name}.astype(jnp.float32)"
+            )
+
+
+def _check_settings(causal, scale, return_weights, dropout_rate) -> None:
+    for name, flag in (("causal", causal), ("return_weights", return_weights)):
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")
+    for name, number in (("scale", scale), ("dropout_rate", dropout_rate)):
+        if number is not None and (
+            isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, float, np.number))
+        ):
+            raise TypeError(f"{name} must be a number, got {number!r}")
+    if not 0.0 <= dropout_rate < 1.0:
+        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
 
 
 def _check_shapes(query, key, value):
@@ -165,6 +227,8 @@ def _check_shapes(query, key, value):
         )
     if head_dim < 1:
         raise ValueError(f"the head dim H must be >= 1, got {head_dim} (query shape {query.shape})")
+    if query.shape[1] < 1:
+        raise ValueError(f"attention needs at least one query, got T=0 (query shape {query.shape})")
     if key.shape[1] < 1:
         raise ValueError(
             f"attention needs at least one key, got S=0 (key shape {key.shape}); with a KV cache, append the "
@@ -507,7 +571,7 @@ def _checked_call(
     _check_shapes(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     k_len = key.shape[1]
-    hooks = _attention_hooks(encodings)
+    hooks = _attention_hooks(encodings, causal=bool(causal))
     query_positions, key_positions = _checked_positions(
         query_positions,
         key_positions,
@@ -519,8 +583,6 @@ def _checked_call(
     _check_masks(
         key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch, num_heads=num_heads
     )
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
     key_valid = None if key_mask is None else key_padding_mask(key_mask)[:, 0, 0, :]
     mask_parts = full_mask = None
     if build_mask:
@@ -627,6 +689,8 @@ def dot_product_attention(
       ...                       causal=True).shape
       (2, 5, 4, 8)
     """
+    _check_arrays(query, key, value)
+    _check_settings(causal, scale, return_weights, dropout_rate)
     unbatched = query.ndim == 3
     if unbatched:
         if key.ndim != 3 or value.ndim != 3:

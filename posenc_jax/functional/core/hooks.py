@@ -46,6 +46,7 @@ __all__ = [
     "AddsLogitsToContent",
     "AttentionContext",
     "BiasHook",
+    "CausalOnly",
     "Embed",
     "KeyFeatures",
     "EncodingConfig",
@@ -299,6 +300,11 @@ class KeyFeatures(Protocol):
     blockwise attention uses to pad them and cut them to each key tile."""
 
     def map_key_features(self, fn: Callable[[jax.Array], jax.Array]) -> Any: ...
+
+
+class CausalOnly:
+    """Base of an encoding (its config and its hook) defined for causal attention only (xPos, FIRE,
+    CoPE): bidirectional attention and bidirectional models refuse it by name."""
 
 
 class MaterializeOnly:

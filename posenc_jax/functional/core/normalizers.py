@@ -30,6 +30,7 @@ ICML 2022, arXiv:2202.10447.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -275,6 +276,11 @@ class URPE(_Running):
 
     def tile_factor(self, context: AttentionContext) -> jax.Array:
         """The Toeplitz factor ``C`` ``[B|1, N, T, S]`` for the context's positions (a tile's, blockwise)."""
+        if context.query_positions is None or context.key_positions is None:
+            raise ValueError(
+                "query_positions and key_positions are required with a position-aware normalizer (URPE); for a "
+                "plain sequence pass jnp.arange(T) and jnp.arange(S)"
+            )
         return expand_relative_bias(self.table, context.query_positions, context.key_positions, self.max_distance)
 
     def tile_weights(self, scores, visible, state, context: AttentionContext):
@@ -316,6 +322,9 @@ class FunctionNormalizer:
     """
 
     function: Callable[[jax.Array, jax.Array | None], jax.Array]
+
+    def __repr__(self) -> str:
+        return self.function.__name__ if inspect.isfunction(self.function) else repr(self.function)
 
     def normalize(self, scores, mask, context: AttentionContext):
         weights = self.function(scores, mask).astype(jnp.float32)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
+from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
@@ -362,7 +362,7 @@ def _check_causal(context: AttentionContext) -> None:
 
 
 @pytree_dataclass
-class CoPE:
+class CoPE(CausalOnly):
     """CoPE as a ``logits`` hook; ``embeddings`` ``[P, H]`` or ``[N, P, H]`` is a parameter.
 
     Also a :class:`~posenc_jax.functional.core.hooks.CarriedLogits`: in blockwise attention the
@@ -439,7 +439,7 @@ class CoPE:
     small_settings=dict(num_positions=6),
 )
 @pytree_dataclass
-class CoPEConfig(EncodingConfig):
+class CoPEConfig(CausalOnly, EncodingConfig):
     """CoPE position embeddings ``[P, H]`` (or ``[N, P, H]``), zeros at init as in the authors' code."""
 
     num_positions: int = 64

@@ -26,6 +26,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
+    CausalOnly,
     EncodingConfig,
     Placement,
     parameter,
@@ -127,7 +128,7 @@ def fire_bias(
 
 
 @pytree_dataclass
-class Fire(BiasHook):
+class Fire(CausalOnly, BiasHook):
     """FIRE as a ``logits`` hook; ``params`` as made by :func:`fire_init`.
 
     Example:
@@ -157,7 +158,7 @@ class Fire(BiasHook):
     forms=("causal",),
 )
 @pytree_dataclass
-class FireConfig(EncodingConfig):
+class FireConfig(CausalOnly, EncodingConfig):
     """FIRE MLP (``hidden`` units), ``c`` and threshold ``L``; see :func:`fire_init`."""
 
     hidden: int = 32

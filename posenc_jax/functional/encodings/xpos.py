@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, pytree_dataclass
+from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, ParameterFree, pytree_dataclass
 from posenc_jax.functional.core.positions import batched_positions, check_positions, position_difference
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.rope import (
@@ -132,7 +132,7 @@ def apply_xpos_qk(
     forms=("causal",),
 )
 @pytree_dataclass
-class XPos(ParameterFree):
+class XPos(CausalOnly, ParameterFree):
     """xPos as a ``rotate`` hook (causal use, as in the paper).
 
     Example:
