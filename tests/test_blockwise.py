@@ -24,6 +24,7 @@ from posenc_jax.functional import (
     relu2_weights,
     softmax_weights,
 )
+from posenc_jax.functional.core.hooks import MaterializeOnly
 from small_encodings import small_config
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
@@ -260,8 +261,8 @@ def test_what_cannot_run_in_tiles_is_refused_by_name():
     with pytest.raises(ValueError, match="the normalizer <lambda> has no blockwise form"):
         dot_product_attention(q, k, v, normalizer=lambda s, m: s, implementation="blockwise", **kwargs)
 
-    class Opaque(ALiBi):
-        blockwise = False
+    class Opaque(MaterializeOnly, ALiBi):
+        pass
 
     Opaque.__name__ = "Opaque"
     with pytest.raises(ValueError, match="Opaque cannot be computed per tile"):
@@ -272,7 +273,7 @@ def test_what_cannot_run_in_tiles_is_refused_by_name():
         dot_product_attention(q, k, v, implementation="flash", **kwargs)
     with pytest.raises(ValueError, match="block_k must be a positive integer, got 0"):
         dot_product_attention(q, k, v, implementation="blockwise", block_k=0, **kwargs)
-    with pytest.raises(ValueError, match="CoPE has no bidirectional form"):
+    with pytest.raises(ValueError, match="CoPE is defined for causal attention only"):
         dot_product_attention(
             q, k, v, encodings=[CoPE(jnp.zeros((6, H)))], implementation="blockwise", causal=False, **kwargs
         )

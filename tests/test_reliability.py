@@ -398,7 +398,7 @@ REFUSED = [
     (
         "CoPE bidirectional",
         _attend(encodings=[CoPE(jnp.zeros((4, 8)))], causal=False),
-        r"CoPE has no bidirectional form .*causal=False; use it in causal attention \(causal=True",
+        r"CoPE is defined for causal attention only; pass causal=True",
     ),
     ("N=0 heads", _attend(jnp.ones((1, 3, 0, 8))), r"at least one head \(N >= 1, K >= 1\), got N=0 and K=0"),
     ("K=0 heads", _attend(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 0, 8))), r"got N=2 and K=0"),

@@ -67,7 +67,7 @@ def test_encodings_whose_parameters_do_not_fit_are_refused():
 
 
 def test_a_model_with_several_encodings_in_one_place_names_the_one_to_replace():
-    trained = _model(["rope", "xpos"])
+    trained = _model(["rope", "shaw"])
     with pytest.raises(ValueError, match="2 encodings acting on the attention"):
         with_encoding(trained, encoding_config("rope-ntk", factor=2.0))
     swapped = with_encoding(trained, encoding_config("rope-ntk", factor=2.0), replace=RoPE)
