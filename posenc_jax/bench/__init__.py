@@ -7,6 +7,7 @@ From Python::
     out = bench.run("smoke", out="results/smoke")   # what `posenc-bench extrapolate` runs
     table = bench.load_results(out)                 # one row per cell and length
     print(bench.summarize(out))                     # the overview table of the report
+    probe = bench.run_probe("smoke", out="results/probe")  # what `posenc-bench probe` runs
 
 The submodules import JAX and the models only when these are called, so that importing the
 package (and ``posenc-bench --help``) stays quick.
@@ -17,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-__all__ = ["load_results", "run", "summarize"]
+__all__ = ["load_results", "run", "run_probe", "summarize"]
 
 
 def run(
@@ -67,6 +68,39 @@ def run(
         reporting.write_report(out, plots=plots)
     if plots:
         reporting.plot(out)
+    return out
+
+
+def run_probe(preset="default", out=None, *, progress: bool = False, plots: bool = True, **settings) -> pathlib.Path:
+    """Runs (or resumes) the blind-spot probe and writes its report (``report.md``, the heat map);
+    what ``posenc-bench probe`` calls.
+
+    Args:
+      preset: a probe preset name (``"smoke"``, ``"default"``).
+      out: the results folder (default ``results/<preset name>``).
+      progress: tqdm progress bars (needs the ``bench`` extra).
+      plots: draw ``probe_heatmap.png`` (needs matplotlib).
+      **settings: ``encodings``, ``normalizers``, ``seeds``, ``steps``, ``query_init_scale``.
+
+    Returns:
+      The results folder.
+    """
+    from posenc_jax.bench import extrapolate, results
+    from posenc_jax.bench import probe as probing
+
+    unknown = sorted(set(settings) - {"encodings", "normalizers", "seeds", "steps", "query_init_scale"})
+    if unknown:
+        raise ValueError(
+            f"unknown probe settings {unknown}; the probe takes encodings, normalizers, seeds, steps, query_init_scale"
+        )
+    chosen = probing.preset_with(preset, **settings)
+    chosen.validate()
+    out = pathlib.Path(out or f"results/{chosen.name}")
+    record = extrapolate.run(chosen, out, progress=progress)
+    rows = results.read(out).rows
+    probing.write_probe_report(rows, out, preset=record["preset"])
+    if plots:
+        probing.heat_map(rows, out)
     return out
 
 

@@ -149,17 +149,18 @@ def _extrapolate(args) -> int:
 
 def _probe(args) -> int:
     _require_bench_extra(progress=not args.no_progress, plots=True, command="probe")
-    from posenc_jax.bench import extrapolate, probe, results
+    from posenc_jax import bench
+    from posenc_jax.bench import probe
 
+    settings = dict(
+        encodings=args.encodings,
+        normalizers=args.normalizers,
+        seeds=args.seeds,
+        steps=args.steps,
+        query_init_scale=args.query_init_scale,
+    )
     try:
-        preset = probe.preset_with(
-            args.preset,
-            encodings=args.encodings,
-            normalizers=args.normalizers,
-            seeds=args.seeds,
-            steps=args.steps,
-            query_init_scale=args.query_init_scale,
-        )
+        preset = probe.preset_with(args.preset, **settings)
         preset.validate()
     except ValueError as error:
         raise SystemExit(f"posenc-bench probe: {error}") from None
@@ -170,12 +171,10 @@ def _probe(args) -> int:
         flush=True,
     )
     try:
-        record = extrapolate.run(preset, out, progress=not args.no_progress)
+        bench.run_probe(args.preset, out, progress=not args.no_progress, **settings)
     except ValueError as error:
         raise SystemExit(f"posenc-bench probe: {error}") from None
-    rows = results.read(out).rows
-    print(probe.write_probe_report(rows, out, preset=record["preset"]))
-    probe.heat_map(rows, out)
+    print((out / "report.md").read_text())
     return 0
 
 
