@@ -36,6 +36,7 @@ from posenc_jax.functional.core.relative import (
     expand_relative_bias,
     gather_by_distance,
     sum_by_distance,
+    toeplitz,
 )
 from posenc_jax.functional.encodings.transformer_xl import project_distances
 from posenc_jax.functional.kernels.autodiff import plain_autodiff
@@ -585,6 +586,48 @@ def test_diagonal_sums_match_numpy(rng):
     got = np.asarray(diagonal_sums(jnp.asarray(x, jnp.float32)))
     want = np.stack([[np.trace(row, offset=c - 4) for c in range(12)] for row in x])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_toeplitz_lays_out_diagonals_and_is_the_transpose_of_their_sums(rng):
+    diagonals = jnp.asarray(rng.normal(size=(2, 3, 11)), jnp.float32)  # T + S - 1 = 4 + 8 - 1
+    matrix = np.asarray(toeplitz(diagonals, 4, 8))
+    for t in range(4):
+        for s in range(8):
+            np.testing.assert_array_equal(matrix[..., t, s], np.asarray(diagonals)[..., s - t + 3])
+    x = jnp.asarray(rng.normal(size=(2, 3, 4, 8)), jnp.float32)
+    np.testing.assert_allclose(jnp.vdot(toeplitz(diagonals, 4, 8), x), jnp.vdot(diagonals, diagonal_sums(x)), rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "query_positions, key_positions",
+    [(np.arange(4) + 1000, np.arange(11) + 993), (np.array([0, 3, 4, 9]), np.arange(10))],
+    ids=["runs", "gaps"],
+)
+def test_table_forward_mode_equals_plain_autodiff(rng, query_positions, key_positions):
+    """jax.jvp through the expansion, with no context manager, and its transpose is reverse mode."""
+    k = 3
+    per_distance = jnp.asarray(rng.normal(size=(2, 2 * k + 1)), jnp.float32)
+    tangent = jnp.asarray(rng.normal(size=per_distance.shape), jnp.float32)
+    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+    ours = jax.jvp(lambda p: jnp.sin(expand_relative_bias(p, qp, kp, k)), (per_distance,), (tangent,))
+    plain = jax.jvp(
+        lambda p: jnp.sin(_gather_expand(p, batched_positions(qp), batched_positions(kp), k)),
+        (per_distance,),
+        (tangent,),
+    )
+    for a, b in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Under vmap (seeds trained together): the tangent of a linear map is the map of the tangent.
+    batched = jax.vmap(lambda p: jax.jvp(lambda p: expand_relative_bias(p, qp, kp, k), (p,), (tangent,))[1])(
+        jnp.stack([per_distance, 2 * per_distance])
+    )
+    want = _gather_expand(tangent, batched_positions(qp), batched_positions(kp), k)
+    np.testing.assert_allclose(batched, jnp.stack([want, want]), rtol=1e-5, atol=1e-5)
+
+
+def _gather_expand(per_distance, query_positions, key_positions, k):
+    index = clipped_relative_index(query_positions, key_positions, k)
+    return jnp.moveaxis(jnp.take(per_distance, index, axis=1, mode="clip"), 0, 1)
 
 
 @pytest.mark.parametrize(

@@ -37,6 +37,7 @@ __all__ = [
     "clipped_relative_index",
     "consecutive_rows",
     "diagonal_sums",
+    "toeplitz",
     "distance_slots",
     "expand_relative_bias",
     "gather_by_distance",
@@ -350,8 +351,6 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
     k = check_max_distance(max_distance)
     q = batched_positions(query_positions, "query_positions")
     kp = batched_positions(key_positions, "key_positions")
-    if not custom_gradients():
-        return _expand_by_gather(per_distance.astype(jnp.float32), q, kp, k)
     return _expand(per_distance.astype(jnp.float32), q, kp, k)
 
 
@@ -361,32 +360,43 @@ def _expand_by_gather(per_distance, query_positions, key_positions, k: int) -> j
     return jnp.moveaxis(bias, 0, 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _expand_by_diagonals(per_distance, query_positions, key_positions, k: int) -> jax.Array:
+    """:func:`_expand_by_gather` where every row of positions is a run of consecutive integers.
+
+    Then the bias depends on ``s - t`` alone: the ``T + S - 1`` diagonals' values are read from the
+    table (a gather of ``T + S - 1`` entries, not ``T·S``) and laid out by :func:`toeplitz`. Its
+    transpose, which reverse mode takes, sums the cotangent along its diagonals (a dense
+    pad-reshape-sum) and only those sums reach the table.
+    """
+    q_len, k_len = query_positions.shape[-1], key_positions.shape[-1]
+    # Row b's diagonal c is at distance (key_pos[b, 0] - query_pos[b, 0]) + c - (T - 1); clipping the
+    # offset first keeps the sum in int32 and changes no slot.
+    reach = k + q_len + k_len
+    offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)
+    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
+    per_diagonal = jnp.take(per_distance, jnp.clip(distance, -k, k) + k, axis=1, mode="clip")  # [N, B|1, T + S - 1]
+    return toeplitz(jnp.moveaxis(per_diagonal, 0, 1), q_len, k_len)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
 def _expand(per_distance, query_positions, key_positions, k: int) -> jax.Array:
     return _expand_by_gather(per_distance, query_positions, key_positions, k)
 
 
-def _expand_forward(per_distance, query_positions, key_positions, k: int):
-    bias = _expand_by_gather(per_distance, query_positions, key_positions, k)
-    return bias, (per_distance, query_positions, key_positions)
-
-
-def _expand_backward(k: int, residuals, cotangent):
-    per_distance, query_positions, key_positions = residuals
-
-    def by_scatter(cotangent):
-        _, transpose = jax.vjp(lambda p: _expand_by_gather(p, query_positions, key_positions, k), per_distance)
-        return transpose(cotangent)[0]
-
-    def by_diagonals(cotangent):
-        return _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k, per_distance.shape[1])
-
+@_expand.defjvp
+def _expand_jvp(k: int, primals, tangents):
+    # The bias is linear in the table: its tangent is the same expansion of the table's tangent, by
+    # diagonals when the positions are runs (so that reverse mode sums diagonals instead of scattering
+    # T·S cotangents into the table), by the gather otherwise.
+    per_distance, query_positions, key_positions = primals
     runs = consecutive_rows(query_positions) & consecutive_rows(key_positions)
-    grad = jax.lax.cond(runs, by_diagonals, by_scatter, cotangent.astype(jnp.float32))
-    return grad.astype(per_distance.dtype), None, None
-
-
-_expand.defvjp(_expand_forward, _expand_backward)
+    tangent = jax.lax.cond(
+        runs,
+        lambda t: _expand_by_diagonals(t, query_positions, key_positions, k),
+        lambda t: _expand_by_gather(t, query_positions, key_positions, k),
+        tangents[0],
+    )
+    return _expand(per_distance, query_positions, key_positions, k), tangent
 
 
 def consecutive_rows(positions) -> jax.Array:
@@ -423,19 +433,22 @@ def diagonal_sums(x: jax.Array) -> jax.Array:
     return flat.reshape(*lead, rows, width).sum(axis=-2)
 
 
-def _table_gradient_by_diagonals(cotangent, query_positions, key_positions, k: int, num_slots: int) -> jax.Array:
-    """The table gradient ``[N, 2k+1]`` from a bias cotangent ``[B|1, N, T, S]`` when positions are runs."""
-    batch, _, q_len, k_len = cotangent.shape
-    sums = diagonal_sums(cotangent)  # [B|1, N, T + S - 1]
-    # Row b's diagonal c is at distance (key_pos[b, 0] - query_pos[b, 0]) + c - (T - 1); clipping the
-    # offset first keeps the sum in int32 and changes no slot.
-    reach = k + q_len + k_len
-    offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)  # [B|1, 1]
-    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
-    slots = jnp.broadcast_to(jnp.clip(distance, -k, k) + k, (batch, q_len + k_len - 1))
-    return jax.ops.segment_sum(
-        jnp.moveaxis(sums, 1, -1).reshape(-1, sums.shape[1]), slots.reshape(-1), num_segments=num_slots
-    ).T
+def toeplitz(diagonals: jax.Array, rows: int, cols: int) -> jax.Array:
+    """``out[..., t, s] = diagonals[..., s - t + rows - 1]``, ``[..., rows, cols]``: :func:`diagonal_sums` transposed.
+
+    Each row is a copy of the ``rows + cols - 1`` values, laid out ``rows + cols`` wide so that
+    row t starts ``rows - 1 - t`` entries in (a reshape of the copies, padded), rows then read
+    last first. No gather: the transpose of each step is a step of :func:`diagonal_sums`.
+
+    Example:
+      >>> toeplitz(jnp.arange(4.0), 2, 3)  # diagonals s - t = -1, 0, 1, 2
+      Array([[1., 2., 3.],
+             [0., 1., 2.]], dtype=float32)
+    """
+    *lead, width = diagonals.shape
+    copies = jnp.broadcast_to(diagonals[..., None, :], (*lead, rows, width)).reshape(*lead, rows * width)
+    padded = jnp.pad(copies, [(0, 0)] * len(lead) + [(0, rows * (cols + rows) - rows * width)])
+    return padded.reshape(*lead, rows, cols + rows)[..., :cols][..., ::-1, :]
 
 
 def distance_slots(query_positions, key_positions, *, sign: int, offset: int, slots: int) -> jax.Array:
