@@ -4,6 +4,10 @@ import jax
 import numpy as np
 import pytest
 
+# Data and fixture modules of the tests, not tests: p_rope.py registers an encoding when imported, which
+# test_contract.py does in a scratch registry only.
+collect_ignore = ["p_rope.py", "bad_inputs.py"]
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 

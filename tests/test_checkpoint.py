@@ -211,4 +211,4 @@ def test_transformer_describes_its_settings_as_json():
     assert json.loads(json.dumps(description)) == description
     assert description["num_layers"] == 2 and description["dropout_rate"] == 0.1
     assert description["encodings"][1].startswith("T5Config(")
-    assert description["normalizer"] == "posenc_jax.functional.core.attention.softmax_weights"
+    assert description["normalizer"] == "softmax"

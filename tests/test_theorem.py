@@ -20,6 +20,7 @@ from posenc_jax.functional import (
     ALiBi,
     ReLU2,
     dot_product_attention,
+    encoding_info,
     l2_normalized_weights,
     relu2_weights,
 )
@@ -79,8 +80,13 @@ def _config(name, **extra):
 
 @pytest.mark.parametrize(
     "name, causal",
-    # CoPE and xPos have no bidirectional form (attention refuses causal=False).
-    [(name, causal) for name in LOGIT_ONLY for causal in (False, True) if causal or name not in ("cope", "xpos")],
+    # CoPE, xPos and FIRE have no bidirectional form (attention refuses causal=False).
+    [
+        (name, causal)
+        for name in LOGIT_ONLY
+        for causal in (False, True)
+        if causal or "bidirectional" in encoding_info(name).forms
+    ],
     ids=lambda x: x if isinstance(x, str) else ("causal" if x else "bidirectional"),
 )
 def test_logit_only_encodings_cannot_tell_positions_apart(name, causal):

@@ -37,7 +37,7 @@ from flax import nnx
 from posenc_jax.functional.core.attention import SharedBias, goes_blockwise
 from posenc_jax.functional.core.cache import KVCache
 from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, PreparesTables
-from posenc_jax.functional.core.normalizers import softmax_weights
+from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, check_size, check_together, resolve_config
@@ -46,7 +46,11 @@ __all__ = ["Block", "Transformer", "decode_step"]
 
 
 def _name_of(normalizer) -> str:
-    """A function by its import path, a config (URPE) by its repr: the same text in every process."""
+    """A registered normaliser by its name, a function by its import path, a config (URPE) by its repr:
+    the same text in every process."""
+    named = [name for name, registered in NORMALIZERS.items() if registered is normalizer]
+    if named:
+        return named[0]
     if inspect.isfunction(normalizer) or inspect.isclass(normalizer):
         return f"{normalizer.__module__}.{normalizer.__qualname__}"
     return repr(normalizer)

@@ -173,8 +173,15 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
         raise ValueError(
             f"the encodings rotate queries and keys {len(rotations)} times ({', '.join(rotations)}); pass one rotation"
         )
-    kinds = [type(h) for h in hooks if not isinstance(h, SharedBias)]
-    twice = sorted({kind.__name__ for kind in kinds if kinds.count(kind) > 1})
+    # The same encoding twice: two pytree hooks of one type and one structure (a wrapper around two
+    # different hooks is two encodings; SharedBias is one per shared bias of a model; a hook that is no
+    # pytree cannot be told apart from another of its type and is left alone).
+    kinds = [
+        (type(h), jax.tree_util.tree_structure(h))
+        for h in hooks
+        if not isinstance(h, SharedBias) and not jax.tree_util.all_leaves([h])
+    ]
+    twice = sorted({kind.__name__ for kind, structure in kinds if kinds.count((kind, structure)) > 1})
     if twice:
         raise ValueError(f"{', '.join(twice)} is passed more than once; pass each encoding once")
     if causal is False:
