@@ -33,6 +33,7 @@ from posenc_jax.functional.core.hooks import (
     Rotate,
     RotatesAbout,
     hook_names,
+    one_or_more,
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
 from posenc_jax.nn.encoding import PositionEncoding, check_size
@@ -117,8 +118,6 @@ class MultiHeadAttention(nnx.Module):
         for name, size in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if size is not None:
                 check_size(name, size)
-        if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
-            encodings = [encodings]  # one encoding
         self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
@@ -148,7 +147,7 @@ class MultiHeadAttention(nnx.Module):
         self.encodings = nnx.List(
             [
                 PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs)
-                for e in encodings
+                for e in one_or_more(encodings)
             ]
         )
         for module in self.encodings:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from posenc_jax.functional.core.hooks import CausalOnly, EncodingConfig, Rotate
+from posenc_jax.functional.core.hooks import EncodingConfig
 from posenc_jax.functional.core.registry import encoding_config
 
 __all__ = ["PositionEncoding", "resolve_config"]
@@ -27,34 +27,6 @@ def resolve_config(encoding):
             f"an encoding must be a registered name or an EncodingConfig (e.g. encoding_config('t5')), got {encoding!r}"
         )
     return encoding
-
-
-def check_together(configs, *, causal: bool) -> None:
-    """Refuses encodings that cannot mean what was asked together: one given twice, two rotations,
-    two absolute encodings, or a causal-only encoding in a bidirectional model."""
-
-    def names(chosen):
-        return ", ".join(type(c).__name__ for c in chosen)
-
-    kinds = [type(c) for c in configs]
-    twice = sorted({kind.__name__ for kind in kinds if kinds.count(kind) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(twice)} is given more than once; give each encoding once")
-    rotations = [c for c in configs if isinstance(c, Rotate)]
-    if len(rotations) > 1:
-        raise ValueError(f"the encodings {names(rotations)} would rotate queries and keys twice; give one rotation")
-    absolute = [c for c in configs if c.acts_on == "embeddings"]
-    if len(absolute) > 1:
-        raise ValueError(
-            f"the absolute encodings {names(absolute)} would both be added to the token embeddings; give one"
-        )
-    if not causal:
-        only = [c for c in configs if isinstance(c, CausalOnly)]
-        if only:
-            raise ValueError(
-                f"{names(only)} is defined for causal attention only; build the model with causal=True, or choose "
-                f"an encoding with a bidirectional form"
-            )
 
 
 def check_size(name: str, value, minimum: int = 1) -> None:

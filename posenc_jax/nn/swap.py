@@ -11,7 +11,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from posenc_jax.nn.encoding import PositionEncoding, check_together, resolve_config
+from posenc_jax.functional.core.hooks import check_together
+from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 from posenc_jax.nn.transformer import Transformer
 
 __all__ = ["with_encoding"]

@@ -36,11 +36,17 @@ from flax import nnx
 
 from posenc_jax.functional.core.attention import SharedBias, goes_blockwise
 from posenc_jax.functional.core.cache import KVCache
-from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, PreparesTables
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    ParameterFree,
+    PreparesTables,
+    check_together,
+    one_or_more,
+)
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.nn.attention import MultiHeadAttention
-from posenc_jax.nn.encoding import PositionEncoding, check_size, check_together, resolve_config
+from posenc_jax.nn.encoding import PositionEncoding, check_size, resolve_config
 
 __all__ = ["Block", "Transformer", "decode_step"]
 
@@ -186,8 +192,7 @@ class Transformer(nnx.Module):
             check_size(name, size)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False, got {causal!r}")
-        specs = [encoding] if isinstance(encoding, str) or not isinstance(encoding, Sequence) else encoding
-        configs = [resolve_config(e) for e in specs]
+        configs = [resolve_config(e) for e in one_or_more(encoding)]
         check_together(configs, causal=causal)
         if model_dim % num_heads:
             raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")

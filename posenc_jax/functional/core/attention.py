@@ -68,7 +68,6 @@ from posenc_jax.functional.core.hooks import (
     AddsLogitsToContent,
     AttentionContext,
     BiasHook,
-    CausalOnly,
     EncodingConfig,
     Logits,
     Normalize,
@@ -77,7 +76,9 @@ from posenc_jax.functional.core.hooks import (
     ScoreFeatures,
     ScoreScale,
     Values,
+    check_together,
     hook_names,
+    one_or_more,
     parameter,
     pytree_dataclass,
 )
@@ -131,13 +132,6 @@ class SharedBias(BiasHook):
         return self.value
 
 
-def _as_encodings(encodings) -> list:
-    """One encoding (a hook, a config or a registered name) or a sequence of them, as a list."""
-    if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
-        encodings = [encodings]
-    return [encoding_config(e) if isinstance(e, str) else e for e in encodings]
-
-
 def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     """The encodings that act in attention, checked to make sense together.
 
@@ -145,7 +139,8 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     skips the check of causal-only forms (the dispatch rule, before the call is checked).
     """
     hooks = []
-    for encoding in _as_encodings(encodings):
+    for encoding in one_or_more(encodings):
+        encoding = encoding_config(encoding) if isinstance(encoding, str) else encoding
         names = hook_names(encoding)
         if isinstance(encoding, EncodingConfig) and not isinstance(encoding, ParameterFree):
             raise ValueError(
@@ -168,29 +163,7 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
                 f"{encoding!r} fills none of the attention hooks {ATTENTION_HOOKS}; an encoding passed to "
                 f"dot_product_attention must define at least one (see posenc_jax.functional.core.hooks)"
             )
-    rotations = [type(h).__name__ for h in hooks if isinstance(h, Rotate)]
-    if len(rotations) > 1:
-        raise ValueError(
-            f"the encodings rotate queries and keys {len(rotations)} times ({', '.join(rotations)}); pass one rotation"
-        )
-    # The same encoding twice: two pytree hooks of one type and one structure (a wrapper around two
-    # different hooks is two encodings; SharedBias is one per shared bias of a model; a hook that is no
-    # pytree cannot be told apart from another of its type and is left alone).
-    kinds = [
-        (type(h), jax.tree_util.tree_structure(h))
-        for h in hooks
-        if not isinstance(h, SharedBias) and not jax.tree_util.all_leaves([h])
-    ]
-    twice = sorted({kind.__name__ for kind, structure in kinds if kinds.count((kind, structure)) > 1})
-    if twice:
-        raise ValueError(f"{', '.join(twice)} is passed more than once; pass each encoding once")
-    if causal is False:
-        causal_only = [type(h).__name__ for h in hooks if isinstance(h, CausalOnly)]
-        if causal_only:
-            raise ValueError(
-                f"{', '.join(causal_only)} is defined for causal attention only; pass causal=True, or choose an "
-                f"encoding with a bidirectional form"
-            )
+    check_together([h for h in hooks if not isinstance(h, SharedBias)], causal=causal)
     return hooks
 
 
@@ -211,10 +184,8 @@ def _check_settings(causal, scale, return_weights, dropout_rate) -> None:
     for name, flag in (("causal", causal), ("return_weights", return_weights)):
         if not isinstance(flag, (bool, np.bool_)):
             raise TypeError(f"{name} must be True or False, got {flag!r}")
-    for name, number in (("scale", scale), ("dropout_rate", dropout_rate)):
-        if number is not None and (
-            isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, float, np.number))
-        ):
+    for name, number in (("scale", 1.0 if scale is None else scale), ("dropout_rate", dropout_rate)):
+        if isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, float, np.number)):
             raise TypeError(f"{name} must be a number, got {number!r}")
     if not 0.0 <= dropout_rate < 1.0:
         raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
@@ -651,8 +622,8 @@ def dot_product_attention(
       query: ``[B, T, N, H]`` (or ``[T, N, H]``).
       key: ``[B, S, K, H]``, with N a multiple of K.
       value: ``[B, S, K, H]``.
-      query_positions: integer ``[T]`` or ``[B, T]``; required when ``causal``, any
-        encoding, or a normaliser hook is given.
+      query_positions: integer ``[T]`` or ``[B, T]``; required when ``causal`` or any
+        encoding is given, and by a normaliser that reads positions (URPE).
       key_positions: integer ``[S]`` or ``[B, S]``; as above.
       encodings: hooks filling ``rotate``/``logits``/``values`` (see
         :mod:`posenc_jax.functional.core.hooks`), applied in order (e.g. ``[RoPE()]``;

@@ -34,7 +34,7 @@ A built hook can therefore be an argument of a transformed function.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import jax
@@ -66,7 +66,9 @@ __all__ = [
     "ScoreScale",
     "TiledNormalize",
     "Values",
+    "check_together",
     "hook_names",
+    "one_or_more",
     "parameter",
     "pytree_dataclass",
 ]
@@ -430,6 +432,48 @@ _HOOKS = {
     "sample": PositionSampler,
 }
 ATTENTION_HOOKS: tuple[str, ...] = ("rotate", "logits", "values")
+
+
+def one_or_more(encodings) -> list:
+    """One encoding (a registered name, a config or a hook) or a sequence of them, as a list."""
+    if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
+        return [encodings]
+    return list(encodings)
+
+
+def check_together(encodings: Sequence, *, causal: bool | None) -> None:
+    """Refuses encodings (configs or hooks) that cannot mean what was asked together.
+
+    Two rotations, one encoding given twice (two objects of one type, pytrees only: a shared
+    bias is passed once per bias and is exempt by the caller), two absolute encodings, or
+    (``causal=False``) an encoding defined for causal attention only; ``causal=None`` skips
+    that last check.
+    """
+
+    def names(chosen) -> str:
+        return ", ".join(type(e).__name__ for e in chosen)
+
+    rotations = [e for e in encodings if isinstance(e, Rotate)]
+    if len(rotations) > 1:
+        raise ValueError(
+            f"the encodings {names(rotations)} would rotate queries and keys {len(rotations)} times; give one rotation"
+        )
+    kinds = [type(e) for e in encodings if not jax.tree_util.all_leaves([e])]
+    twice = sorted({kind.__name__ for kind in kinds if kinds.count(kind) > 1})
+    if twice:
+        raise ValueError(f"{', '.join(twice)} is given more than once; give each encoding once")
+    absolute = [e for e in encodings if isinstance(e, EncodingConfig) and e.acts_on == "embeddings"]
+    if len(absolute) > 1:
+        raise ValueError(
+            f"the absolute encodings {names(absolute)} would both be added to the token embeddings; give one"
+        )
+    if causal is False:
+        only = [e for e in encodings if isinstance(e, CausalOnly)]
+        if only:
+            raise ValueError(
+                f"{names(only)} is defined for causal attention only; pass causal=True (a causal model), or choose "
+                f"an encoding with a bidirectional form"
+            )
 
 
 def hook_names(hook) -> tuple[str, ...]:
