@@ -151,10 +151,11 @@ def _text_sections(task: str, results: Results, summaries) -> list[str]:
         ]
         learned = [c for c in summaries if c.learned]
         best_model = min((c.at_training.mean for c in learned), default=None)
-        if best_model is None or best_model > best["bits_per_char"] - 0.2:
+        margin = float(results.preset.get("text_margin", 0.2))
+        if best_model is None or best_model > best["bits_per_char"] - margin:
             lines += [
                 f"**The text models are too small to read these curves:** the best n-gram model scores "
-                f"{best['bits_per_char']:.3f} bits per character, and no learned Transformer beats it by 0.2 "
+                f"{best['bits_per_char']:.3f} bits per character, and no learned Transformer beats it by {margin:g} "
                 f"(best: {'none learned' if best_model is None else f'{best_model:.3f}'}).",
                 "",
             ]
