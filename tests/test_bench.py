@@ -241,7 +241,7 @@ def test_seeds_left_at_different_steps_resume_together(tmp_path, standard_promot
         (["--eval-lengths", "2,4", "--train-length", "4"], "must reach beyond the training length 4"),
         (["--text-lengths", "16,40"], "--text-lengths 16,40: each must be a multiple of the text context 16"),
         (["--tasks", "text", "--eval-lengths", "8,64"], "has only the text task; .* --text-lengths"),
-        (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, colab-tpu, paper"),
+        (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, colab-tpu, paper"),
     ],
 )
 def test_bad_input_says_why(tmp_path, args, message):

@@ -225,7 +225,7 @@ _SHORT = {
 
 def _can_run(task_name: str, label: str) -> bool:
     """Whether the encoding of a row label (``enc``, ``enc|normaliser``, ``rope+pi@eval``) can run
-    ``task_name`` at all (an encoder task needs a bidirectional form); True when unknown."""
+    ``task_name`` at all (:func:`~posenc_jax.bench.presets.runs_on`); True when unknown."""
     from posenc_jax.bench.presets import runs_on
     from posenc_jax.bench.tasks import make_task
 
@@ -242,7 +242,8 @@ def summarize(results) -> str:
     """The overview table (markdown): every encoding (rows) on every task (columns), its score
     beyond the training length with the 95% interval over its learned seeds, or "not learned
     (k/n)" with the number of seeds that learned; ``·`` where a cell has not run (yet), ``n/a``
-    where it cannot (an encoding with no bidirectional form on an encoder task).
+    where it cannot (an encoding with no bidirectional form on an encoder task, or NoPE on an
+    encoder task whose answer slots differ: see :func:`~posenc_jax.bench.presets.runs_on`).
     ``results``: a folder or a :class:`Results`."""
     results = results if isinstance(results, Results) else read(results)
     summaries = cells(results)

@@ -245,6 +245,13 @@ class EncoderTask(_Generated):
             raise ValueError(f"unknown encoder task {self.name!r}")
         return x, self.answer(x)
 
+    @property
+    def slots_differ(self) -> bool:
+        """Whether the answer's slots can hold different symbols for one input. The blanks are
+        identical tokens, so a bidirectional model with no position information (NoPE) writes
+        the same symbol on all of them: it cannot learn such a task, by construction."""
+        return self.name in ("reverse_string", "bucket_sort")
+
     def answer(self, x: np.ndarray) -> np.ndarray:
         """The answer written on the blanks."""
         if self.name == "reverse_string":
@@ -325,6 +332,9 @@ class ProbeTask(_Generated):
     @property
     def vocab_size(self) -> int:
         return self.max_length + ALGO_VOCAB  # position classes sit above the symbols
+
+    # The target at position i is i: identical tokens with no positions cannot tell them apart.
+    slots_differ: ClassVar[bool] = True
 
     def max_tokens(self, n: int) -> int:
         return n + (2 if self.boundary else 0)
