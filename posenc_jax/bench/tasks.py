@@ -500,7 +500,8 @@ class FlipFlopTask(_Generated):
 
 # CoPE's counting task: the values 0..10 (the set value 0 is the same token), then the words.
 COUNT_MAX_VALUE = 10
-COUNT_EQUALS, COUNT_SEMICOLON, COUNT_PASS, COUNT_INCREMENT, COUNT_PRINT = range(COUNT_MAX_VALUE + 1, COUNT_MAX_VALUE + 6)
+COUNT_WORDS = range(COUNT_MAX_VALUE + 1, COUNT_MAX_VALUE + 6)
+COUNT_EQUALS, COUNT_SEMICOLON, COUNT_PASS, COUNT_INCREMENT, COUNT_PRINT = COUNT_WORDS
 COUNT_FIRST_VARIABLE = COUNT_PRINT + 1
 # The generator's weights of its three context statements (set, pass, increment).
 COUNT_WEIGHTS = (1, 50, 7)
@@ -535,6 +536,9 @@ class CountingTask(_Generated):
     An example takes up to 4n + 3 tokens (n sets), though about 1.2n on average, and is padded
     to that bound. The paper's runs use 3 and 5 variables (default here: 3), models of 4 layers
     x 256, and 10,000 training examples; the benchmark draws fresh examples at its own sizes.
+    Short contexts mostly print a variable never incremented: the most likely answer, 0, is
+    right for 83% of examples at 4 statements and 46% at 16 (the position-only baseline, from
+    :meth:`answer_distribution`), so train on 16 statements or more for the task to say much.
 
     Example:
       >>> task = make_task("cope_count")
