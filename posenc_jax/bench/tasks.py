@@ -410,9 +410,9 @@ class FlipFlopTask(_Generated):
     deterministic predictions, the bits after ``r`` (``read_weights``): **accuracy over the
     reads**, per example (Liu et al. report the error on those positions; 1 − this is it).
 
-    What differs from the papers: they train and test at one length (T = 512 tokens, 256
-    pairs, in Liu et al.; CoPE trains on 256 tokens); here the benchmark trains on lengths of
-    2..L pairs (at least 2: one write and one read) and tests longer ones at the same ``p_i``.
+    What differs from the papers: they train and test at one fixed sequence length (T = 512
+    tokens, 256 pairs, in Liu et al.); here the benchmark trains on lengths of 2..L pairs (at
+    least 2: one write and one read) and tests longer ones at the same ``p_i``.
     At a fixed ``p_i`` the distance from a read back to its write does not grow with n (its
     mean is 1/p_w pairs), so a longer test probes positions beyond training more than longer
     dependencies; the sparse setting is the one with long ones. Liu et al.'s sparse and dense
@@ -534,8 +534,9 @@ class CountingTask(_Generated):
     its block of 512 tokens, cutting longer contexts from the left) and tested longer, so
     that the test contexts hold more statements than any training one; no such cut is made.
     An example takes up to 4n + 3 tokens (n sets), though about 1.2n on average, and is padded
-    to that bound. The paper's runs use 3 and 5 variables (default here: 3), models of 4 layers
-    x 256, and 10,000 training examples; the benchmark draws fresh examples at its own sizes.
+    to that bound. The paper's released script runs 3 and 5 variables (default here: 3), models
+    of 4 layers x 256 and 10,000 training examples; the benchmark draws fresh examples at its
+    own sizes.
     Short contexts mostly print a variable never incremented: the most likely answer, 0, is
     right for 83% of examples at 4 statements and 46% at 16 (the position-only baseline, from
     :meth:`answer_distribution`), so train on 16 statements or more for the task to say much.
