@@ -35,6 +35,13 @@ Closed forms (symbols uniform over an alphabet of A = 10, or over bits):
   ones is the hidden bit).
 * the blind-spot probe (each position's index on n identical tokens): both 1, since the
   answer is the slot itself; what the probe reads against is chance, 1/n.
+* flip-flop (accuracy over the read bits): position-only 1/2, since every bit is uniform and
+  independent of the instructions. Content-only is left out (None): the counts of the bits
+  and instructions say a little about the reads, by an amount with no closed form.
+* CoPE's counting task (accuracy of one answer): position-only is the most likely answer at n
+  statements, ``max_k P(answer = k | n)``, from the exact distribution the task computes
+  (:meth:`~posenc_jax.bench.tasks.CountingTask.answer_distribution`). Content-only is left out
+  (None): the counts of the words do not say which increments came after the last set.
 """
 
 from __future__ import annotations
@@ -82,7 +89,8 @@ def _sorted_slot_best(n: int, alphabet: int) -> Fraction:
 
 def algorithmic_baselines(task, n: int) -> dict[str, float | None]:
     """Chance, position-only and content-only scores of ``task`` at input length ``n``, exactly
-    (see the module docstring for each formula). Chance is None where the task draws none.
+    (see the module docstring for each formula). A score is None where the task draws no chance
+    line, or where no exact value is known (content-only of flip-flop and of counting).
 
     Example:
       >>> from posenc_jax.bench.tasks import make_task
@@ -108,12 +116,20 @@ def algorithmic_baselines(task, n: int) -> dict[str, float | None]:
         # The answer is the slot itself, which both predictors know; the line that matters is chance
         # (1/n), what a model that cannot tell the positions apart scores.
         position, content = Fraction(1), Fraction(1)
+    elif name == "flip_flop":
+        position, content = Fraction(1, 2), None
+    elif name == "cope_count":
+        position, content = max(task.answer_distribution(n)), None
     else:
         raise ValueError(
             f"no algorithmic baselines for task {name!r}: they exist for the generated decoder and encoder "
             "tasks (the text task's baselines are n-gram models, posenc_jax.bench.ngram)"
         )
-    return {"chance": task.chance(n), "position-only": float(position), "content-only": float(content)}
+    return {
+        "chance": task.chance(n),
+        "position-only": float(position),
+        "content-only": None if content is None else float(content),
+    }
 
 
 def enumerated_baselines(task, n: int) -> dict[str, float]:

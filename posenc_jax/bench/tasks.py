@@ -18,6 +18,11 @@ answer, where no query looks), and says how to score a prediction:
 * **probe** (the blind spot of relative encodings, Su 2022; Luo et al. 2022): n identical
   tokens, the answer at each position is its
   index; optionally wrapped in boundary tokens ``[CLS] ... [SEP]``.
+* **the CoPE paper's tasks** (Golovneva et al. 2024, arXiv:2405.18719), causal:
+  ``flip_flop`` (Liu et al. 2023, arXiv:2306.00946: write, ignore and read instructions on
+  bits; trained as a language model, scored on the read bits) and ``cope_count`` (statements
+  that set, increment or leave alone variables; the answer is the printed variable's value).
+  Their lengths are pairs and statements (see :class:`FlipFlopTask`, :class:`CountingTask`).
 * **text**: character-level language modelling on real text, scored in bits per
   character. The default corpus is a fixed selection of the running Python's own
   standard-library sources (see :func:`stdlib_corpus`); any text file or folder
@@ -34,6 +39,7 @@ is refused before any training).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -44,8 +50,10 @@ from typing import ClassVar, Protocol
 import numpy as np
 
 __all__ = [
+    "CountingTask",
     "DecoderTask",
     "EncoderTask",
+    "FlipFlopTask",
     "ProbeTask",
     "TASKS",
     "Task",
@@ -379,6 +387,290 @@ class ProbeTask(_Generated):
             )
 
 
+# Flip-flop tokens: the two bits, then the three instructions.
+FF_ZERO, FF_ONE, FF_WRITE, FF_READ, FF_IGNORE, FF_PAD = range(6)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlipFlopTask(_Generated):
+    """Flip-flop language modelling (Liu et al. 2023, "Exposing Attention Glitches with Flip-Flop
+    Language Modeling", arXiv:2306.00946; a task of CoPE, Golovneva et al. 2024, arXiv:2405.18719).
+
+    An example of length n is n instruction–bit pairs ``σ_1 b_1 σ_2 b_2 ... σ_n b_n``: ``w b``
+    writes the bit b, ``i b`` is to be ignored, ``r b`` reads, and its b is the last written bit.
+    As in Liu et al.'s FFL(p): the first instruction is ``w``, the last ``r``, the others are drawn
+    independently with probabilities ``(p_w, p_r, p_i) = ((1 − p_i)/2, (1 − p_i)/2, p_i)``, and the
+    bits of writes and ignores are uniform and independent. The default ``p_i = 0.8`` is FFL(0.8),
+    the papers' training distribution; ``make_task("flip_flop", ignore_probability=0.98)`` is
+    Liu et al.'s sparse test distribution and ``0.1`` their dense one (API only: the rows of
+    such a run carry the task name ``flip_flop``, so give it its own results folder).
+
+    The causal model is trained as a language model on the whole sequence (``weights``: every
+    next token, the random bits included, as Liu et al. train), and scored only on the
+    deterministic predictions, the bits after ``r`` (``read_weights``): **accuracy over the
+    reads**, per example (Liu et al. report the error on those positions; 1 − this is it).
+
+    What differs from the papers: they train and test at one fixed sequence length (T = 512
+    tokens, 256 pairs, in Liu et al.); here the benchmark trains on lengths of 2..L pairs (at
+    least 2: one write and one read) and tests longer ones at the same ``p_i``.
+    At a fixed ``p_i`` the distance from a read back to its write does not grow with n (its
+    mean is 1/p_w pairs), so a longer test probes positions beyond training more than longer
+    dependencies; the sparse setting is the one with long ones. Liu et al.'s sparse and dense
+    sets are out-of-distribution tests of a model trained on FFL(0.8); here a setting applies
+    to training and testing alike. Sizes of the models are the benchmark's, not the papers'.
+
+    Example:
+      >>> task = make_task("flip_flop")
+      >>> batch = task.batch(np.random.default_rng(0), [3])
+      >>> batch["inputs"].shape, int(batch["read_weights"].sum())
+      ((1, 5), 1)
+    """
+
+    name: str = "flip_flop"
+    ignore_probability: float = 0.8
+    kind: ClassVar[str] = "decoder"
+    metric: ClassVar[str] = "accuracy"
+    higher_is_better: ClassVar[bool] = True
+    vocab_size: ClassVar[int] = FF_PAD + 1
+
+    def __post_init__(self):
+        if not 0.0 <= self.ignore_probability < 1.0:
+            raise ValueError(
+                f"flip_flop: ignore_probability must be in [0, 1) (writes and reads share the rest), "
+                f"got {self.ignore_probability}"
+            )
+
+    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
+        """Lengths drawn uniformly from 2..``train_length`` pairs (a write and a read at least)."""
+        return rng.integers(2, max(train_length, 2) + 1, batch_size)
+
+    def check_lengths(self, train_length: int, eval_lengths) -> None:
+        lengths = [train_length, *eval_lengths]
+        if min(lengths) < 2:
+            raise ValueError(
+                f"{self.name}: lengths are instruction-bit pairs and must be >= 2 (the first is a write, "
+                f"the last a read), got {min(lengths)}"
+            )
+
+    def _example(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """The ``2n`` tokens of one sequence of n pairs."""
+        if n < 2:
+            raise ValueError(f"{self.name}: an example needs at least 2 pairs, got {n}")
+        p_rw = (1.0 - self.ignore_probability) / 2
+        instructions = rng.choice(
+            np.array([FF_WRITE, FF_READ, FF_IGNORE]), size=n, p=[p_rw, p_rw, self.ignore_probability]
+        )
+        instructions[0], instructions[-1] = FF_WRITE, FF_READ
+        bits = rng.integers(0, 2, n)
+        writes = np.where(instructions == FF_WRITE, np.arange(n), 0)
+        last_write = np.maximum.accumulate(writes)  # the first pair is a write
+        reads = instructions == FF_READ
+        bits[reads] = bits[last_write[reads]]
+        return np.stack([instructions, bits], axis=1).reshape(-1)
+
+    def max_tokens(self, n: int) -> int:
+        """Model input length for n pairs: the 2n tokens less the last."""
+        return 2 * n - 1
+
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
+        seqs = [self._example(rng, int(n)) for n in lengths]
+        total = max(len(s) for s in seqs) if pad_to is None else pad_to + 1
+        tokens = _pad(seqs, total, FF_PAD)
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        weights = np.zeros(inputs.shape, np.float32)
+        for i, s in enumerate(seqs):
+            weights[i, : len(s) - 1] = 1.0  # every next token of the sequence
+        return {
+            "inputs": inputs,
+            "targets": targets,
+            "weights": weights,
+            "read_weights": (inputs == FF_READ).astype(np.float32),  # the bit after each r
+            "positions": np.arange(total - 1, dtype=np.int32),
+        }
+
+    def score(self, predictions: np.ndarray, batch: dict) -> np.ndarray:
+        """Accuracy over the read bits, per example."""
+        w = batch["read_weights"]
+        return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
+
+    def chance(self, n: int) -> float | None:
+        """1/2: a read's bit guessed uniformly."""
+        return 0.5
+
+
+# CoPE's counting task: the values 0..10 (the set value 0 is the same token), then the words.
+COUNT_MAX_VALUE = 10
+COUNT_WORDS = range(COUNT_MAX_VALUE + 1, COUNT_MAX_VALUE + 6)
+COUNT_EQUALS, COUNT_SEMICOLON, COUNT_PASS, COUNT_INCREMENT, COUNT_PRINT = COUNT_WORDS
+COUNT_FIRST_VARIABLE = COUNT_PRINT + 1
+# The generator's weights of its three context statements (set, pass, increment).
+COUNT_WEIGHTS = (1, 50, 7)
+
+
+@dataclasses.dataclass(frozen=True)
+class CountingTask(_Generated):
+    """The counting task of CoPE (Golovneva et al. 2024, "Contextual Position Encoding: Learning
+    to Count What's Important", arXiv:2405.18719), transliterated from the paper's generator
+    (facebookresearch/RAM, ``projects/cope/scripts/count_data_gen.py``).
+
+    The context is n statements over ``num_variables`` variables ``a, b, c, ...``, each drawn
+    with weights set : pass : increment = 1 : 50 : 7:
+
+    * ``v = 0 ;`` sets a variable drawn uniformly from all of them to 0 (4 tokens);
+    * ``pass;`` does nothing (1 token);
+    * ``v ++;`` increments a variable drawn uniformly from those already set (2 tokens).
+
+    A statement that cannot be made (an increment with no variable set yet, or past the
+    largest value 10) is drawn again. Then comes the question ``print v`` for a variable
+    drawn uniformly from those set (an example with none set is drawn again from the start),
+    and the answer is v's value: the number of increments of v since it was last set. Tokens
+    are the paper's whitespace-separated words (``pass;`` and ``++;`` are one token each; the
+    set value ``0`` and the answer ``0`` are the same token); no begin or end token.
+    The causal model is trained on the answer token only (the paper's ``--train-on answer``)
+    and scored by its **accuracy** (one answer per example, so exact match).
+
+    What differs from the paper: the length n is the number of statements, drawn by the
+    benchmark in 1..L for training (the paper draws 3..512 and trains at every length up to
+    its block of 512 tokens, cutting longer contexts from the left) and tested longer, so
+    that the test contexts hold more statements than any training one; no such cut is made.
+    An example takes up to 4n + 3 tokens (n sets), though about 1.2n on average, and is padded
+    to that bound. The paper's released script runs 3 and 5 variables (default here: 3), models
+    of 4 layers x 256 and 10,000 training examples; the benchmark draws fresh examples at its
+    own sizes.
+    Short contexts mostly print a variable never incremented: the most likely answer, 0, is
+    right for 83% of examples at 4 statements and 46% at 16 (the position-only baseline, from
+    :meth:`answer_distribution`), so train on 16 statements or more for the task to say much.
+
+    Example:
+      >>> task = make_task("cope_count")
+      >>> x = np.array([16, 11, 0, 12, 13, 16, 14, 16, 14, 15, 16])  # a = 0 ; pass; a ++; a ++; print a
+      >>> task.answer(x)
+      array([2])
+    """
+
+    name: str = "cope_count"
+    num_variables: int = 3
+    kind: ClassVar[str] = "decoder"
+    metric: ClassVar[str] = "accuracy"
+    higher_is_better: ClassVar[bool] = True
+
+    def __post_init__(self):
+        if not 1 <= self.num_variables <= 26:
+            raise ValueError(f"cope_count: num_variables must be in 1..26 (a to z), got {self.num_variables}")
+
+    @property
+    def pad(self) -> int:
+        return COUNT_FIRST_VARIABLE + self.num_variables
+
+    @property
+    def vocab_size(self) -> int:
+        return self.pad + 1
+
+    def _context(self, rng: np.random.Generator, n: int):
+        """n statements and the question, or None when no variable was set (then drawn again)."""
+        values: dict[int, int] = {}
+        tokens: list[int] = []
+        total = sum(COUNT_WEIGHTS)
+        for _ in range(n):
+            while True:  # a statement that cannot be made is drawn again
+                u = rng.random() * total
+                if u < COUNT_WEIGHTS[0]:
+                    var = int(rng.integers(self.num_variables))
+                    values[var] = 0
+                    tokens += [COUNT_FIRST_VARIABLE + var, COUNT_EQUALS, 0, COUNT_SEMICOLON]
+                    break
+                if u < COUNT_WEIGHTS[0] + COUNT_WEIGHTS[1]:
+                    tokens.append(COUNT_PASS)
+                    break
+                if not values:
+                    continue
+                var = sorted(values)[int(rng.integers(len(values)))]
+                if values[var] + 1 > COUNT_MAX_VALUE:
+                    continue
+                values[var] += 1
+                tokens += [COUNT_FIRST_VARIABLE + var, COUNT_INCREMENT]
+                break
+        if not values:
+            return None
+        var = sorted(values)[int(rng.integers(len(values)))]
+        return np.array([*tokens, COUNT_PRINT, COUNT_FIRST_VARIABLE + var])
+
+    def _example(self, rng: np.random.Generator, n: int):
+        while (x := self._context(rng, n)) is None:
+            pass
+        return x, self.answer(x)
+
+    def answer(self, x: np.ndarray) -> np.ndarray:
+        """The printed variable's value, counted from the statements of ``x`` (context and ``print v``)."""
+        x = [int(t) for t in x]
+        values: dict[int, int] = {}
+        for i, token in enumerate(x[:-2]):
+            if token == COUNT_EQUALS:
+                values[x[i - 1]] = 0
+            elif token == COUNT_INCREMENT:
+                values[x[i - 1]] += 1
+        if x[-2] != COUNT_PRINT or x[-1] not in values:
+            raise ValueError(f"cope_count: {x} does not end in 'print v' for a variable that was set")
+        return np.array([values[x[-1]]])
+
+    def answer_distribution(self, n: int) -> np.ndarray:
+        """P(answer = k), k = 0..10, for n statements, exactly: the generator run forward on the
+        multiset of the variables' values (unset, 0..10), which is all it depends on."""
+        unset = -1
+        states = {(unset,) * self.num_variables: 1.0}
+        set_w, pass_w, inc_w = COUNT_WEIGHTS
+        for _ in range(n):
+            after: dict[tuple, float] = collections.defaultdict(float)
+            for state, p in states.items():
+                existing = [v for v in state if v != unset]
+                can = sum(v < COUNT_MAX_VALUE for v in existing)
+                # Statements are drawn again until one can be made: outcomes in proportion to their weights.
+                z = set_w + pass_w + (inc_w * can / len(existing) if existing else 0.0)
+                after[state] += p * pass_w / z
+                for j in range(self.num_variables):
+                    new = tuple(sorted((*state[:j], 0, *state[j + 1 :])))
+                    after[new] += p * set_w / self.num_variables / z
+                for j, v in enumerate(state):
+                    if v != unset and v < COUNT_MAX_VALUE:
+                        new = tuple(sorted((*state[:j], v + 1, *state[j + 1 :])))
+                        after[new] += p * inc_w / len(existing) / z
+            states = after
+        out = np.zeros(COUNT_MAX_VALUE + 1)
+        for state, p in states.items():
+            existing = [v for v in state if v != unset]
+            for v in existing:  # print picks one of the set variables uniformly
+                out[v] += p / len(existing)
+        return out / out.sum()  # examples with no variable set are drawn again
+
+    def max_tokens(self, n: int) -> int:
+        """Model input length for n statements: at most 4n context tokens, ``print v`` and the
+        answer, less the last token."""
+        return 4 * n + 2
+
+    def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
+        seqs = [np.concatenate([x, y]) for x, y in (self._example(rng, int(n)) for n in lengths)]
+        total = max(len(s) for s in seqs) if pad_to is None else pad_to + 1
+        tokens = _pad(seqs, total, self.pad)
+        weights = np.zeros((len(seqs), total - 1), np.float32)
+        for i, s in enumerate(seqs):
+            weights[i, len(s) - 2] = 1.0  # predicting the answer from "print v"
+        return {
+            "inputs": tokens[:, :-1],
+            "targets": tokens[:, 1:],
+            "weights": weights,
+            "positions": np.arange(total - 1, dtype=np.int32),
+        }
+
+    def score(self, predictions: np.ndarray, batch: dict) -> np.ndarray:
+        """Accuracy of the answer, per example."""
+        w = batch["weights"]
+        return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
+
+    def chance(self, n: int) -> float | None:
+        """1/11: a value 0..10 guessed uniformly."""
+        return 1.0 / (COUNT_MAX_VALUE + 1)
+
+
 def stdlib_corpus(fraction_test: float = 0.1) -> tuple[str, str, list[str]]:
     """The default text corpus: this Python's standard-library ``.py`` files.
 
@@ -594,6 +886,8 @@ TASKS = {
     "probe": lambda max_length=256, **kw: ProbeTask("probe", boundary=False, max_length=max_length),
     "probe_boundary": lambda max_length=256, **kw: ProbeTask("probe_boundary", boundary=True, max_length=max_length),
     "text": lambda corpus=None, **kw: TextTask(corpus),
+    "flip_flop": lambda ignore_probability=0.8, **kw: FlipFlopTask("flip_flop", ignore_probability),
+    "cope_count": lambda num_variables=3, **kw: CountingTask("cope_count", num_variables),
 }
 
 
