@@ -4,6 +4,7 @@ import dataclasses
 
 import chex
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -39,7 +40,6 @@ from posenc_jax.functional.core.relative import (
     toeplitz,
 )
 from posenc_jax.functional.encodings.transformer_xl import project_distances
-from posenc_jax.functional.kernels.autodiff import plain_autodiff
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -728,9 +728,8 @@ def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions,
     np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-4)
     tangent = _normal(rng, q.shape)
-    with plain_autodiff():  # forward mode: the library's custom-VJP operations in their plain form
-        _, got_t = jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))
-        _, want_t = jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))
+    _, got_t = jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))
+    _, want_t = jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))
     np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4)
 
 
@@ -1057,6 +1056,89 @@ def test_sum_by_distance_and_its_gradient_follow_the_definition(
     plain = jax.grad(lambda w: (reference(w) * cotangent).sum())(weights)
     np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(plain)).max() > 0.1
+
+
+def _check_both_modes(rng, fast, plain, x):
+    """``jax.jvp`` and ``jax.vmap(jax.grad)`` of ``fast`` equal ``plain``'s, with no switch between the modes."""
+    tangent = _normal(rng, x.shape)
+    for got, want in zip(jax.jvp(fast, (x,), (tangent,)), jax.jvp(plain, (x,), (tangent,)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    xs = jnp.stack([x, 2 * x])
+    cotangents = _normal(rng, (2, *jax.eval_shape(fast, x).shape))
+    loss = lambda f: lambda x, c: (jnp.sin(f(x)) * c).sum()
+    got = jax.jit(jax.vmap(jax.grad(loss(fast))))(xs, cotangents)
+    np.testing.assert_allclose(got, jax.vmap(jax.grad(loss(plain)))(xs, cotangents), rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(got)).max() > 0.1  # a gradient that can be wrong
+
+
+_MODE_POSITIONS = [_DISTANCE_POSITIONS[i] for i in (1, 2, 5)]
+
+
+@pytest.mark.parametrize(("query_positions", "key_positions"), _MODE_POSITIONS, ids=["offsets", "batched-runs", "gaps"])
+@pytest.mark.parametrize(
+    ("sign", "offset", "slots", "key_side"), [_SLOT_MAPS[i] for i in (0, 2, 4)], ids=["shaw", "p2c", "one-slot"]
+)
+def test_gather_by_distance_in_both_modes_is_the_plain_gathers(
+    rng, query_positions, key_positions, sign, offset, slots, key_side
+):
+    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+    one_hot = _slot_one_hot(query_positions, key_positions, sign, offset, slots)
+    batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+    x = _normal(rng, (batch, 2, kp.shape[-1] if key_side else qp.shape[-1], slots))
+    fast = lambda x: gather_by_distance(x, qp, kp, sign=sign, offset=offset, key_side=key_side)
+    _check_both_modes(rng, fast, lambda x: _reference_gather(x, one_hot, key_side), x)
+
+
+@pytest.mark.parametrize(("query_positions", "key_positions"), _MODE_POSITIONS, ids=["offsets", "batched-runs", "gaps"])
+def test_sum_by_distance_in_both_modes_is_the_plain_sums(rng, query_positions, key_positions):
+    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+    one_hot = _slot_one_hot(query_positions, key_positions, 1, 2, 5)
+    batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+    mask = jnp.asarray(rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7)
+    fast = lambda w: sum_by_distance(w, qp, kp, sign=1, offset=2, slots=5, mask=mask)
+    plain = lambda w: jnp.einsum("BNTS,BTSR->BNTR", jnp.where(mask, w, 0.0), one_hot)
+    _check_both_modes(rng, fast, plain, _normal(rng, (batch, 2, qp.shape[-1], kp.shape[-1])))
+
+
+@pytest.mark.parametrize("first_row", [0, 2])
+def test_transformer_xl_shift_in_both_modes_is_the_plain_gather(rng, first_row):
+    """The shift to keys (ladder column ``min(T - 1 - t + s, S - 1)`` of key s for query t) against
+    ``take_along_axis`` by that definition, for query rows ``first_row ..`` of T = 5 and S = 7 keys."""
+    from posenc_jax.functional.encodings.transformer_xl import _shift_to_keys
+
+    rows, q_len, k_len = 3, 5, 7
+    t = first_row + np.arange(rows)[:, None]
+    columns = jnp.asarray(np.minimum(q_len - 1 - t + np.arange(k_len)[None], k_len - 1))
+    plain = lambda x: jnp.take_along_axis(x, jnp.broadcast_to(columns, x.shape), axis=-1)
+    fast = lambda x: _shift_to_keys(x, jnp.int32(first_row), q_len)
+    _check_both_modes(rng, fast, plain, _normal(rng, (2, 2, rows, k_len)))
+
+
+def test_distance_gradients_gather_where_positions_are_runs():
+    """The reverse-mode programs of the gather and the sums by distance: where positions are runs (the
+    conditional's second branch, and outside it), a gather and no scatter; gapped positions scatter in
+    the gather's gradient only."""
+    qp, kp = jnp.arange(5), jnp.arange(9)
+
+    def primitives(jaxpr, in_runs_branch=False):
+        for eqn in jaxpr.eqns:
+            yield eqn.primitive.name, in_runs_branch
+            if eqn.primitive.name == "cond":
+                for index, branch in enumerate(eqn.params["branches"]):
+                    yield from primitives(branch.jaxpr, index == 1)
+            else:
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    yield from primitives(sub, in_runs_branch)
+
+    def reverse(f, x):
+        _, pullback = jax.vjp(f, x)
+        out = jax.eval_shape(f, x)
+        return list(primitives(jax.make_jaxpr(pullback)(jnp.ones(out.shape, out.dtype)).jaxpr))
+
+    gather = reverse(lambda x: gather_by_distance(x, qp, kp, sign=1, offset=3), jnp.ones((2, 2, 5, 7)))
+    assert ("gather", True) in gather and ("scatter-add", True) not in gather and ("scatter-add", False) in gather
+    summed = reverse(lambda w: sum_by_distance(w, qp, kp, sign=1, offset=3, slots=7), jnp.ones((2, 2, 5, 9)))
+    assert "gather" in {name for name, _ in summed} and not {name for name, _ in summed} & {"scatter-add", "scatter"}
 
 
 def test_distance_gradients_map_over_a_batch_of_positions(rng):

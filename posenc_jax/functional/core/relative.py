@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.positions import batched_positions, position_difference
-from posenc_jax.functional.kernels.autodiff import custom_gradients
 from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
 
 __all__ = [
@@ -43,6 +42,7 @@ __all__ = [
     "gather_by_distance",
     "gather_relative",
     "gather_relative_transposed",
+    "put_along_last_axis",
     "relative_positions",
     "sum_by_distance",
     "take_along_last_axis",
@@ -136,6 +136,24 @@ def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: boo
         row = row * size + (jax.lax.broadcasted_iota(jnp.int32, out_shape, source) if size > 1 else 0)
     flat = row * length + jnp.clip(index, 0, length - 1).astype(jnp.int32)
     return values.reshape(-1).at[flat].get(mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def put_along_last_axis(values: jax.Array, index: jax.Array, length: int) -> jax.Array:
+    """``out[..., i] = Σ_{j: clip(index[..., j], 0, L - 1) = i} values[..., j]``, ``[..., L]`` for ``L = length``.
+
+    The transpose of :func:`take_along_last_axis` (``values`` has the shape that gather gives
+    for ``index``): a scatter-add, written as that transpose, so that its own transpose,
+    the one reverse mode takes, is the flat gather again. A tangent rule that puts values
+    where a gather would take them thus keeps the gradient free of scatters.
+
+    Example:
+      >>> put_along_last_axis(jnp.array([1.0, 2.0, 3.0]), jnp.array([2, 0, 2]), 4)
+      Array([2., 0., 4., 0.], dtype=float32)
+    """
+    values = jnp.asarray(values)
+    source = jax.ShapeDtypeStruct((*values.shape[:-1], length), values.dtype)
+    (out,) = jax.linear_transpose(lambda x: take_along_last_axis(x, index), source)(values)
+    return out
 
 
 def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
@@ -487,12 +505,14 @@ def gather_by_distance(
     """``out[b,n,t,s] = x[b,n,t,slot(t,s)]`` with ``slot = clip(sign·(key_pos[s] - query_pos[t]) + offset, 0, R-1)``.
 
     :func:`gather_relative` for a clipped-distance slot map, with a gradient that needs no
-    scatter: where every row of positions is a run of consecutive integers, each interior
-    slot r of query t is read by exactly one key, ``s = t + sign·(r - offset) - d`` with
-    ``d = key_pos[0] - query_pos[0]``, so the gradient is a gather of the cotangent and the
-    two end slots are masked row sums (:func:`sum_by_distance`); gapped positions keep the
-    scatter. Both are plain autodiff's gradient (``tests/test_relative.py``). Reverse mode
-    only: for ``jax.jvp`` trace it inside :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`.
+    scatter where every row of positions is a run of consecutive integers: each interior
+    slot r of query t is then read by exactly one key, ``s = t + sign·(r - offset) - d`` with
+    ``d = key_pos[0] - query_pos[0]``, and each end slot by the keys past it. The tangent
+    puts every interior slot at its key and spreads the end slots over theirs; its
+    transpose, the gradient, is a gather of the cotangent and two masked row sums
+    (:func:`sum_by_distance`'s form). Gapped positions gather the tangent as the values,
+    and the gradient scatters. Forward mode (``jax.jvp``) and reverse mode give plain
+    autodiff's derivatives (``tests/test_relative.py``).
 
     Args:
       per_distance: ``[B, N, T, R]`` values per query and slot (``[B, N, S, R]`` per key
@@ -515,11 +535,9 @@ def gather_by_distance(
     _check_slot_map(sign, offset, slots)
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
-    if not custom_gradients() or q.shape[1] == 0 or k.shape[1] == 0:
+    if q.shape[1] == 0 or k.shape[1] == 0:
         return _gather_plain(per_distance, q, k, sign, offset, key_side)
-    return _gather_by_distance(
-        per_distance, q, k, sign, offset, key_side, tuple(per_distance.shape), jnp.dtype(per_distance.dtype)
-    )
+    return _gather_by_distance(per_distance, q, k, sign, offset, key_side)
 
 
 def sum_by_distance(
@@ -537,9 +555,10 @@ def sum_by_distance(
 
     Where positions are runs, a gather of the interior slots and two masked row sums (no
     scatter); otherwise :func:`bucket_relative`'s blocked scatter. Sums accumulate in
-    float32 whatever the weights' dtype. Its gradient is the gather. ``mask``
-    (broadcastable to ``[B, N, T, S]``) leaves hidden weights out by selection, whatever
-    they hold; ``block_elements`` bounds the scatter's temporaries.
+    float32 whatever the weights' dtype. The tangent is the same sums of the weights'
+    tangent, written as the transpose of a gather by slot, so the gradient is that gather.
+    ``mask`` (broadcastable to ``[B, N, T, S]``) leaves hidden weights out by selection,
+    whatever they hold; ``block_elements`` bounds the scatter's temporaries.
 
     Returns:
       ``[B, N, T, slots]``, the weights' dtype.
@@ -559,44 +578,80 @@ def sum_by_distance(
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     if weights.shape[-2] == 0 or weights.shape[-1] == 0:  # no query or no key: every sum is empty
         return jnp.zeros((*weights.shape[:-1], slots), weights.dtype)
-    if not custom_gradients():
-        return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
-    return _sum_by_distance(
-        weights, q, k, mask, sign, offset, slots, block_elements, tuple(weights.shape), jnp.dtype(weights.dtype)
-    )
+    return _sum_by_distance(weights, q, k, mask, sign, offset, slots, block_elements)
 
 
 def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
+    """:func:`gather_by_distance` by definition: the slot of every (query, key) pair, gathered."""
     index = distance_slots(q, k, sign=sign, offset=offset, slots=per_distance.shape[-1])
     if flat:
         return take_along_last_axis(per_distance, index[:, None], transposed=key_side)
     return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _gather_by_distance(per_distance, q, k, sign, offset, key_side, shape, dtype):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _gather_by_distance(per_distance, q, k, sign, offset, key_side):
     return _gather_plain(per_distance, q, k, sign, offset, key_side)
 
 
-def _gather_by_distance_forward(per_distance, q, k, sign, offset, key_side, shape, dtype):
-    # The same values by the flat gather: in a program with the gradient, XLA:CPU does not fuse
-    # the gather into the scores and stores it, and take_along_axis's index-first layout then
-    # costs a transposing pass (DeBERTa's attention with gradient, B=8: 2.8x plain's time
-    # against 1.7x). Without the gradient the gather fuses, and take_along_axis's is the faster.
-    return _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True), (q, k)
+@_gather_by_distance.defjvp
+def _gather_by_distance_jvp(sign, offset, key_side, primals, tangents):
+    per_distance, q, k = primals
+    # The values by the flat gather: in a program with the gradient, XLA:CPU does not fuse the
+    # gather into the scores and stores it, and take_along_axis's index-first layout then costs a
+    # transposing pass (DeBERTa's attention with gradient, B=8: 2.8x plain's time against 1.7x).
+    # Without the gradient the gather fuses, and take_along_axis's is the faster.
+    out = _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True)
+
+    def over_runs(tangent):
+        if key_side:  # x[b,n,s,slot]: the same map seen from the keys, distances negated
+            spread = _spread_over_runs(tangent, k, q, -sign, offset, q.shape[-1])
+            return jnp.broadcast_to(jnp.swapaxes(spread, -1, -2), out.shape)
+        return jnp.broadcast_to(_spread_over_runs(tangent, q, k, sign, offset, k.shape[-1]), out.shape)
+
+    runs = consecutive_rows(q) & consecutive_rows(k)
+    tangent = jax.lax.cond(  # in float32, so that the gradient's sums accumulate in it
+        runs,
+        over_runs,
+        lambda tangent: _gather_plain(tangent, q, k, sign, offset, key_side, flat=True),
+        tangents[0].astype(jnp.float32),
+    )
+    return out, tangent.astype(out.dtype)
 
 
-def _gather_by_distance_backward(sign, offset, key_side, shape, dtype, residuals, cotangent):
-    q, k = residuals
-    slots = shape[-1]
-    if key_side:  # x[b,n,s,slot]: the same map seen from the keys, distances negated
-        summed = _sums(jnp.swapaxes(cotangent, -1, -2), k, q, -sign, offset, slots)
-    else:
-        summed = _sums(cotangent, q, k, sign, offset, slots)
-    return sum_to_shape(summed, shape).astype(dtype), None, None
+def _run_slots(q, k, sign: int, offset: int, slots: int, q_len: int, k_len: int):
+    """The slot map where every row of positions is a run.
+
+    Returns the slot before clipping, ``sign·(key_pos - query_pos) + offset``, of every
+    (t, s), ``[B|1, T, S]``; and the one key of each interior slot r of row t, with whether
+    it is a key and the slot interior, ``[B|1, T, R]`` each.
+    """
+    reach = q_len + k_len + slots  # a row offset beyond this puts every pair in one end slot either way
+    row_offset = jnp.clip(position_difference(k[:, :1], q[:, :1]), -reach, reach)[:, :, None]  # [B|1, 1, 1]
+    t = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+    s = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    r = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, R]
+    value = sign * (row_offset + s - t) + offset
+    key = t + sign * (r - offset) - row_offset
+    inside = (key >= 0) & (key < k_len) & (r > 0) & (r < slots - 1)
+    return value, key, inside
 
 
-_gather_by_distance.defvjp(_gather_by_distance_forward, _gather_by_distance_backward)
+def _spread_over_runs(per_distance, q, k, sign: int, offset: int, k_len: int):
+    """:func:`_gather_plain` where every row of positions is a run, as the transpose of :func:`_sums_over_runs`.
+
+    Each interior slot is put at its one key, each end slot spread over the keys past it: the
+    transpose of a gather and of two masked row sums, which reverse mode takes.
+    """
+    *_, q_len, slots = per_distance.shape
+    if slots == 1:
+        return jnp.broadcast_to(per_distance, (*per_distance.shape[:-1], k_len))
+    value, key, inside = _run_slots(q, k, sign, offset, slots, q_len, k_len)
+    zero = jnp.zeros((), per_distance.dtype)
+    interior = put_along_last_axis(jnp.where(inside[:, None], per_distance, zero), key[:, None], k_len)
+    low = jnp.where((value <= 0)[:, None], per_distance[..., :1], zero)
+    high = jnp.where((value >= slots - 1)[:, None], per_distance[..., -1:], zero)
+    return interior + low + high
 
 
 def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None):
@@ -605,14 +660,8 @@ def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None
         weights = jnp.where(mask, weights, jnp.zeros((), weights.dtype))
     if slots == 1:
         return weights.sum(axis=-1, keepdims=True)
-    _, _, q_len, k_len = weights.shape
-    reach = q_len + k_len + slots  # a row offset beyond this puts every pair in one end slot either way
-    row_offset = jnp.clip(position_difference(k[:, :1], q[:, :1]), -reach, reach)[:, :, None]  # [B|1, 1, 1]
-    t = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
-    s = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    r = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, R]
-    # The slot before clipping, sign·(key_pos - query_pos) + offset, at every (t, s): [B|1, T, S].
-    value = sign * (row_offset + s - t) + offset
+    *_, q_len, k_len = weights.shape
+    value, key, inside = _run_slots(q, k, sign, offset, slots, q_len, k_len)
     zero = jnp.zeros((), weights.dtype)
     # Both end slots in one reduction with two outputs: as two reductions, XLA:CPU stored the weights
     # once more (their third and fourth readers besides the value product and the gather).
@@ -622,11 +671,9 @@ def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None
         lambda x, y: (x[0] + y[0], x[1] + y[1]),
         (3,),
     )  # [B, N, T] each
-    key = t + sign * (r - offset) - row_offset  # the key of slot r in row t: [B|1, T, R]
-    inside = (key >= 0) & (key < k_len) & (r > 0) & (r < slots - 1)
     interior = take_along_last_axis(weights, key[:, None])  # clipped into [0, S)
     interior = jnp.where(inside[:, None], interior, zero)
-    r = r[:, None]  # [1, 1, 1, R]
+    r = jnp.arange(slots)
     return interior + jnp.where(r == 0, low[..., None], zero) + jnp.where(r == slots - 1, high[..., None], zero)
 
 
@@ -655,22 +702,20 @@ def _sums(weights, q, k, sign, offset, slots, block_elements=_SCATTER_BLOCK, mas
     return summed.astype(weights.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _sum_by_distance(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
+def _sum_by_distance(weights, q, k, mask, sign, offset, slots, block_elements):
     return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
 
 
-def _sum_by_distance_forward(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
-    return _sums(weights, q, k, sign, offset, slots, block_elements, mask), (q, k, mask)
-
-
-def _sum_by_distance_backward(sign, offset, slots, block_elements, shape, dtype, residuals, cotangent):
-    q, k, mask = residuals
-    gathered = _gather_plain(cotangent, q, k, sign, offset, False)
+@_sum_by_distance.defjvp
+def _sum_by_distance_jvp(sign, offset, slots, block_elements, primals, tangents):
+    # The sums are linear in the weights: the tangent is the same sums of the weights' tangent, put by
+    # slot as the transpose of a gather, so that reverse mode gathers the cotangent instead of scattering.
+    weights, q, k, mask = primals
+    tangent = tangents[0].astype(jnp.float32)
     if mask is not None:
-        gathered = jnp.where(mask, gathered, jnp.zeros((), gathered.dtype))
-    gathered = sum_to_shape(jnp.broadcast_to(gathered, jnp.broadcast_shapes(gathered.shape, shape)), shape)
-    return gathered.astype(dtype), None, None, None
-
-
-_sum_by_distance.defvjp(_sum_by_distance_forward, _sum_by_distance_backward)
+        tangent = jnp.where(mask, tangent, jnp.zeros((), tangent.dtype))
+    index = distance_slots(q, k, sign=sign, offset=offset, slots=slots)[:, None]  # [B|1, 1, T, S]
+    tangent = jnp.broadcast_to(tangent, jnp.broadcast_shapes(tangent.shape, index.shape))
+    summed = put_along_last_axis(tangent, index, slots).astype(weights.dtype)
+    return _sums(weights, q, k, sign, offset, slots, block_elements, mask), summed
