@@ -686,6 +686,28 @@ def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
     assert np.any(np.asarray(grads[1]) != 0) or num_positions == 1  # the counts' gradient is not vacuous
 
 
+def test_cope_interpolation_in_both_modes_is_the_floor_and_ceil_gathers():
+    """jax.jvp and jax.vmap(jax.grad) of the flat pair gather, in the values and the counts, with no switch:
+    those of the floor/ceil gathers."""
+    from posenc_jax.functional.encodings.cope import interpolate_positions
+
+    rng = np.random.default_rng(0)
+    per_position = jnp.asarray(rng.normal(size=(2, 3, 4, 5)), jnp.float32)
+    counts = jnp.asarray(rng.uniform(0, 4, size=(2, 3, 4, 7)), jnp.float32)
+    tangents = (jnp.asarray(rng.normal(size=per_position.shape), jnp.float32), jnp.ones_like(counts))
+    ours = jax.jvp(interpolate_positions, (per_position, counts), tangents)
+    plain = jax.jvp(_interpolate_by_take_along_axis, (per_position, counts), tangents)
+    for got, want in zip(ours, plain, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    cotangents = jnp.asarray(rng.normal(size=(2, *counts.shape)), jnp.float32)
+    loss = lambda f: lambda x, c, u: (jnp.sin(f(x, c)) * u).sum()
+    args = (jnp.stack([per_position, 2 * per_position]), jnp.stack([counts, counts / 2]), cotangents)
+    got = jax.jit(jax.vmap(jax.grad(loss(interpolate_positions), argnums=(0, 1))))(*args)
+    want = jax.vmap(jax.grad(loss(_interpolate_by_take_along_axis), argnums=(0, 1)))(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_cope_interpolation_keeps_nan_and_checks_shapes():
     """A NaN count (a visible key's NaN score) gives NaN, not another position's value; mismatched leading
     axes are refused with both shapes named."""

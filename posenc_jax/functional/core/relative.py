@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.positions import batched_positions, position_difference
-from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
+from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
     "bucket_relative",

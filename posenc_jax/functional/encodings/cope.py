@@ -37,7 +37,6 @@ from posenc_jax.functional.core.relative import (
     by_query_blocks,
     check_max_distance,
 )
-from posenc_jax.functional.kernels.autodiff import custom_gradients
 
 __all__ = ["CoPE", "CoPEConfig", "cope_logits", "interpolate_positions", "reverse_cumsum"]
 
@@ -274,11 +273,12 @@ def interpolate_positions(per_position: jax.Array, counts: jax.Array) -> jax.Arr
         (one below 0 extrapolates the line through positions 0 and 1, one above P - 1 reads P - 1).
 
     For ``c = P - 1`` the pair starting at ``P - 2`` is read, with weight 1 on the second.
-    Where the gradient is taken, the pair is read from the values laid out flat, by offsets,
-    and the values' gradient is one scatter of pairs, a window of two, into that flat array.
-    As ``take_along_axis`` on ``[..., P]`` (gathers with batch dimensions), the gradient was
-    two scatters with batch dimensions, which XLA:CPU ran about 3× slower (CoPE's
-    ``[8, 4, 512, 514]`` values: 300 ms against 80–110 ms for value and gradient).
+    Where derivatives are taken, the pair is read from the values laid out flat, by offsets,
+    as one gather of a window of two, so that the values' gradient, its transpose, is one
+    scatter of pairs into that flat array. As ``take_along_axis`` on ``[..., P]`` (gathers
+    with batch dimensions), the gradient was two scatters with batch dimensions, which
+    XLA:CPU ran about 3× slower (CoPE's ``[8, 4, 512, 514]`` values: 300 ms against
+    80–110 ms for value and gradient).
     A NaN count gives NaN.
 
     Example:
@@ -295,7 +295,7 @@ def interpolate_positions(per_position: jax.Array, counts: jax.Array) -> jax.Arr
     # gradient stays 0. (NaN >= P - 1 is false: a NaN count keeps a NaN weight.)
     weight = jnp.where(counts >= num_positions - 1, 1.0, counts - lower)
     lower = lower.astype(jnp.int32)
-    if not custom_gradients() or per_position.size >= 2**31:  # plain autodiff; or flat offsets past int32
+    if per_position.size >= 2**31:  # flat offsets past int32
         return _interpolate_along_axis(per_position, lower, weight)
     return _interpolate(per_position, lower, weight)
 
@@ -306,51 +306,39 @@ def _interpolate_along_axis(per_position, lower, weight):
     return at_lower * (1.0 - weight) + at_upper * weight
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _interpolate(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
-    """Without the gradient, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
+    """Without derivatives, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
     attention (B=1, N=8, T=1024) took 2.03× plain's time with the flat gathers, 1.68× with these."""
     return _interpolate_along_axis(per_position, lower, weight)
 
 
-def _flat_starts(per_position, lower):
+def _pairs(per_position, lower):
+    """``[..., S, 2]``: the values at ``lower`` and ``lower + 1``, one gather of a window of two from the
+    values laid out flat."""
     rows = int(np.prod(lower.shape[:-1], dtype=np.int64))
     row_start = (jnp.arange(rows, dtype=jnp.int32) * per_position.shape[-1]).reshape(*lower.shape[:-1], 1)
-    return per_position.reshape(-1), row_start + lower
-
-
-def _pair_at(flat, start):
-    clip = jax.lax.GatherScatterMode.CLIP
-    return flat.at[start].get(mode=clip), flat.at[start + 1].get(mode=clip)
-
-
-def _interpolate_forward(per_position, lower, weight):
-    # With the gradient, the pairs read from the flat table (as relative.take_along_last_axis, and why).
-    at_lower, at_upper = _pair_at(*_flat_starts(per_position, lower))
-    return at_lower * (1.0 - weight) + at_upper * weight, (per_position, lower, weight)
-
-
-def _interpolate_backward(residuals, cotangent):
-    per_position, lower, weight = residuals
-    flat, start = _flat_starts(per_position, lower)
-    at_lower, at_upper = _pair_at(flat, start)
-    # The values' gradient: one scatter of (lower, upper) pairs, a window of two, into the flat
-    # table (half the updates of two scalar scatters; with batch dimensions, as autodiff makes of
-    # take_along_axis, XLA:CPU ran it about 3x slower).
-    pairs = jnp.stack([cotangent * (1.0 - weight), cotangent * weight], axis=-1)  # [..., S, 2]
-    into_flat = jax.lax.scatter_add(
-        jnp.zeros_like(flat),
-        start[..., None],
-        pairs.astype(flat.dtype),
-        jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(start.ndim,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
-        ),
+    return jax.lax.gather(
+        per_position.reshape(-1),
+        (row_start + lower)[..., None],
+        jax.lax.GatherDimensionNumbers(offset_dims=(lower.ndim,), collapsed_slice_dims=(), start_index_map=(0,)),
+        slice_sizes=(2,),
         mode=jax.lax.GatherScatterMode.CLIP,
     )
-    return into_flat.reshape(per_position.shape), None, (cotangent * (at_upper - at_lower)).astype(weight.dtype)
 
 
-_interpolate.defvjp(_interpolate_forward, _interpolate_backward)
+@_interpolate.defjvp
+def _interpolate_jvp(primals, tangents):
+    per_position, lower, weight = primals
+    per_position_dot, _, weight_dot = tangents
+    at_pair = jnp.stack([1.0 - weight, weight], axis=-1)  # the pair's weights, [..., S, 2]
+    pair = _pairs(per_position, lower)
+    # The tangent reads the values' tangent as the values are read: its transpose, the values'
+    # gradient, is one scatter of (lower, upper) pairs into the flat table (half the updates of two
+    # scalar scatters; with batch dimensions, as autodiff makes of take_along_axis, XLA:CPU ran it
+    # about 3x slower).
+    tangent = (_pairs(per_position_dot, lower) * at_pair).sum(axis=-1) + (pair[..., 1] - pair[..., 0]) * weight_dot
+    return (pair * at_pair).sum(axis=-1), tangent
 
 
 def _check_causal(context: AttentionContext) -> None:

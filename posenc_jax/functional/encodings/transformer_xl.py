@@ -45,10 +45,10 @@ from posenc_jax.functional.core.relative import (
     by_causal_prefixes_where,
     by_query_blocks,
     consecutive_rows,
+    put_along_last_axis,
     take_along_last_axis,
 )
 from posenc_jax.functional.encodings.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
-from posenc_jax.functional.kernels.autodiff import custom_gradients, plain_autodiff
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "project_distances", "rel_shift", "transformer_xl_logits"]
 
@@ -305,8 +305,7 @@ def _identity_unless_jvp(dim, base, primals, tangents):
         # is differentiated, which a decoding step rarely is.
         return jnp.where(use_identity, _identity_term(dim, base, 0, *operands), by_table)
 
-    with plain_autodiff():  # forward mode through the identity: its custom-VJP operations in their plain form
-        return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
+    return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
 
 
 def project_distances(distances, position_projection, *, base: float = 10000.0) -> jax.Array:
@@ -369,10 +368,7 @@ def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax
     causal attention).
     """
     scores = _scores_against(shifted_q, projected)
-    first_row = jnp.asarray(first_row, jnp.int32)
-    if not custom_gradients():
-        return _gather_ladder_columns(scores, first_row, q_len)
-    return _shift_to_keys(scores, first_row, q_len)
+    return _shift_to_keys(scores, jnp.asarray(first_row, jnp.int32), q_len)
 
 
 def _ladder_columns(first_row, rows: int, q_len: int, k_len: int) -> jax.Array:
@@ -382,18 +378,9 @@ def _ladder_columns(first_row, rows: int, q_len: int, k_len: int) -> jax.Array:
     return jnp.minimum(jnp.arange(k_len)[None, :] - query + (q_len - 1), k_len - 1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.Array:
-    """:func:`rel_shift`'s result by one gather, for query rows ``first_row ..`` of T = ``q_len``:
-    ``out[..., r, s] = scores[..., r, min(T - 1 - (first_row + r) + s, S - 1)]``.
-
-    A gather XLA fuses into its consumer; its transpose (below) is a gather and a masked
-    sum, not the scatter autodiff would make of it.
-    """
-    return _gather_ladder_columns(scores, first_row, q_len)
-
-
 def _gather_ladder_columns(scores, first_row, q_len: int, flat: bool = False) -> jax.Array:
+    """:func:`rel_shift`'s result by one gather, for query rows ``first_row ..`` of T = ``q_len``:
+    ``out[..., r, s] = scores[..., r, min(T - 1 - (first_row + r) + s, S - 1)]``."""
     rows, k_len = scores.shape[-2:]
     columns = _ladder_columns(first_row, rows, q_len, k_len)[None, None]
     if flat:
@@ -401,27 +388,30 @@ def _gather_ladder_columns(scores, first_row, q_len: int, flat: bool = False) ->
     return jnp.take_along_axis(scores, columns, axis=-1)
 
 
-def _shift_forward(scores, first_row, q_len):
-    # With the gradient, the flat gather (as relative.gather_by_distance's forward, and why).
-    return _gather_ladder_columns(scores, first_row, q_len, flat=True), first_row
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.Array:
+    """:func:`_gather_ladder_columns`, a gather XLA fuses into its consumer, whose gradient is a gather
+    and a masked sum, not the scatter autodiff would make of it."""
+    return _gather_ladder_columns(scores, first_row, q_len)
 
 
-def _shift_backward(q_len, first_row, cotangent):
-    rows, k_len = cotangent.shape[-2:]
+@_shift_to_keys.defjvp
+def _shift_to_keys_jvp(q_len, primals, tangents):
+    scores, first_row = primals
+    rows, k_len = scores.shape[-2:]
     query = first_row + jnp.arange(rows)[:, None]  # [rows, 1]: the query index t of each row
-    keys = jnp.arange(k_len)[None, :]
-    # Column c < S - 1 of row t receives key s = c - (T - 1 - t) alone; column S - 1 receives every key
-    # from S - T + t on (the capped ones).
-    source = keys - (q_len - 1) + query  # [rows, S]
-    inside = (source >= 0) & (keys < k_len - 1)
-    moved = take_along_last_axis(cotangent, source[None, None])  # clipped into [0, S)
-    grad = jnp.where(inside[None, None], moved, 0.0)
-    capped = keys >= (k_len - q_len) + query  # [rows, S]
-    tail = jnp.where(capped[None, None], cotangent, 0.0).sum(axis=-1)  # [B, N, rows]
-    return grad.at[..., k_len - 1].add(tail), None
-
-
-_shift_to_keys.defvjp(_shift_forward, _shift_backward)
+    columns = jnp.arange(k_len)[None, :]
+    # Column c < S - 1 of row t is read by key s = c - (T - 1 - t) alone, column S - 1 by every key
+    # from S - T + t on (the capped ones). The tangent puts each column at its key and spreads the last
+    # over the capped keys, so that its transpose, the gradient, is a gather and a masked row sum.
+    key = columns - (q_len - 1) + query  # [rows, S]
+    inside = (key >= 0) & (columns < k_len - 1)
+    tangent = tangents[0]
+    moved = put_along_last_axis(jnp.where(inside[None, None], tangent, 0.0), key[None, None], k_len)
+    capped = columns >= (k_len - q_len) + query  # [rows, S]
+    last = jnp.where(capped[None, None], tangent[..., -1:], 0.0)
+    # With the gradient, the values by the flat gather (as relative.gather_by_distance's, and why).
+    return _gather_ladder_columns(scores, first_row, q_len, flat=True), moved + last
 
 
 def _content_bias_term(k, content_bias) -> jax.Array:
