@@ -207,3 +207,41 @@ def test_a_full_disk_names_the_file_and_leaves_the_rows_readable(tmp_path, monke
     monkeypatch.setattr(ledger.os, "replace", real_replace)
     assert (tmp_path / "run.json").read_text() == original  # the old record, whole
     assert [p.name for p in tmp_path.iterdir() if "partial" in p.name] == []
+
+
+# 5. A damaged checkpoint: our one line, not orbax's pages.
+
+
+def test_a_damaged_restore_prints_one_warning_and_no_orbax_logging(tmp_path, capfd):
+    import logging
+
+    import optax
+    from absl import logging as absl_logging
+    from flax import nnx
+
+    from posenc_jax.checkpoint import Checkpointer
+    from posenc_jax.nn import Transformer
+    from posenc_jax.training import make_optimizer
+
+    settings = dict(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32, encoding="rope")
+    model = Transformer(rngs=nnx.Rngs(0), **settings)
+    ckpt = Checkpointer(tmp_path / "ckpt", max_to_keep=3)
+    for step in (1, 2):
+        ckpt.save(step, model, make_optimizer(model, optax.adam(1e-3)))
+    for manifest in (tmp_path / "ckpt" / "2" / "model").glob("**/manifest.ocdbt"):
+        manifest.write_bytes(b"xx" + manifest.read_bytes()[2:])
+    # Where absl logs at INFO (as a notebook or an absl app may set it), orbax logs ~20 lines here.
+    absl_level = logging.getLogger("absl").level
+    absl_logging.use_absl_handler()
+    absl_logging.set_verbosity(absl_logging.INFO)
+    capfd.readouterr()
+    try:
+        with pytest.warns(UserWarning, match=r"skipped damaged checkpoint step 2 in .*; restored step 1") as caught:
+            assert ckpt.restore(Transformer(rngs=nnx.Rngs(1), **settings)) == 1
+    finally:
+        logging.root.removeHandler(absl_logging.get_absl_handler())
+        logging.getLogger("absl").setLevel(absl_level)
+        ckpt.close()
+    printed = capfd.readouterr()
+    assert len((printed.out + printed.err).strip().splitlines()) <= 2, printed.err[:2000]
+    assert all("\n" not in str(w.message) for w in caught)
