@@ -416,7 +416,8 @@ class Ledger:
             first = next(number for number, row in rows if row.get("settings") != self.settings)
             raise ValueError(
                 f"{path} holds results made with other settings ({sorted(map(str, foreign))}, now "
-                f"{self.settings}; first at line {first}); choose another --out, or delete that folder to start over"
+                f"{self.settings}), the first at line {first}; choose another --out, or delete that folder to "
+                "start over"
             )
         return {(row["task"], row["encoding"], row["seed"], row["length"]) for _, row in rows}
 
