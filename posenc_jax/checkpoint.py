@@ -25,8 +25,10 @@ step, a damaged newest step is skipped with a warning and the newest intact one 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import pathlib
 import warnings
 from collections.abc import Mapping
@@ -124,6 +126,20 @@ def _as_json(value, what: str):
         raise ValueError(
             f"{what} must be a JSON-serialisable dict (strings, numbers, booleans, lists, dicts): {error}"
         ) from None
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Silences orbax's own logging (absl's logger) while a step is read: a damaged step makes it
+    log pages (file contents, TensorStore errors) where absl logs at INFO or WARNING, and what
+    went wrong is already in the one-line error or warning :class:`Checkpointer` gives."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _first_line(error: Exception) -> str:
@@ -274,7 +290,8 @@ class Checkpointer:
 
     def _read_meta(self, step: int) -> dict:
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            with _quiet_orbax():
+                meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
             if not isinstance(meta, dict) or meta.get("format") != _FORMAT or "arrays" not in meta:
                 raise ValueError(f"expected a dict of format {_FORMAT} with arrays")
         except Exception as error:  # whatever orbax raises on a missing or garbled file
@@ -326,7 +343,8 @@ class Checkpointer:
         """The step's arrays for the items of ``target``, each checked against its recorded sha256."""
         args = {item: ocp.args.StandardRestore(tree) for item, tree in target.items()}
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(**args))
+            with _quiet_orbax():
+                restored = self.manager.restore(step, args=ocp.args.Composite(**args))
         except Exception as error:  # unreadable array data
             raise DamagedCheckpointError(
                 self._where(step), f"its arrays cannot be read ({_first_line(error)})"

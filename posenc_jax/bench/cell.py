@@ -528,6 +528,54 @@ def train_and_evaluate(
     for seed in seeds:
         groups.setdefault(start[seed], []).append(seed)
     records = []
+    try:
+        records = _train_and_evaluate_groups(
+            cell,
+            preset,
+            groups,
+            todo,
+            models,
+            optimizers,
+            checkpointers,
+            recorded,
+            checks,
+            head_dim,
+            out=out,
+            settings=settings,
+            write=write,
+            criterion=criterion,
+            stamp=stamp,
+            mesh=mesh,
+            bar=bar,
+        )
+    finally:
+        for ckpt in checkpointers.values():
+            ckpt.close()
+    return records
+
+
+def _train_and_evaluate_groups(
+    cell,
+    preset,
+    groups,
+    todo,
+    models,
+    optimizers,
+    checkpointers,
+    recorded,
+    checks,
+    head_dim,
+    *,
+    out,
+    settings,
+    write,
+    criterion,
+    stamp,
+    mesh,
+    bar,
+) -> list[dict]:
+    """Trains each group of seeds (those at one step), then evaluates its seeds, writing their rows."""
+    records = []
     for first_step, group in sorted(groups.items()):
         record = _train_group(
             cell,
@@ -569,8 +617,6 @@ def train_and_evaluate(
                 write({**_row(cell, preset, label, seed, length, measured), **training, **(stamp or {})})
         record["eval_seconds"] = time.perf_counter() - began
         records.append(record)
-    for ckpt in checkpointers.values():
-        ckpt.close()
     return records
 
 
@@ -586,6 +632,28 @@ def _row(cell: Cell, preset: Preset, label: str, seed: int, length: int, measure
         "in_distribution": bool(length <= cell.lengths.train),
         "preset": preset.name,
     }
+
+
+class DivergedError(ValueError):
+    """A training loss that is not finite (NaN or infinite): the cell stops there, and so does the run.
+
+    Decision: the whole run stops (``posenc-bench extrapolate`` exits with this one line) rather
+    than recording the cell as failed and going on. A diverged cell has no score to report;
+    skipping it would leave a report with a silently missing cell, and its usual cause (a
+    learning rate too high for the model) would make every later cell diverge too. Nothing of
+    the cell is written (no rows, no checkpoint of the diverged state); the rows and
+    checkpoints of earlier cells are kept, so the same command resumes once the setting is
+    fixed, or the encoding is left out.
+    """
+
+    def __init__(self, cell, preset, seeds: list[int], step: int, loss: float):
+        self.seeds, self.step, self.loss = list(seeds), step, loss
+        super().__init__(
+            f"training diverged: {cell.task_name} / {cell.label}, seed{'s' if len(seeds) > 1 else ''} "
+            f"{','.join(map(str, seeds))}: the loss is {loss} at step {step} of {preset.steps} (learning rate "
+            f"{preset.learning_rate}); no rows were written for this cell. Lower --learning-rate, or leave this "
+            "encoding out with --encodings; the rows of earlier cells are kept and the same command resumes"
+        )
 
 
 def _train_group(
@@ -623,6 +691,8 @@ def _train_group(
         return record
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
     held_out = {seed: check_batch(cell, preset, seed) for seed in group}
+    pending = []  # the losses of the steps since the last look at them (left on the device until then)
+    looked = first_step  # the steps whose losses were looked at
     progress = None
     paused = 0.0  # checks and checkpoint writes, kept out of the training time
     began = time.perf_counter()
@@ -640,6 +710,7 @@ def _train_group(
     def step_fn(group_, _, batch):
         nonlocal began, progress
         losses = group_.step(batch, frozen)
+        pending.append(losses)
         if progress is None and record["compile_seconds"] == 0.0:  # the first step: its time is compilation
             jax.block_until_ready(losses)
             record["compile_seconds"] = time.perf_counter() - began
@@ -650,9 +721,23 @@ def _train_group(
             progress.update(1)
         return losses
 
+    def finite() -> None:
+        """Stops the cell at a non-finite loss (before it is checked or saved), naming the step."""
+        nonlocal looked
+        for offset, loss in enumerate(pending):
+            values = np.atleast_1d(np.asarray(loss))
+            bad = np.flatnonzero(~np.isfinite(values))
+            if bad.size:
+                if progress is not None:
+                    progress.close()
+                raise DivergedError(cell, preset, [group[i] for i in bad], looked + offset + 1, float(values[bad[0]]))
+        looked += len(pending)
+        pending.clear()
+
     def check(step) -> bool:
         nonlocal paused
         jax.block_until_ready(seeds.state)  # the steps queued so far count as training
+        finite()
         started = time.perf_counter()
         for i, seed in enumerate(group):
             if frozen[i]:
@@ -668,6 +753,7 @@ def _train_group(
     def save(step) -> None:
         nonlocal paused
         jax.block_until_ready(seeds.state)
+        finite()  # a diverged state is never saved, so a re-run resumes from finite weights
         started = time.perf_counter()
         for i, seed in enumerate(group):
             # The checks first: a kill between the two leaves checks a step ahead of the newest
@@ -692,6 +778,7 @@ def _train_group(
         check=check,
     )
     jax.block_until_ready(seeds.state)
+    finite()
     record["train_seconds"] = time.perf_counter() - began - paused
     record["checkpoint_seconds"] = paused
     record["final_loss"] = [float(x) for x in np.asarray(losses[-1])]

@@ -23,7 +23,7 @@ import jax
 
 from posenc_jax.bench.baselines import algorithmic_baselines, text_baselines
 from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, row_label, train_and_evaluate
-from posenc_jax.bench.ledger import Ledger, check_writable, fingerprint, git_state
+from posenc_jax.bench.ledger import FolderLock, Ledger, check_writable, fingerprint, git_state
 from posenc_jax.bench.presets import PRESETS, Preset, runs_on
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import data_parallel_mesh
@@ -82,6 +82,23 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print) -> list[tuple[C
                 if todo:
                     cells.append((cell, todo))
     return cells
+
+
+def asked(preset: Preset, tasks: dict) -> dict[str, list[str]]:
+    """Per task, the row labels (``encoding`` fields) ``preset`` asks for: each encoding that runs
+    on it with each normaliser, and their evaluation variants. ``run.json`` keeps them, and the
+    report reads rows of these alone."""
+    labels = {}
+    for task_name, task in tasks.items():
+        found = []
+        for encoding in preset.encodings:
+            if not runs_on(task, encoding):
+                continue
+            for normalizer in preset.normalizers:
+                found.append(row_label(encoding, normalizer))
+                found += [v.label for v in preset.for_task(task_name).eval_variants(task_name, encoding, normalizer)]
+        labels[task_name] = sorted(set(found))
+    return labels
 
 
 def baselines(preset: Preset, tasks: dict, out: pathlib.Path | None = None) -> dict:
@@ -196,7 +213,9 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     """Runs (or resumes) every cell of ``preset``, writing into ``out``.
 
     Everything that can be checked is checked before any training: the settings, the output
-    folder, the results already there, and that every task can serve its lengths.
+    folder, the results already there, and that every task can serve its lengths. One run
+    writes a folder at a time: a second one on the same ``out`` stops at once, naming the
+    pid of the first (:class:`~posenc_jax.bench.ledger.FolderLock`).
 
     Args:
       preset: the run's settings.
@@ -211,10 +230,15 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     preset.validate()
     out = pathlib.Path(out)
     check_writable(out)
+    with FolderLock(out):
+        return _run_locked(preset, out, corpus=corpus, progress=progress, log=log)
+
+
+def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, log) -> dict:
     tasks = _tasks(preset, corpus)
     settings = fingerprint(preset, data=tasks["text"].digest if "text" in tasks else None)
     ledger = Ledger(out, settings)
-    record = ledger.start_record(preset, corpus=corpus)
+    record = ledger.start_record(preset, corpus=corpus, asked=asked(preset, tasks))
     for task in tasks.values():
         description = getattr(task, "corpus_description", None)
         if description:

@@ -6,18 +6,42 @@ another fingerprint is refused, so numbers made with different settings never mi
 Re-running a command skips the rows already there (:meth:`Ledger.done`), which is how a
 run resumes. ``run.json`` records the provenance: the preset, library versions, device,
 git commit and per-cell timings.
+
+One process writes a folder at a time (:class:`FolderLock`, the file ``.lock``); rows are
+appended each with one write of one whole line, and ``run.json`` is replaced whole, so a
+full disk or a kill leaves what was written readable. :func:`read_rows` is the one reader
+of ``results.jsonl``: a line it cannot use is an error naming the file, the line and the fix.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
+import errno
 import hashlib
 import json
+import math
+import os
 import pathlib
 import platform
+import socket
 import subprocess
+import warnings
 
-__all__ = ["METHOD", "Ledger", "check_writable", "checkpoint_dir", "fingerprint", "git_state", "provenance"]
+__all__ = [
+    "METHOD",
+    "FolderLock",
+    "Ledger",
+    "check_writable",
+    "checkpoint_dir",
+    "fingerprint",
+    "git_state",
+    "provenance",
+    "read_json",
+    "read_rows",
+    "write_json",
+]
 
 # Fields that choose which rows exist (or only document), not what a row's value is.
 _NOT_HASHED = ("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_tasks", "description", "target")
@@ -52,7 +76,7 @@ def check_writable(out: pathlib.Path) -> None:
     any training, with the path and what to do."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file, not a folder; pass a folder for the results")
-    probe = out / ".write-test"
+    probe = out / f".write-test.{os.getpid()}"  # two runs starting together do not share it
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe.write_text("")
@@ -116,6 +140,254 @@ def provenance() -> dict:
     }
 
 
+_FIX = "delete that line, or run into a new --out"
+
+# What every row holds, with the JSON type the report relies on.
+_ROW_FIELDS = {"task": "string", "encoding": "string", "seed": "integer", "length": "integer", "value": "number"}
+
+
+def _json_type(value) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    return {dict: "object", list: "array", str: "string", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _row_problem(row) -> str | None:
+    """Why ``row`` is not a result row (None when it is one)."""
+    if not isinstance(row, dict):
+        return f"is a JSON {_json_type(row)}, not an object"
+    missing = [key for key in _ROW_FIELDS if key not in row]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    for key, wanted in _ROW_FIELDS.items():
+        found = _json_type(row[key])
+        if found != wanted and not (wanted == "number" and found == "integer"):
+            return f"has {key} {row[key]!r}, a {found}, where a{'n' if wanted[0] in 'aeiou' else ''} {wanted} belongs"
+    return None
+
+
+def _read_text(path: pathlib.Path, what: str) -> str:
+    try:
+        return path.read_text()
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder, not the {what}; move it away and run again") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not text, not the {what}; restore it or run into a new --out") from None
+    except OSError as error:
+        raise ValueError(
+            f"cannot read {path} ({error.strerror or error}); check the file and its permissions"
+        ) from None
+
+
+def read_rows(path, *, drop_cut_last: bool = False) -> list[tuple[int, dict]]:
+    """The rows of a ``results.jsonl`` as ``(line number, row)``: every line must be a JSON object
+    with a string ``task`` and ``encoding``, integer ``seed`` and ``length`` and a number
+    ``value``, and no cell's row (task, encoding, seed, length) may come twice. Anything else
+    is a ValueError naming the file, the line and what to do.
+
+    Args:
+      path: the ``results.jsonl``.
+      drop_cut_last: a last line that is not JSON (a run killed while writing it) is removed
+        from the file instead of refused, as a resuming run does.
+    """
+    path = pathlib.Path(path)
+    lines = _read_text(path, "results file (rows of JSON)").splitlines()
+    rows, seen = [], {}
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and drop_cut_last:
+                write_text(path, "".join(f"{kept}\n" for kept in lines[:-1]))  # killed mid-write
+                break
+            if number == len(lines):
+                raise ValueError(
+                    f"{path} line {number} is cut short (a run killed while writing it?); run the same command "
+                    "again, which drops it and resumes, or delete that line"
+                ) from None
+            raise ValueError(f"{path} line {number} is not JSON ({line[:60]!r}); {_FIX}") from None
+        problem = _row_problem(row)
+        if problem:
+            raise ValueError(f"{path} line {number} {problem}: not a row of this benchmark; {_FIX}")
+        key = (row["task"], row["encoding"], row["seed"], row["length"])
+        if key in seen:
+            first, earlier = seen[key]
+            same = earlier == row["value"] or (
+                isinstance(earlier, float) and math.isnan(earlier) and math.isnan(row["value"])
+            )
+            value = "the same value" if same else f"another value ({earlier!r} there, {row['value']!r} here)"
+            raise ValueError(
+                f"{path} line {number} repeats line {first} (task {key[0]}, encoding {key[1]}, seed {key[2]}, "
+                f"length {key[3]}) with {value}: rows of two runs are mixed; keep one of the two lines, or run "
+                "into a new --out"
+            )
+        seen[key] = (number, row["value"])
+        rows.append((number, row))
+    return rows
+
+
+def read_json(path, what: str, *, required: bool = True, fix: str = "run the same command again to rewrite it"):
+    """The JSON object in ``path`` (``what`` names it in errors), or ``{}`` when it is absent and
+    not ``required``; a missing, unreadable or non-object file is a ValueError naming it and ``fix``."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        if required:
+            raise ValueError(f"no {path.name} in {path.parent} ({what}); {fix}")
+        return {}
+    try:
+        value = json.loads(_read_text(path, what))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not JSON ({error.msg} at line {error.lineno}), not the {what}; {fix}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {_json_type(value)}, not the {what} (an object); {fix}")
+    return value
+
+
+def _write_error(path: pathlib.Path, error: OSError) -> ValueError:
+    if error.errno == errno.ENOSPC:
+        fix = "free space on its disk, then run the same command again: the rows written so far are kept"
+    else:
+        fix = "fix that, then run the same command again: the rows written so far are kept"
+    return ValueError(f"cannot write {path} ({error.strerror or error}); {fix}")
+
+
+def write_text(path, text: str) -> None:
+    """Replaces ``path`` with ``text`` whole or not at all (a temporary file, then ``os.replace``);
+    an OSError (a full disk) is a ValueError naming the file, the old file left as it was."""
+    path = pathlib.Path(path)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        with partial.open("w") as file:
+            file.write(text)
+        os.replace(partial, path)
+    except OSError as error:
+        partial.unlink(missing_ok=True)
+        raise _write_error(path, error) from error
+
+
+def write_json(path, value) -> None:
+    """Writes ``value`` as JSON into ``path`` whole or not at all (see :func:`write_text`)."""
+    write_text(path, json.dumps(value, indent=1))
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    except OSError:
+        return False
+    return True
+
+
+class FolderLock:
+    """One writer per results folder: the file ``<out>/.lock`` holds the writer's pid, host and
+    start time while it runs.
+
+    Taking a lock that a live process holds (its pid alive on this host, or any pid on
+    another host, which cannot be checked from here) is a ValueError naming the folder and the
+    holder; a stale lock (its pid gone from this host, or an unreadable file) is taken over
+    with a warning. Released on leaving the ``with`` block, exceptions and KeyboardInterrupt
+    included; a killed process leaves a stale lock, which the next run takes over.
+
+    Example:
+      >>> import tempfile
+      >>> folder = pathlib.Path(tempfile.mkdtemp())
+      >>> with FolderLock(folder):
+      ...     (folder / ".lock").exists()
+      True
+      >>> (folder / ".lock").exists()
+      False
+    """
+
+    def __init__(self, out):
+        self.folder = pathlib.Path(out)
+        self.path = self.folder / ".lock"
+        self.mine = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def _holder(self) -> dict | None:
+        """The lock's record; None when it vanished; ``{}`` when it cannot be read."""
+        try:
+            holder = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError):
+            return {}
+        ok = isinstance(holder, dict) and isinstance(holder.get("pid"), int) and isinstance(holder.get("host"), str)
+        return holder if ok else {}
+
+    def _create(self) -> bool:
+        """Writes our record to a temporary file and links it in place: the lock appears whole, or
+        not at all when one is there already."""
+        partial = self.folder / f".lock.{os.getpid()}.partial"
+        try:
+            partial.write_text(json.dumps(self.mine))
+            try:
+                os.link(partial, self.path)
+            except FileExistsError:
+                return False
+        except OSError as error:
+            raise _write_error(self.path, error) from error
+        finally:
+            partial.unlink(missing_ok=True)
+        return True
+
+    def acquire(self) -> None:
+        host = socket.gethostname()
+        self.mine = {
+            "pid": os.getpid(),
+            "host": host,
+            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "token": os.urandom(8).hex(),
+        }
+        for _ in range(5):
+            if self._create() and self._holder() == self.mine:
+                return
+            holder = self._holder()
+            if holder is None or holder == self.mine:
+                continue  # released meanwhile (or ours after all): try again
+            since = f", since {holder.get('started')}" if holder.get("started") else ""
+            if holder and holder["host"] != host:
+                raise ValueError(
+                    f"--out {self.folder} is being written by pid {holder['pid']} on host {holder['host']}{since}; "
+                    f"wait for that run to end or use another --out (if it has ended, delete {self.path})"
+                )
+            if holder and _alive(holder["pid"]):
+                raise ValueError(
+                    f"--out {self.folder} is being written by another run (pid {holder['pid']}{since}); wait for "
+                    f"it to end or use another --out (if pid {holder['pid']} is no posenc-bench run, delete "
+                    f"{self.path})"
+                )
+            what = f"pid {holder['pid']} is no longer running" if holder else "it cannot be read"
+            warnings.warn(f"taking over the stale lock {self.path} ({what})", stacklevel=3)
+            self.path.unlink(missing_ok=True)
+        raise ValueError(f"could not take the lock {self.path}: other runs keep taking it; use another --out")
+
+    def release(self) -> None:
+        """Removes the lock if it is still ours."""
+        if self.mine is not None and self._holder() == self.mine:
+            self.path.unlink(missing_ok=True)
+        self.mine = None
+
+
 class Ledger:
     """``results.jsonl`` and ``run.json`` of one output folder, for one preset fingerprint.
 
@@ -135,59 +407,77 @@ class Ledger:
         path = self.results_path
         if not path.exists():
             return set()
-        text = path.read_text()
-        lines = text.splitlines()
-        rows = []
-        for i, line in enumerate(lines):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i != len(lines) - 1:
-                    raise ValueError(f"{path} line {i + 1} is not JSON; remove it or use another --out") from None
-                path.write_text("".join(f"{kept}\n" for kept in lines[:-1]))  # killed mid-write
-                text = None
+        rows = read_rows(path, drop_cut_last=True)
+        text = _read_text(path, "results file (rows of JSON)")
         if text and not text.endswith("\n"):
-            with path.open("a") as results:
-                results.write("\n")
-        foreign = {row.get("settings") for row in rows} - {self.settings}
+            self._append(b"\n")
+        foreign = {row.get("settings") for _, row in rows} - {self.settings}
         if foreign:
+            first = next(number for number, row in rows if row.get("settings") != self.settings)
             raise ValueError(
                 f"{path} holds results made with other settings ({sorted(map(str, foreign))}, now "
-                f"{self.settings}); choose another --out, or delete that folder to start over"
+                f"{self.settings}), the first at line {first}; choose another --out, or delete that folder to "
+                "start over"
             )
-        return {(row["task"], row["encoding"], row["seed"], row["length"]) for row in rows}
+        return {(row["task"], row["encoding"], row["seed"], row["length"]) for _, row in rows}
 
     def done(self, task: str, label: str, seed: int, length: int) -> bool:
         return (task, label, seed, int(length)) in self._done
 
+    def _append(self, data: bytes) -> None:
+        """Appends ``data`` with one write; a write that fails (a full disk) is cut back off, so the
+        file ends with the last whole row, and is a ValueError naming the file."""
+        path = self.results_path
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as error:
+            raise _write_error(path, error) from error
+        try:
+            size = os.fstat(fd).st_size
+            try:
+                if os.write(fd, data) != len(data):
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            except OSError as error:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, size)  # no half row left behind
+                raise _write_error(path, error) from error
+        finally:
+            os.close(fd)
+
     def write(self, row: dict) -> None:
-        """Appends one row (with this ledger's fingerprint) and flushes it to disk."""
+        """Appends one row (with this ledger's fingerprint): one write of one whole line."""
         row = {**row, "settings": self.settings}
-        with self.results_path.open("a") as results:
-            results.write(json.dumps(row) + "\n")
+        problem = _row_problem(row)
+        if problem:
+            raise ValueError(f"a result row {problem}: {row!r}")
+        self._append((json.dumps(row) + "\n").encode())
         self._done.add((row["task"], row["encoding"], row["seed"], row["length"]))
 
-    def start_record(self, preset, **extra) -> dict:
-        """The run record: the preset, provenance and ``extra``, with the cells of earlier sittings."""
+    def start_record(self, preset, *, asked: dict | None = None, **extra) -> dict:
+        """The run record: the preset, provenance and ``extra``, with the cells of earlier sittings.
+
+        ``asked``: per task, the row labels (encodings) this sitting asks for; the record keeps
+        those of every sitting (``record["asked"]``), what the report accepts rows of.
+        """
         record = {"preset": dataclasses.asdict(preset), **extra, **provenance(), "settings": self.settings}
-        record["cells"] = []
-        if self.run_json.exists():
-            record["cells"] = json.loads(self.run_json.read_text()).get("cells", [])
+        earlier = read_json(self.run_json, "run record", required=False, fix="delete it to start the record over")
+        record["cells"] = earlier.get("cells", [])
+        if asked is not None:
+            merged = {task: set(labels) for task, labels in (earlier.get("asked") or {}).items()}
+            for task, labels in asked.items():
+                merged.setdefault(task, set()).update(labels)
+            record["asked"] = {task: sorted(labels) for task, labels in merged.items()}
         return record
 
     def save_record(self, record: dict) -> None:
         """Writes ``run.json``, listing every commit that made a row of ``results.jsonl``."""
         commits = {}
         if self.results_path.exists():
-            for line in self.results_path.read_text().splitlines():
-                if line.strip():
-                    row = json.loads(line)
-                    key = (row.get("commit"), row.get("dirty"))
-                    commits[key] = commits.get(key, 0) + 1
+            for _, row in read_rows(self.results_path):
+                key = (row.get("commit"), row.get("dirty"))
+                commits[key] = commits.get(key, 0) + 1
         record["commits"] = [
             {"commit": commit, "dirty": dirty, "rows": rows}
             for (commit, dirty), rows in sorted(commits.items(), key=str)
         ]
-        self.run_json.write_text(json.dumps(record, indent=1))
+        write_json(self.run_json, record)  # whole or not at all

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
 import math
 import pathlib
 
 import numpy as np
 
+from posenc_jax.bench.ledger import read_json, read_rows
 from posenc_jax.bench.stats import Interval, Ordering, resolved_orderings, t_interval
 
 __all__ = ["CellSummary", "Results", "cells", "load_results", "orderings", "read", "summarize"]
@@ -53,16 +53,69 @@ class Results:
 
 
 def read(path) -> Results:
-    """Reads a results folder (or its ``results.jsonl``)."""
+    """Reads a results folder (or its ``results.jsonl``), checking that its rows are one run's.
+
+    Every line of ``results.jsonl`` must be a row (:func:`~posenc_jax.bench.ledger.read_rows`:
+    JSON objects with the fields a row has, no cell's row twice), ``run.json`` a JSON object
+    with the run's ``preset``, and every row must carry the fingerprint ``run.json`` records
+    (``settings``) and be of a task and encoding the run asked for (``run.json``'s ``asked``, by
+    every sitting; a record from before ``asked`` was kept: its preset's tasks, encodings and
+    normalisers). A folder put together by hand, whose ``run.json`` records no fingerprint, may
+    hold rows without one (and any task or encoding). Anything else is a ValueError naming the
+    file, the line and what to do: the report never mixes runs.
+    """
     path = pathlib.Path(path)
     folder = path.parent if path.suffix == ".jsonl" else path
     results = folder / "results.jsonl"
     if not results.exists():
         raise ValueError(f"no results.jsonl in {folder}; run `posenc-bench extrapolate --out {folder}` first")
-    rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
-    record = json.loads((folder / "run.json").read_text()) if (folder / "run.json").exists() else {}
-    baselines = json.loads((folder / "baselines.json").read_text()) if (folder / "baselines.json").exists() else {}
-    return Results(rows, record.get("preset", {}), baselines, record)
+    numbered = read_rows(results)
+    fix = f"run the command that made {folder} again to rewrite it, or restore it"
+    record = read_json(folder / "run.json", "run record (preset and provenance)", fix=fix)
+    if not isinstance(record.get("preset"), dict):
+        raise ValueError(f"{folder / 'run.json'} has no preset (a JSON object), so it is no run record; {fix}")
+    baselines = read_json(
+        folder / "baselines.json", "baselines", required=False, fix="delete it; the next run writes it again"
+    )
+    _check_one_run(numbered, record, results)
+    return Results([row for _, row in numbered], record["preset"], baselines, record)
+
+
+def _asked(record: dict):
+    """``asks(task, label)``: whether the run of ``record`` asked for rows of ``label`` on ``task``."""
+    asked = record.get("asked")
+    if isinstance(asked, dict):
+        return lambda task, label: label in asked.get(task, ())
+    preset = record["preset"]
+    tasks, encodings = set(preset.get("tasks") or ()), set(preset.get("encodings") or ())
+    normalizers = set(preset.get("normalizers") or ("softmax",))
+
+    def asks(task, label):
+        encoding, _, normalizer = label.partition("|")
+        trained, variant, _ = encoding.partition("@")
+        base = trained if trained in encodings or not variant else trained.split("+")[0]
+        return task in tasks and base in encodings and (normalizer or "softmax") in normalizers
+
+    return asks
+
+
+def _check_one_run(numbered: list, record: dict, path: pathlib.Path) -> None:
+    """Every row's fingerprint is the run's, and its task and encoding ones the run asked for."""
+    settings = record.get("settings")
+    asks = _asked(record) if settings is not None else (lambda task, label: True)
+    run_json = path.parent / "run.json"
+    for number, row in numbered:
+        if row.get("settings") != settings:
+            raise ValueError(
+                f"{path} line {number} was made with settings {row.get('settings')!r}, but {run_json} records "
+                f"{settings!r}: rows of another run are mixed in; move such lines out, or run into a new --out"
+            )
+        if not asks(row["task"], row["encoding"]):
+            raise ValueError(
+                f"{path} line {number} is a row of {row['encoding']} on {row['task']}, which the run of "
+                f"{run_json} did not ask for: rows of another run are mixed in; delete such lines, or run into "
+                "a new --out"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
