@@ -218,7 +218,7 @@ def test_seeds_left_at_different_steps_resume_together(tmp_path, standard_promot
         steps=3,
         checkpoint_every=1,
     )
-    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lambda line: None)
     first = _values(tmp_path / "results.jsonl")
     (seed1,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1")
     subprocess.run(["rm", "-rf", str(seed1 / lost)], check=True)
@@ -241,7 +241,10 @@ def test_seeds_left_at_different_steps_resume_together(tmp_path, standard_promot
         (["--eval-lengths", "2,4", "--train-length", "4"], "must reach beyond the training length 4"),
         (["--text-lengths", "16,40"], "--text-lengths 16,40: each must be a multiple of the text context 16"),
         (["--tasks", "text", "--eval-lengths", "8,64"], "has only the text task; .* --text-lengths"),
-        (["--preset", "huge"], "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, colab-tpu, paper"),
+        (
+            ["--preset", "huge"],
+            "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, colab-tpu, paper",
+        ),
     ],
 )
 def test_bad_input_says_why(tmp_path, args, message):
@@ -327,7 +330,7 @@ def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path, standa
         presets.PRESETS["smoke"], encodings=("nope",), tasks=("counting_copy",), steps=2, checkpoint_every=1
     )
     first, again = [], []
-    extrapolate.run(preset, tmp_path, progress=False, log=first.append)
+    extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=first.append)
     (tmp_path / "results.jsonl").unlink()  # as if killed after training, before any result was written
     extrapolate.run(preset, tmp_path, progress=False, log=again.append)
     assert re.search(r"seeds 0: 2 of 2 steps, loss \d+\.\d{3}", first[0]), first
@@ -339,7 +342,7 @@ def test_a_resumed_cell_with_no_steps_left_logs_no_made_up_loss(tmp_path, standa
 
 def test_each_checkpoint_records_the_cell_it_belongs_to(tmp_path, standard_promotion):
     preset = dataclasses.replace(presets.PRESETS["smoke"], encodings=("alibi",), tasks=("counting_copy",), steps=1)
-    extrapolate.run(preset, tmp_path, progress=False, log=lambda line: None)
+    extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lambda line: None)
     (meta,) = (tmp_path / "checkpoints").glob("*/counting_copy/alibi/seed0/1/meta/metadata")
     meta = json.loads(meta.read_text())
     assert meta["config"] == {
@@ -628,3 +631,35 @@ def test_eval_only_variants_are_structured_and_sized_per_length():
     assert presets.PRESETS["cpu"].eval_variants("counting_copy", "rope", "softmax") == ()
     yarn = variants[2].config(train_tokens=21, eval_tokens=84, head_dim=16)
     assert (yarn.scaling.factor, yarn.scaling.original_context) == (4.0, 21)
+
+
+def test_a_finished_cell_leaves_no_checkpoints_unless_asked(tmp_path, standard_promotion, capsys):
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"], encodings=("nope", "alibi"), tasks=("counting_copy",), steps=2, checkpoint_every=1
+    )
+    extrapolate.run(preset, tmp_path / "a", progress=False, log=lambda line: None)
+    assert not [p for p in (tmp_path / "a" / "checkpoints").rglob("*") if p.is_file()]
+    assert len(_values(tmp_path / "a" / "results.jsonl")) == 2 * len(preset.eval_lengths)
+    extrapolate.run(preset, tmp_path / "b", progress=False, keep_checkpoints=True, log=lambda line: None)
+    kept = {p.parts[-2] for p in (tmp_path / "b" / "checkpoints").glob("*/counting_copy/*/seed0")}
+    assert kept == {"nope", "alibi"}
+    # The CLI says "and plots" only when it drew them; bars only on a terminal (here: none).
+    main(
+        [
+            "extrapolate",
+            "--preset",
+            "smoke",
+            "--encodings",
+            "nope",
+            "--tasks",
+            "counting_copy",
+            "--steps",
+            "2",
+            "--no-plots",
+            "--out",
+            str(tmp_path / "c"),
+        ]
+    )
+    printed = capsys.readouterr()
+    assert "report.md in" in printed.out and "plots" not in printed.out.splitlines()[-1]
+    assert "it/s" not in printed.err

@@ -151,7 +151,7 @@ def test_training_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_pat
         checkpoint_every=100,
     )
     lines = []
-    extrapolate.run(preset, tmp_path, progress=False, log=lines.append)
+    extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lines.append)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {r["steps"] for r in rows} == {20} and {r["criterion_step"] for r in rows} == {20}
     assert "20 of 400 steps" in lines[-1]

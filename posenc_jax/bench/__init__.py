@@ -29,6 +29,7 @@ def run(
     progress: bool = False,
     report: bool = True,
     plots: bool = True,
+    keep_checkpoints: bool = False,
     log=print,
     **settings,
 ) -> pathlib.Path:
@@ -42,6 +43,9 @@ def run(
       corpus: the text task's corpus: a file or folder of text, or a hub corpus name.
       progress: tqdm progress bars (needs the ``bench`` extra).
       report, plots: write ``report.md`` and the plots (PNG and SVG; plots need matplotlib).
+      keep_checkpoints: keep each finished cell's orbax checkpoints (its trained models); by
+        default they are deleted once the cell's rows are written (an unfinished cell's stay,
+        to resume from).
       log: where each finished cell's line goes (None: nowhere).
       **settings: preset fields to change, e.g. ``encodings=("rope", "alibi")``, ``seeds=(0, 1)``.
 
@@ -63,7 +67,9 @@ def run(
         raise ValueError(f"unknown preset settings {unknown}; see posenc_jax.bench.presets.Preset for the fields")
     preset = dataclasses.replace(preset, **settings)
     out = pathlib.Path(out or f"results/extrapolation/{preset.name}")
-    extrapolate.run(preset, out, corpus=corpus, progress=progress, log=log or (lambda line: None))
+    extrapolate.run(
+        preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log or (lambda line: None)
+    )
     if report:
         reporting.write_report(out, plots=plots)
     if plots:

@@ -122,6 +122,12 @@ def _preset_from(args):
     return preset
 
 
+def _bars_wanted(no_progress: bool) -> bool:
+    """Progress bars only on a terminal: written to a log file, each redraw is a line of its own
+    (thousands per run); the one line per finished cell is printed either way."""
+    return not no_progress and sys.stderr.isatty()
+
+
 def _extrapolate(args) -> int:
     _require_bench_extra(progress=not args.no_progress, plots=not args.no_plots, command="extrapolate")
     from posenc_jax import bench
@@ -139,11 +145,19 @@ def _extrapolate(args) -> int:
         flush=True,
     )
     try:
-        bench.run(preset, out, corpus=args.corpus, progress=not args.no_progress, plots=not args.no_plots)
+        bench.run(
+            preset,
+            out,
+            corpus=args.corpus,
+            progress=_bars_wanted(args.no_progress),
+            plots=not args.no_plots,
+            keep_checkpoints=args.keep_checkpoints,
+        )
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
     print((out / "report.md").read_text())
-    print(f"wrote {out}/results.jsonl, run.json, report.md and plots in {time.perf_counter() - began:.0f}s")
+    wrote = "results.jsonl, run.json, report.md" + ("" if args.no_plots else " and plots")
+    print(f"wrote {out}/{wrote} in {time.perf_counter() - began:.0f}s")
     return 0
 
 
@@ -245,8 +259,16 @@ def main(argv=None) -> int:
         type=float,
         help="score at the longest training length a seed must reach to count as learned (default 0.95)",
     )
-    ex.add_argument("--no-progress", action="store_true", help="no progress bars (needs no tqdm)")
+    ex.add_argument(
+        "--no-progress", action="store_true", help="no progress bars (needs no tqdm; bars show only on a terminal)"
+    )
     ex.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
+    ex.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep each finished cell's trained models (orbax checkpoints); by default they are deleted once its "
+        "rows are written, and only an unfinished cell's stay, to resume from",
+    )
     ex.set_defaults(handler=_extrapolate)
     pr = sub.add_parser(
         "probe", help="the blind-spot probe (Su 2022; Luo et al.): n identical tokens, per encoding x normaliser"

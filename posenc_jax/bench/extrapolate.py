@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 import time
 
 import jax
 
 from posenc_jax.bench.baselines import algorithmic_baselines, text_baselines
 from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, row_label, train_and_evaluate
-from posenc_jax.bench.ledger import FolderLock, Ledger, check_writable, fingerprint, git_state
+from posenc_jax.bench.ledger import FolderLock, Ledger, check_writable, checkpoint_dir, fingerprint, git_state
 from posenc_jax.bench.presets import PRESETS, Preset, runs_on
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import data_parallel_mesh
@@ -209,7 +210,15 @@ def _summary(records: list[dict], steps: int) -> str:
     return "; ".join(parts)
 
 
-def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progress: bool = True, log=print) -> dict:
+def run(
+    preset: Preset,
+    out: pathlib.Path,
+    *,
+    corpus: str | None = None,
+    progress: bool = True,
+    keep_checkpoints: bool = False,
+    log=print,
+) -> dict:
     """Runs (or resumes) every cell of ``preset``, writing into ``out``.
 
     Everything that can be checked is checked before any training: the settings, the output
@@ -222,6 +231,8 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
       out: the output folder (``results.jsonl``, ``run.json``, checkpoints).
       corpus: the text task's corpus (a path, or a hub corpus name); None for the default.
       progress: tqdm bars over the cells and the current cell's steps.
+      keep_checkpoints: keep a finished cell's checkpoints (by default they are deleted once
+        its rows are written: the ledger then says the cell is done, and nothing reads them).
       log: called with one line per finished cell.
 
     Returns:
@@ -231,10 +242,10 @@ def run(preset: Preset, out: pathlib.Path, *, corpus: str | None = None, progres
     out = pathlib.Path(out)
     check_writable(out)
     with FolderLock(out):
-        return _run_locked(preset, out, corpus=corpus, progress=progress, log=log)
+        return _run_locked(preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log)
 
 
-def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, log) -> dict:
+def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log) -> dict:
     tasks = _tasks(preset, corpus)
     settings = fingerprint(preset, data=tasks["text"].digest if "text" in tasks else None)
     ledger = Ledger(out, settings)
@@ -272,6 +283,8 @@ def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, log) -> 
         )
         record["cells"].extend(records)
         ledger.save_record(record)
+        if not keep_checkpoints:  # every row of the cell is written: nothing resumes from these
+            shutil.rmtree(checkpoint_dir(out, settings, cell.task_name, cell.label, 0).parent, ignore_errors=True)
         # Each cell compiles programs no later cell reuses. Dropping them keeps a long run's
         # memory flat: a cpu-full run compiling ~190 cells in one process once ran out of
         # LLVM's mapped code memory ("Unable to allocate section memory").

@@ -488,7 +488,7 @@ PRESETS = {
         blockwise_from=2048,
         checkpoint_every=1000,
         check_every=200,
-        description="text on one GPU: 9 encodings and RoPE's scalings, 4 x 256 trained at 128 characters, tested to 32x",
+        description="text on one GPU: 9 encodings and RoPE's scalings, 4 x 256 trained at 128 characters, to 32x",
         target="accelerator",
     ),
     # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, at a size that
