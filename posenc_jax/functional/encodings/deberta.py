@@ -33,6 +33,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import (
     by_query_blocks,
     gather_by_distance,
@@ -375,6 +376,7 @@ class DeBERTaConfig(EncodingConfig):
     def __post_init__(self):
         _check_span(self.span, self.position_buckets)
         _check_terms(self.terms)
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         k1, k2 = jax.random.split(key)

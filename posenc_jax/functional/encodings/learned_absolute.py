@@ -16,6 +16,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import EncodingConfig, Placement, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import add_position_encoding, check_embed_positions, check_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import check_max_distance
 
 __all__ = ["LearnedAbsolute", "LearnedAbsoluteConfig", "learned_position_embedding"]
@@ -113,6 +114,7 @@ class LearnedAbsoluteConfig(EncodingConfig):
 
     def __post_init__(self):
         check_max_distance(self.max_positions, "max_positions")
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         return {"table": jax.random.normal(key, (self.max_positions, model_dim), jnp.float32) * self.init_std}
