@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from posenc_jax.bench.cli import main as bench
 from posenc_jax.functional import (
     ALiBi,
     AxialRoPE,
@@ -31,9 +32,10 @@ from posenc_jax.functional import (
     alibi_bias,
     dot_product_attention,
     fire_init,
+    randomized_positions,
 )
-from posenc_jax.bench.cli import main as bench
 from posenc_jax.functional.core.cache import KVCache
+from posenc_jax.generation import generate, next_token
 from posenc_jax.nn import MultiHeadAttention, Transformer, with_encoding
 
 X = jnp.ones((1, 4, 2, 8))
@@ -83,7 +85,9 @@ def cache_append(key=None, positions=None):
 
 
 def extrapolate(*flags):
-    return lambda: bench(["extrapolate", "--preset", "smoke", "--no-progress", "--no-plots", "--out", "/nonexistent/x", *flags])
+    return lambda: bench(
+        ["extrapolate", "--preset", "smoke", "--no-progress", "--no-plots", "--out", "/nonexistent/x", *flags]
+    )
 
 
 # fmt: off
@@ -157,6 +161,10 @@ CASES = [
     ("init: model_dim 0", init(LearnedAbsoluteConfig(), model_dim=0), ValueError, r"model_dim must be an integer >= 1, got 0"),
     ("init: key 0", lambda: T5Config().init(0, num_heads=2, head_dim=8, model_dim=16), TypeError, r"key must be a jax.random key, got 0"),
     ("fire_init: key 0", lambda: fire_init(0, 2), TypeError, r"key must be a jax.random key, got 0"),
+    ("randomized positions: key 0", lambda: randomized_positions(0, 4, 16), TypeError, r"key must be a jax.random key, got 0"),
+    ("attention: dropout_rng 0", attend(dropout_rate=0.1, dropout_rng=0), TypeError, r"dropout_rng must be a jax.random key, got 0"),
+    ("generate: rng 0", lambda: generate(model()(), jnp.zeros((1, 2), jnp.int32), max_new_tokens=1, temperature=1.0, rng=0), TypeError, r"rng must be a jax.random key, got 0"),
+    ("next_token: key 0", lambda: next_token(jnp.zeros((1, 4)), temperature=1.0, key=0), TypeError, r"key must be a jax.random key, got 0"),
     ("model: rngs 0", model(rngs=0), TypeError, r"rngs must be flax.nnx.Rngs, got 0; .*nnx.Rngs\(0\)"),
     ("layer: rngs 0", lambda: MultiHeadAttention(16, 2, rngs=0), TypeError, r"rngs must be flax.nnx.Rngs, got 0"),
     ("model: dropout_rate 1.5", model(dropout_rate=1.5), ValueError, r"dropout_rate must be a finite number >= 0 and < 1, got 1.5"),

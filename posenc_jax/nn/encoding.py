@@ -38,7 +38,9 @@ def check_size(name: str, value, minimum: int = 1) -> None:
 def check_rngs(rngs) -> None:
     """Refuses ``rngs`` that are not ``nnx.Rngs`` (an int or a bare key is the common slip)."""
     if not isinstance(rngs, nnx.Rngs):
-        raise TypeError(f"rngs must be flax.nnx.Rngs, got {rngs!r}; make them from a seed or a key, e.g. rngs=nnx.Rngs(0)")
+        raise TypeError(
+            f"rngs must be flax.nnx.Rngs, got {rngs!r}; make them from a seed or a key, e.g. rngs=nnx.Rngs(0)"
+        )
 
 
 def check_dropout_rate(rate) -> float:

@@ -45,8 +45,8 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
-from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.functional.core.validation import check_values
+from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size, resolve_config
 
 __all__ = ["Block", "Transformer", "decode_step"]

@@ -129,7 +129,9 @@ def check_values(check: Callable[[np.ndarray], None], array) -> None:
 
 def check_init_std(init_std) -> float:
     """An initial table's standard deviation: a finite number >= 0."""
-    return check_number("init_std", init_std, at_least=0, fix="the standard deviation of the initial table, 0.02 by default")
+    return check_number(
+        "init_std", init_std, at_least=0, fix="the standard deviation of the initial table, 0.02 by default"
+    )
 
 
 def check_init_sizes(key, num_heads, head_dim, model_dim) -> None:

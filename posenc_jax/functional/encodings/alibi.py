@@ -31,7 +31,6 @@ import numpy as np
 from posenc_jax.functional.core.hooks import AttentionContext, BiasHook, ParameterFree, Placement, pytree_dataclass
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import relative_positions
-from posenc_jax.functional.core.validation import check_values
 
 __all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
 

@@ -33,7 +33,6 @@ import numpy as np
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import (
     by_query_blocks,
     gather_by_distance,
@@ -41,6 +40,7 @@ from posenc_jax.functional.core.relative import (
     gather_relative_transposed,
     relative_positions,
 )
+from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = [
     "DeBERTa",

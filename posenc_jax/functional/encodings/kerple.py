@@ -31,8 +31,8 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
 )
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.validation import check_number
 from posenc_jax.functional.core.relative import relative_positions
+from posenc_jax.functional.core.validation import check_number
 
 __all__ = ["Kerple", "KerpleConfig", "kerple_bias"]
 

@@ -16,8 +16,8 @@ import numpy as np
 from posenc_jax.functional.core.hooks import EncodingConfig, Placement, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import add_position_encoding, check_embed_positions, check_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import check_max_distance
+from posenc_jax.functional.core.validation import check_init_std, check_values
 
 __all__ = ["LearnedAbsolute", "LearnedAbsoluteConfig", "learned_position_embedding"]
 
@@ -67,10 +67,7 @@ def learned_position_embedding(table: jax.Array, positions) -> jax.Array:
                 f"train with a larger table or use an encoding without a length ceiling"
             )
 
-    try:
-        check(positions)
-    except jax.errors.TracerArrayConversionError:
-        jax.debug.callback(check, positions)
+    check_values(check, positions)
     return jnp.take(table, positions, axis=0)
 
 

@@ -22,8 +22,8 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
 )
 from posenc_jax.functional.core.registry import register_encoding
-from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import check_max_distance, expand_relative_bias
+from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.encodings.shaw import SHAW
 
 __all__ = ["ClippedBiasConfig", "ClippedRelativeBias", "clipped_relative_bias"]

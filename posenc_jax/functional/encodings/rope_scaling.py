@@ -301,7 +301,9 @@ class LongRoPEScaling(RopeScaling):
             if not isinstance(factors, (tuple, list, np.ndarray)):
                 raise TypeError(f"LongRoPE {name} must be a tuple of numbers, got {factors!r}; {fix}")
             for i, factor in enumerate(factors):
-                if isinstance(factor, (bool, np.bool_)) or not isinstance(factor, (int, float, np.integer, np.floating)):
+                if isinstance(factor, (bool, np.bool_)) or not isinstance(
+                    factor, (int, float, np.integer, np.floating)
+                ):
                     raise TypeError(f"LongRoPE {name}[{i}] must be a number, got {factor!r}; {fix}")
             factors = np.asarray(factors, np.float64)
             if factors.ndim != 1 or not np.all(np.isfinite(factors) & (factors > 0)):

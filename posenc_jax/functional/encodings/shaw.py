@@ -20,8 +20,8 @@ import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import check_max_distance, gather_by_distance, sum_by_distance
+from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = ["Shaw", "ShawConfig", "shaw_key_logits", "shaw_value_term"]
 

@@ -39,8 +39,8 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
 )
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.core.relative import expand_relative_bias
+from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = ["T5Bias", "T5Config", "t5_bias", "t5_relative_bucket"]
 
