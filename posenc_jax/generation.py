@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from posenc_jax.functional.core.validation import check_key
+
 __all__ = ["generate", "next_token"]
 
 
@@ -33,6 +35,7 @@ def next_token(logits: jax.Array, *, temperature: float = 0.0, key: jax.Array | 
     """
     if temperature == 0.0:
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    check_key("key", key)
     return jax.random.categorical(key, logits.astype(jnp.float32) / temperature, axis=-1).astype(jnp.int32)
 
 
@@ -47,6 +50,8 @@ def _check(prompt, max_new_tokens, temperature, rng):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if temperature > 0 and rng is None:
         raise ValueError(f"sampling at temperature {temperature} needs rng= (a jax.random key); use 0 for greedy")
+    if temperature > 0:
+        check_key("rng", rng)
 
 
 def generate(model, prompt, *, max_new_tokens: int, temperature: float = 0.0, rng: jax.Array | None = None):

@@ -3,12 +3,14 @@
 import re
 import traceback
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from bad_inputs import CASES
-from posenc_jax.nn import MultiHeadAttention
+from posenc_jax.nn import MultiHeadAttention, Transformer
 
 
 @pytest.mark.parametrize("what, call, error, pattern", CASES, ids=[case[0] for case in CASES])
@@ -26,3 +28,26 @@ def test_a_single_encoding_name_is_one_encoding():
     assert [type(module.config).__name__ for module in layer.encodings] == ["RoPE"]
     x = np.ones((1, 4, 16), np.float32)
     assert layer(x, np.arange(4), causal=True).shape == (1, 4, 16)
+
+
+def _small_model():
+    return Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=16, rngs=nnx.Rngs(0))
+
+
+def test_token_ids_out_of_the_vocabulary_are_an_error_under_jit_too():
+    # Traced ids cannot be checked before tracing: the same check runs when the computation does, so an id
+    # equal to vocab_size is an error, not NaN logits.
+    model = _small_model()
+    forward = nnx.jit(lambda m, t: m(t, jnp.arange(4)))
+    assert np.isfinite(np.asarray(forward(model, jnp.asarray([[0, 1, 2, 7]])))).all()
+    for bad, word in ((8, "8"), (-1, "-1")):
+        with pytest.raises(Exception, match=rf"token id {word} is outside the vocabulary \[0, 8\)"):
+            jax.block_until_ready(forward(model, jnp.asarray([[0, 1, 2, bad]])))
+
+
+def test_decoding_past_the_cache_is_an_error_under_jit_too():
+    model = _small_model()
+    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    _, caches = step(model, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], model.init_cache(1, 4))
+    with pytest.raises(Exception, match=r"the KV cache holds 4 tokens; 4 are filled and 1 more do not fit"):
+        jax.block_until_ready(step(model, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 4), caches))

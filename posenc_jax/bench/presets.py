@@ -304,6 +304,9 @@ class Preset:
             )
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
+        for flag, name in (("--model-dim", "model_dim"), ("--layers", "num_layers"), ("--heads", "num_heads")):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} ({flag}): a model needs one or more")
         if self.batch_size < 1 or self.eval_examples < 1 or self.check_examples < 1 or self.check_every < 1:
             raise ValueError(
                 f"batch_size, eval_examples, check_examples and check_every must be >= 1, got {self.batch_size}, "

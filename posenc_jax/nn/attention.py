@@ -36,7 +36,9 @@ from posenc_jax.functional.core.hooks import (
     one_or_more,
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
-from posenc_jax.nn.encoding import PositionEncoding, check_size
+from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.validation import check_count
+from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size
 
 __all__ = ["KVCache", "MultiHeadAttention"]
 
@@ -113,8 +115,10 @@ class MultiHeadAttention(nnx.Module):
     ):
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+        check_rngs(rngs)
         check_size("model_dim", model_dim)
         check_size("num_heads", num_heads)
+        check_dropout_rate(dropout_rate)
         for name, size in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
             if size is not None:
                 check_size(name, size)
@@ -192,6 +196,11 @@ class MultiHeadAttention(nnx.Module):
         Returns:
           ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
         """
+        width = self.query.in_features
+        if getattr(x, "ndim", None) != 3 or x.shape[-1] != width:
+            raise ValueError(
+                f"x must have shape [B, T, D] with D = model_dim = {width}, got shape {getattr(x, 'shape', type(x))}"
+            )
         batch, length, _ = x.shape
         q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -205,7 +214,7 @@ class MultiHeadAttention(nnx.Module):
                 raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
-            positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (batch, length))
+            positions = jnp.broadcast_to(check_positions(positions), (batch, length))
             # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
             reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
             q, k, encodings, terms = self._rotate_new_tokens(q, k, positions, encodings, reference)
@@ -291,6 +300,8 @@ class MultiHeadAttention(nnx.Module):
         """An empty :class:`KVCache` of ``max_length`` slots for this layer, with room for its encodings'
         per-key terms (DeBERTa's key projections, Transformer-XL's ``u·k``) and tables (Transformer-XL's
         projected relative sinusoids, computed by the first call that writes the cache)."""
+        check_count("batch", batch)
+        check_count("max_length", max_length, fix="the number of tokens the cache holds: prompt and new tokens")
         terms = _cached_terms(self._hooks(None))
         key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
         positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)

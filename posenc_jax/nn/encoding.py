@@ -14,8 +14,9 @@ from flax import nnx
 
 from posenc_jax.functional.core.hooks import EncodingConfig
 from posenc_jax.functional.core.registry import encoding_config
+from posenc_jax.functional.core.validation import check_count, check_number
 
-__all__ = ["PositionEncoding", "resolve_config"]
+__all__ = ["PositionEncoding", "check_dropout_rate", "check_rngs", "check_size", "resolve_config"]
 
 
 def resolve_config(encoding):
@@ -30,8 +31,21 @@ def resolve_config(encoding):
 
 
 def check_size(name: str, value, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+    """A module's size: an integer >= ``minimum`` (TypeError for a float or a bool, ValueError below it)."""
+    check_count(name, value, minimum)
+
+
+def check_rngs(rngs) -> None:
+    """Refuses ``rngs`` that are not ``nnx.Rngs`` (an int or a bare key is the common slip)."""
+    if not isinstance(rngs, nnx.Rngs):
+        raise TypeError(
+            f"rngs must be flax.nnx.Rngs, got {rngs!r}; make them from a seed or a key, e.g. rngs=nnx.Rngs(0)"
+        )
+
+
+def check_dropout_rate(rate) -> float:
+    """A dropout rate: a number in [0, 1)."""
+    return check_number("dropout_rate", rate, at_least=0, below=1, fix="the fraction of weights dropped, 0.0 for none")
 
 
 class PositionEncoding(nnx.Module):
@@ -51,6 +65,7 @@ class PositionEncoding(nnx.Module):
     """
 
     def __init__(self, encoding, *, num_heads: int, head_dim: int, model_dim: int, rngs: nnx.Rngs):
+        check_rngs(rngs)
         self.config = resolve_config(encoding)
         # The sizes the parameters are made for, so another encoding can be checked against them.
         self.sizes = (("num_heads", num_heads), ("head_dim", head_dim), ("model_dim", model_dim))

@@ -45,8 +45,9 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.validation import check_values
 from posenc_jax.nn.attention import MultiHeadAttention
-from posenc_jax.nn.encoding import PositionEncoding, check_size, resolve_config
+from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size, resolve_config
 
 __all__ = ["Block", "Transformer", "decode_step"]
 
@@ -190,6 +191,8 @@ class Transformer(nnx.Module):
             ("mlp_dim", mlp_dim),
         ):
             check_size(name, size)
+        check_rngs(rngs)
+        check_dropout_rate(dropout_rate)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False, got {causal!r}")
         configs = [resolve_config(e) for e in one_or_more(encoding)]
@@ -260,6 +263,32 @@ class Transformer(nnx.Module):
         """
         return {name: list(value) if isinstance(value, tuple) else value for name, value in self._settings}
 
+    def _check_tokens(self, tokens, positions) -> None:
+        """Tokens: integer ``[B, T]`` (static facts, refused before tracing) with ids in ``[0, vocab_size)``
+        (a fact of the data: checked at once when the tokens are concrete, else when the jitted
+        computation runs; see :func:`~posenc_jax.functional.core.validation.check_values`)."""
+        shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
+        if shape is None or len(shape) != 2:
+            raise ValueError(
+                f"tokens must be integer ids [B, T], got shape {shape}; add a batch axis for one sequence "
+                f"(tokens[None])"
+            )
+        if not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(f"tokens must be integer ids [B, T], got dtype {dtype}")
+        if positions.shape[-1] != shape[1] or (positions.ndim == 2 and positions.shape[0] not in (1, shape[0])):
+            raise ValueError(f"positions must be [T] or [B, T] for tokens {shape}, got shape {positions.shape}")
+        vocab = self.embed.num_embeddings
+
+        def check(ids):
+            if ids.size and (ids.min() < 0 or ids.max() >= vocab):
+                bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+                raise ValueError(
+                    f"token id {bad} is outside the vocabulary [0, {vocab}) of this model (vocab_size={vocab}); "
+                    f"map tokens to ids below vocab_size, or build the model with a larger vocab_size"
+                )
+
+        check_values(check, tokens)
+
     def _run(
         self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions, implementation=None
     ):
@@ -328,10 +357,15 @@ class Transformer(nnx.Module):
     ):
         """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
+        Token ids must lie in ``[0, vocab_size)``: an id outside is a ``ValueError`` naming it,
+        raised at once for concrete tokens and, under ``jit``, when the computation runs
+        (never NaN logits; see the README's Reliability section).
+
         ``implementation`` overrides the model's attention implementation for this call
         (e.g. ``"blockwise"`` to evaluate at 64k tokens a model trained on 256).
         """
         positions = check_positions(positions)
+        self._check_tokens(tokens, positions)
         logits, _ = self._run(
             tokens,
             positions,
@@ -351,6 +385,31 @@ class Transformer(nnx.Module):
                 "this Transformer is a bidirectional encoder; only a causal decoder can decode step by step"
             )
         return [block.attention.init_cache(batch, max_length, dtype) for block in self.blocks]
+
+    def _check_caches(self, caches, batch: int, length: int) -> None:
+        """One cache per layer, each of this model's batch size, made by :meth:`init_cache` (static facts)."""
+        if not isinstance(caches, (list, tuple)) or not all(isinstance(c, KVCache) for c in caches):
+            raise TypeError(f"caches must be the list of KVCache that init_cache returns, got {type(caches).__name__}")
+        if len(caches) != len(self.blocks):
+            raise ValueError(
+                f"caches has {len(caches)} entries but the model has {len(self.blocks)} layers; pass one cache per "
+                f"layer, as model.init_cache(batch, max_length) makes them"
+            )
+        for i, (cache, block) in enumerate(zip(caches, self.blocks, strict=True)):
+            layer = block.attention
+            want = (batch, layer.num_kv_heads, layer.head_dim)
+            got = (cache.key.shape[0], cache.key.shape[2], cache.key.shape[3])
+            if got != want:
+                raise ValueError(
+                    f"caches[{i}] holds batch {got[0]} with {got[1]} key/value heads of {got[2]}, but this call has "
+                    f"batch {batch} and layer {i} has {want[1]} heads of {want[2]}; make the caches with this "
+                    f"model's init_cache({batch}, max_length)"
+                )
+            if length > cache.key.shape[1]:
+                raise ValueError(
+                    f"{length} tokens are given at once but the caches hold {cache.key.shape[1]}; make them larger "
+                    f"with init_cache({batch}, max_length) with max_length >= {length} (prompt and new tokens)"
+                )
 
     def decode(self, tokens, positions, caches: list[KVCache], *, key_mask=None):
         """Runs ``tokens`` ``[B, t]`` at ``positions`` ``[B, t]`` against the caches and appends to them.
@@ -377,7 +436,10 @@ class Transformer(nnx.Module):
                 "goes stale: run the full sequence instead of a KV cache (a single attention layer, or a "
                 "one-layer model, does decode exactly), or use a fixed scaling such as rope-yarn"
             )
-        positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), tokens.shape)
+        positions = check_positions(positions)
+        self._check_tokens(tokens, positions)
+        self._check_caches(caches, *tokens.shape)
+        positions = jnp.broadcast_to(positions, tokens.shape)
         # Keys' positions after this call's append (as every layer stores them), for the shared biases;
         # empty and padding slots are masked by the caches' validity, whatever their positions.
         key_positions = jax.lax.dynamic_update_slice_in_dim(caches[0].positions, positions, caches[0].length, axis=1)

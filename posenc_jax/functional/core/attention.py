@@ -93,6 +93,7 @@ from posenc_jax.functional.core.products import (
     value_product,
 )
 from posenc_jax.functional.core.registry import encoding_config
+from posenc_jax.functional.core.validation import check_key
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
@@ -506,6 +507,7 @@ def _dropout(weights: jax.Array, rate: float, rng) -> jax.Array:
         return weights
     if rng is None:
         raise ValueError(f"dropout_rate={rate} needs a dropout_rng PRNG key")
+    check_key("dropout_rng", rng)
     keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
     return jnp.where(keep, weights / (1.0 - rate), 0.0)
 

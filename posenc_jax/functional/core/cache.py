@@ -33,7 +33,9 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.validation import check_count, check_values
 
 __all__ = ["CachedKeyTerm", "CachedTable", "KVCache"]
 
@@ -116,6 +118,10 @@ class KVCache(NamedTuple):
         ``tables``: empty, or one pytree of ``jax.ShapeDtypeStruct`` (or None) per entry of
         ``features``, the shapes of the :class:`CachedTable` parts (zeros until the first write).
         """
+        check_count("batch", batch)
+        check_count("max_length", max_length, fix="the number of tokens the cache holds: prompt and new tokens")
+        check_count("num_kv_heads", num_kv_heads)
+        check_count("head_dim", head_dim)
         if tables and len(tables) != len(features):
             raise ValueError(
                 f"tables needs one entry per entry of features ({len(features)}), got {len(tables)}; pass None "
@@ -151,10 +157,33 @@ class KVCache(NamedTuple):
         (``tables_ready`` False) and kept otherwise; a write without ``tables`` leaves them
         as they are, computed or not.
 
-        Overflowing the cache is an error (raised at once for a concrete length, or when
-        the computation runs under jit), never a silent overwrite.
+        Keys and values must be ``[B, T, K, H]`` with the cache's B, K and H, and positions
+        integers ``[B, T]`` (or ``[T]``): anything else is refused by name before tracing.
+        Overflowing the cache is an error, never a silent overwrite: at once when ``T``
+        exceeds the capacity or the cache's length is concrete, else when the computation
+        runs under jit (:func:`~posenc_jax.functional.core.validation.check_values`).
         """
-        capacity, new = self.key.shape[1], key.shape[1]
+        batch, capacity, heads, head_dim = self.key.shape
+        for name, array in (("key", key), ("value", value)):
+            shape = getattr(array, "shape", None)
+            if shape is None or len(shape) != 4 or (shape[0], shape[2], shape[3]) != (batch, heads, head_dim):
+                raise ValueError(
+                    f"{name} must be [B, T, K, H] = [{batch}, T, {heads}, {head_dim}] for this cache (batch {batch}, "
+                    f"{heads} key/value heads of {head_dim}), got shape {shape}; make the cache for this layer and "
+                    f"batch with init_cache(batch, max_length)"
+                )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(f"key and value must have one length T, got {key.shape} and {value.shape}")
+        new = key.shape[1]
+        if new > capacity:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens and {new} are given at once: make it larger with "
+                f"init_cache(batch, max_length) with max_length >= {new} (prompt and new tokens)"
+            )
+        positions = check_positions(positions)
+        if positions.shape[-1] != new or positions.ndim > 2 or (positions.ndim == 2 and positions.shape[0] != batch):
+            raise ValueError(f"positions must be [B, T] = [{batch}, {new}] (or [T]), got shape {positions.shape}")
+        positions = jnp.broadcast_to(positions, (batch, new))
         if valid is None:
             valid = jnp.ones(key.shape[:2], jnp.bool_)
         elif jnp.asarray(valid).dtype != jnp.bool_:
@@ -170,10 +199,7 @@ class KVCache(NamedTuple):
                     f"make it larger with init_cache(batch, max_length)"
                 )
 
-        try:
-            check(np.asarray(self.length))
-        except jax.errors.TracerArrayConversionError:
-            jax.debug.callback(check, self.length)
+        check_values(check, self.length)
 
         if len(features) != len(self.features):
             raise ValueError(

@@ -34,12 +34,14 @@ A built hook can therefore be an argument of a transformed function.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import jax
 
 from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.validation import check_init_sizes
 
 __all__ = [
     "AddsLogits",
@@ -499,8 +501,27 @@ class EncodingConfig:
 
     acts_on: ClassVar[Placement] = "attention"
 
+    def __init_subclass__(cls, **kwargs):
+        # Every config's init, wherever it is defined, refuses a key that is not a key and a size < 1 by
+        # name, before any table is made with that size.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("init")
+        if init is not None and not getattr(init, "_checks_sizes", False):
+
+            @functools.wraps(init)
+            def checked_init(self, key, *, num_heads, head_dim, model_dim):
+                check_init_sizes(key, num_heads, head_dim, model_dim)
+                return init(self, key, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
+
+            checked_init._checks_sizes = True
+            cls.init = checked_init
+
     def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
-        """The encoding's parameters (a dict of arrays; empty when it has none)."""
+        """The encoding's parameters (a dict of arrays; empty when it has none).
+
+        Every subclass's ``init`` refuses, before it runs, a ``key`` that is not a
+        ``jax.random`` key and sizes that are not integers >= 1.
+        """
         raise NotImplementedError(f"{type(self).__name__} does not define init()")
 
     def build(self, params: dict):

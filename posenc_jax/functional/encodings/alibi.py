@@ -72,7 +72,8 @@ def alibi_bias(num_heads: int, query_positions, key_positions, *, bidirectional:
       num_heads: N, which fixes the slopes.
       query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
       bidirectional: symmetric ``-m·|j - i|`` instead of the causal ``m·(j - i)``.
-      slopes: optional ``[N]`` slopes replacing ``alibi_slopes(N)``.
+      slopes: optional ``[N]`` slopes replacing ``alibi_slopes(N)``: finite and ``>= 0``
+        (checked when they are concrete; traced slopes, e.g. learned ones, are not).
 
     Example:
       >>> alibi_bias(1, jnp.arange(3), jnp.arange(3))[0, 0]
@@ -83,6 +84,15 @@ def alibi_bias(num_heads: int, query_positions, key_positions, *, bidirectional:
     slopes = alibi_slopes(num_heads) if slopes is None else slopes
     if np.shape(slopes) != (num_heads,):
         raise ValueError(f"slopes must have shape [{num_heads}], got {np.shape(slopes)}")
+    try:
+        concrete = np.asarray(slopes, np.float64)
+    except jax.errors.TracerArrayConversionError:
+        concrete = None
+    if concrete is not None and not (np.isfinite(concrete).all() and (concrete >= 0).all()):
+        raise ValueError(
+            f"slopes must be finite numbers >= 0 (a penalty per unit of distance), got {concrete.tolist()}; "
+            f"leave slopes=None for Press et al.'s alibi_slopes(num_heads)"
+        )
     # The exact distance, rounded once to float32: right for any int32 positions.
     rel = relative_positions(query_positions, key_positions, dtype=jnp.float32)[:, None]  # [B|1, 1, T, S]
     if bidirectional:

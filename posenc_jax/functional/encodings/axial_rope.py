@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, pytree_dataclass
-from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.positions import check_positions, inverse_frequencies
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.rope import Layout, _check_layout, apply_rope
 
@@ -87,6 +87,7 @@ class AxialRoPE(ParameterFree):
 
     def __post_init__(self):
         _check_layout(self.layout)
+        inverse_frequencies(2, base=self.base)  # validates the base
         if not isinstance(self.grid_width, (int, np.integer)) or self.grid_width < 1:
             raise ValueError(f"grid_width must be an integer >= 1, got {self.grid_width!r}")
 

@@ -40,6 +40,7 @@ from posenc_jax.functional.core.relative import (
     gather_relative_transposed,
     relative_positions,
 )
+from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = [
     "DeBERTa",
@@ -375,6 +376,7 @@ class DeBERTaConfig(EncodingConfig):
     def __post_init__(self):
         _check_span(self.span, self.position_buckets)
         _check_terms(self.terms)
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         k1, k2 = jax.random.split(key)

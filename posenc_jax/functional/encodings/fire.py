@@ -36,6 +36,7 @@ from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.products import broadcasts_to
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import by_query_blocks, relative_positions
+from posenc_jax.functional.core.validation import check_count, check_key, check_number
 
 __all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
 
@@ -49,6 +50,12 @@ FIRE = Source.paper(
 )
 
 
+def _check_settings(hidden, c, threshold) -> None:
+    check_count("hidden", hidden, fix="the width of FIRE's MLP, 32 in the paper")
+    check_number("c", c, above=0, fix="the log transform's scale, 0.1 by default")
+    check_number("threshold", threshold, above=0, fix="the length L below which positions are not normalised, 512")
+
+
 def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.1, threshold: float = 512.0) -> dict:
     """FIRE parameters whose bias starts monotone non-increasing in distance.
 
@@ -56,12 +63,9 @@ def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.
     ``f(x) = Σ_h w2[h, n] relu(w1[h] x + b1[h]) + b2[n]`` never increases with x
     (like ALiBi and Kerple at the start); training may change that.
     """
-    if not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-        raise ValueError(f"num_heads must be an integer >= 1, got {num_heads!r}")
-    if not isinstance(hidden, (int, np.integer)) or hidden < 1:
-        raise ValueError(f"hidden must be an integer >= 1, got {hidden!r}")
-    if not (c > 0 and threshold > 0):
-        raise ValueError(f"c and threshold must be > 0, got c={c}, threshold={threshold}")
+    check_key("key", key)
+    check_count("num_heads", num_heads)
+    _check_settings(hidden, c, threshold)
     k1, k2, k3 = jax.random.split(key, 3)
     w1 = jax.random.uniform(k1, (hidden,), minval=0.5, maxval=2.0)
     b1 = -w1 * jax.random.uniform(k2, (hidden,))
@@ -165,6 +169,9 @@ class FireConfig(CausalOnly, EncodingConfig):
     c: float = 0.1
     threshold: float = 512.0
     acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        _check_settings(self.hidden, self.c, self.threshold)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         return fire_init(key, num_heads, hidden=self.hidden, c=self.c, threshold=self.threshold)

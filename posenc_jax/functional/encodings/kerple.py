@@ -32,6 +32,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import relative_positions
+from posenc_jax.functional.core.validation import check_number
 
 __all__ = ["Kerple", "KerpleConfig", "kerple_bias"]
 
@@ -139,8 +140,7 @@ class KerpleConfig(EncodingConfig):
 
     def __post_init__(self):
         _check_variant(self.variant)
-        if not self.eps > 0:
-            raise ValueError(f"eps must be > 0, got {self.eps!r}")
+        check_number("eps", self.eps, above=0, below=1, fix="the floor of r1 and r2, 0.01 by default")
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         k1, k2 = jax.random.split(key)

@@ -17,6 +17,7 @@ from posenc_jax.functional.core.hooks import EncodingConfig, Placement, paramete
 from posenc_jax.functional.core.positions import add_position_encoding, check_embed_positions, check_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import check_max_distance
+from posenc_jax.functional.core.validation import check_init_std, check_values
 
 __all__ = ["LearnedAbsolute", "LearnedAbsoluteConfig", "learned_position_embedding"]
 
@@ -66,10 +67,7 @@ def learned_position_embedding(table: jax.Array, positions) -> jax.Array:
                 f"train with a larger table or use an encoding without a length ceiling"
             )
 
-    try:
-        check(positions)
-    except jax.errors.TracerArrayConversionError:
-        jax.debug.callback(check, positions)
+    check_values(check, positions)
     return jnp.take(table, positions, axis=0)
 
 
@@ -113,6 +111,7 @@ class LearnedAbsoluteConfig(EncodingConfig):
 
     def __post_init__(self):
         check_max_distance(self.max_positions, "max_positions")
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         return {"table": jax.random.normal(key, (self.max_positions, model_dim), jnp.float32) * self.init_std}

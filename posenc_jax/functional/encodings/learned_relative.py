@@ -23,6 +23,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.registry import register_encoding
 from posenc_jax.functional.core.relative import check_max_distance, expand_relative_bias
+from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.encodings.shaw import SHAW
 
 __all__ = ["ClippedBiasConfig", "ClippedRelativeBias", "clipped_relative_bias"]
@@ -99,6 +100,7 @@ class ClippedBiasConfig(EncodingConfig):
 
     def __post_init__(self):
         check_max_distance(self.max_distance)
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         return {"table": jax.random.normal(key, (2 * self.max_distance + 1, num_heads), jnp.float32) * self.init_std}

@@ -32,6 +32,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import ParameterFree, Placement, pytree_dataclass
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.validation import check_key, check_values
 
 __all__ = ["RandomizedPositions", "randomized_positions"]
 
@@ -63,6 +64,7 @@ def randomized_positions(key: jax.Array, length: int, max_length: int, *, batch_
       >>> p.shape, bool((jnp.diff(p) > 0).all()), bool(p.max() < 2048)
       ((8,), True, True)
     """
+    check_key("key", key)
     for name, value in (("length", length), ("max_length", max_length)):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -140,10 +142,7 @@ class RandomizedPositions(ParameterFree):
                     f"(e.g. jnp.arange(T))"
                 )
 
-        try:
-            check(positions)
-        except jax.errors.TracerArrayConversionError:
-            jax.debug.callback(check, positions)
+        check_values(check, positions)
         return jnp.take_along_axis(jnp.broadcast_to(table, positions.shape), positions, axis=-1)
 
     def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> RandomizedPositions:

@@ -46,6 +46,7 @@ import numpy as np
 
 from posenc_jax.functional.core.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.core.registry import Source, dataclass_settings, register_encoding
+from posenc_jax.functional.core.validation import check_count, check_number
 from posenc_jax.functional.encodings.rope import RoPE
 
 __all__ = [
@@ -191,10 +192,13 @@ class YaRNScaling(RopeScaling):
     def __post_init__(self):
         _check_factor(self.factor)
         _check_context(self.original_context)
-        if not self.beta_fast > self.beta_slow > 0:
+        check_number("beta_fast", self.beta_fast, above=0, fix="32 in the paper")
+        check_number("beta_slow", self.beta_slow, above=0, fix="1 in the paper")
+        if not self.beta_fast > self.beta_slow:
             raise ValueError(f"need beta_fast > beta_slow > 0, got {self.beta_fast}, {self.beta_slow}")
-        if self.attention_scaling is not None and not 0 < self.attention_scaling < math.inf:
-            raise ValueError(f"attention_scaling must be a finite number > 0 (or None), got {self.attention_scaling!r}")
+        check_number("attention_scaling", self.attention_scaling, above=0, optional=True)
+        check_number("mscale", self.mscale, at_least=0, optional=True)
+        check_number("mscale_all_dim", self.mscale_all_dim, at_least=0, optional=True)
 
     def _correction_dim(self, rotations: float, rotary_dim: int, base: float) -> float:
         # The dimension index whose wavelength makes `rotations` turns over the original context.
@@ -242,7 +246,9 @@ class Llama3Scaling(RopeScaling):
     def __post_init__(self):
         _check_factor(self.factor)
         _check_context(self.original_context)
-        if not self.high_freq_factor > self.low_freq_factor > 0:
+        check_number("low_freq_factor", self.low_freq_factor, above=0, fix="1 in Llama 3")
+        check_number("high_freq_factor", self.high_freq_factor, above=0, fix="4 in Llama 3")
+        if not self.high_freq_factor > self.low_freq_factor:
             raise ValueError(
                 f"need high_freq_factor > low_freq_factor > 0, got {self.high_freq_factor}, {self.low_freq_factor}"
             )
@@ -290,18 +296,26 @@ class LongRoPEScaling(RopeScaling):
                 f"{len(self.short_factor)} and {len(self.long_factor)}"
             )
         for name in ("short_factor", "long_factor"):
-            factors = np.asarray(getattr(self, name), np.float64)
+            factors = getattr(self, name)
+            fix = "give a tuple of numbers, one per frequency"
+            if not isinstance(factors, (tuple, list, np.ndarray)):
+                raise TypeError(f"LongRoPE {name} must be a tuple of numbers, got {factors!r}; {fix}")
+            for i, factor in enumerate(factors):
+                if isinstance(factor, (bool, np.bool_)) or not isinstance(
+                    factor, (int, float, np.integer, np.floating)
+                ):
+                    raise TypeError(f"LongRoPE {name}[{i}] must be a number, got {factor!r}; {fix}")
+            factors = np.asarray(factors, np.float64)
             if factors.ndim != 1 or not np.all(np.isfinite(factors) & (factors > 0)):
                 raise ValueError(
                     f"LongRoPE {name} must be finite numbers > 0 (each frequency is divided by its factor), "
                     f"got {getattr(self, name)!r}"
                 )
+        check_count("max_context", self.max_context)
         if not self.max_context >= self.original_context:
             raise ValueError(f"max_context must be >= original_context={self.original_context}, got {self.max_context}")
-        if self.factor is not None and not 0 < self.factor < math.inf:
-            raise ValueError(f"LongRoPE factor must be a finite number > 0 (or None), got {self.factor!r}")
-        if self.attention_scaling is not None and not 0 < self.attention_scaling < math.inf:
-            raise ValueError(f"attention_scaling must be a finite number > 0 (or None), got {self.attention_scaling!r}")
+        check_number("LongRoPE factor", self.factor, above=0, optional=True)
+        check_number("attention_scaling", self.attention_scaling, above=0, optional=True)
 
     def inverse_frequencies(self, rotary_dim: int, base: float, length: int | None = None) -> np.ndarray:
         if len(self.short_factor) != rotary_dim // 2:

@@ -21,6 +21,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import check_max_distance, gather_by_distance, sum_by_distance
+from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = ["Shaw", "ShawConfig", "shaw_key_logits", "shaw_value_term"]
 
@@ -179,6 +180,7 @@ class ShawConfig(EncodingConfig):
 
     def __post_init__(self):
         check_max_distance(self.max_distance)
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         rows = 2 * self.max_distance + 1

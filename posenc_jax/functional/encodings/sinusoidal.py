@@ -83,6 +83,9 @@ class Sinusoidal(ParameterFree):
     base: float = 10000.0
     acts_on: ClassVar[Placement] = "embeddings"
 
+    def __post_init__(self):
+        inverse_frequencies(2, base=self.base)  # validates the base
+
     def embed(self, x: jax.Array, positions) -> jax.Array:
         """Adds the encoding to ``x`` ``[..., T, D]``; the sum is in ``x``'s dtype."""
         positions = check_embed_positions(x, positions)

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.core.registry import register_encoding
+from posenc_jax.functional.core.validation import check_number
 from posenc_jax.functional.encodings.sinusoidal import VASWANI
 
 __all__ = ["SinusoidalRelative", "key_sinusoids", "sinusoidal_relative_logits"]
@@ -156,6 +157,10 @@ class SinusoidalRelative(ParameterFree):
 
     base: float = 10000.0
     scale: float | None = None
+
+    def __post_init__(self):
+        inverse_frequencies(2, base=self.base)  # validates the base
+        check_number("scale", self.scale, above=0, optional=True, fix="None follows the attention's score scale")
 
     def logits(self, q, k, context: AttentionContext):
         return _scaled_logits(self, q, context, None)

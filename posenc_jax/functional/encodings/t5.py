@@ -40,6 +40,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import expand_relative_bias
+from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = ["T5Bias", "T5Config", "t5_bias", "t5_relative_bucket"]
 
@@ -198,6 +199,7 @@ class T5Config(EncodingConfig):
 
     def __post_init__(self):
         _check_bucket_config(self.num_buckets, self.max_distance, self.bidirectional is not False)
+        check_init_std(self.init_std)
 
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         return {"table": jax.random.normal(key, (self.num_buckets, num_heads), jnp.float32) * self.init_std}

@@ -21,8 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, ParameterFree, pytree_dataclass
-from posenc_jax.functional.core.positions import batched_positions, check_positions, position_difference
+from posenc_jax.functional.core.positions import (
+    batched_positions,
+    check_positions,
+    inverse_frequencies,
+    position_difference,
+)
 from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.validation import check_number
 from posenc_jax.functional.encodings.rope import (
     Layout,
     _check_head,
@@ -47,8 +53,7 @@ XPOS = Source.paper(
 def xpos_decay_bases(rotary_dim: int, *, gamma: float = 0.4) -> np.ndarray:
     """``ζ_i = (2i/R + γ) / (1 + γ)`` for ``i < R/2``, float64."""
     rope_inverse_frequencies(rotary_dim)  # validates rotary_dim
-    if not gamma > 0:
-        raise ValueError(f"gamma must be > 0, got {gamma!r}")
+    gamma = check_number("gamma", gamma, above=0, fix="0.4 in the paper")
     return (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim + gamma) / (1 + gamma)
 
 
@@ -93,8 +98,7 @@ def apply_xpos_qk(
     _check_layout(layout)
     rotary_dim = _check_head(q, None, "q")
     _check_head(k, rotary_dim, "k")
-    if not scale_base > 0:
-        raise ValueError(f"scale_base must be > 0, got {scale_base!r}")
+    check_number("scale_base", scale_base, above=0, fix="512 in the paper")
     query_positions = check_positions(query_positions, "query_positions")
     key_positions = check_positions(key_positions, "key_positions")
     freq = rope_inverse_frequencies(rotary_dim, base=base)
@@ -150,8 +154,9 @@ class XPos(CausalOnly, ParameterFree):
 
     def __post_init__(self):
         _check_layout(self.layout)
-        if not self.scale_base > 0 or not self.gamma > 0:
-            raise ValueError(f"scale_base and gamma must be > 0, got {self.scale_base}, {self.gamma}")
+        inverse_frequencies(2, base=self.base)  # validates the base
+        check_number("scale_base", self.scale_base, above=0, fix="512 in the paper")
+        check_number("gamma", self.gamma, above=0, fix="0.4 in the paper")
 
     def rotate(self, q, k, context: AttentionContext):
         return self.rotate_about(q, k, context, None)
