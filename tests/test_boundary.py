@@ -45,6 +45,22 @@ def test_token_ids_out_of_the_vocabulary_are_an_error_under_jit_too():
             jax.block_until_ready(forward(model, jnp.asarray([[0, 1, 2, bad]])))
 
 
+def test_the_in_jit_check_calls_the_host_only_for_bad_ids_and_holds_under_vmap():
+    model = _small_model()
+    graph, state = nnx.split(model)
+    logits = lambda t: nnx.merge(graph, state)(t, jnp.arange(4))
+    # The callback sits inside a conditional: a good batch takes the branch without it.
+    program = jax.make_jaxpr(logits)(jnp.zeros((1, 4), jnp.int32))
+    (outer,) = [e for e in program.jaxpr.eqns if "debug_callback" in str(e)]  # one check, not at top level
+    assert outer.primitive.name != "debug_callback" and "cond[" in str(outer)
+    # Under vmap (seeds trained together), one bad example among good ones is still caught.
+    batched = jax.jit(jax.vmap(logits))
+    good = jnp.zeros((3, 1, 4), jnp.int32)
+    assert np.isfinite(np.asarray(batched(good))).all()
+    with pytest.raises(Exception, match=r"token id 8 is outside the vocabulary \[0, 8\)"):
+        jax.block_until_ready(batched(good.at[1, 0, 2].set(8)))
+
+
 def test_decoding_past_the_cache_is_an_error_under_jit_too():
     model = _small_model()
     step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))

@@ -287,7 +287,7 @@ class Transformer(nnx.Module):
                     f"map tokens to ids below vocab_size, or build the model with a larger vocab_size"
                 )
 
-        check_values(check, tokens)
+        check_values(check, tokens, within=(0, vocab))
 
     def _run(
         self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions, implementation=None

@@ -199,7 +199,7 @@ class KVCache(NamedTuple):
                     f"make it larger with init_cache(batch, max_length)"
                 )
 
-        check_values(check, self.length)
+        check_values(check, self.length, within=(0, capacity - new + 1))
 
         if len(features) != len(self.features):
             raise ValueError(

@@ -8,9 +8,10 @@ cost nothing inside ``jit``.
 
 Facts about the *data* exist only when the data is concrete: :func:`check_values` runs
 such a check at once on a concrete array (before anything is traced), and, when the
-array is traced, runs the same check on its values when the computation runs
-(``jax.debug.callback``), so the error has the same words either way and a bad input
-never turns into NaN or a silently clipped value.
+array is traced, runs the same check on its values when the computation runs, and only
+when a value is out of range (``jax.debug.callback`` inside a conditional), so the error
+has the same words either way and a bad input never turns into NaN or a silently clipped
+value.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import math
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from posenc_jax.functional.core.control import cond_over_batch
 
 __all__ = ["check_count", "check_key", "check_number", "check_values"]
 
@@ -116,13 +120,26 @@ def check_key(name: str, value) -> None:
     raise TypeError(f"{name} must be a jax.random key, got {what}; make one with jax.random.key(seed)")
 
 
-def check_values(check: Callable[[np.ndarray], None], array) -> None:
-    """Runs ``check`` (which raises on bad values) on ``array``'s values: now when they are concrete,
-    else when the traced computation runs (the same error, inside JAX's runtime error)."""
+def check_values(check: Callable[[np.ndarray], None], array, *, within: tuple[int, int]) -> None:
+    """Runs ``check`` (which raises on bad values) on ``array``'s values: now when they are
+    concrete; when they are traced, only if some value lies outside ``within = [low, high)``,
+    when the computation runs (the same error, inside JAX's runtime error).
+
+    Inside ``jit`` the test is one reduction and one conditional (:func:`cond_over_batch`, a
+    conditional also under ``vmap``): the host is called only for bad data, so a training step
+    pays no transfer and no callback for its checks.
+    """
     try:
         values = np.asarray(array)
     except jax.errors.TracerArrayConversionError:
-        jax.debug.callback(lambda values: check(np.asarray(values)), array)
+        low, high = within
+
+        def tell(array):
+            jax.debug.callback(lambda values: check(np.asarray(values)), array)
+            return jnp.zeros((), bool)
+
+        inside = jnp.all((array >= low) & (array < high))  # under vmap: every example's values
+        cond_over_batch(inside, lambda array: jnp.zeros((), bool), tell, array)
         return
     check(values)
 

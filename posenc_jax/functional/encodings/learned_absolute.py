@@ -67,7 +67,7 @@ def learned_position_embedding(table: jax.Array, positions) -> jax.Array:
                 f"train with a larger table or use an encoding without a length ceiling"
             )
 
-    check_values(check, positions)
+    check_values(check, positions, within=(0, num_positions))
     return jnp.take(table, positions, axis=0)
 
 

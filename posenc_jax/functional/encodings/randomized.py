@@ -142,7 +142,7 @@ class RandomizedPositions(ParameterFree):
                     f"(e.g. jnp.arange(T))"
                 )
 
-        check_values(check, positions)
+        check_values(check, positions, within=(0, length))
         return jnp.take_along_axis(jnp.broadcast_to(table, positions.shape), positions, axis=-1)
 
     def for_lengths(self, *, train_length: int, max_length: int, head_dim: int) -> RandomizedPositions:
