@@ -523,6 +523,9 @@ class TransformerXLConfig(EncodingConfig):
     sinusoid_dim: int | None = None
     base: float = 10000.0
 
+    def __post_init__(self):
+        inverse_frequencies(2, base=self.base)  # validates the base: finite and > 1
+
     def init(self, key, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         dim = self.sinusoid_dim or model_dim
         if dim % 2:
