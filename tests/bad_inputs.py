@@ -85,6 +85,17 @@ def cache_append(key=None, positions=None):
     return lambda: cache.append(key, key, jnp.arange(2)[None] if positions is None else positions)
 
 
+def cache_append_twice(first, then):
+    """Two appends to one cache: two tokens at positions ``first``, then one at ``then``."""
+
+    def call():
+        cache = KVCache.empty(batch=1, max_length=8, num_kv_heads=2, head_dim=8)
+        cache = cache.append(jnp.ones((1, 2, 2, 8)), jnp.ones((1, 2, 2, 8)), jnp.asarray([first]))
+        return cache.append(jnp.ones((1, 1, 2, 8)), jnp.ones((1, 1, 2, 8)), jnp.asarray([[then]]))
+
+    return call
+
+
 def extrapolate(*flags):
     return lambda: bench(
         ["extrapolate", "--preset", "smoke", "--no-progress", "--no-plots", "--out", "/nonexistent/x", *flags]
@@ -188,6 +199,8 @@ CASES = [
     ("KVCache.append another head dim", cache_append(key=jnp.ones((1, 2, 2, 4))), ValueError, r"key must be \[B, T, K, H\] = \[1, T, 2, 8\] .*got shape \(1, 2, 2, 4\)"),
     ("KVCache.append float positions", cache_append(positions=jnp.arange(2.0)[None]), ValueError, r"positions must have an integer dtype, got float32"),
     ("KVCache.append more than it holds", cache_append(key=jnp.ones((1, 9, 2, 8))), ValueError, r"the KV cache holds 8 tokens and 9 are given at once"),
+    ("KVCache.append a position already held", cache_append_twice((0, 1), 1), ValueError, r"decoding positions must come after the cached ones: row 0 .* up to 1, and a new token is at 1"),
+    ("KVCache.append a position going backwards", cache_append_twice((4, 5), 2), ValueError, r"row 0 of the cache holds positions up to 5, and a new token is at 2"),
     # what a model or a layer is called with
     ("model: 1-D tokens", forward(jnp.zeros(4, jnp.int32)), ValueError, r"tokens must be integer ids \[B, T\], got shape \(4,\); add a batch axis"),
     ("model: float tokens", forward(jnp.zeros((1, 4))), TypeError, r"tokens must be integer ids \[B, T\], got dtype float32"),

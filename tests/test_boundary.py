@@ -67,3 +67,13 @@ def test_decoding_past_the_cache_is_an_error_under_jit_too():
     _, caches = step(model, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], model.init_cache(1, 4))
     with pytest.raises(Exception, match=r"the KV cache holds 4 tokens; 4 are filled and 1 more do not fit"):
         jax.block_until_ready(step(model, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 4), caches))
+
+
+def test_decoding_at_a_position_already_held_is_an_error_under_jit_too():
+    model = _small_model()
+    step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
+    _, caches = step(model, jnp.zeros((1, 3), jnp.int32), jnp.arange(3)[None], model.init_cache(1, 8))
+    logits, _ = step(model, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 5), caches)  # a gap is fine
+    assert np.isfinite(np.asarray(logits)).all()
+    with pytest.raises(Exception, match=r"holds positions up to 2, and a new token is at 1"):
+        jax.block_until_ready(step(model, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 1), caches))

@@ -33,6 +33,7 @@ from typing import NamedTuple, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.validation import check_count, check_values
@@ -161,7 +162,9 @@ class KVCache(NamedTuple):
         integers ``[B, T]`` (or ``[T]``): anything else is refused by name before tracing.
         Overflowing the cache is an error, never a silent overwrite: at once when ``T``
         exceeds the capacity or the cache's length is concrete, else when the computation
-        runs under jit (:func:`~posenc_jax.functional.core.validation.check_values`).
+        runs under jit (:func:`~posenc_jax.functional.core.validation.check_values`). So is a
+        new (valid) token placed at or before a position the row already holds: positions
+        only move forward in a cache.
         """
         batch, capacity, heads, head_dim = self.key.shape
         for name, array in (("key", key), ("value", value)):
@@ -200,6 +203,24 @@ class KVCache(NamedTuple):
                 )
 
         check_values(check, self.length, within=(0, capacity - new + 1))
+
+        # Positions say where each token is, and a key is seen by the queries at or after it: a new
+        # token placed at or before one already cached would hide it, or be hidden by it, silently.
+        unset = jnp.iinfo(jnp.int32).max
+        first_new = jnp.min(jnp.where(valid, positions, unset), axis=1)  # [B]
+        last_cached = jnp.max(jnp.where(self.valid, self.positions, -1), axis=1)  # [B]
+
+        def check_order(first, last):
+            behind = np.flatnonzero(first <= last)
+            if behind.size:
+                b = int(behind[0])
+                raise ValueError(
+                    f"decoding positions must come after the cached ones: row {b} of the cache holds positions up "
+                    f"to {int(last[b])}, and a new token is at {int(first[b])}; give each new token its place after "
+                    f"them (e.g. the cache's length), or start a new cache to decode from an earlier point"
+                )
+
+        check_values(check_order, first_new, within=(last_cached + 1, None), context=(last_cached,))
 
         if len(features) != len(self.features):
             raise ValueError(

@@ -120,28 +120,34 @@ def check_key(name: str, value) -> None:
     raise TypeError(f"{name} must be a jax.random key, got {what}; make one with jax.random.key(seed)")
 
 
-def check_values(check: Callable[[np.ndarray], None], array, *, within: tuple[int, int]) -> None:
-    """Runs ``check`` (which raises on bad values) on ``array``'s values: now when they are
-    concrete; when they are traced, only if some value lies outside ``within = [low, high)``,
-    when the computation runs (the same error, inside JAX's runtime error).
+def check_values(check: Callable[..., None], array, *, within: tuple, context: tuple = ()) -> None:
+    """Runs ``check`` (which raises on bad values) on ``array``'s values (and ``context``'s, passed
+    after them): now when they are concrete; when any is traced, only if some value of ``array``
+    lies outside ``within = [low, high)`` (either bound None for none, or an array broadcasting
+    against ``array``), when the computation runs (the same error, inside JAX's runtime error).
 
     Inside ``jit`` the test is one reduction and one conditional (:func:`cond_over_batch`, a
     conditional also under ``vmap``): the host is called only for bad data, so a training step
     pays no transfer and no callback for its checks.
     """
     try:
-        values = np.asarray(array)
+        values = [np.asarray(x) for x in (array, *context)]
     except jax.errors.TracerArrayConversionError:
         low, high = within
 
-        def tell(array):
-            jax.debug.callback(lambda values: check(np.asarray(values)), array)
+        def tell(operands):
+            jax.debug.callback(lambda *values: check(*map(np.asarray, values)), *operands)
             return jnp.zeros((), bool)
 
-        inside = jnp.all((array >= low) & (array < high))  # under vmap: every example's values
-        cond_over_batch(inside, lambda array: jnp.zeros((), bool), tell, array)
+        inside = jnp.ones(jnp.shape(array), bool)
+        if low is not None:
+            inside &= array >= low
+        if high is not None:
+            inside &= array < high
+        # under vmap: every example's values
+        cond_over_batch(jnp.all(inside), lambda operands: jnp.zeros((), bool), tell, (array, *context))
         return
-    check(values)
+    check(*values)
 
 
 def check_init_std(init_std) -> float:
