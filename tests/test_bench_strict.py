@@ -245,3 +245,16 @@ def test_a_damaged_restore_prints_one_warning_and_no_orbax_logging(tmp_path, cap
     printed = capfd.readouterr()
     assert len((printed.out + printed.err).strip().splitlines()) <= 2, printed.err[:2000]
     assert all("\n" not in str(w.message) for w in caught)
+
+
+def test_bench_run_holds_the_lock_until_its_report_is_written(tmp_path, monkeypatch):
+    from posenc_jax import bench
+    from posenc_jax.bench import report
+
+    seen = []
+    write = report.write_report
+    monkeypatch.setattr(
+        report, "write_report", lambda out, **kw: (seen.append((out / ".lock").exists()), write(out, **kw))
+    )
+    bench.run("smoke", tmp_path, encodings=("nope",), tasks=("counting_copy",), steps=2, plots=False, log=None)
+    assert seen == [True] and not (tmp_path / ".lock").exists()

@@ -54,6 +54,7 @@ def run(
     """
     from posenc_jax.bench import extrapolate
     from posenc_jax.bench import report as reporting
+    from posenc_jax.bench.ledger import FolderLock, check_writable
     from posenc_jax.bench.presets import PRESETS, Preset
 
     if isinstance(preset, str):
@@ -67,13 +68,22 @@ def run(
         raise ValueError(f"unknown preset settings {unknown}; see posenc_jax.bench.presets.Preset for the fields")
     preset = dataclasses.replace(preset, **settings)
     out = pathlib.Path(out or f"results/extrapolation/{preset.name}")
-    extrapolate.run(
-        preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log or (lambda line: None)
-    )
-    if report:
-        reporting.write_report(out, plots=plots)
-    if plots:
-        reporting.plot(out)
+    preset.validate()
+    check_writable(out)
+    with FolderLock(out):  # held until the report and plots are written too
+        extrapolate.run(
+            preset,
+            out,
+            corpus=corpus,
+            progress=progress,
+            keep_checkpoints=keep_checkpoints,
+            log=log or (lambda line: None),
+            lock=False,
+        )
+        if report:
+            reporting.write_report(out, plots=plots)
+        if plots:
+            reporting.plot(out)
     return out
 
 

@@ -15,6 +15,7 @@ evaluation in :mod:`~posenc_jax.bench.cell`, tasks behind one protocol in
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pathlib
 import shutil
@@ -218,6 +219,7 @@ def run(
     progress: bool = True,
     keep_checkpoints: bool = False,
     log=print,
+    lock: bool = True,
 ) -> dict:
     """Runs (or resumes) every cell of ``preset``, writing into ``out``.
 
@@ -234,6 +236,8 @@ def run(
       keep_checkpoints: keep a finished cell's checkpoints (by default they are deleted once
         its rows are written: the ledger then says the cell is done, and nothing reads them).
       log: called with one line per finished cell.
+      lock: take the folder's lock (False: the caller holds it, as :func:`posenc_jax.bench.run`
+        does until the report is written).
 
     Returns:
       The run record written to ``run.json``.
@@ -241,7 +245,7 @@ def run(
     preset.validate()
     out = pathlib.Path(out)
     check_writable(out)
-    with FolderLock(out):
+    with FolderLock(out) if lock else contextlib.nullcontext():
         return _run_locked(preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log)
 
 
