@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import itertools
 import json
-import os
 import pathlib
 import time
 
@@ -26,7 +25,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from posenc_jax.bench.ledger import checkpoint_dir
+from posenc_jax.bench.ledger import checkpoint_dir, write_text
 from posenc_jax.bench.presets import Preset, TaskLengths, finetune_batch
 from posenc_jax.checkpoint import Checkpointer, CheckpointError
 from posenc_jax.functional.core.normalizers import normalizer_config
@@ -444,10 +443,9 @@ def _checks_path(out: pathlib.Path, settings: str, cell: Cell, seed: int) -> pat
 
 
 def _write_checks(path: pathlib.Path, checks: list) -> None:
-    """Writes a seed's checks whole or not at all (a kill mid-write leaves the previous file)."""
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(checks))
-    os.replace(partial, path)
+    """Writes a seed's checks whole or not at all (a kill mid-write leaves the previous file; a
+    full disk is one error naming the file)."""
+    write_text(path, json.dumps(checks))
 
 
 def _read_checks(path: pathlib.Path, up_to: int) -> list:

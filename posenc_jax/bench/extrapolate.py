@@ -25,7 +25,15 @@ import jax
 
 from posenc_jax.bench.baselines import algorithmic_baselines, text_baselines
 from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, row_label, train_and_evaluate
-from posenc_jax.bench.ledger import FolderLock, Ledger, check_writable, checkpoint_dir, fingerprint, git_state
+from posenc_jax.bench.ledger import (
+    FolderLock,
+    Ledger,
+    check_writable,
+    checkpoint_dir,
+    fingerprint,
+    git_state,
+    write_json,
+)
 from posenc_jax.bench.presets import PRESETS, Preset, runs_on
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import data_parallel_mesh
@@ -121,7 +129,7 @@ def baselines(preset: Preset, tasks: dict, out: pathlib.Path | None = None) -> d
         else:
             result[name] = {"lengths": {str(n): algorithmic_baselines(task, n) for n in lengths.eval}}
     if path is not None:
-        path.write_text(json.dumps({**stored, **result}, indent=1))
+        write_json(path, {**stored, **result})  # whole or not at all; a full disk names the file
     return result
 
 
