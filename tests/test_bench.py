@@ -109,7 +109,8 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
     steps = [int(p.name) for p in saved()]
     assert steps and max(steps) < 400  # killed mid-training
 
-    record = extrapolate.run(preset, interrupted, progress=False, log=lambda line: None)
+    with pytest.warns(UserWarning, match="taking over the stale lock"):  # the killed run's
+        record = extrapolate.run(preset, interrupted, progress=False, log=lambda line: None)
     assert record["cells"][-1]["resumed_from_step"] == max(steps)
     assert _values(interrupted / "results.jsonl") == _values(reference / "results.jsonl")
 
