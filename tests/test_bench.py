@@ -639,7 +639,7 @@ def test_a_finished_cell_leaves_no_checkpoints_unless_asked(tmp_path, standard_p
         presets.PRESETS["smoke"], encodings=("nope", "alibi"), tasks=("counting_copy",), steps=2, checkpoint_every=1
     )
     extrapolate.run(preset, tmp_path / "a", progress=False, log=lambda line: None)
-    assert not [p for p in (tmp_path / "a" / "checkpoints").rglob("*") if p.is_file()]
+    assert not (tmp_path / "a" / "checkpoints").exists()  # nor the empty folders
     assert len(_values(tmp_path / "a" / "results.jsonl")) == 2 * len(preset.eval_lengths)
     extrapolate.run(preset, tmp_path / "b", progress=False, keep_checkpoints=True, log=lambda line: None)
     kept = {p.parts[-2] for p in (tmp_path / "b" / "checkpoints").glob("*/counting_copy/*/seed0")}

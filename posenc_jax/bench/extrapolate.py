@@ -306,4 +306,16 @@ def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_che
         log(f"[{where}] {cell.task_name:14s} {cell.label:12s} {_summary(records, budget)}")
     shown.close()
     ledger.save_record(record)
+    if not keep_checkpoints:
+        _remove_empty_folders(out / "checkpoints")
     return record
+
+
+def _remove_empty_folders(root: pathlib.Path) -> None:
+    """Removes the folders under ``root`` (and ``root``) that hold nothing, deepest first."""
+    if root.is_dir():
+        for folder in sorted((p for p in root.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            if not any(folder.iterdir()):
+                folder.rmdir()
+        if not any(root.iterdir()):
+            root.rmdir()
