@@ -366,20 +366,20 @@ def test_a_cache_computes_its_tables_at_its_first_write_only():
     spec = jax.ShapeDtypeStruct
     empty = KVCache.empty(1, 4, 1, 2, features=(None, None), tables=(spec((3,), jnp.float32), None))
     write = jax.jit(
-        lambda cache, value: cache.append(
-            k, k, jnp.zeros((1, 1), jnp.int32), features=(None, None), tables=(lambda: jnp.full(3, value), None)
+        lambda cache, value, at: cache.append(
+            k, k, jnp.full((1, 1), at, jnp.int32), features=(None, None), tables=(lambda: jnp.full(3, value), None)
         )
     )
     k = jnp.ones((1, 1, 1, 2))
-    first = write(empty, 1.0)
+    first = write(empty, 1.0, 0)
     np.testing.assert_array_equal(first.tables[0], [1.0, 1.0, 1.0])
     assert first.tables[1] is None and bool(first.tables_ready)
-    np.testing.assert_array_equal(write(first, 2.0).tables[0], [1.0, 1.0, 1.0])  # kept, not made again
+    np.testing.assert_array_equal(write(first, 2.0, 1).tables[0], [1.0, 1.0, 1.0])  # kept, not made again
     # A first write that supplies no tables leaves them unmade (zeros, not ready): the next write that
     # supplies them makes them, whatever the cache's length.
     bare = empty.append(k, k, jnp.zeros((1, 1), jnp.int32), features=(None, None))
     assert not bool(bare.tables_ready)
-    later = write(bare, 3.0)
+    later = write(bare, 3.0, 1)
     assert int(later.length) == 2 and bool(later.tables_ready)
     np.testing.assert_array_equal(later.tables[0], [3.0, 3.0, 3.0])
     with pytest.raises(ValueError, match="tables needs one entry per entry of features"):
