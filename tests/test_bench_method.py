@@ -384,5 +384,7 @@ def test_nope_is_left_out_of_exactly_the_encoder_tasks_whose_answer_slots_differ
     differ = any(len(set(task.answer(x).tolist())) > 1 for x, _ in task.support(4))
     assert task.slots_differ == differ
     assert presets.runs_on(task, "nope") == (not differ)
+    assert ("no position information" in (presets.why_not_run(task, "nope") or "")) == differ
+    assert presets.why_not_run(task, "cope") == "has no bidirectional form"
     assert presets.runs_on(task, "rope")
     assert presets.runs_on(task, "sinusoidal+randomized")

@@ -34,7 +34,7 @@ from posenc_jax.bench.ledger import (
     git_state,
     write_json,
 )
-from posenc_jax.bench.presets import PRESETS, Preset, runs_on
+from posenc_jax.bench.presets import PRESETS, Preset, runs_on, why_not_run
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import data_parallel_mesh
 
@@ -73,8 +73,9 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print) -> list[tuple[C
     for task_name, task in tasks.items():
         lengths = preset.for_task(task_name).lengths(task)
         for encoding in preset.encodings:
-            if not runs_on(task, encoding):
-                log(f"{encoding} has no bidirectional form: not run on the encoder task {task_name}")
+            why = why_not_run(task, encoding)
+            if why:
+                log(f"{encoding} {why}: not run on the encoder task {task_name}")
                 continue
             for normalizer in preset.normalizers:
                 cell = Cell(task_name, task, encoding, normalizer, lengths)

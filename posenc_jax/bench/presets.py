@@ -32,6 +32,7 @@ __all__ = [
     "expected_seconds",
     "finetune_batch",
     "runs_on",
+    "why_not_run",
 ]
 
 # Attention implementations an evaluation may ask for (those of the functional attention).
@@ -91,17 +92,25 @@ class EvalVariant:
 
 
 def runs_on(task, encoding: str) -> bool:
-    """Whether ``encoding`` (``a+b`` for a hybrid) can run on ``task``: an encoder task needs
-    every part to have a bidirectional form (read from the registry's metadata), and one whose
-    answer slots differ (``task.slots_differ``) needs some position information: with none
-    (every part fills no hook, as NoPE) a bidirectional model is permutation-equivariant and
-    writes one symbol on every identical blank, so the cell could only measure that."""
+    """Whether ``encoding`` (``a+b`` for a hybrid) can run on ``task`` (:func:`why_not_run`)."""
+    return why_not_run(task, encoding) is None
+
+
+def why_not_run(task, encoding: str) -> str | None:
+    """Why ``encoding`` (``a+b`` for a hybrid) cannot run on ``task``, or None when it can: an
+    encoder task needs every part to have a bidirectional form (read from the registry's
+    metadata), and one whose answer slots differ (``task.slots_differ``) needs some position
+    information: with none (every part fills no hook, as NoPE) a bidirectional model is
+    permutation-equivariant and writes one symbol on every identical blank, so the cell could
+    only measure that."""
     if task.kind != "encoder":
-        return True
+        return None
     parts = [encoding_info(part) for part in encoding.split("+")]
     if not all("bidirectional" in info.forms for info in parts):
-        return False
-    return not (task.slots_differ and all(not info.hooks for info in parts))
+        return "has no bidirectional form"
+    if task.slots_differ and all(not info.hooks for info in parts):
+        return "gives no position information, so a bidirectional model cannot tell the answer's blanks apart"
+    return None
 
 
 # The settings a task may have of its own (Preset.task_overrides): those of its model, its
