@@ -503,6 +503,34 @@ PRESETS = {
         description="text on one GPU: 9 encodings and RoPE's scalings, 4 x 256 trained at 128 characters, to 32x",
         target="accelerator",
     ),
+    # Ruoss et al. 2023: randomized positions against the same encoding without them, on their
+    # encoder tasks, tested far past the training length (they train <= 40 and test 41-500;
+    # here train <= 10, test to 10x). cpu-full's model and budgets for these tasks.
+    "ruoss": Preset(
+        name="ruoss",
+        encodings=("rope", "rope+randomized", "sinusoidal", "sinusoidal+randomized"),
+        tasks=_ENCODER_TASKS,
+        seeds=_FIVE_SEEDS,
+        steps=4000,
+        eval_lengths=(5, 10, 15, 20, 30, 40, 60, 80, 100),
+        eval_only_tasks=(),
+        description="Ruoss et al.'s encoder tasks with and without randomized positions, tested to 10x",
+    ),
+    # Golovneva et al. 2024 (CoPE): flip-flop (Liu et al. 2023) and the counting task, with CoPE
+    # and the encodings the paper compares it to. Trained on up to 16 pairs or statements (the
+    # counting task says little below 16), 4 layers, tested to 4x.
+    "cope-tasks": Preset(
+        name="cope-tasks",
+        encodings=("cope", "rope", "nope", "alibi"),
+        tasks=("flip_flop", "cope_count"),
+        seeds=_FIVE_SEEDS,
+        num_layers=4,
+        steps=3000,
+        train_length=16,
+        eval_lengths=(4, 8, 12, 16, 24, 32, 48, 64),
+        eval_only_tasks=(),
+        description="the CoPE paper's tasks (flip-flop, counting) with CoPE, RoPE, NoPE and ALiBi, 4 layers",
+    ),
     # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, at a size that
     # fits about 20 minutes (at most: training stops once learned) of a Colab TPU (v2-8 or v5e,
     # all cores data-parallel); an estimate from FLOPs (see README), not yet run on a TPU.
