@@ -12,6 +12,7 @@ bitwise equal: XLA batches the seeds' matrix products, which rounds differently)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -499,123 +500,80 @@ def train_and_evaluate(
     optimizers = {seed: o for seed, (_, o) in built.items()}
     # Two steps kept, so a damaged newest one falls back to the one before (same results: the
     # data of step k depends only on (seed, k)). Each records what it is a checkpoint of.
-    checkpointers = {
-        seed: Checkpointer(checkpoint_dir(out, settings, cell.task_name, cell.label, seed), max_to_keep=2)
-        for seed in seeds
-    }
-    recorded = {
-        seed: {
-            "settings": settings,
-            "task": cell.task_name,
-            "encoding": cell.label,
-            "seed": seed,
-            "encoding_configs": [repr(c) for c in configs],
+    with contextlib.ExitStack() as stack:
+        checkpointers = {
+            seed: stack.enter_context(
+                contextlib.closing(
+                    Checkpointer(checkpoint_dir(out, settings, cell.task_name, cell.label, seed), max_to_keep=2)
+                )
+            )
+            for seed in seeds
         }
-        for seed in seeds
-    }
-    start = _restore(cell, checkpointers, models, optimizers, recorded)
-    if len(set(start.values())) > 1:
-        # No step every seed has (a kill in the middle of the first saves): they start again from
-        # their initialisation, together, as an uninterrupted run trains them.
-        built = {seed: build(cell, preset, configs, seed) for seed in seeds}
-        models = {seed: m for seed, (m, _) in built.items()}
-        optimizers = {seed: o for seed, (_, o) in built.items()}
-        start = dict.fromkeys(seeds, 0)
-    checks = {seed: _read_checks(_checks_path(out, settings, cell, seed), start[seed]) for seed in seeds}
-    groups = {}
-    for seed in seeds:
-        groups.setdefault(start[seed], []).append(seed)
-    records = []
-    try:
-        records = _train_and_evaluate_groups(
-            cell,
-            preset,
-            groups,
-            todo,
-            models,
-            optimizers,
-            checkpointers,
-            recorded,
-            checks,
-            head_dim,
-            out=out,
-            settings=settings,
-            write=write,
-            criterion=criterion,
-            stamp=stamp,
-            mesh=mesh,
-            bar=bar,
-        )
-    finally:
-        for ckpt in checkpointers.values():
-            ckpt.close()
-    return records
-
-
-def _train_and_evaluate_groups(
-    cell,
-    preset,
-    groups,
-    todo,
-    models,
-    optimizers,
-    checkpointers,
-    recorded,
-    checks,
-    head_dim,
-    *,
-    out,
-    settings,
-    write,
-    criterion,
-    stamp,
-    mesh,
-    bar,
-) -> list[dict]:
-    """Trains each group of seeds (those at one step), then evaluates its seeds, writing their rows."""
-    records = []
-    for first_step, group in sorted(groups.items()):
-        record = _train_group(
-            cell,
-            preset,
-            group,
-            first_step,
-            models,
-            optimizers,
-            checkpointers,
-            recorded,
-            checks=checks,
-            criterion=criterion,
-            save_checks=lambda seed: _write_checks(_checks_path(out, settings, cell, seed), checks[seed]),
-            mesh=mesh,
-            bar=bar,
-        )
-        began = time.perf_counter()
-        for seed in group:
-            training = {
-                "steps": record["steps"][seed],
-                "criterion_step": held(checks[seed], criterion),
-                "check_score": checks[seed][-1][1] if checks[seed] else None,
+        recorded = {
+            seed: {
+                "settings": settings,
+                "task": cell.task_name,
+                "encoding": cell.label,
+                "seed": seed,
+                "encoding_configs": [repr(c) for c in configs],
             }
-            tuned = {}  # fine-tuned models, one per variant, made when first needed
-            for variant, length in todo[seed]:
-                model = models[seed]
-                label = cell.label
-                if variant is not None and variant.protocol == "finetune":
-                    if variant not in tuned:
-                        tuned[variant] = finetuned(model, cell, preset, variant, seed)
-                    model = tuned[variant]
-                    label = variant.label
-                elif variant is not None:
-                    tokens = cell.task.max_tokens(length)
-                    config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=head_dim)
-                    model = with_encoding(model, config)
-                    label = variant.label
-                measured = evaluate(model, cell, preset, seed, length)
-                write({**_row(cell, preset, label, seed, length, measured), **training, **(stamp or {})})
-        record["eval_seconds"] = time.perf_counter() - began
-        records.append(record)
-    return records
+            for seed in seeds
+        }
+        start = _restore(cell, checkpointers, models, optimizers, recorded)
+        if len(set(start.values())) > 1:
+            # No step every seed has (a kill in the middle of the first saves): they start again from
+            # their initialisation, together, as an uninterrupted run trains them.
+            built = {seed: build(cell, preset, configs, seed) for seed in seeds}
+            models = {seed: m for seed, (m, _) in built.items()}
+            optimizers = {seed: o for seed, (_, o) in built.items()}
+            start = dict.fromkeys(seeds, 0)
+        checks = {seed: _read_checks(_checks_path(out, settings, cell, seed), start[seed]) for seed in seeds}
+        groups = {}
+        for seed in seeds:
+            groups.setdefault(start[seed], []).append(seed)
+        records = []
+        for first_step, group in sorted(groups.items()):
+            record = _train_group(
+                cell,
+                preset,
+                group,
+                first_step,
+                models,
+                optimizers,
+                checkpointers,
+                recorded,
+                checks=checks,
+                criterion=criterion,
+                save_checks=lambda seed: _write_checks(_checks_path(out, settings, cell, seed), checks[seed]),
+                mesh=mesh,
+                bar=bar,
+            )
+            began = time.perf_counter()
+            for seed in group:
+                training = {
+                    "steps": record["steps"][seed],
+                    "criterion_step": held(checks[seed], criterion),
+                    "check_score": checks[seed][-1][1] if checks[seed] else None,
+                }
+                tuned = {}  # fine-tuned models, one per variant, made when first needed
+                for variant, length in todo[seed]:
+                    model = models[seed]
+                    label = cell.label
+                    if variant is not None and variant.protocol == "finetune":
+                        if variant not in tuned:
+                            tuned[variant] = finetuned(model, cell, preset, variant, seed)
+                        model = tuned[variant]
+                        label = variant.label
+                    elif variant is not None:
+                        tokens = cell.task.max_tokens(length)
+                        config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=head_dim)
+                        model = with_encoding(model, config)
+                        label = variant.label
+                    measured = evaluate(model, cell, preset, seed, length)
+                    write({**_row(cell, preset, label, seed, length, measured), **training, **(stamp or {})})
+            record["eval_seconds"] = time.perf_counter() - began
+            records.append(record)
+        return records
 
 
 def _row(cell: Cell, preset: Preset, label: str, seed: int, length: int, measured: dict) -> dict:

@@ -28,8 +28,8 @@ from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, ro
 from posenc_jax.bench.ledger import (
     FolderLock,
     Ledger,
+    cell_checkpoint_dir,
     check_writable,
-    checkpoint_dir,
     fingerprint,
     git_state,
     write_json,
@@ -297,7 +297,7 @@ def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_che
         record["cells"].extend(records)
         ledger.save_record(record)
         if not keep_checkpoints:  # every row of the cell is written: nothing resumes from these
-            shutil.rmtree(checkpoint_dir(out, settings, cell.task_name, cell.label, 0).parent, ignore_errors=True)
+            shutil.rmtree(cell_checkpoint_dir(out, settings, cell.task_name, cell.label), ignore_errors=True)
         # Each cell compiles programs no later cell reuses. Dropping them keeps a long run's
         # memory flat: a cpu-full run compiling ~190 cells in one process once ran out of
         # LLVM's mapped code memory ("Unable to allocate section memory").

@@ -34,6 +34,7 @@ __all__ = [
     "FolderLock",
     "Ledger",
     "check_writable",
+    "cell_checkpoint_dir",
     "checkpoint_dir",
     "fingerprint",
     "git_state",
@@ -87,9 +88,14 @@ def check_writable(out: pathlib.Path) -> None:
         ) from None
 
 
+def cell_checkpoint_dir(out: pathlib.Path, settings: str, task: str, label: str) -> pathlib.Path:
+    """The folder of one cell's checkpoints (one sub-folder per seed)."""
+    return out / "checkpoints" / settings / task / label.replace("|", "-")
+
+
 def checkpoint_dir(out: pathlib.Path, settings: str, task: str, label: str, seed: int) -> pathlib.Path:
     """Where one seed of one cell keeps its orbax checkpoints."""
-    return out / "checkpoints" / settings / task / label.replace("|", "-") / f"seed{seed}"
+    return cell_checkpoint_dir(out, settings, task, label) / f"seed{seed}"
 
 
 def _git(*args: str) -> str | None:
