@@ -437,7 +437,7 @@ def test_presets_validate_and_the_colab_tpu_estimate_is_at_most_twenty_minutes()
         preset.validate()
     tpu = presets.PRESETS["colab-tpu"]
     assert tpu.batch_size % 8 == 0  # the 8 cores of a v2-8 share each batch
-    assert 10 * 60 < presets.expected_seconds(tpu, **presets.TPU_ESTIMATE) < 21 * 60
+    assert 10 * 60 < presets.expected_seconds(tpu, presets.TPU_ESTIMATE) < 21 * 60
     assert all(len(p.seeds) >= 5 for name, p in presets.PRESETS.items() if name != "smoke")
 
 

@@ -50,7 +50,7 @@ def _minutes(seconds: float) -> str:
 
 def _catalogue() -> str:
     """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
-    from posenc_jax.bench.presets import CPU_ESTIMATE, PRESETS, TPU_ESTIMATE, cost, expected_seconds
+    from posenc_jax.bench.presets import CPU_ESTIMATE, PRESETS, TPU_ESTIMATE, cost
     from posenc_jax.bench.tasks import make_task, task_names
     from posenc_jax.functional.core.registry import encoding_names
 
@@ -60,9 +60,9 @@ def _catalogue() -> str:
         size = f"{p.num_layers} x {p.model_dim}, {p.steps} steps, batch {p.batch_size}"
         shape = f"{len(p.encodings)} encodings x {len(p.tasks)} tasks x {len(p.seeds)} seeds ({c.cells} cells)"
         if p.target == "cpu":
-            when = f"at most about {_minutes(expected_seconds(p, **CPU_ESTIMATE))} on a 2-core CPU"
+            when = f"at most about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
         elif p.target == "colab-tpu":
-            when = f"at most about {_minutes(expected_seconds(p, **TPU_ESTIMATE))} on a Colab TPU v2-8 (assumed rate)"
+            when = f"at most about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8 (assumed rate)"
         else:
             when = f"{c.train_flops / 1e15:,.0f} PFLOP of training: for a GPU or TPU"
         lines.append(f"  {name:10s} {p.description}")

@@ -23,15 +23,18 @@ __all__ = [
     "IMPLEMENTATIONS",
     "PER_TASK",
     "PRESETS",
+    "Rates",
     "Cost",
     "EvalVariant",
     "Preset",
     "TPU_ESTIMATE",
     "TaskLengths",
+    "cell_cost",
     "cost",
     "expected_seconds",
     "finetune_batch",
     "runs_on",
+    "step_flops",
     "why_not_run",
 ]
 
@@ -587,15 +590,41 @@ def finetune_batch(preset: Preset, train_tokens: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """What a preset asks for: trained cells (task x encoding x normaliser, all seeds together),
-    floating-point operations of training and of evaluation (all seeds), and the evaluation
-    programs to compile (one per shape and encoding config: every length of the text task,
-    every length of an evaluation-only variant, whose scaling changes with the length)."""
+    """What a preset (or one cell) asks for: trained cells (task x encoding x normaliser, all
+    seeds together), floating-point operations of training, of fine-tuning RoPE's scaled
+    variants (text only; the runner times it with evaluation) and of evaluation (all seeds), and
+    the evaluation programs to compile (one per shape and encoding config: every length of the
+    text task or of a length-dependent encoding, every length of a variant, whose scaling
+    changes with the length)."""
 
     cells: int
     train_flops: float
     eval_flops: float
     eval_programs: int
+    finetune_flops: float = 0.0
+    train_steps: int = 0  # summed over cells; one step of a cell trains all its seeds
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+    def seconds(self, rates: Rates) -> float:
+        """The wall time this cost takes at ``rates``: training and fine-tuning at the training
+        rate plus a host cost per step, evaluation at its rate plus a compilation per program,
+        and a fixed cost per cell (training's compilation, checks and checkpoints).
+
+        Example:
+          >>> Cost(cells=2, train_flops=4e12, eval_flops=1e11, eval_programs=3, train_steps=100).seconds(
+          ...     Rates(train_flops_per_second=2e10, seconds_per_step=0.01, eval_flops_per_second=1e10,
+          ...           seconds_per_eval_program=1.0, seconds_per_cell=10.0))
+          234.0
+        """
+        return (
+            (self.train_flops + self.finetune_flops) / rates.train_flops_per_second
+            + self.train_steps * rates.seconds_per_step
+            + self.eval_flops / rates.eval_flops_per_second
+            + self.eval_programs * rates.seconds_per_eval_program
+            + self.cells * rates.seconds_per_cell
+        )
 
 
 @functools.cache
@@ -611,84 +640,133 @@ def _forward_flops_per_token(preset: Preset, context: int, vocab: int) -> float:
     return preset.num_layers * per_layer + 2 * d * vocab
 
 
+def step_flops(preset: Preset, *, tokens: int, vocab: int, batch: int) -> float:
+    """FLOPs of one optimisation step of one seed on ``batch`` sequences of ``tokens`` tokens:
+    3 x the forward pass (the backward pass costs about twice the forward).
+
+    Example:
+      >>> round(step_flops(PRESETS["cpu"], tokens=64, vocab=128, batch=32) / 1e9, 2)  # GFLOP
+      1.51
+    """
+    return 3 * batch * tokens * _forward_flops_per_token(preset, tokens, vocab)
+
+
+def cell_cost(
+    preset: Preset, task_name: str, encoding: str, normalizer: str = "softmax", *, steps: int | None = None
+) -> Cost:
+    """The FLOPs and evaluation programs of one cell of ``preset`` (all its seeds), trained for
+    ``steps`` steps (default: the task's whole budget). Seeds that have learned their task keep
+    being computed, frozen, while the others train on, so a cell's training costs its seeds
+    times the steps of the slowest seed.
+
+    Example:
+      >>> c = cell_cost(PRESETS["cpu"], "counting_copy", "rope", steps=700)
+      >>> c.cells, round(c.train_flops / 1e12, 2), c.eval_programs  # 5 seeds x 700 steps
+      (1, 1.48, 1)
+    """
+    task = _task(task_name, max(preset.eval_lengths) + 2)  # as the runner makes it
+    preset = preset.for_task(task_name)
+    lengths = preset.lengths(task)
+    steps = preset.steps if steps is None else steps
+    train_tokens = task.max_tokens(lengths.train)
+    longest = task.max_tokens(max(lengths.eval))
+    one_shape = task.fixed_eval_shape and not any(encoding_info(p).length_dependent for p in encoding.split("+"))
+    per_model = 0.0
+    for n in lengths.eval:
+        tokens = longest if one_shape else task.max_tokens(n)
+        per_model += lengths.examples_at(n) * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
+    found = preset.eval_variants(task_name, encoding, normalizer)
+    seeds = len(preset.seeds)
+    train = seeds * steps * step_flops(preset, tokens=train_tokens, vocab=task.vocab_size, batch=preset.batch_size)
+    tuned = sum(v.protocol == "finetune" for v in found)
+    tuned_step = step_flops(
+        preset,
+        tokens=train_tokens * preset.finetune_multiple,
+        vocab=task.vocab_size,
+        batch=finetune_batch(preset, train_tokens),
+    )
+    finetune = seeds * tuned * preset.finetune_steps * tuned_step
+    programs = (1 if one_shape else len(lengths.eval)) + len(found) * len(lengths.eval)
+    return Cost(
+        cells=1,
+        train_flops=train,
+        eval_flops=seeds * (1 + len(found)) * per_model,
+        eval_programs=programs,
+        finetune_flops=finetune,
+        train_steps=steps,
+    )
+
+
 def cost(preset: Preset) -> Cost:
-    """The cells, FLOPs and evaluation programs of ``preset`` (training counts 3 x the forward
-    pass, for the backward, and every cell's whole budget of steps: an upper bound, since
-    training stops once a cell has learned its task).
+    """The cells, FLOPs and evaluation programs of ``preset``: :func:`cell_cost` of every cell
+    that runs, each trained for its whole budget of steps (an upper bound, since training
+    stops once a cell has learned its task).
 
     Example:
       >>> c = cost(PRESETS["cpu"])
-      >>> c.cells, round(c.train_flops / 1e12, 1), c.eval_programs
-      (12, 74.8, 71)
+      >>> c.cells, round(c.train_flops / 1e12, 1), round(c.finetune_flops / 1e12, 1), c.eval_programs
+      (12, 70.6, 4.2, 71)
     """
-    cells, train, evaluate, programs = 0, 0.0, 0.0, 0
+    total = Cost(cells=0, train_flops=0.0, eval_flops=0.0, eval_programs=0)
     for name in preset.tasks:
-        task = _task(name, max(preset.eval_lengths) + 2)  # as the runner makes it
-        preset_here = preset
-        preset = preset.for_task(name)
-        lengths = preset.lengths(task)
-        train_tokens = task.max_tokens(lengths.train)
-        longest = task.max_tokens(max(lengths.eval))
-        step = 3 * preset.batch_size * train_tokens * _forward_flops_per_token(preset, train_tokens, task.vocab_size)
-        per_model = 0.0
-        for n in lengths.eval:
-            tokens = longest if task.fixed_eval_shape else task.max_tokens(n)
-            per_model += lengths.examples_at(n) * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
+        task = _task(name, max(preset.eval_lengths) + 2)
         for encoding in preset.encodings:
-            if not runs_on(task, encoding):
-                continue
-            for normalizer in preset.normalizers:
-                found = preset.eval_variants(name, encoding, normalizer)  # preset: this task's settings
-                variants = len(found)
-                cells += 1
-                train += len(preset.seeds) * preset.steps * step
-                tuned = sum(v.protocol == "finetune" for v in found)
-                if tuned:
-                    tokens = train_tokens * preset.finetune_multiple
-                    flops = 3 * finetune_batch(preset, train_tokens) * tokens
-                    flops *= _forward_flops_per_token(preset, tokens, task.vocab_size)
-                    train += len(preset.seeds) * tuned * preset.finetune_steps * flops
-                evaluate += len(preset.seeds) * (1 + variants) * per_model
-                programs += (1 if task.fixed_eval_shape else len(lengths.eval)) + variants * len(lengths.eval)
-        preset = preset_here
-    return Cost(cells=cells, train_flops=train, eval_flops=evaluate, eval_programs=programs)
+            if runs_on(task, encoding):
+                for normalizer in preset.normalizers:
+                    total += cell_cost(preset, name, encoding, normalizer)
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """How fast one machine runs the benchmark: the rates :meth:`Cost.seconds` turns a cost into
+    seconds with.
+
+    Attributes:
+      train_flops_per_second: training (all seeds of a cell together), fine-tuning too.
+      seconds_per_step: host work of one training step of a cell, whatever its FLOPs (making
+        each seed's batch, dispatching the step); what bounds small models on an accelerator.
+      eval_flops_per_second: evaluation.
+      seconds_per_eval_program: compiling one evaluation program.
+      seconds_per_cell: training's compilation, the checks and the checkpoints of one cell.
+    """
+
+    train_flops_per_second: float
+    seconds_per_step: float
+    eval_flops_per_second: float
+    seconds_per_eval_program: float
+    seconds_per_cell: float
 
 
 # Measured on this project's 2-core CPU, shared with other work (the cpu-full run of rope and
 # alibi on all 11 tasks, see README): FLOP/s of training (seeds together) and of evaluation,
 # seconds per evaluation program compiled, and per cell (training's compilation, checkpoints).
-CPU_ESTIMATE = {
-    "train_flops_per_second": 30e9,
-    "eval_flops_per_second": 20e9,
-    "seconds_per_eval_program": 1.0,
-    "seconds_per_cell": 7.0,
-}
+CPU_ESTIMATE = Rates(
+    train_flops_per_second=30e9,
+    seconds_per_step=0.0,
+    eval_flops_per_second=20e9,
+    seconds_per_eval_program=1.0,
+    seconds_per_cell=7.0,
+)
 # Assumed, not measured, for a Colab TPU v2-8 (8 cores, about 180 TFLOP/s of bfloat16 at peak;
 # float32 products run as bfloat16 passes at jax's default precision) with all cores
 # data-parallel: about a ninth of peak for these small models, and 30 s per cell for
 # compilation and checkpoints. A v5e chip has a similar peak.
-TPU_ESTIMATE = {
-    "train_flops_per_second": 20e12,
-    "eval_flops_per_second": 10e12,
-    "seconds_per_eval_program": 5.0,
-    "seconds_per_cell": 30.0,
-}
+TPU_ESTIMATE = Rates(
+    train_flops_per_second=20e12,
+    seconds_per_step=0.0,
+    eval_flops_per_second=10e12,
+    seconds_per_eval_program=5.0,
+    seconds_per_cell=30.0,
+)
 
 
-def expected_seconds(
-    preset: Preset,
-    *,
-    train_flops_per_second: float,
-    eval_flops_per_second: float,
-    seconds_per_eval_program: float,
-    seconds_per_cell: float,
-) -> float:
-    """An estimate of a whole run's wall time from :func:`cost` and the rates of a machine
-    (:data:`CPU_ESTIMATE`, :data:`TPU_ESTIMATE`)."""
-    c = cost(preset)
-    return (
-        c.train_flops / train_flops_per_second
-        + c.eval_flops / eval_flops_per_second
-        + c.eval_programs * seconds_per_eval_program
-        + c.cells * seconds_per_cell
-    )
+def expected_seconds(preset: Preset, rates: Rates) -> float:
+    """An estimate of a whole run's wall time: :func:`cost` (every cell to its whole budget, so
+    an upper bound) at the ``rates`` of a machine (:data:`CPU_ESTIMATE`, :data:`TPU_ESTIMATE`).
+
+    Example:
+      >>> round(expected_seconds(PRESETS["smoke"], CPU_ESTIMATE) / 60) <= 5  # minutes
+      True
+    """
+    return cost(preset).seconds(rates)
