@@ -19,7 +19,9 @@ from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_config, encoding_info, encoding_names
 
 __all__ = [
+    "COLAB_TPU_ON_H200",
     "CPU_ESTIMATE",
+    "H200_ESTIMATE",
     "IMPLEMENTATIONS",
     "PER_TASK",
     "PRESETS",
@@ -534,9 +536,10 @@ PRESETS = {
         eval_only_tasks=(),
         description="the CoPE paper's tasks (flip-flop, counting) with CoPE, RoPE, NoPE and ALiBi, 4 layers",
     ),
-    # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, at a size that
-    # fits about 20 minutes (at most: training stops once learned) of a Colab TPU (v2-8 or v5e,
-    # all cores data-parallel); an estimate from FLOPs (see README), not yet run on a TPU.
+    # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, for a Colab TPU
+    # (v2-8 or v5e, all cores data-parallel). Sized for about 20 minutes at an assumed 20 TFLOP/s;
+    # at the rates its own cells ran at on an H200 (COLAB_TPU_ON_H200) it takes at most about
+    # 55 minutes (training stops once learned). Not yet run on a TPU.
     "colab-tpu": Preset(
         name="colab-tpu",
         encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
@@ -720,7 +723,7 @@ def cost(preset: Preset) -> Cost:
 @dataclasses.dataclass(frozen=True)
 class Rates:
     """How fast one machine runs the benchmark: the rates :meth:`Cost.seconds` turns a cost into
-    seconds with.
+    seconds with. :func:`posenc_jax.bench.costmodel.fit_rates` fits them to measured runs.
 
     Attributes:
       train_flops_per_second: training (all seeds of a cell together), fine-tuning too.
@@ -738,32 +741,55 @@ class Rates:
     seconds_per_cell: float
 
 
-# Measured on this project's 2-core CPU, shared with other work (the cpu-full run of rope and
-# alibi on all 11 tasks, see README): FLOP/s of training (seeds together) and of evaluation,
-# seconds per evaluation program compiled, and per cell (training's compilation, checkpoints).
+# Fitted (posenc_jax.bench.costmodel.fit_rates; `python benchmarks/cost_model.py` prints each fit
+# and how well it predicts its runs) to the cells of docs/extrapolation-cpu/ (the cpu preset's 12,
+# commit 2d47bf5) and docs/extrapolation-cpu-full-partial/ (25 of cpu-full, commit 47ebb12), both
+# on this project's 2-core CPU, shared with other work; tests/test_bench.py refits them. Measured
+# over modelled time: 1.20 for the first run's cells, 0.62 for the second's (the same cells
+# trained about twice as fast in the second run). No per-step host cost shows on a CPU.
 CPU_ESTIMATE = Rates(
-    train_flops_per_second=30e9,
+    train_flops_per_second=22.9e9,
     seconds_per_step=0.0,
-    eval_flops_per_second=20e9,
-    seconds_per_eval_program=1.0,
-    seconds_per_cell=7.0,
+    eval_flops_per_second=10.8e9,
+    seconds_per_eval_program=0.191,
+    seconds_per_cell=15.0,
 )
-# Assumed, not measured, for a Colab TPU v2-8 (8 cores, about 180 TFLOP/s of bfloat16 at peak;
-# float32 products run as bfloat16 passes at jax's default precision) with all cores
-# data-parallel: about a ninth of peak for these small models, and 30 s per cell for
-# compilation and checkpoints. A v5e chip has a similar peak.
-TPU_ESTIMATE = Rates(
-    train_flops_per_second=20e12,
-    seconds_per_step=0.0,
-    eval_flops_per_second=10e12,
-    seconds_per_eval_program=5.0,
-    seconds_per_cell=30.0,
+# Fitted the same way to the 36 cells of docs/budget-search/, docs/extrapolation-gpu-text/ and
+# docs/extrapolation-colab-tpu-partial/ (the files of commit cf1ad04; their rows say bc093da,
+# dirty), run on one NVIDIA H200, the only accelerator the benchmark has been timed on; the
+# gpu-text run was three processes sharing it. Small models there are bound by the 13 ms of host
+# work a step, not by FLOPs. Measured over modelled time: 0.86, 0.94 and 1.66 for the three runs.
+H200_ESTIMATE = Rates(
+    train_flops_per_second=38.2e12,
+    seconds_per_step=0.0130,
+    eval_flops_per_second=1.90e12,
+    seconds_per_eval_program=1.05,
+    seconds_per_cell=51.0,
 )
+# Fitted the same way to the colab-tpu preset's own 9 cells on that H200
+# (docs/extrapolation-colab-tpu-partial/), which took 1.66 times what H200_ESTIMATE gives them:
+# about 45 ms a step for 5 seeds at 4 x 256 (some 6 TFLOP/s, about 1% of the H200's TF32 peak)
+# and 17-75 s of compilation a cell. Their evaluation did not take longer with more FLOPs (one
+# program a cell), so the fit puts it all in the per-program term.
+COLAB_TPU_ON_H200 = Rates(
+    train_flops_per_second=23.6e12,
+    seconds_per_step=0.0328,
+    eval_flops_per_second=math.inf,
+    seconds_per_eval_program=16.0,
+    seconds_per_cell=83.0,
+)
+# Assumed, not measured (nothing has run on a TPU): a Colab TPU v2-8 with all 8 cores
+# data-parallel runs the colab-tpu preset as fast as the H200 ran its cells. Peaks do not settle
+# it either way: the v2-8's (about 180 TFLOP/s of bfloat16) is below the H200's (about 990), but
+# these cells ran at about 1% of the H200's, bound by host work per step and by compilation,
+# which a TPU host does too. A v5e chip has a peak like the v2-8's.
+TPU_ESTIMATE = COLAB_TPU_ON_H200
 
 
 def expected_seconds(preset: Preset, rates: Rates) -> float:
     """An estimate of a whole run's wall time: :func:`cost` (every cell to its whole budget, so
-    an upper bound) at the ``rates`` of a machine (:data:`CPU_ESTIMATE`, :data:`TPU_ESTIMATE`).
+    an upper bound) at the ``rates`` of a machine (:data:`CPU_ESTIMATE`, :data:`H200_ESTIMATE`,
+    :data:`TPU_ESTIMATE`).
 
     Example:
       >>> round(expected_seconds(PRESETS["smoke"], CPU_ESTIMATE) / 60) <= 5  # minutes
