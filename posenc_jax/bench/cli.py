@@ -50,21 +50,28 @@ def _minutes(seconds: float) -> str:
 
 def _catalogue() -> str:
     """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
-    from posenc_jax.bench.presets import CPU_ESTIMATE, PRESETS, TPU_ESTIMATE, cost, expected_seconds
+    from posenc_jax.bench.presets import CPU_ESTIMATE, H200_ESTIMATE, PRESETS, TPU_ESTIMATE, cost
     from posenc_jax.bench.tasks import make_task, task_names
     from posenc_jax.functional.core.registry import encoding_names
 
-    lines = ["presets (expected times are estimates from each preset's FLOPs; seeds train together):"]
+    lines = [
+        "presets (seeds train together; times are upper bounds, every cell to its whole budget, from each preset's",
+        "FLOPs at rates fitted to the project's measured runs, posenc_jax/bench/costmodel.py):",
+    ]
     for name, p in PRESETS.items():
         c = cost(p)
         size = f"{p.num_layers} x {p.model_dim}, {p.steps} steps, batch {p.batch_size}"
         shape = f"{len(p.encodings)} encodings x {len(p.tasks)} tasks x {len(p.seeds)} seeds ({c.cells} cells)"
         if p.target == "cpu":
-            when = f"at most about {_minutes(expected_seconds(p, **CPU_ESTIMATE))} on a 2-core CPU"
+            when = f"at most about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
         elif p.target == "colab-tpu":
-            when = f"at most about {_minutes(expected_seconds(p, **TPU_ESTIMATE))} on a Colab TPU v2-8 (assumed rate)"
+            when = (
+                f"at most about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8 (not run on a TPU: "
+                f"the time its cells took on an H200, assumed the same there)"
+            )
         else:
-            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training: for a GPU or TPU"
+            h200 = _minutes(c.seconds(H200_ESTIMATE))
+            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training; at most about {h200} on an H200"
         lines.append(f"  {name:10s} {p.description}")
         lines.append(f"  {'':10s} {size}; {shape}; {when}")
     lines.append("")

@@ -19,19 +19,24 @@ from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_config, encoding_info, encoding_names
 
 __all__ = [
+    "COLAB_TPU_ON_H200",
     "CPU_ESTIMATE",
+    "H200_ESTIMATE",
     "IMPLEMENTATIONS",
     "PER_TASK",
     "PRESETS",
+    "Rates",
     "Cost",
     "EvalVariant",
     "Preset",
     "TPU_ESTIMATE",
     "TaskLengths",
+    "cell_cost",
     "cost",
     "expected_seconds",
     "finetune_batch",
     "runs_on",
+    "step_flops",
     "why_not_run",
 ]
 
@@ -531,9 +536,10 @@ PRESETS = {
         eval_only_tasks=(),
         description="the CoPE paper's tasks (flip-flop, counting) with CoPE, RoPE, NoPE and ALiBi, 4 layers",
     ),
-    # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, at a size that
-    # fits about 20 minutes (at most: training stops once learned) of a Colab TPU (v2-8 or v5e,
-    # all cores data-parallel); an estimate from FLOPs (see README), not yet run on a TPU.
+    # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, for a Colab TPU
+    # (v2-8 or v5e, all cores data-parallel). Sized for about 20 minutes at an assumed 20 TFLOP/s;
+    # at the rates its own cells ran at on an H200 (COLAB_TPU_ON_H200) it takes at most about
+    # 55 minutes (training stops once learned). Not yet run on a TPU.
     "colab-tpu": Preset(
         name="colab-tpu",
         encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
@@ -587,15 +593,41 @@ def finetune_batch(preset: Preset, train_tokens: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Cost:
-    """What a preset asks for: trained cells (task x encoding x normaliser, all seeds together),
-    floating-point operations of training and of evaluation (all seeds), and the evaluation
-    programs to compile (one per shape and encoding config: every length of the text task,
-    every length of an evaluation-only variant, whose scaling changes with the length)."""
+    """What a preset (or one cell) asks for: trained cells (task x encoding x normaliser, all
+    seeds together), floating-point operations of training, of fine-tuning RoPE's scaled
+    variants (text only; the runner times it with evaluation) and of evaluation (all seeds), and
+    the evaluation programs to compile (one per shape and encoding config: every length of the
+    text task or of a length-dependent encoding, every length of a variant, whose scaling
+    changes with the length)."""
 
     cells: int
     train_flops: float
     eval_flops: float
     eval_programs: int
+    finetune_flops: float = 0.0
+    train_steps: int = 0  # summed over cells; one step of a cell trains all its seeds
+
+    def __add__(self, other: Cost) -> Cost:
+        return Cost(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)))
+
+    def seconds(self, rates: Rates) -> float:
+        """The wall time this cost takes at ``rates``: training and fine-tuning at the training
+        rate plus a host cost per step, evaluation at its rate plus a compilation per program,
+        and a fixed cost per cell (training's compilation, checks and checkpoints).
+
+        Example:
+          >>> Cost(cells=2, train_flops=4e12, eval_flops=1e11, eval_programs=3, train_steps=100).seconds(
+          ...     Rates(train_flops_per_second=2e10, seconds_per_step=0.01, eval_flops_per_second=1e10,
+          ...           seconds_per_eval_program=1.0, seconds_per_cell=10.0))
+          234.0
+        """
+        return (
+            (self.train_flops + self.finetune_flops) / rates.train_flops_per_second
+            + self.train_steps * rates.seconds_per_step
+            + self.eval_flops / rates.eval_flops_per_second
+            + self.eval_programs * rates.seconds_per_eval_program
+            + self.cells * rates.seconds_per_cell
+        )
 
 
 @functools.cache
@@ -611,84 +643,156 @@ def _forward_flops_per_token(preset: Preset, context: int, vocab: int) -> float:
     return preset.num_layers * per_layer + 2 * d * vocab
 
 
+def step_flops(preset: Preset, *, tokens: int, vocab: int, batch: int) -> float:
+    """FLOPs of one optimisation step of one seed on ``batch`` sequences of ``tokens`` tokens:
+    3 x the forward pass (the backward pass costs about twice the forward).
+
+    Example:
+      >>> round(step_flops(PRESETS["cpu"], tokens=64, vocab=128, batch=32) / 1e9, 2)  # GFLOP
+      1.51
+    """
+    return 3 * batch * tokens * _forward_flops_per_token(preset, tokens, vocab)
+
+
+def cell_cost(
+    preset: Preset, task_name: str, encoding: str, normalizer: str = "softmax", *, steps: int | None = None
+) -> Cost:
+    """The FLOPs and evaluation programs of one cell of ``preset`` (all its seeds), trained for
+    ``steps`` steps (default: the task's whole budget). Seeds that have learned their task keep
+    being computed, frozen, while the others train on, so a cell's training costs its seeds
+    times the steps of the slowest seed.
+
+    Example:
+      >>> c = cell_cost(PRESETS["cpu"], "counting_copy", "rope", steps=700)
+      >>> c.cells, round(c.train_flops / 1e12, 2), c.eval_programs  # 5 seeds x 700 steps
+      (1, 1.48, 1)
+    """
+    task = _task(task_name, max(preset.eval_lengths) + 2)  # as the runner makes it
+    preset = preset.for_task(task_name)
+    lengths = preset.lengths(task)
+    steps = preset.steps if steps is None else steps
+    train_tokens = task.max_tokens(lengths.train)
+    longest = task.max_tokens(max(lengths.eval))
+    one_shape = task.fixed_eval_shape and not any(encoding_info(p).length_dependent for p in encoding.split("+"))
+    per_model = 0.0
+    for n in lengths.eval:
+        tokens = longest if one_shape else task.max_tokens(n)
+        per_model += lengths.examples_at(n) * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
+    found = preset.eval_variants(task_name, encoding, normalizer)
+    seeds = len(preset.seeds)
+    train = seeds * steps * step_flops(preset, tokens=train_tokens, vocab=task.vocab_size, batch=preset.batch_size)
+    tuned = sum(v.protocol == "finetune" for v in found)
+    tuned_step = step_flops(
+        preset,
+        tokens=train_tokens * preset.finetune_multiple,
+        vocab=task.vocab_size,
+        batch=finetune_batch(preset, train_tokens),
+    )
+    finetune = seeds * tuned * preset.finetune_steps * tuned_step
+    programs = (1 if one_shape else len(lengths.eval)) + len(found) * len(lengths.eval)
+    return Cost(
+        cells=1,
+        train_flops=train,
+        eval_flops=seeds * (1 + len(found)) * per_model,
+        eval_programs=programs,
+        finetune_flops=finetune,
+        train_steps=steps,
+    )
+
+
 def cost(preset: Preset) -> Cost:
-    """The cells, FLOPs and evaluation programs of ``preset`` (training counts 3 x the forward
-    pass, for the backward, and every cell's whole budget of steps: an upper bound, since
-    training stops once a cell has learned its task).
+    """The cells, FLOPs and evaluation programs of ``preset``: :func:`cell_cost` of every cell
+    that runs, each trained for its whole budget of steps (an upper bound, since training
+    stops once a cell has learned its task).
 
     Example:
       >>> c = cost(PRESETS["cpu"])
-      >>> c.cells, round(c.train_flops / 1e12, 1), c.eval_programs
-      (12, 74.8, 71)
+      >>> c.cells, round(c.train_flops / 1e12, 1), round(c.finetune_flops / 1e12, 1), c.eval_programs
+      (12, 70.6, 4.2, 71)
     """
-    cells, train, evaluate, programs = 0, 0.0, 0.0, 0
+    total = Cost(cells=0, train_flops=0.0, eval_flops=0.0, eval_programs=0)
     for name in preset.tasks:
-        task = _task(name, max(preset.eval_lengths) + 2)  # as the runner makes it
-        preset_here = preset
-        preset = preset.for_task(name)
-        lengths = preset.lengths(task)
-        train_tokens = task.max_tokens(lengths.train)
-        longest = task.max_tokens(max(lengths.eval))
-        step = 3 * preset.batch_size * train_tokens * _forward_flops_per_token(preset, train_tokens, task.vocab_size)
-        per_model = 0.0
-        for n in lengths.eval:
-            tokens = longest if task.fixed_eval_shape else task.max_tokens(n)
-            per_model += lengths.examples_at(n) * tokens * _forward_flops_per_token(preset, tokens, task.vocab_size)
+        task = _task(name, max(preset.eval_lengths) + 2)
         for encoding in preset.encodings:
-            if not runs_on(task, encoding):
-                continue
-            for normalizer in preset.normalizers:
-                found = preset.eval_variants(name, encoding, normalizer)  # preset: this task's settings
-                variants = len(found)
-                cells += 1
-                train += len(preset.seeds) * preset.steps * step
-                tuned = sum(v.protocol == "finetune" for v in found)
-                if tuned:
-                    tokens = train_tokens * preset.finetune_multiple
-                    flops = 3 * finetune_batch(preset, train_tokens) * tokens
-                    flops *= _forward_flops_per_token(preset, tokens, task.vocab_size)
-                    train += len(preset.seeds) * tuned * preset.finetune_steps * flops
-                evaluate += len(preset.seeds) * (1 + variants) * per_model
-                programs += (1 if task.fixed_eval_shape else len(lengths.eval)) + variants * len(lengths.eval)
-        preset = preset_here
-    return Cost(cells=cells, train_flops=train, eval_flops=evaluate, eval_programs=programs)
+            if runs_on(task, encoding):
+                for normalizer in preset.normalizers:
+                    total += cell_cost(preset, name, encoding, normalizer)
+    return total
 
 
-# Measured on this project's 2-core CPU, shared with other work (the cpu-full run of rope and
-# alibi on all 11 tasks, see README): FLOP/s of training (seeds together) and of evaluation,
-# seconds per evaluation program compiled, and per cell (training's compilation, checkpoints).
-CPU_ESTIMATE = {
-    "train_flops_per_second": 30e9,
-    "eval_flops_per_second": 20e9,
-    "seconds_per_eval_program": 1.0,
-    "seconds_per_cell": 7.0,
-}
-# Assumed, not measured, for a Colab TPU v2-8 (8 cores, about 180 TFLOP/s of bfloat16 at peak;
-# float32 products run as bfloat16 passes at jax's default precision) with all cores
-# data-parallel: about a ninth of peak for these small models, and 30 s per cell for
-# compilation and checkpoints. A v5e chip has a similar peak.
-TPU_ESTIMATE = {
-    "train_flops_per_second": 20e12,
-    "eval_flops_per_second": 10e12,
-    "seconds_per_eval_program": 5.0,
-    "seconds_per_cell": 30.0,
-}
+@dataclasses.dataclass(frozen=True)
+class Rates:
+    """How fast one machine runs the benchmark: the rates :meth:`Cost.seconds` turns a cost into
+    seconds with. :func:`posenc_jax.bench.costmodel.fit_rates` fits them to measured runs.
+
+    Attributes:
+      train_flops_per_second: training (all seeds of a cell together), fine-tuning too.
+      seconds_per_step: host work of one training step of a cell, whatever its FLOPs (making
+        each seed's batch, dispatching the step); what bounds small models on an accelerator.
+      eval_flops_per_second: evaluation.
+      seconds_per_eval_program: compiling one evaluation program.
+      seconds_per_cell: training's compilation, the checks and the checkpoints of one cell.
+    """
+
+    train_flops_per_second: float
+    seconds_per_step: float
+    eval_flops_per_second: float
+    seconds_per_eval_program: float
+    seconds_per_cell: float
 
 
-def expected_seconds(
-    preset: Preset,
-    *,
-    train_flops_per_second: float,
-    eval_flops_per_second: float,
-    seconds_per_eval_program: float,
-    seconds_per_cell: float,
-) -> float:
-    """An estimate of a whole run's wall time from :func:`cost` and the rates of a machine
-    (:data:`CPU_ESTIMATE`, :data:`TPU_ESTIMATE`)."""
-    c = cost(preset)
-    return (
-        c.train_flops / train_flops_per_second
-        + c.eval_flops / eval_flops_per_second
-        + c.eval_programs * seconds_per_eval_program
-        + c.cells * seconds_per_cell
-    )
+# Fitted (posenc_jax.bench.costmodel.fit_rates; `python benchmarks/cost_model.py` prints each fit
+# and how well it predicts its runs) to the cells of docs/extrapolation-cpu/ (the cpu preset's 12,
+# commit 2d47bf5) and docs/extrapolation-cpu-full-partial/ (25 of cpu-full, commit 47ebb12), both
+# on this project's 2-core CPU, shared with other work; tests/test_bench.py refits them. Measured
+# over modelled time: 1.20 for the first run's cells, 0.62 for the second's (the same cells
+# trained about twice as fast in the second run). No per-step host cost shows on a CPU.
+CPU_ESTIMATE = Rates(
+    train_flops_per_second=22.9e9,
+    seconds_per_step=0.0,
+    eval_flops_per_second=10.8e9,
+    seconds_per_eval_program=0.191,
+    seconds_per_cell=15.0,
+)
+# Fitted the same way to the 36 cells of docs/budget-search/, docs/extrapolation-gpu-text/ and
+# docs/extrapolation-colab-tpu-partial/ (the files of commit cf1ad04; their rows say bc093da,
+# dirty), run on one NVIDIA H200, the only accelerator the benchmark has been timed on; the
+# gpu-text run was three processes sharing it. Small models there are bound by the 13 ms of host
+# work a step, not by FLOPs. Measured over modelled time: 0.86, 0.94 and 1.66 for the three runs.
+H200_ESTIMATE = Rates(
+    train_flops_per_second=38.2e12,
+    seconds_per_step=0.0130,
+    eval_flops_per_second=1.90e12,
+    seconds_per_eval_program=1.05,
+    seconds_per_cell=51.0,
+)
+# Fitted the same way to the colab-tpu preset's own 9 cells on that H200
+# (docs/extrapolation-colab-tpu-partial/), which took 1.66 times what H200_ESTIMATE gives them:
+# about 45 ms a step for 5 seeds at 4 x 256 (some 6 TFLOP/s, about 1% of the H200's TF32 peak)
+# and 17-75 s of compilation a cell. Their evaluation did not take longer with more FLOPs (one
+# program a cell), so the fit puts it all in the per-program term.
+COLAB_TPU_ON_H200 = Rates(
+    train_flops_per_second=23.6e12,
+    seconds_per_step=0.0328,
+    eval_flops_per_second=math.inf,
+    seconds_per_eval_program=16.0,
+    seconds_per_cell=83.0,
+)
+# Assumed, not measured (nothing has run on a TPU): a Colab TPU v2-8 with all 8 cores
+# data-parallel runs the colab-tpu preset as fast as the H200 ran its cells. Peaks do not settle
+# it either way: the v2-8's (about 180 TFLOP/s of bfloat16) is below the H200's (about 990), but
+# these cells ran at about 1% of the H200's, bound by host work per step and by compilation,
+# which a TPU host does too. A v5e chip has a peak like the v2-8's.
+TPU_ESTIMATE = COLAB_TPU_ON_H200
+
+
+def expected_seconds(preset: Preset, rates: Rates) -> float:
+    """An estimate of a whole run's wall time: :func:`cost` (every cell to its whole budget, so
+    an upper bound) at the ``rates`` of a machine (:data:`CPU_ESTIMATE`, :data:`H200_ESTIMATE`,
+    :data:`TPU_ESTIMATE`).
+
+    Example:
+      >>> round(expected_seconds(PRESETS["smoke"], CPU_ESTIMATE) / 60) <= 5  # minutes
+      True
+    """
+    return cost(preset).seconds(rates)
