@@ -76,6 +76,7 @@ from posenc_jax.functional.core.hooks import (
     ParameterFree,
     Placement,
     pytree_dataclass,
+    rotation_context,
 )
 from posenc_jax.functional.encodings.alibi import ALiBi, alibi_bias, alibi_slopes
 from posenc_jax.functional.encodings.deberta import DeBERTaConfig
@@ -246,7 +247,11 @@ class RoPEOnLastFeatures(ParameterFree):
         """The rotary part's ``[num_features / 2]`` inverse frequencies and attention factor."""
         return self.rope.frequencies(self.num_features, length)
 
-    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]:
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rotates the last ``num_features`` features; ``context`` as in :meth:`RoPE.rotate`."""
+        context = rotation_context(context, "RoPEOnLastFeatures.rotate")
         r = self.num_features
         if q.shape[-1] < r or k.shape[-1] < r:
             raise ValueError(f"heads of q {q.shape} and k {k.shape} are narrower than the {r} rotary features")

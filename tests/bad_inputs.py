@@ -206,6 +206,10 @@ CASES = [
     ("model: float tokens", forward(jnp.zeros((1, 4))), TypeError, r"tokens must be integer ids \[B, T\], got dtype float32"),
     ("model: positions of another length", forward(jnp.zeros((1, 4), jnp.int32), jnp.arange(3)), ValueError, r"positions must be \[T\] or \[B, T\] for tokens \(1, 4\)"),
     ("layer: input of the wrong width", lambda: MultiHeadAttention(16, 2, rngs=nnx.Rngs(0))(jnp.ones((1, 4, 8)), P, causal=True), ValueError, r"x must have shape \[B, T, D\] with D = model_dim = 16, got shape \(1, 4, 8\)"),
+    ("RoPE.rotate with a list of positions", lambda: RoPE().rotate(X, X, [0, 1, 2, 3]), TypeError, r"RoPE.rotate\(q, k, context\): context must be an AttentionContext, a positions array \[T\] or \[B, T\] .* or a pair \(query_positions, key_positions\) of arrays; got a list of 4 \(int, int, int, int\)"),
+    ("xPos.rotate with no positions", lambda: XPos().rotate(X, X, None), TypeError, r"XPos.rotate\(q, k, context\): context must be an AttentionContext.*; got NoneType None"),
+    ("axial RoPE.rotate with three arrays", lambda: AxialRoPE(grid_width=2).rotate(X, X, (P, P, P)), TypeError, r"AxialRoPE.rotate\(q, k, context\): .*got a tuple of 3 \(array of shape \(4,\), array of shape \(4,\), array of shape \(4,\)\)"),
+    ("RoPE.rotate at float positions", lambda: RoPE().rotate(X, X, jnp.arange(4.0)), ValueError, r"positions must have an integer dtype, got float32"),
     ("learned table too short", forward(jnp.zeros((1, 6), jnp.int32), jnp.arange(6), encoding=LearnedAbsoluteConfig(max_positions=4)), ValueError, r"position 5 is outside the learned table of 4 positions"),
     # facts of the data: checked at once for concrete arrays (under jit: tests/test_boundary.py)
     ("token id == vocab_size", forward([[8, 1, 2, 3]]), ValueError, r"token id 8 is outside the vocabulary \[0, 8\)"),
