@@ -37,6 +37,7 @@ from posenc_jax.functional import (
 )
 from posenc_jax.functional.core.cache import KVCache
 from posenc_jax.generation import generate, next_token
+from posenc_jax.linen import to_linen
 from posenc_jax.nn import MultiHeadAttention, Transformer, with_encoding
 
 X = jnp.ones((1, 4, 2, 8))
@@ -141,6 +142,8 @@ CASES = [
     ("model: no width", model(model_dim=0, causal=True), ValueError, r"model_dim must be an integer >= 1, got 0"),
     ("model: no heads", model(num_heads=0, causal=True), ValueError, r"num_heads must be an integer >= 1, got 0"),
     ("layer: no heads", lambda: MultiHeadAttention(16, 0, rngs=nnx.Rngs(0)), ValueError, r"num_heads must be an integer >= 1"),
+    ("layer: flax's argument order", lambda: MultiHeadAttention(4, 64, rngs=nnx.Rngs(0)), ValueError, r"MultiHeadAttention\(4, 64\) has more heads than features: its order is \(model_dim, num_heads\), unlike flax.nnx.MultiHeadAttention\(num_heads, in_features\); call MultiHeadAttention\(64, 4, ...\)"),
+    ("Linen layer: flax's argument order", lambda: to_linen(MultiHeadAttention, 4, 64).init(KEY, jnp.ones((1, 4, 64)), P, causal=True), ValueError, r"its order is \(model_dim, num_heads\), unlike flax.nnx.MultiHeadAttention\(num_heads, in_features\); call MultiHeadAttention\(64, 4, ...\)"),
     ("layer: head_dim 0", lambda: MultiHeadAttention(16, 2, head_dim=0, rngs=nnx.Rngs(0)), ValueError, r"head_dim must be an integer >= 1"),
     # settings: finite and in range, refused when the config (or a functional form's concrete value) is made
     ("ALiBi slopes NaN", lambda: alibi_bias(2, P, P, slopes=np.array([math.nan, 0.5])), ValueError, r"slopes must be finite numbers >= 0.*nan"),
