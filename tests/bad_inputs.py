@@ -127,6 +127,8 @@ CASES = [
     ("RoPE twice", attend(encodings=["rope", "rope"]), ValueError, r"rotate queries and keys 2 times"),
     ("ALiBi twice", attend(encodings=[ALiBi(), ALiBi()]), ValueError, r"ALiBi is given more than once"),
     ("xPos bidirectional", attend(encodings=[XPos()], causal=False), ValueError, r"XPos is defined for causal attention only"),
+    ("a scaled RoPE by name, no settings", attend(encodings=["rope-yarn"]), ValueError, r"encoding 'rope-yarn' needs the settings \['factor', 'original_context'\], which have no default: make its config with encoding_config\('rope-yarn', factor=..., original_context=...\) and pass that"),
+    ("layer: a scaled RoPE by name, no settings", lambda: MultiHeadAttention(16, 2, encodings="rope-yarn", rngs=nnx.Rngs(0)), ValueError, r"encoding 'rope-yarn' needs the settings \['factor', 'original_context'\]"),
     ("a config that needs parameters", attend(encodings=[T5Config()]), ValueError, r"T5Config.*has learned parameters"),
     ("FIRE by name, unbuilt", attend(encodings="fire", causal=True), ValueError, r"FireConfig.*has learned parameters"),
     ("model: xPos bidirectional", model(encoding="xpos", causal=False), ValueError, r"XPos is defined for causal attention only"),
