@@ -76,6 +76,7 @@ from posenc_jax.functional.core.hooks import (
     ParameterFree,
     Placement,
     pytree_dataclass,
+    rotation_context,
 )
 from posenc_jax.functional.encodings.alibi import ALiBi, alibi_bias, alibi_slopes
 from posenc_jax.functional.encodings.deberta import DeBERTaConfig
@@ -246,7 +247,11 @@ class RoPEOnLastFeatures(ParameterFree):
         """The rotary part's ``[num_features / 2]`` inverse frequencies and attention factor."""
         return self.rope.frequencies(self.num_features, length)
 
-    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]:
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rotates the last ``num_features`` features; ``context`` as in :meth:`RoPE.rotate`."""
+        context = rotation_context(context, "RoPEOnLastFeatures.rotate")
         r = self.num_features
         if q.shape[-1] < r or k.shape[-1] < r:
             raise ValueError(f"heads of q {q.shape} and k {k.shape} are narrower than the {r} rotary features")
@@ -268,12 +273,15 @@ class HFEncoding:
       family: ``"rope"``, ``"alibi"``, ``"t5"`` or ``"deberta-v2"``.
       encodings: the encoding configs, for ``Transformer(encoding=list(encodings))`` or
         ``MultiHeadAttention(encodings=...)`` (an absolute table goes to the Transformer);
-        :meth:`hooks` builds them.
+        :meth:`hooks` builds them. They carry the score scale: when it is not the
+        attention's default ``1/√H`` and no encoding prescribes it, a
+        :class:`FixedScoreScale` among them does, so nothing needs forwarding by hand.
       scale: the content-score scale the checkpoint uses: ``q·k`` (after rotation) is
         multiplied by it (``1/√H``, Gemma's ``query_pre_attn_scalar^-0.5``, DeepSeek's
         mscale-corrected ``1/√qk_head_dim``, 1 for T5, ``1/√(3H)`` for DeBERTa with both
         terms). A YaRN or LongRoPE attention factor is not in it: the RoPE multiplies the
-        rotated q and k by it, as transformers multiplies cos and sin.
+        rotated q and k by it, as transformers multiplies cos and sin. For reading only: the
+        encodings (and :meth:`attention_kwargs`) already apply it.
       head_dim: H, the query/key head size (DeepSeek: ``qk_head_dim``).
       num_heads: N.
       notes: what the loader decided that the config left open or that this library
@@ -641,6 +649,7 @@ def from_hf_config(config, *, layer_type: str | None = None, decoder: bool | Non
         loaded = _rope(fields, model_type, layer_type, notes)
     if decoder is not None and loaded.family != "t5":
         raise ValueError(f"decoder= is for T5's encoder and decoder; model_type {model_type!r} has one attention")
+    loaded = _carrying_scale(loaded)
     if loaded.family == "rope":
         return loaded
     if layer_type not in (None, "full_attention"):
@@ -649,6 +658,26 @@ def from_hf_config(config, *, layer_type: str | None = None, decoder: bool | Non
             f"(model_type {model_type!r} has one kind of layer)"
         )
     return loaded
+
+
+def _carrying_scale(loaded: HFEncoding) -> HFEncoding:
+    """``loaded`` with ``FixedScoreScale(scale)`` among its encodings when they would give another scale.
+
+    The attention's default is ``1/√H``; an encoding may prescribe another (T5's
+    ``FixedScoreScale(1.0)``, DeBERTa's ``1/√(3H)``). A checkpoint's scale that neither gives
+    (Gemma's ``query_pre_attn_scalar``, DeepSeek's mscale, MPT's ``softmax_scale``) goes into the
+    encodings too, so a model built from them alone (``MultiHeadAttention(encodings=...)``,
+    ``Transformer(encoding=...)``, ``dot_product_attention(encodings=loaded.hooks())``) scores as
+    the checkpoint does.
+    """
+    if any(isinstance(e, (FixedScoreScale, DeBERTaConfig)) for e in loaded.encodings):
+        return loaded
+    if math.isclose(loaded.scale, loaded.head_dim**-0.5, rel_tol=1e-12):
+        return loaded
+    note = f"the score scale {loaded.scale:.6g} is not 1/sqrt({loaded.head_dim}): FixedScoreScale carries it"
+    return dataclasses.replace(
+        loaded, encodings=(*loaded.encodings, FixedScoreScale(loaded.scale)), notes=(*loaded.notes, note)
+    )
 
 
 # --- RoPE family -------------------------------------------------------------------------------

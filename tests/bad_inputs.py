@@ -37,6 +37,7 @@ from posenc_jax.functional import (
 )
 from posenc_jax.functional.core.cache import KVCache
 from posenc_jax.generation import generate, next_token
+from posenc_jax.linen import to_linen
 from posenc_jax.nn import MultiHeadAttention, Transformer, with_encoding
 
 X = jnp.ones((1, 4, 2, 8))
@@ -126,6 +127,8 @@ CASES = [
     ("RoPE twice", attend(encodings=["rope", "rope"]), ValueError, r"rotate queries and keys 2 times"),
     ("ALiBi twice", attend(encodings=[ALiBi(), ALiBi()]), ValueError, r"ALiBi is given more than once"),
     ("xPos bidirectional", attend(encodings=[XPos()], causal=False), ValueError, r"XPos is defined for causal attention only"),
+    ("a scaled RoPE by name, no settings", attend(encodings=["rope-yarn"]), ValueError, r"encoding 'rope-yarn' needs the settings \['factor', 'original_context'\], which have no default: make its config with encoding_config\('rope-yarn', factor=..., original_context=...\) and pass that"),
+    ("layer: a scaled RoPE by name, no settings", lambda: MultiHeadAttention(16, 2, encodings="rope-yarn", rngs=nnx.Rngs(0)), ValueError, r"encoding 'rope-yarn' needs the settings \['factor', 'original_context'\]"),
     ("a config that needs parameters", attend(encodings=[T5Config()]), ValueError, r"T5Config.*has learned parameters"),
     ("FIRE by name, unbuilt", attend(encodings="fire", causal=True), ValueError, r"FireConfig.*has learned parameters"),
     ("model: xPos bidirectional", model(encoding="xpos", causal=False), ValueError, r"XPos is defined for causal attention only"),
@@ -141,6 +144,8 @@ CASES = [
     ("model: no width", model(model_dim=0, causal=True), ValueError, r"model_dim must be an integer >= 1, got 0"),
     ("model: no heads", model(num_heads=0, causal=True), ValueError, r"num_heads must be an integer >= 1, got 0"),
     ("layer: no heads", lambda: MultiHeadAttention(16, 0, rngs=nnx.Rngs(0)), ValueError, r"num_heads must be an integer >= 1"),
+    ("layer: flax's argument order", lambda: MultiHeadAttention(4, 64, rngs=nnx.Rngs(0)), ValueError, r"MultiHeadAttention\(4, 64\) has more heads than features: its order is \(model_dim, num_heads\), unlike flax.nnx.MultiHeadAttention\(num_heads, in_features\); call MultiHeadAttention\(64, 4, ...\)"),
+    ("Linen layer: flax's argument order", lambda: to_linen(MultiHeadAttention, 4, 64).init(KEY, jnp.ones((1, 4, 64)), P, causal=True), ValueError, r"its order is \(model_dim, num_heads\), unlike flax.nnx.MultiHeadAttention\(num_heads, in_features\); call MultiHeadAttention\(64, 4, ...\)"),
     ("layer: head_dim 0", lambda: MultiHeadAttention(16, 2, head_dim=0, rngs=nnx.Rngs(0)), ValueError, r"head_dim must be an integer >= 1"),
     # settings: finite and in range, refused when the config (or a functional form's concrete value) is made
     ("ALiBi slopes NaN", lambda: alibi_bias(2, P, P, slopes=np.array([math.nan, 0.5])), ValueError, r"slopes must be finite numbers >= 0.*nan"),
@@ -206,6 +211,10 @@ CASES = [
     ("model: float tokens", forward(jnp.zeros((1, 4))), TypeError, r"tokens must be integer ids \[B, T\], got dtype float32"),
     ("model: positions of another length", forward(jnp.zeros((1, 4), jnp.int32), jnp.arange(3)), ValueError, r"positions must be \[T\] or \[B, T\] for tokens \(1, 4\)"),
     ("layer: input of the wrong width", lambda: MultiHeadAttention(16, 2, rngs=nnx.Rngs(0))(jnp.ones((1, 4, 8)), P, causal=True), ValueError, r"x must have shape \[B, T, D\] with D = model_dim = 16, got shape \(1, 4, 8\)"),
+    ("RoPE.rotate with a list of positions", lambda: RoPE().rotate(X, X, [0, 1, 2, 3]), TypeError, r"RoPE.rotate\(q, k, context\): context must be an AttentionContext, a positions array \[T\] or \[B, T\] .* or a pair \(query_positions, key_positions\) of arrays; got a list of 4 \(int, int, int, int\)"),
+    ("xPos.rotate with no positions", lambda: XPos().rotate(X, X, None), TypeError, r"XPos.rotate\(q, k, context\): context must be an AttentionContext.*; got NoneType None"),
+    ("axial RoPE.rotate with three arrays", lambda: AxialRoPE(grid_width=2).rotate(X, X, (P, P, P)), TypeError, r"AxialRoPE.rotate\(q, k, context\): .*got a tuple of 3 \(array of shape \(4,\), array of shape \(4,\), array of shape \(4,\)\)"),
+    ("RoPE.rotate at float positions", lambda: RoPE().rotate(X, X, jnp.arange(4.0)), ValueError, r"positions must have an integer dtype, got float32"),
     ("learned table too short", forward(jnp.zeros((1, 6), jnp.int32), jnp.arange(6), encoding=LearnedAbsoluteConfig(max_positions=4)), ValueError, r"position 5 is outside the learned table of 4 positions"),
     # facts of the data: checked at once for concrete arrays (under jit: tests/test_boundary.py)
     ("token id == vocab_size", forward([[8, 1, 2, 3]]), ValueError, r"token id 8 is outside the vocabulary \[0, 8\)"),

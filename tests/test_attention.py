@@ -256,3 +256,20 @@ def test_minus_infinity_bias_gives_no_nan(rng):
         q, q, q, query_positions=pos, key_positions=pos, encodings=[_MinusInfinityBias()], causal=True
     )
     assert np.isfinite(np.asarray(out)).all()
+
+
+def test_encodings_by_registered_name_as_the_modules_take_them(rng):
+    from posenc_jax.functional import ALiBi, encoding_config
+
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 6, 2, 8)), jnp.float32) for _ in range(3))
+    pos = jnp.arange(6)
+
+    def attend(encodings):
+        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=encodings, causal=True)
+
+    by_object = attend([RoPE(), ALiBi()])
+    for by_name in (["rope", "alibi"], ["rope", ALiBi()]):
+        np.testing.assert_array_equal(attend(by_name), by_object)
+    np.testing.assert_array_equal(attend("rope"), attend([RoPE()]))  # one name is one encoding
+    yarn = encoding_config("rope-yarn", factor=2.0, original_context=4)
+    np.testing.assert_array_equal(attend([yarn]), attend([RoPE(scaling=yarn.scaling)]))

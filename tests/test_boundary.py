@@ -30,6 +30,12 @@ def test_a_single_encoding_name_is_one_encoding():
     assert layer(x, np.arange(4), causal=True).shape == (1, 4, 16)
 
 
+def test_more_heads_than_features_is_a_layer_when_head_dim_is_given():
+    # The swapped-order error is for the call that would fail anyway (no head_dim), not for this one.
+    layer = MultiHeadAttention(4, 8, head_dim=2, rngs=nnx.Rngs(0))
+    assert layer(np.ones((1, 3, 4), np.float32), np.arange(3), causal=True).shape == (1, 3, 4)
+
+
 def _small_model():
     return Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=16, rngs=nnx.Rngs(0))
 

@@ -13,11 +13,12 @@ nor torch is needed: state dicts are NumPy arrays, torch's ``[out, in]`` Linear 
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax.functional import AttentionContext, dot_product_attention
+from posenc_jax.functional import AttentionContext, ScoreScale, dot_product_attention
 from posenc_jax.functional.encodings.deberta import DeBERTaConfig
 from posenc_jax.functional.encodings.learned_absolute import LearnedAbsoluteConfig
 from posenc_jax.functional.encodings.t5 import T5Config
@@ -1412,7 +1413,8 @@ def test_shipped_rope_configs_rotate_as_their_family_does(name, rng):
     q = rng.standard_normal((1, 12, 2, loaded.head_dim)).astype(np.float32)
     k = rng.standard_normal((1, 12, 2, loaded.head_dim)).astype(np.float32)
     positions = np.arange(12) + 5
-    (hook,) = loaded.hooks()
+    hook, *rest = loaded.hooks()  # and the checkpoint's score scale where it is not 1/√H
+    assert rest in ([], [FixedScoreScale(loaded.scale)])
     ours_q, ours_k = hook.rotate(jnp.asarray(q), jnp.asarray(k), loaded.context(positions, positions))
     want_q, want_k = (hf_family_rotate(config, layer_type, x, positions) for x in (q, k))
     if loaded.model_type == "deepseek_v3":
@@ -1425,6 +1427,43 @@ def test_shipped_rope_configs_rotate_as_their_family_does(name, rng):
         ours_q, ours_k = np.asarray(ours_q)[..., order], np.asarray(ours_k)[..., order]
     np.testing.assert_allclose(ours_q, want_q, atol=2e-5)
     np.testing.assert_allclose(ours_k, want_k, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_the_loaded_encodings_carry_the_score_scale(name):
+    """Whatever is built from the encodings alone scores with the checkpoint's scale."""
+    config, layer_type = SHIPPED[name][:2]
+    loaded = from_hf_config(config, layer_type=layer_type)
+    sizes = dict(num_heads=loaded.num_heads, head_dim=loaded.head_dim, model_dim=loaded.num_heads * loaded.head_dim)
+    hooks = [e.build(e.init(jax.random.key(0), **sizes)) for e in loaded.encodings if e.acts_on != "embeddings"]
+    prescribed = {hook.score_scale(loaded.head_dim) for hook in hooks if isinstance(hook, ScoreScale)}
+    assert len(prescribed) <= 1
+    assert (prescribed.pop() if prescribed else loaded.head_dim**-0.5) == pytest.approx(loaded.scale, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["gemma-2-27b-full", "deepseek-v3", "llama-3.1-8b"])
+def test_a_layer_built_from_the_loaded_encodings_needs_no_scale_forwarded(name, rng):
+    from flax import nnx
+
+    from posenc_jax.nn import MultiHeadAttention
+
+    config, layer_type = SHIPPED[name][:2]
+    loaded = from_hf_config(config, layer_type=layer_type)
+    head_dim, heads, length = loaded.head_dim, 2, 5
+    layer = MultiHeadAttention(32, heads, head_dim=head_dim, encodings=loaded.encodings, rngs=nnx.Rngs(0))
+    x = jnp.asarray(rng.standard_normal((1, length, 32)), jnp.float32)
+    pos = jnp.arange(length)
+    q, k, v = (proj(x).reshape(1, length, heads, head_dim) for proj in (layer.query, layer.key, layer.value))
+    rotation = [hook for hook in loaded.hooks() if not isinstance(hook, FixedScoreScale)]
+    want = dot_product_attention(
+        q, k, v, query_positions=pos, key_positions=pos, encodings=rotation, scale=loaded.scale, causal=True
+    )
+    want = layer.out(want.reshape(1, length, heads * head_dim))
+    np.testing.assert_allclose(layer(x, pos, causal=True), want, atol=1e-5)
+    # The functional form, from the built hooks alone, and with the keyword arguments.
+    hooks = loaded.hooks()
+    alone = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)
+    np.testing.assert_allclose(alone, dot_product_attention(q, k, v, **loaded.attention_kwargs(pos)), atol=1e-6)
 
 
 def hf_softmax_attention(scores, v, allowed):

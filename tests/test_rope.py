@@ -322,3 +322,59 @@ def test_prepared_table_rotates_as_rope_and_falls_back_for_other_positions(rng, 
         np.testing.assert_allclose(got, want, atol=1e-6)
     with pytest.raises(ValueError, match="head_dim must be even for RoPE, got 15"):
         rope.prepare(positions, head_dim=15)
+
+
+def _rotate_hooks():
+    from posenc_jax.functional import AxialRoPE, XPos, YaRNScaling
+    from posenc_jax.hf import RoPEOnLastFeatures
+
+    yarn = RoPE(scaling=YaRNScaling(factor=4.0, original_context=8))
+    return {
+        "rope": RoPE(),
+        "rope-yarn": yarn,
+        "rotary-table": yarn.prepare(jnp.arange(10) + 5, head_dim=16),
+        "xpos": XPos(),
+        "axial": AxialRoPE(grid_width=4),
+        "rope-on-last-features": RoPEOnLastFeatures(RoPE(layout="half"), num_features=8),
+    }
+
+
+@pytest.mark.parametrize("name", list(_rotate_hooks()))
+def test_rotate_hooks_take_positions_or_a_pair_as_a_context(rng, maybe_jit, name):
+    hook = _rotate_hooks()[name]
+    q, k = _normal(rng, (2, 10, 4, 16)), _normal(rng, (2, 10, 2, 16))
+    positions = jnp.arange(10) + 5
+    rotate = maybe_jit(lambda q, k, where: hook.rotate(q, k, where))
+    want = hook.rotate(q, k, AttentionContext(query_positions=positions, key_positions=positions))
+    for got, expected in zip(rotate(q, k, positions), want, strict=True):
+        np.testing.assert_allclose(got, expected, atol=1e-6)
+    # A decoding step: one new query against every key.
+    step = AttentionContext(query_positions=positions[-1:], key_positions=positions)
+    want = hook.rotate(q[:, -1:], k, step)
+    for where in ((positions[-1:], positions), [np.asarray(positions[-1:]), np.asarray(positions)]):
+        for got, expected in zip(rotate(q[:, -1:], k, where), want, strict=True):
+            np.testing.assert_allclose(got, expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaling", [None, "yarn"])
+def test_rotate_then_jax_nn_attention_equals_our_attention(rng, scaling):
+    """The rotation-only path: RoPE (scaled or not) in front of another attention kernel."""
+    from posenc_jax.functional import YaRNScaling, dot_product_attention
+
+    rope = RoPE() if scaling is None else RoPE(scaling=YaRNScaling(factor=4.0, original_context=8))
+    factor = rope.frequencies(16)[1]
+    assert factor == (1.0 if scaling is None else pytest.approx(0.1 * math.log(4.0) + 1))
+    q, k, v = _normal(rng, (2, 10, 4, 16)), _normal(rng, (2, 10, 2, 16)), _normal(rng, (2, 10, 2, 16))
+    pos = jnp.arange(10) + 5
+    q_rot, k_rot = rope.rotate(q, k, pos)
+    # The attention factor multiplies the rotated q and k (the scores by its square).
+    np.testing.assert_allclose(jnp.linalg.norm(q_rot, axis=-1), factor * jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+    ours = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True, encodings=[rope])
+    theirs = jax.nn.dot_product_attention(q_rot, k_rot, v, is_causal=True)
+    np.testing.assert_allclose(theirs, ours, atol=2e-5)
+    # A decoding step: the last query against all keys, rotated with the pair of positions.
+    q_step, k_all = rope.rotate(q[:, -1:], k, (pos[-1:], pos))
+    ours = dot_product_attention(
+        q[:, -1:], k, v, query_positions=pos[-1:], key_positions=pos, causal=True, encodings=[rope]
+    )
+    np.testing.assert_allclose(jax.nn.dot_product_attention(q_step, k_all, v), ours, atol=2e-5)

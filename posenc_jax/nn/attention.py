@@ -72,7 +72,8 @@ class MultiHeadAttention(nnx.Module):
     """Multi-head (grouped-query) attention composing any encodings.
 
     Args:
-      model_dim: D, the width of the input and output.
+      model_dim: D, the width of the input and output (first, unlike the ``in_features``
+        of ``flax.nnx.MultiHeadAttention(num_heads, in_features)``).
       num_heads: N query heads.
       num_kv_heads: K key/value heads (default N); N must be a multiple of K.
       head_dim: H (default D / N).
@@ -125,6 +126,12 @@ class MultiHeadAttention(nnx.Module):
         self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if head_dim is None:
+            if num_heads > model_dim:
+                raise ValueError(
+                    f"MultiHeadAttention({model_dim}, {num_heads}) has more heads than features: its order is "
+                    f"(model_dim, num_heads), unlike flax.nnx.MultiHeadAttention(num_heads, in_features); call "
+                    f"MultiHeadAttention({num_heads}, {model_dim}, ...), or pass head_dim= for more heads than features"
+                )
             if model_dim % num_heads:
                 raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}; pass head_dim")
             head_dim = model_dim // num_heads

@@ -13,7 +13,7 @@ from __future__ import annotations
 from flax import nnx
 
 from posenc_jax.functional.core.hooks import EncodingConfig
-from posenc_jax.functional.core.registry import encoding_config
+from posenc_jax.functional.core.registry import resolve_encoding
 from posenc_jax.functional.core.validation import check_count, check_number
 
 __all__ = ["PositionEncoding", "check_dropout_rate", "check_rngs", "check_size", "resolve_config"]
@@ -21,8 +21,7 @@ __all__ = ["PositionEncoding", "check_dropout_rate", "check_rngs", "check_size",
 
 def resolve_config(encoding):
     """A config from a registered name (``"t5"``) or a config object (returned as is)."""
-    if isinstance(encoding, str):
-        return encoding_config(encoding)
+    encoding = resolve_encoding(encoding)
     if not isinstance(encoding, EncodingConfig):
         raise ValueError(
             f"an encoding must be a registered name or an EncodingConfig (e.g. encoding_config('t5')), got {encoding!r}"

@@ -93,7 +93,7 @@ from posenc_jax.functional.core.products import (
     selected_product,
     value_product,
 )
-from posenc_jax.functional.core.registry import encoding_config
+from posenc_jax.functional.core.registry import resolve_encoding
 from posenc_jax.functional.core.validation import check_key
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
@@ -142,7 +142,7 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     """
     hooks = []
     for encoding in one_or_more(encodings):
-        encoding = encoding_config(encoding) if isinstance(encoding, str) else encoding
+        encoding = resolve_encoding(encoding)
         names = hook_names(encoding)
         if isinstance(encoding, EncodingConfig) and not isinstance(encoding, ParameterFree):
             raise ValueError(
@@ -591,7 +591,10 @@ def dot_product_attention(
       key_positions: integer ``[S]`` or ``[B, S]``; as above.
       encodings: hooks filling ``rotate``/``logits``/``values`` (see
         :mod:`posenc_jax.functional.core.hooks`), applied in order (e.g. ``[RoPE()]``;
-        hybrids like RoPE + ALiBi are two entries).
+        hybrids like RoPE + ALiBi are two entries), or, as the modules take them, the
+        registered names of parameter-free encodings (``["rope", "alibi"]``; see
+        :func:`~posenc_jax.functional.encoding_names`). An encoding with learned
+        parameters is passed built (its hook), as the function holds no parameters.
       normalizer: the ``normalize`` hook (an object with ``normalize(scores, mask,
         context)``: ``softmax_weights``, ``l2_normalized_weights``, ``ReLU2()``, a built
         ``URPE``), a registered name (``"softmax"``, ``"l2"``, ``"relu2"``), or a plain

@@ -90,6 +90,28 @@ class KVCache(NamedTuple):
       >>> cache = cache.append(jnp.ones((1, 3, 2, 8)), jnp.ones((1, 3, 2, 8)), jnp.arange(3)[None])
       >>> int(cache.length), cache.positions.tolist(), cache.valid.tolist()
       (3, [[0, 1, 2, 0]], [[True, True, True, False]])
+
+      Decoding in one's own layer: rotate the new tokens' q and k, append k and v, attend over
+      the cache with its positions and its ``valid`` slots as the key mask. (RoPE rotates each
+      key by its own position, so keys are stored rotated; a length-dependent scaling would
+      store them unrotated and pass ``encodings=[rope]`` to the attention instead.)
+
+      >>> from posenc_jax.functional import RoPE, dot_product_attention
+      >>> rope = RoPE()
+      >>> def attend(q, k, v, positions, cache):  # q, k, v [B, T, N, H] of the new tokens, positions [B, T]
+      ...     q, k = rope.rotate(q, k, positions)
+      ...     cache = cache.append(k, v, positions)
+      ...     out = dot_product_attention(q, cache.key, cache.value, query_positions=positions,
+      ...                                 key_positions=cache.positions, key_mask=cache.valid, causal=True)
+      ...     return out, cache
+      >>> x = jax.random.normal(jax.random.key(0), (1, 5, 2, 16))
+      >>> cache = KVCache.empty(batch=1, max_length=8, num_kv_heads=2, head_dim=16)
+      >>> _, cache = attend(x[:, :4], x[:, :4], x[:, :4], jnp.arange(4)[None], cache)  # the prompt
+      >>> step, cache = attend(x[:, 4:], x[:, 4:], x[:, 4:], jnp.arange(4, 5)[None], cache)  # one new token
+      >>> pos = jnp.arange(5)
+      >>> full = dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, encodings=[rope], causal=True)
+      >>> bool(jnp.allclose(step[:, 0], full[:, 4], atol=1e-5)), int(cache.length)
+      (True, 5)
     """
 
     key: jax.Array

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.validation import check_init_sizes
@@ -73,6 +74,7 @@ __all__ = [
     "one_or_more",
     "parameter",
     "pytree_dataclass",
+    "rotation_context",
 ]
 
 Placement = Literal["embeddings", "positions", "attention", "shared_bias", "normalizer"]
@@ -226,6 +228,48 @@ class AttentionContext:
             )
 
 
+def rotation_context(context, caller: str) -> AttentionContext:
+    """The :class:`AttentionContext` a ``rotate`` hook called directly works from.
+
+    The attention hands every hook an :class:`AttentionContext`. A user rotating q and k
+    themselves (to pair RoPE with ``jax.nn.dot_product_attention`` or a fused kernel) passes
+    positions instead: one integer array ``[T]`` or ``[B, T]`` for queries and keys alike, or
+    a pair ``(query_positions, key_positions)``. ``caller`` names the hook in the error.
+
+    Example:
+      >>> rotation_context(jnp.arange(4), "RoPE.rotate").key_length
+      4
+      >>> context = rotation_context((jnp.arange(1) + 3, jnp.arange(4)), "RoPE.rotate")
+      >>> context.query_positions.tolist(), context.key_positions.tolist()
+      ([3], [0, 1, 2, 3])
+    """
+    if isinstance(context, AttentionContext):
+        return context
+    arrays = (jax.Array, np.ndarray)
+    if isinstance(context, arrays):
+        query_positions = key_positions = check_positions(context, "positions")
+    elif isinstance(context, (tuple, list)) and len(context) == 2 and all(isinstance(p, arrays) for p in context):
+        query_positions = check_positions(context[0], "query_positions")
+        same = context[1] is context[0]
+        key_positions = query_positions if same else check_positions(context[1], "key_positions")
+    else:
+
+        def kind(x) -> str:
+            return f"array of shape {x.shape}" if isinstance(x, arrays) else type(x).__name__
+
+        if isinstance(context, (tuple, list)):
+            got = f"a {type(context).__name__} of {len(context)} ({', '.join(kind(p) for p in context)})"
+        else:
+            got = f"{type(context).__name__} {context!r}"[:80]
+        raise TypeError(
+            f"{caller}(q, k, context): context must be an AttentionContext, a positions array [T] or [B, T] (for "
+            f"q and k alike), or a pair (query_positions, key_positions) of arrays; got {got}"
+        )
+    return AttentionContext(
+        query_positions=query_positions, key_positions=key_positions, key_length=int(key_positions.shape[-1])
+    )
+
+
 @runtime_checkable
 class Embed(Protocol):
     """Adds position information to token embeddings ``x`` ``[..., T, D]`` before the first layer."""
@@ -242,7 +286,11 @@ class PositionSampler(Protocol):
 
 @runtime_checkable
 class Rotate(Protocol):
-    """Transforms queries ``[B, T, N, H]`` and keys ``[B, S, K, H]`` (RoPE family, xPos)."""
+    """Transforms queries ``[B, T, N, H]`` and keys ``[B, S, K, H]`` (RoPE family, xPos).
+
+    The attention passes an :class:`AttentionContext`; the library's rotate hooks also take
+    positions when called directly (see :func:`rotation_context`).
+    """
 
     def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
 

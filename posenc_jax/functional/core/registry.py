@@ -22,7 +22,15 @@ import jax
 
 from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, MaterializeOnly, hook_names
 
-__all__ = ["EncodingInfo", "Source", "encoding_config", "encoding_info", "encoding_names", "register_encoding"]
+__all__ = [
+    "EncodingInfo",
+    "Source",
+    "encoding_config",
+    "encoding_info",
+    "encoding_names",
+    "register_encoding",
+    "resolve_encoding",
+]
 
 FORMS = ("causal", "bidirectional")
 
@@ -191,12 +199,33 @@ def encoding_config(name: str, **settings) -> EncodingConfig:
     unknown = sorted(set(settings) - set(accepted))
     if unknown:
         raise ValueError(f"bad settings {unknown} for encoding {name!r}; its settings are {list(accepted)}")
+    missing = [name for name in entry.metadata["required"] if name not in settings]
+    if missing:
+        given = "".join(f", {key}={value!r}" for key, value in settings.items())
+        needed = "".join(f", {key}=..." for key in missing)
+        raise ValueError(
+            f"encoding {name!r} needs the settings {missing}, which have no default: make its config with "
+            f"encoding_config({name!r}{given}{needed}) and pass that"
+        )
     try:
         return entry.factory(**settings)
     except TypeError as error:
         raise ValueError(
             f"bad settings {settings} for encoding {name!r} (its settings: {list(accepted)}): {error}"
         ) from None
+
+
+def resolve_encoding(encoding):
+    """The config registered as ``encoding`` when it is a name, else ``encoding`` as it is (a config or a hook).
+
+    How the attention and the modules read an encoding given by name, so a name means the same
+    thing everywhere.
+
+    Example:
+      >>> resolve_encoding("rope")
+      RoPE(base=10000.0, rotary_dim=None, layout='interleaved', scaling=None)
+    """
+    return encoding_config(encoding) if isinstance(encoding, str) else encoding
 
 
 @functools.cache

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, pytree_dataclass
+from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, pytree_dataclass, rotation_context
 from posenc_jax.functional.core.positions import check_positions, inverse_frequencies
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.rope import Layout, _check_layout, apply_rope
@@ -91,7 +91,13 @@ class AxialRoPE(ParameterFree):
         if not isinstance(self.grid_width, (int, np.integer)) or self.grid_width < 1:
             raise ValueError(f"grid_width must be an integer >= 1, got {self.grid_width!r}")
 
-    def rotate(self, q, k, context: AttentionContext):
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rotates q and k by their patches' (column, row); ``context`` as in :meth:`RoPE.rotate`
+        (an :class:`AttentionContext`, 1-D patch indices, or ``(query_positions, key_positions)``)."""
+        context = rotation_context(context, "AxialRoPE.rotate")
+
         def xy(p):
             return jnp.stack([p % self.grid_width, p // self.grid_width], axis=-1)
 

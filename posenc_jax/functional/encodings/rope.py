@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, parameter, pytree_dataclass
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    ParameterFree,
+    parameter,
+    pytree_dataclass,
+    rotation_context,
+)
 from posenc_jax.functional.core.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.core.registry import Source, register_encoding
 
@@ -322,12 +328,22 @@ class RoPE(ParameterFree):
     attention layer with a KV cache (which then holds keys unrotated, see
     :attr:`rotates_per_token`) decodes each token as the full forward pass of its prefix does.
 
+    To use another attention kernel (``jax.nn.dot_product_attention``, cuDNN, splash
+    attention), rotate q and k with :meth:`rotate` and give them to it: the rotation
+    carries the scaling's frequencies and its attention factor (YaRN's multiplies the
+    rotated q and k, so the scores by its square), and the kernel's default ``1/√H`` is the
+    score scale this library's attention uses.
+
     Example:
       >>> from posenc_jax.functional import dot_product_attention
       >>> q = k = v = jnp.ones((1, 8, 2, 16))
       >>> pos = jnp.arange(8)
       >>> dot_product_attention(q, k, v, query_positions=pos, key_positions=pos,
       ...                       encodings=[RoPE()], causal=True).shape
+      (1, 8, 2, 16)
+      >>> from posenc_jax.functional import YaRNScaling
+      >>> rope = RoPE(scaling=YaRNScaling(factor=4.0, original_context=8))
+      >>> jax.nn.dot_product_attention(*rope.rotate(q, k, pos), v, is_causal=True).shape
       (1, 8, 2, 16)
     """
 
@@ -384,7 +400,29 @@ class RoPE(ParameterFree):
 
         return angles_of, float(self.scaling.attention_factor(None))
 
-    def rotate(self, q, k, context: AttentionContext):
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rotates queries ``[..., T, N, H]`` and keys ``[..., S, K, H]`` by their positions.
+
+        Args:
+          q, k: queries and keys, any float dtype (returned in it; rotated in float32).
+          context: the attention's :class:`AttentionContext`, or the positions: one integer
+            array ``[T]`` or ``[B, T]`` for queries and keys alike (self-attention), or a pair
+            ``(query_positions, key_positions)`` (a decoding step against cached keys).
+
+        Returns:
+          ``(q', k')``, ``q`` and ``k`` rotated (and multiplied by the scaling's attention
+          factor), ready for any attention kernel.
+
+        Example:
+          >>> q = k = jnp.ones((1, 6, 2, 8)); pos = jnp.arange(6)
+          >>> q_rot, k_rot = RoPE().rotate(q, k, pos)
+          >>> q_last, _ = RoPE().rotate(q[:, -1:], k, (pos[-1:], pos))
+          >>> bool(jnp.allclose(q_last, q_rot[:, -1:]))
+          True
+        """
+        context = rotation_context(context, "RoPE.rotate")
         _check_head(q, self.rotary_dim, "q")  # before the frequencies: an odd head dim is named as such
         _, query_positions, key_positions = _checked_qk(
             q, k, context.query_positions, context.key_positions, self.rotary_dim
@@ -454,7 +492,11 @@ class RotaryTable:
         """As :attr:`RoPE.rotates_per_token`."""
         return self.rope.rotates_per_token
 
-    def rotate(self, q, k, context: AttentionContext):
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """As :meth:`RoPE.rotate`, by the stored table when the positions are :attr:`positions` itself."""
+        context = rotation_context(context, "RotaryTable.rotate")
         if context.query_positions is not self.positions or context.key_positions is not self.positions:
             return self.rope.rotate(q, k, context)
         rotary_dim, _, _ = _checked_qk(q, k, self.positions, self.positions, self.rope.rotary_dim)

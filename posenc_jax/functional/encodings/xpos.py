@@ -17,10 +17,17 @@ arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, ParameterFree, pytree_dataclass
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    CausalOnly,
+    ParameterFree,
+    pytree_dataclass,
+    rotation_context,
+)
 from posenc_jax.functional.core.positions import (
     batched_positions,
     check_positions,
@@ -158,16 +165,21 @@ class XPos(CausalOnly, ParameterFree):
         check_number("scale_base", self.scale_base, above=0, fix="512 in the paper")
         check_number("gamma", self.gamma, above=0, fix="0.4 in the paper")
 
-    def rotate(self, q, k, context: AttentionContext):
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """Rotates and scales q ``[..., T, N, H]`` and k ``[..., S, K, H]``; ``context`` as in :meth:`RoPE.rotate`
+        (an :class:`AttentionContext`, one positions array, or ``(query_positions, key_positions)``)."""
         return self.rotate_about(q, k, context, None)
 
-    def rotate_about(self, q, k, context: AttentionContext, centre):
+    def rotate_about(self, q, k, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array], centre):
         """:meth:`rotate` with the scale factors 1 at ``centre`` (``[B|1, 1]``; None: the queries' midpoint).
 
         With a fixed centre each key's rotation depends on its own position alone, so a KV
         cache may hold keys rotated (see :func:`apply_xpos_qk` for the range where the
         centre cancels exactly).
         """
+        context = rotation_context(context, "XPos.rotate")
         return apply_xpos_qk(
             q,
             k,
