@@ -47,6 +47,7 @@ from posenc_jax.functional.core.registry import (
     encoding_names,
     register_encoding,
 )
+from posenc_jax.functional.core.sharded import sequence_parallel_attention
 from posenc_jax.functional.encodings.alibi import ALiBi, alibi_bias, alibi_slopes
 from posenc_jax.functional.encodings.axial_rope import AxialRoPE, apply_rope_2d
 from posenc_jax.functional.encodings.cope import CoPE, CoPEConfig, cope_logits
@@ -125,6 +126,7 @@ __all__ = [
     "register_encoding",
     "relu2_weights",
     "segment_mask",
+    "sequence_parallel_attention",
     "softmax_weights",
     # encodings
     "ALiBi",

@@ -1,0 +1,315 @@
+"""Sequence-parallel attention: one long sequence's queries split over the devices of a mesh.
+
+:func:`sequence_parallel_attention` computes what
+``dot_product_attention(..., implementation="blockwise")`` computes, with the query axis T
+cut into one contiguous slice per device of a mesh axis. Each device runs the blockwise
+attention of its slice of queries against every key (keys and values are gathered whole on
+every device), so the work and the query-side memory (queries, outputs, the running
+statistics) divide by the number of devices; the keys, the values and the
+``[B, N, block_q, block_k]`` tile workspace do not.
+
+Every encoding sees its true positions. A device's queries keep their positions (the slice
+of ``query_positions``), so causal masking, segment ids, biases from positions (T5, ALiBi,
+Kerple, FIRE, ...), terms from positions and q or k (Shaw, DeBERTa, Transformer-XL, CoPE)
+are computed for each tile exactly as on one device. Rotations (RoPE and its scalings,
+xPos, axial RoPE) are applied once to the whole q and k before the split: some read the
+whole call (dynamic NTK and LongRoPE the length ``max(query_positions) + 1``, xPos the
+queries' midpoint), which one device's slice would change.
+
+Each query row goes through the same arithmetic as on one device (its tiles of keys, in the
+same order). On XLA:CPU the outputs equal one device's bit for bit, for every encoding, with T
+padded and with blocks that divide neither length (``tests/test_sharded.py``); gradients with
+respect to what is replicated (keys, values, the encodings' parameters) are sums over the
+devices, taken in another order, and agree to float32 rounding.
+
+Axis letters as in :mod:`posenc_jax.functional.core.attention`: B batch, T queries, S keys,
+N query heads, K key/value heads, H head dim.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, PartitionSpec
+
+from posenc_jax.functional.core.attention import dot_product_attention
+from posenc_jax.functional.core.hooks import (
+    AttentionContext,
+    CarriedLogits,
+    KeyFeatures,
+    Logits,
+    Normalize,
+    Rotate,
+    ScoreScale,
+    Values,
+    one_or_more,
+)
+from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
+from posenc_jax.functional.core.registry import resolve_encoding
+
+__all__ = ["sequence_parallel_attention"]
+
+if hasattr(jax, "shard_map"):
+    _shard_map = functools.partial(jax.shard_map, check_vma=False)
+else:  # jax < 0.6.1 (the project's floor, 0.7.1, has jax.shard_map)
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map
+
+    _shard_map = functools.partial(_experimental_shard_map, check_rep=False)
+
+
+def _mesh_axis(mesh, axis_name: str | None) -> str:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(
+            f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}; e.g. "
+            f"Mesh(np.asarray(jax.devices()), ('sequence',))"
+        )
+    if axis_name is None:
+        if len(mesh.axis_names) != 1:
+            raise ValueError(
+                f"the mesh has the axes {mesh.axis_names}; pass axis_name= to say which one splits the queries"
+            )
+        return mesh.axis_names[0]
+    if axis_name not in mesh.axis_names:
+        raise ValueError(f"axis_name {axis_name!r} is not an axis of the mesh, whose axes are {mesh.axis_names}")
+    return axis_name
+
+
+def _is_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _split_arrays(tree):
+    """``tree``'s array leaves (they cross ``shard_map`` as arguments) and a function rebuilding it."""
+    leaves, treedef = jax.tree.flatten(tree)
+    arrays = [leaf for leaf in leaves if _is_array(leaf)]
+
+    def rebuild(new_arrays):
+        it = iter(new_arrays)
+        return treedef.unflatten([next(it) if _is_array(leaf) else leaf for leaf in leaves])
+
+    return arrays, rebuild
+
+
+def _pad_rows(x, length: int, axis: int):
+    """``x`` padded along ``axis`` to ``length`` by repeating its last entry (positions, ids stay valid)."""
+    if x is None or x.shape[axis] in (1, length):
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, length - x.shape[axis])
+    return jnp.pad(x, widths, mode="edge")
+
+
+def _gathered(x: jax.Array, axis: str) -> jax.Array:
+    """Keys or values ``[B, S/P, K, H]`` gathered from every device into ``[B, S, K, H]``.
+
+    Gathered along the leading axis: XLA:CPU lays an all-gather out with the gathered axis
+    major, and gathering ``[B, S/P, ...]`` along axis 1 would add a copy of the whole result.
+    """
+    whole = jax.lax.all_gather(jnp.moveaxis(x, 1, 0), axis, axis=0, tiled=True)
+    return jnp.moveaxis(whole, 0, 1)
+
+
+def _rotations(hooks: list) -> list:
+    rotations = [hook for hook in hooks if isinstance(hook, Rotate)]
+    for hook in rotations:
+        if isinstance(hook, (Logits, Values, CarriedLogits, KeyFeatures)):
+            raise ValueError(
+                f"{type(hook).__name__} both rotates q and k and adds a term; sequence_parallel_attention applies "
+                f"rotations before splitting the queries and cannot split such a hook: use "
+                f"dot_product_attention(..., implementation='blockwise') on one device"
+            )
+    return rotations
+
+
+def _resolved_scale(hooks: list, head_dim: int, scale: float | None) -> float:
+    """The call's score scale: explicit, else prescribed by an encoding, else ``1/√H``.
+
+    Resolved here because the devices do not see the rotations, which may prescribe it (the
+    checked call has refused encodings that prescribe different scales).
+    """
+    if scale is not None:
+        return float(scale)
+    prescribed = [float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)]
+    return prescribed[0] if prescribed else float(1.0 / np.sqrt(head_dim))
+
+
+def sequence_parallel_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    mesh: Mesh,
+    axis_name: str | None = None,
+    query_positions=None,
+    key_positions=None,
+    encodings: Sequence = (),
+    normalizer: Normalize | str | Callable = softmax_weights,
+    causal: bool = False,
+    key_mask: jax.Array | None = None,
+    query_segment_ids: jax.Array | None = None,
+    key_segment_ids: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+    """Blockwise attention with the queries split over the devices of ``mesh``'s ``axis_name``.
+
+    The same attention as ``dot_product_attention(..., implementation="blockwise")``
+    (the same arguments, less ``return_weights`` and ``implementation``): device ``d`` of the
+    ``P`` devices along ``axis_name`` computes the outputs of queries
+    ``d·⌈T/P⌉ .. (d+1)·⌈T/P⌉ - 1`` against all S keys, in tiles of ``block_q × block_k``.
+    Queries, their positions, segment ids, the rows of ``mask`` and the output are split
+    along T; keys, values, their positions, ``key_mask`` and the encodings' parameters are
+    replicated. A T that the devices do not divide is padded (the last query repeated)
+    and the padding dropped. Rotations (RoPE, xPos, ...) are applied to the whole q and k
+    before the split, since some read the whole call (see the module docstring).
+
+    Call it under ``jax.jit`` or not; the inputs may be placed anywhere (they are moved to
+    the split above). Dropout draws each device's masks from ``fold_in(dropout_rng, d)``.
+
+    Args:
+      query: ``[B, T, N, H]`` (or ``[T, N, H]``).
+      key, value: ``[B, S, K, H]`` (or ``[S, K, H]``).
+      mesh: a :class:`jax.sharding.Mesh`; e.g. ``Mesh(np.asarray(jax.devices()), ("sequence",))``.
+      axis_name: the mesh axis that splits the queries (default: the mesh's only axis).
+        Along the mesh's other axes, if any, the computation is repeated.
+      query_positions, key_positions, encodings, normalizer, causal, key_mask,
+      query_segment_ids, key_segment_ids, mask, scale, dropout_rate, dropout_rng, block_q,
+      block_k: as in :func:`~posenc_jax.functional.core.attention.dot_product_attention`.
+
+    Returns:
+      ``[B, T, N, H]`` in ``query``'s dtype, split along T over ``axis_name``.
+
+    Example:
+      >>> mesh = Mesh(np.asarray(jax.devices()), ("sequence",))
+      >>> q = k = v = jnp.ones((1, 16, 2, 8)); pos = jnp.arange(16)
+      >>> sequence_parallel_attention(q, k, v, mesh=mesh, query_positions=pos, key_positions=pos,
+      ...                             encodings=["rope", "alibi"], causal=True, block_q=4).shape
+      (1, 16, 2, 8)
+    """
+    axis = _mesh_axis(mesh, axis_name)
+    settings = dict(
+        normalizer=normalizer,
+        causal=causal,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    # Every check of the one-device call, with its messages, on the whole call's shapes (nothing is computed).
+    jax.eval_shape(
+        lambda q, k, v, rng: dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            encodings=encodings,
+            key_mask=key_mask,
+            query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids,
+            mask=mask,
+            dropout_rng=rng,
+            implementation="blockwise",
+            **settings,
+        ),
+        query,
+        key,
+        value,
+        dropout_rng,
+    )
+    unbatched = query.ndim == 3
+    key_mask, query_segment_ids, key_segment_ids = (
+        None if a is None else jnp.asarray(a)[None] if unbatched else jnp.asarray(a)
+        for a in (key_mask, query_segment_ids, key_segment_ids)
+    )
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    batch, q_len, num_heads, head_dim = query.shape
+    hooks = [resolve_encoding(encoding) for encoding in one_or_more(encodings)]
+    rotations = _rotations(hooks)
+    settings["scale"] = _resolved_scale(hooks, head_dim, scale)
+    settings["normalizer"] = as_normalizer(normalizer)
+
+    if rotations:
+        context = AttentionContext.from_positions(
+            query_positions,
+            key_positions,
+            causal=bool(causal),
+            scale=settings["scale"],
+            head_dim=head_dim,
+            num_heads=num_heads,
+        )
+        for hook in rotations:
+            query, key = hook.rotate(query, key, context)
+    hooks = [hook for hook in hooks if not isinstance(hook, Rotate)]
+
+    # Whole-call arrays in the shapes the devices receive: per-query ones [B|1, T, ...] padded to P·⌈T/P⌉.
+    devices = mesh.shape[axis]
+    padded = devices * math.ceil(q_len / devices)
+    rows = PartitionSpec(None, axis)
+    whole = PartitionSpec()
+    query = _pad_rows(query, padded, 1)
+    if query_positions is not None:
+        query_positions = _pad_rows(jnp.atleast_2d(jnp.asarray(query_positions)), padded, 1)
+        key_positions = jnp.atleast_2d(jnp.asarray(key_positions))
+    if query_segment_ids is not None:
+        query_segment_ids = _pad_rows(jnp.asarray(query_segment_ids), padded, 1)
+    mask_spec = whole
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+        if mask.shape[2] != 1:
+            mask = _pad_rows(mask, padded, 2)
+            mask_spec = PartitionSpec(None, None, axis, None)
+    parameters, rebuild = _split_arrays((hooks, settings["normalizer"]))
+
+    def local(q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters):
+        local_hooks, local_normalizer = rebuild(parameters)
+        if gather_keys:
+            k, v = _gathered(k, axis), _gathered(v, axis)
+        if rng is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=qpos,
+            key_positions=kpos,
+            encodings=local_hooks,
+            key_mask=kmask,
+            query_segment_ids=qseg,
+            key_segment_ids=kseg,
+            mask=extra,
+            dropout_rng=rng,
+            implementation="blockwise",
+            **{**settings, "normalizer": local_normalizer},
+        )
+
+    # Keys and values enter split and are gathered inside (see _gathered) when the devices divide S.
+    gather_keys = key.shape[1] % devices == 0
+    keys = rows if gather_keys else whole
+    in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
+    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(
+        query,
+        key,
+        value,
+        query_positions,
+        key_positions,
+        key_mask,
+        query_segment_ids,
+        key_segment_ids,
+        mask,
+        dropout_rng,
+        parameters,
+    )
+    out = out[:, :q_len]
+    return out[0] if unbatched else out

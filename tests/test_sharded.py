@@ -1,0 +1,206 @@
+"""Sequence-parallel attention on 8 simulated CPU devices equals one device's blockwise attention.
+
+The checks run in one subprocess (the device count is fixed when jax starts) that prints its
+findings as JSON; each test below reads its part. Forward outputs are compared bit for bit with
+``dot_product_attention(..., implementation="blockwise")`` on one device; gradients with respect
+to the replicated inputs (keys, values, the encodings' parameters) are sums over the devices,
+taken in another order, so they agree to float32 rounding.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, sys, json
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, TESTS)
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from posenc_jax.functional import dot_product_attention, encoding_info, sequence_parallel_attention
+    from small_encodings import small_config
+
+    assert len(jax.devices()) == 8, jax.devices()
+    mesh = Mesh(np.asarray(jax.devices()), ("sequence",))
+    found = {}
+    rng = np.random.default_rng(0)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32)
+
+    def one_device(q, k, v, **kwargs):
+        return dot_product_attention(q, k, v, implementation="blockwise", **kwargs)
+
+    def split(q, k, v, **kwargs):
+        return sequence_parallel_attention(q, k, v, mesh=mesh, **kwargs)
+
+    def difference(a, b):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        return {"equal": bool((a == b).all()), "relative": float(np.abs(a - b).max() / np.abs(a).max()),
+                "finite": bool(np.isfinite(b).all())}
+
+    # 1. Every encoding, causal and bidirectional where defined: self-attention at gapped, offset
+    # positions, grouped-query heads, key padding; 8 queries per device in 2 blocks of 4.
+    B, T, N, K, H = 2, 64, 4, 2, 8
+    q, k, v = normal(B, T, N, H), normal(B, T, K, H), normal(B, T, K, H)
+    pos = jnp.asarray(5 + 3 * np.arange(T))
+    key_mask = jnp.ones((B, T), bool).at[1, -5:].set(False)
+    names = ["nope", "rope", "rope-dynamic-ntk", "xpos", "alibi", "t5", "kerple-log", "fire",
+             "shaw", "deberta", "transformer-xl", "cope"]
+    cases, hooks = [], []
+    for name in names:
+        config = small_config(name)
+        params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+        if name == "cope":  # zeros at init would make its term vanish
+            params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
+        for causal in (True, False):
+            if ("causal" if causal else "bidirectional") in encoding_info(name).forms:
+                cases.append((name, causal))
+                hooks.append(config.build(params))
+
+    def all_cases(attention):
+        def run(hooks, q, k, v):
+            return [attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[hook], causal=causal,
+                              key_mask=key_mask, block_q=4, block_k=8)
+                    for hook, (_, causal) in zip(hooks, cases)]
+        return jax.jit(run)(hooks, q, k, v)
+
+    found["encodings"] = {f"{name}-{'causal' if causal else 'bidir'}": difference(a, b) for (name, causal), a, b in
+                          zip(cases, all_cases(one_device), all_cases(split))}
+
+    # 2. T the devices do not divide (61: padded to 64), cross-attention (S = 70), segments, an extra mask,
+    # and blocks that divide nothing (3 x 5); then its gradients, with T5's parameters.
+    T, S = 61, 70
+    q, k, v = normal(B, T, N, H), normal(B, S, K, H), normal(B, S, K, H)
+    kwargs = dict(query_positions=jnp.asarray(7 + 2 * np.arange(T)), key_positions=jnp.asarray(1 + 2 * np.arange(S)),
+                  key_mask=jnp.ones((B, S), bool).at[1, -3:].set(False),
+                  query_segment_ids=jnp.asarray([[0] * 30 + [1] * 31, [0] * T]),
+                  key_segment_ids=jnp.asarray([[0] * 33 + [1] * 37, [0] * S]),
+                  mask=jnp.asarray(rng.random((1, 1, T, S)) > 0.1), causal=True, block_q=3, block_k=5)
+    t5 = small_config("t5")
+    t5_params = t5.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    weight = normal(B, T, N, H)
+
+    def loss(attention, params, q, k, v):
+        out = attention(q, k, v, encodings=["rope", t5.build(params)], **kwargs)
+        return jnp.sum(out * weight), out
+
+    results = {}
+    for label, attention in (("one", one_device), ("split", split)):
+        results[label] = jax.jit(jax.value_and_grad(lambda *a, f=attention: loss(f, *a), argnums=(0, 1, 2, 3),
+                                                    has_aux=True))(t5_params, q, k, v)
+    (_, want), want_grads = results["one"]
+    (_, got), got_grads = results["split"]
+    found["padded"] = difference(want, got)
+    found["padded_shape"] = list(got.shape)
+    found["gradients"] = {what: difference(a, b) for what, a, b in
+                          zip(["t5", "query", "key", "value"], jax.tree.leaves(want_grads), jax.tree.leaves(got_grads))}
+    # Unbatched, and outside jit.
+    unbatched = {name: (value[0] if name in ("key_mask", "query_segment_ids", "key_segment_ids", "mask") else value)
+                 for name, value in kwargs.items()}
+    found["unbatched_eager"] = difference(
+        want[0], split(q[0], k[0], v[0], encodings=["rope", t5.build(t5_params)], **unbatched))
+
+    # 3. Dropout: each device draws its own masks (identical rows on every device would otherwise drop alike).
+    same = jnp.broadcast_to(normal(1, 1, N, H), (1, 64, N, H))
+    dropped = split(same, normal(1, 64, K, H), normal(1, 64, K, H), dropout_rate=0.5, dropout_rng=jax.random.key(0))
+    found["dropout_devices_differ"] = not bool(jnp.array_equal(dropped[:, :8], dropped[:, 8:16]))
+
+    # 4. Errors at the boundary.
+    errors = []
+    two_axes = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "sequence"))
+    for bad in (dict(mesh="mesh"), dict(mesh=mesh, axis_name="model"), dict(mesh=two_axes),
+                dict(mesh=mesh, causal=True)):
+        try:
+            sequence_parallel_attention(q, k, v, **bad)
+            errors.append(None)
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    found["errors"] = errors
+    # A mesh with two axes: queries split along the named one, the computation repeated along the other.
+    found["two_axes"] = difference(want, jax.jit(lambda q, k, v: sequence_parallel_attention(
+        q, k, v, mesh=two_axes, axis_name="sequence", encodings=["rope", t5.build(t5_params)], **kwargs))(q, k, v))
+
+    # 5. Memory of a long evaluation (compiled, not run): T = S = 32768, 8 query heads, 2 key/value heads,
+    # H = 64, default 512 x 512 tiles, RoPE + ALiBi, causal. One device holds q, k, v and the output whole; the
+    # split program gets q, k and v split along T (a long evaluation's activations are).
+    T, N, K, H = 32768, 8, 2, 64
+    pos = jnp.arange(T)
+    kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
+
+    def memory(attention, spec):
+        sharding = None if spec is None else NamedSharding(mesh, spec)
+        shapes = [jax.ShapeDtypeStruct((1, T, heads, H), jnp.float32, sharding=sharding) for heads in (N, K, K)]
+        analysis = jax.jit(lambda q, k, v: attention(q, k, v, **kwargs)).lower(*shapes).compile().memory_analysis()
+        return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
+                "output": analysis.output_size_in_bytes}
+
+    found["memory"] = {"one": memory(one_device, None), "split": memory(split, P(None, "sequence")),
+                       "key_bytes": T * K * H * 4, "query_bytes": T * N * H * 4}
+    print("FOUND" + json.dumps(found))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def found():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", f"TESTS = {TESTS!r}\n" + SCRIPT], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("FOUND"))
+    return json.loads(line[len("FOUND") :])
+
+
+def test_every_encoding_equals_one_device_bit_for_bit(found):
+    assert len(found["encodings"]) >= 20
+    unequal = {case: d for case, d in found["encodings"].items() if not (d["equal"] and d["finite"])}
+    assert not unequal, unequal
+
+
+def test_padding_cross_attention_segments_and_masks_bit_for_bit(found):
+    assert found["padded_shape"] == [2, 61, 4, 8]
+    assert found["padded"]["equal"], found["padded"]
+    assert found["two_axes"]["equal"], found["two_axes"]
+
+
+def test_gradients_equal_to_float32_rounding(found):
+    grads = found["gradients"]
+    assert all(d["finite"] for d in grads.values()), grads
+    assert grads["query"]["equal"], grads  # each query's gradient is computed on its own device
+    for what in ("key", "value", "t5"):  # summed over the devices
+        assert grads[what]["relative"] < 1e-6, grads
+
+
+def test_unbatched_eager_call_and_per_device_dropout(found):
+    assert found["unbatched_eager"]["relative"] < 1e-6, found["unbatched_eager"]
+    assert found["dropout_devices_differ"]
+
+
+def test_bad_meshes_are_refused_by_name(found):
+    mesh_type, axis, two_axes, checked = found["errors"]
+    assert mesh_type.startswith("TypeError: mesh must be a jax.sharding.Mesh, got str")
+    assert "axis_name 'model' is not an axis of the mesh" in axis
+    assert "pass axis_name=" in two_axes
+    # The one-device call's checks, on the whole call's lengths.
+    assert "jnp.arange(61) and jnp.arange(70)" in checked
+
+
+def test_long_evaluation_splits_what_grows_with_the_queries(found):
+    memory = found["memory"]
+    one, split = memory["one"], memory["split"]
+    # The queries and outputs are split 8 ways; keys and values arrive split and are gathered whole.
+    assert split["output"] * 8 == one["output"] == memory["query_bytes"]
+    assert split["arguments"] * 8 == one["arguments"]
+    total = sum(split.values()) / sum(one.values())
+    # What stays per device: the gathered keys and values (2 x key_bytes) and the tile workspace.
+    assert total < 0.35, (total, memory)
+    assert split["temp"] < 2 * memory["key_bytes"] + 2 * memory["query_bytes"] / 8 + 40 * 2**20, memory
