@@ -16,6 +16,7 @@ by the first call that writes the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -68,6 +69,21 @@ def _table_maker(hook, capacity: int, stored):
     if stored is None or not isinstance(hook, CachedTable):
         return None
     return functools.partial(hook.cache_table, capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnTokens:
+    """A model's prepared rotation as the ``rotate`` hook of a layer's self-attention.
+
+    The model prepared it for the layer's tokens, which are the attention's queries and keys, so
+    it rotates them by its table whatever the context (no positions compared), where the
+    attention applies any rotation.
+    """
+
+    table: PreparedRotation
+
+    def rotate(self, q: jax.Array, k: jax.Array, context) -> tuple[jax.Array, jax.Array]:
+        return self.table.rotate_prepared(q, k)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -267,10 +283,11 @@ class MultiHeadAttention(nnx.Module):
 
         ``prepared``: the model's per-forward rotations (:meth:`_forward_terms`), one entry per
         encoding of this layer, None where the layer uses its own hook. They were prepared for
-        the tokens at ``positions``, so the layer rotates its own queries and keys by them
-        (:meth:`~posenc_jax.functional.core.hooks.PreparedRotation.rotate_prepared`) and they
-        never reach the attention: nothing compares positions. A cache whose keys are re-rotated
-        at every step (a rotation that follows the sequence length) uses the layer's own hooks.
+        the tokens at ``positions``, this layer's own queries and keys, which they rotate
+        (:meth:`~posenc_jax.functional.core.hooks.PreparedRotation.rotate_prepared`) with no
+        positions compared: in self-attention where the attention rotates (:class:`_OwnTokens`),
+        when decoding before the new keys are cached. A cache whose keys are re-rotated at every
+        step (a rotation that follows the sequence length) uses the layer's own hooks.
         """
         batch, length, _ = x.shape
         q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
@@ -278,14 +295,11 @@ class MultiHeadAttention(nnx.Module):
         v = self.value(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         own = self._hooks()
         tables = self._prepared(prepared)
-        stays = [hook for hook, table in zip(own, tables, strict=True) if table is None]
-        tables = [table for table in tables if table is not None]
         query_positions = key_positions = positions
         new_cache = None
         if cache is None:
-            for table in tables:
-                q, k = table.rotate_prepared(q, k)
-            encodings = stays + list(shared)
+            encodings = [hook if table is None else _OwnTokens(table) for hook, table in zip(own, tables, strict=True)]
+            encodings += list(shared)
         else:
             if not causal:
                 raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
@@ -296,8 +310,9 @@ class MultiHeadAttention(nnx.Module):
             if _stores_rotated_keys(encodings):
                 # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
                 reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
-                rest = stays + list(shared)
-                q, k = self._rotate_new_tokens(q, k, positions, rest, tables, reference)
+                rest = [hook for hook, table in zip(own, tables, strict=True) if table is None] + list(shared)
+                prepared = [table for table in tables if table is not None]
+                q, k = self._rotate_new_tokens(q, k, positions, rest, prepared, reference)
                 encodings = [hook for hook in rest if not isinstance(hook, Rotate)]
                 terms = _cached_terms(encodings)
             if len(terms) != len(cache.features):
