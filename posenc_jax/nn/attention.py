@@ -294,11 +294,11 @@ class MultiHeadAttention(nnx.Module):
         k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.value(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         own = self._hooks()
-        tables = self._prepared(prepared)
+        rotations = self._prepared(prepared)  # per encoding: the model's prepared rotation, or None
         query_positions = key_positions = positions
         new_cache = None
         if cache is None:
-            encodings = [hook if table is None else _OwnTokens(table) for hook, table in zip(own, tables, strict=True)]
+            encodings = [hook if r is None else _OwnTokens(r) for hook, r in zip(own, rotations, strict=True)]
             encodings += list(shared)
         else:
             if not causal:
@@ -310,9 +310,9 @@ class MultiHeadAttention(nnx.Module):
             if _stores_rotated_keys(encodings):
                 # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
                 reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
-                rest = [hook for hook, table in zip(own, tables, strict=True) if table is None] + list(shared)
-                prepared = [table for table in tables if table is not None]
-                q, k = self._rotate_new_tokens(q, k, positions, rest, prepared, reference)
+                rest = [hook for hook, ready in zip(own, rotations, strict=True) if ready is None] + list(shared)
+                ready = [rotation for rotation in rotations if rotation is not None]
+                q, k = self._rotate_new_tokens(q, k, positions, rest, ready, reference)
                 encodings = [hook for hook in rest if not isinstance(hook, Rotate)]
                 terms = _cached_terms(encodings)
             if len(terms) != len(cache.features):
@@ -378,15 +378,15 @@ class MultiHeadAttention(nnx.Module):
                 raise TypeError(f"prepared entries must be prepared rotations (RoPE().prepare(...)), got {hook!r}")
         return list(prepared)
 
-    def _rotate_new_tokens(self, q, k, positions, hooks, tables, reference):
+    def _rotate_new_tokens(self, q, k, positions, hooks, prepared, reference):
         """A decoding step's queries and new keys rotated now, when the cache holds keys rotated.
 
-        ``tables``: the model's prepared rotations, for these tokens; ``hooks``: the layer's other
+        ``prepared``: the model's prepared rotations, for these tokens; ``hooks``: the layer's other
         hooks, whose rotations rotate by ``positions`` (int32 ``[B, t]``, checked by the caller).
         ``reference`` (int32 ``[B, 1]``) is the fixed position a ``rotate_about`` hook rotates about.
         """
-        for table in tables:
-            q, k = table.rotate_prepared(q, k)
+        for rotation in prepared:
+            q, k = rotation.rotate_prepared(q, k)
         rotations = [hook for hook in hooks if isinstance(hook, Rotate)]
         if not rotations:
             return q, k

@@ -648,6 +648,7 @@ def dot_product_attention(
             "return_weights=True needs the [B, N, T, S] weights, which blockwise attention never holds; use "
             "implementation='materialize' to get them"
         )
+    normalizer = as_normalizer(normalizer)
     _check_shapes(query, key, value)
     batch, q_len = query.shape[:2]
     hooks = _attention_hooks(encodings, causal=bool(causal))
@@ -667,7 +668,7 @@ def dot_product_attention(
         hooks,
         query_positions=query_positions,
         key_positions=key_positions,
-        normalizer=as_normalizer(normalizer),
+        normalizer=normalizer,
         causal=causal,
         key_mask=key_mask,
         query_segment_ids=query_segment_ids,
