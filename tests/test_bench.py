@@ -244,7 +244,8 @@ def test_seeds_left_at_different_steps_resume_together(tmp_path, standard_promot
         (["--tasks", "text", "--eval-lengths", "8,64"], "has only the text task; .* --text-lengths"),
         (
             ["--preset", "huge"],
-            "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, ruoss, cope-tasks, colab-tpu, paper",
+            "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, ruoss, cope-tasks, "
+            "colab-tpu, paper",
         ),
     ],
 )
