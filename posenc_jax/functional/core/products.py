@@ -67,5 +67,8 @@ def value_product(weights: jax.Array, value: jax.Array) -> jax.Array:
     """``weights · v``: ``[B, N, T, S]`` by ``[B, S, K, H]``, float32 ``[B, T, N, H]`` (grouped heads)."""
     num_kv_heads = value.shape[2]
     grouped = einops.rearrange(weights, "B (K G) T S -> B K G T S", K=num_kv_heads).astype(value.dtype)
-    out = jnp.einsum("BKGTS,BSKH->BTKGH", grouped, value, preferred_element_type=jnp.float32)
-    return einops.rearrange(out, "B T K G H -> B T (K G) H")
+    # v as [B, K, S, H] (a copy of v, not of the weights): with 'BSKH' XLA:CPU computes the product
+    # transposed, copying the weights to [.., S, T] (a fused transposing pass over [B, N, T, S]).
+    by_head = einops.rearrange(value, "B S K H -> B K S H")
+    out = jnp.einsum("BKGTS,BKSH->BKGTH", grouped, by_head, preferred_element_type=jnp.float32)
+    return einops.rearrange(out, "B K G T H -> B T (K G) H")
