@@ -11,9 +11,7 @@ import einops
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.core.relative import by_query_blocks
-
-__all__ = ["as_scores", "broadcasts_to", "content_scores", "selected_product", "value_product"]
+__all__ = ["NONFINITE_KEYS", "as_scores", "broadcasts_to", "content_scores", "masked_value_product", "value_product"]
 
 
 def as_scores(term: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:
@@ -40,27 +38,75 @@ def content_scores(query: jax.Array, key: jax.Array, scale: float) -> jax.Array:
     return einops.rearrange(scores, "B K G T S -> B (K G) T S") * jnp.float32(scale)
 
 
-def selected_product(weights: jax.Array, value: jax.Array, mask: jax.Array, *, block_elements: int = 1 << 22):
-    """``out[b,t,n] = Σ_s where(mask[b,n,t,s], w[b,n,t,s] · v[b,s,n], 0)``, float32 ``[B, T, N, H]``.
+# Keys per batch row whose non-finite values are added exactly (see masked_value_product).
+NONFINITE_KEYS = 8
 
-    Exact whatever the masked values hold; elementwise, by blocks of query rows holding
-    about ``block_elements`` products, so only used when a value is not finite.
+
+def masked_value_product(weights: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
+    """``out[b,t,n] = Σ_s w[b,n,t,s] · v[b,s,n]`` over the keys ``mask`` lets row t see, float32 ``[B, T, N, H]``.
+
+    Exact whatever the masked values hold, with no conditional. ``0 · NaN`` is NaN, so the
+    plain einsum would let a masked key's non-finite value poison every row. Here, with
+    ``v̄ = where(isfinite(v), 0, v)`` (the non-finite entries) and ``P`` the first
+    ``NONFINITE_KEYS`` (8) keys of the batch row that hold one,
+
+        out[t] = Σ_s w[t, s] · where(isfinite(v), v, 0)[s]  +  Σ_{s ∈ P} where(mask[t, s], w[t, s] · v̄[s], 0)
+
+    The second term is what those entries bring to the rows that see them, by IEEE rules
+    (``w · ±inf`` is ``±inf``, or NaN for ``w = 0``; a sum with NaN or both infinities is
+    NaN): an elementwise ``[B, N, T, P, H]`` term from ``P`` gathered columns of ``w`` and of
+    the mask. Rows that see no non-finite value get the first term alone, the plain einsum's
+    result. Past ``P`` such keys (values mostly NaN), a row that gives weight (``w ≠ 0``) to
+    a further one is NaN in every feature of its head: ``Σ_s w[t, s] · u[s]`` with ``u[s] = 1``
+    for those keys, one more column of the first product. The second term reads the weights
+    under ``stop_gradient``, so the derivative is the einsum's on the finite values (the rows
+    a non-finite value reaches are NaN or infinite).
+
+    Args:
+      weights: ``[B, N, T, S]`` weights, zero where masked.
+      value: ``[B, S, K, H]`` (grouped heads: query head n reads value head ``n // (N / K)``).
+      mask: boolean, broadcastable to ``[B, N, T, S]``, True where row t may see key s.
+
+    Returns:
+      float32 ``[B, T, N, H]``.
+
+    Example:
+      >>> w = jnp.array([[[[1.0, 0.0], [0.5, 0.5]]]])  # [1, 1, 2, 2]: row 0 sees key 0 only
+      >>> v = jnp.array([[[[1.0]], [[jnp.nan]]]])  # [1, 2, 1, 1]: key 1 holds NaN
+      >>> masked_value_product(w, v, jnp.tril(jnp.ones((2, 2), bool)))[0, :, 0, 0]
+      Array([ 1., nan], dtype=float32)
     """
+    batch, k_len, num_kv_heads, head_dim = value.shape
+    finite = jnp.isfinite(value)
+    bad = ~finite.all(axis=(2, 3))  # [B, S]: the key's value vector holds a non-finite entry
+    picked = min(NONFINITE_KEYS, k_len)
+    further = (bad & (jnp.cumsum(bad, axis=1) > picked)).astype(value.dtype)
+    further = jnp.broadcast_to(further[:, :, None, None], (batch, k_len, num_kv_heads, 1))
+    both = value_product(weights, jnp.concatenate([jnp.where(finite, value, jnp.zeros((), value.dtype)), further], -1))
+    out, reached = both[..., :head_dim], both[..., head_dim:] != 0
+    seen = _seen_nonfinite(jax.lax.stop_gradient(weights), jax.lax.stop_gradient(value), finite, bad, mask, picked)
+    return out + jnp.where(reached, jnp.nan, seen)
+
+
+def _seen_nonfinite(weights, value, finite, bad, mask, picked: int) -> jax.Array:
+    """``Σ_{s ∈ P} where(mask[t, s], w[t, s] · v̄[s], 0)`` of :func:`masked_value_product`, ``[B, T, N, H]``."""
     batch, num_heads, q_len, k_len = weights.shape
-    head_dim = value.shape[-1]
-    per_head = jnp.repeat(value, num_heads // value.shape[2], axis=2).astype(jnp.float32)
-    per_head = einops.rearrange(per_head, "B S N H -> B N 1 S H")
-
-    def block(start, rows):
-        w = jax.lax.dynamic_slice_in_dim(weights, start, rows, axis=2)[..., None]  # [B, N, rows, S, 1]
-        m = jax.lax.dynamic_slice_in_dim(mask, start, rows, axis=2)[..., None]  # [B|1, N|1, rows, S, 1]
-        return jnp.where(m, w * per_head, 0.0).sum(axis=3)  # [B, N, rows, H]
-
-    mask = jnp.broadcast_to(mask, mask.shape[:2] + (q_len, k_len))
-    out = by_query_blocks(
-        block, (batch, num_heads, q_len, head_dim), jnp.float32, block_elements=max(1, block_elements // k_len)
-    )
-    return einops.rearrange(out, "B N T H -> B T N H")
+    num_kv_heads = value.shape[2]
+    first = jnp.where(bad, k_len - jnp.arange(k_len, dtype=jnp.int32)[None], 0)  # earlier keys score higher
+    score, keys = jax.lax.top_k(first, picked)  # [B, P]: the first keys that hold one, then any (score 0)
+    nonfinite = jnp.where(finite, jnp.zeros((), value.dtype), value)
+    nonfinite = jnp.take_along_axis(nonfinite, keys[:, :, None, None], axis=1).astype(jnp.float32)  # [B, P, K, H]
+    mask = as_scores(mask, 4, dtype=jnp.bool_)
+    mask = jnp.broadcast_to(mask, (batch, *mask.shape[1:]))
+    sees = jnp.take_along_axis(mask, keys[:, None, None, :], axis=3) & (score > 0)[:, None, None, :]  # [B, N|1, T, P]
+    w = jnp.take_along_axis(weights, keys[:, None, None, :], axis=3).astype(jnp.float32)  # [B, N, T, P]
+    w = einops.rearrange(w, "B (K G) T P -> B K G T P", K=num_kv_heads)
+    sees = einops.rearrange(sees, "B (K G) T P -> B K G T P", K=num_kv_heads if sees.shape[1] > 1 else 1)
+    nonfinite = einops.rearrange(nonfinite, "B P K H -> B K 1 1 P H")
+    term = jnp.zeros((batch, num_kv_heads, num_heads // num_kv_heads, q_len, value.shape[3]), jnp.float32)
+    for p in range(picked):  # P terms of [B, K, G, T, H], one fused pass
+        term = term + jnp.where(sees[..., p, None], w[..., p, None] * nonfinite[..., p, :], 0.0)
+    return einops.rearrange(term, "B K G T H -> B T (K G) H")
 
 
 def value_product(weights: jax.Array, value: jax.Array) -> jax.Array:
