@@ -17,7 +17,7 @@ import pytest
 
 from posenc_jax.functional import dot_product_attention
 from posenc_jax.functional.core.control import cond_over_batch
-from posenc_jax.functional.core.masks import MaskParts, keys_seen_by_segment
+from posenc_jax.functional.core.masks import MaskParts, keys_seen_by_segment, queries_seeing_by_segment
 from posenc_jax.functional.core.normalizers import softmax_weights
 from posenc_jax.functional.core.products import NONFINITE_KEYS, masked_value_product
 
@@ -89,6 +89,20 @@ KINDS = [
     "extra",
     "extra + causal",
 ]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_queries_seeing_equal_the_reduced_mask(rng, kind):
+    for _ in range(5):
+        parts = _random_parts(rng, kind)
+        marked = jnp.asarray(rng.random((3, 8)) < 0.3)
+        want = np.asarray(parts.mask() & marked[:, None, None, :]).any(axis=3)
+        got = np.asarray(parts.queries_seeing(marked))
+        np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+    seen = queries_seeing_by_segment(
+        jnp.array([5, 5, 9]), jnp.array([9, 1, 5, 5]), jnp.array([True, True, False, False])
+    )
+    np.testing.assert_array_equal(seen, [[False, False, True]])  # ids need not be small
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -166,13 +180,16 @@ def test_masked_value_product_and_its_derivatives_are_the_plain_einsums(rng):
     np.testing.assert_allclose(tangent, jax.jvp(plain, (weights, clean), finite_tangents)[1], rtol=1e-5, atol=1e-6)
 
 
-def _selected_reference(weights, value, mask):
-    """``Σ_s where(mask, w · v, 0)`` elementwise in NumPy, IEEE rules for every product and sum."""
+def _seen_reference(weights, value, mask):
+    """The rule of masked_value_product in NumPy, elementwise: ``Σ_s where(mask, w · v_finite + v̄, 0)``
+    with ``v_finite`` the finite entries (others 0) and ``v̄`` the non-finite ones (others 0), IEEE sums."""
     weights, value, mask = (np.asarray(x) for x in (weights, value, mask))
-    per_head = np.repeat(value, weights.shape[1] // value.shape[2], axis=2).transpose(0, 2, 1, 3)  # [B, N, S, H]
+    per_head = np.repeat(value, weights.shape[1] // value.shape[2], axis=2).transpose(0, 2, 1, 3)[:, :, None]
+    finite = np.isfinite(per_head)
+    seen = np.broadcast_to(mask, weights.shape)[..., None]  # [B, N, T, S, 1]
     with np.errstate(invalid="ignore", over="ignore"):
-        terms = weights[..., None] * per_head[:, :, None]  # [B, N, T, S, H]
-        out = np.where(np.broadcast_to(mask, weights.shape)[..., None], terms, np.float32(0)).sum(axis=3)
+        terms = weights[..., None] * np.where(finite, per_head, 0) + np.where(finite, 0, per_head)
+        out = np.where(seen, terms, np.float32(0)).sum(axis=3)
     return out.transpose(0, 2, 1, 3)
 
 
@@ -198,43 +215,46 @@ def _poisoned_case(rng, head_dim, *, k_len, bad_keys):
 
 @pytest.mark.parametrize("head_dim", [3, 33, 70])
 def test_masked_value_product_gives_what_the_seen_values_give_bit_for_bit(rng, head_dim):
-    """Every non-finite value the row sees, and only those: NaN, +inf, -inf, both infinities, a seen
-    key of weight 0 (``0 · inf`` is NaN), negative weights (``-w · inf`` is ``-inf``), grouped heads."""
+    """Every non-finite entry of the keys the row may see, and only those: NaN, +inf, -inf, both
+    infinities (NaN), whatever the weight there (0, negative); grouped heads; per-head and shared masks."""
     weights, value, mask = _poisoned_case(rng, head_dim, k_len=12, bad_keys=NONFINITE_KEYS)
-    want = _selected_reference(weights, value, mask)
-    for got in (masked_value_product(weights, value, mask), jax.jit(masked_value_product)(weights, value, mask)):
-        got = np.asarray(got)
-        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
-        np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want))
-        finite = np.isfinite(want)
-        assert 0.05 < finite.mean() < 0.95 and np.isposinf(want).any() and np.isneginf(want).any()
-        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+    want = _seen_reference(weights, value, mask)
+    finite = np.isfinite(want)
+    assert 0.05 < finite.mean() < 0.95 and np.isposinf(want).any() and np.isneginf(want).any()
     shared = mask[:, :1]  # a mask shared by every head, [B, 1, T, S]
-    weights = jnp.where(shared, weights, 0.0)
-    got, want = np.asarray(masked_value_product(weights, value, shared)), _selected_reference(weights, value, shared)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-6)
+    cases = [(weights, mask, want), (jnp.where(shared, weights, 0.0), shared, None)]
+    for w, m, want in cases:
+        want = _seen_reference(w, value, m) if want is None else want
+        for got in (masked_value_product(w, value, m), jax.jit(masked_value_product)(w, value, m)):
+            got = np.asarray(got)
+            for test in (np.isnan, np.isposinf, np.isneginf):
+                np.testing.assert_array_equal(test(got), test(want))
+            np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-6)
 
 
-def test_masked_value_product_past_its_exact_keys_still_keeps_masked_values_out(rng):
-    """Past NONFINITE_KEYS keys holding non-finite values, a row that gives weight to a further one is NaN
-    in every feature of that head (one that sees a further one only at weight 0 takes nothing from it);
-    every other row is as exact as before."""
-    weights, value, mask = _poisoned_case(rng, 5, k_len=16, bad_keys=12)
-    want = _selected_reference(weights, value, mask)
-    got = np.asarray(masked_value_product(weights, value, mask))
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_value_product_from_mask_parts_and_past_its_exact_keys(rng, kind):
+    """Past NONFINITE_KEYS keys holding non-finite values, a row that may see a further one is NaN in
+    every feature; every other row is as before. From mask parts (queries seeing a key found in linear
+    memory) as from the whole mask."""
+    parts = _random_parts(rng, kind, k_len=24)
+    mask = jnp.broadcast_to(parts.mask(), (3, 2, 6, 24))
+    weights = jnp.where(mask, jnp.asarray(rng.random(mask.shape), jnp.float32), 0.0)
+    value = rng.normal(size=(3, 24, 1, 5)).astype(np.float32)
+    value[0, rng.choice(24, 14, replace=False), 0, rng.integers(5)] = np.nan  # past the 8th in row 0 only
+    value[1, 3, 0, :2] = (np.inf, -np.inf)
+    value = jnp.asarray(value)
+    want = _seen_reference(weights, value, mask)
     bad = ~np.isfinite(np.asarray(value)).all(axis=(2, 3))
     further = bad & (np.cumsum(bad, axis=1) > NONFINITE_KEYS)  # [B, S]
-    reached = (np.asarray(weights) * further[:, None, None, :]).sum(-1).transpose(0, 2, 1) != 0  # [B, T, N]
-    sees_further = (np.asarray(mask) & further[:, None, None, :]).any(-1).transpose(0, 2, 1)
-    assert reached[0].any() and not reached[1].any() and (sees_further & ~reached).any()
-    assert np.isnan(got[reached]).all()
-    exact = ~sees_further
-    for test in (np.isnan, np.isposinf, np.isneginf):
-        np.testing.assert_array_equal(test(got[exact]), test(want[exact]))
-    finite = np.isfinite(want) & exact[..., None]
-    np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+    reached = (np.asarray(mask) & further[:, None, None, :]).any(-1).transpose(0, 2, 1)  # [B, T, N]
+    for m in (parts, mask):
+        got = np.asarray(jax.jit(masked_value_product)(weights, value, m))
+        assert np.isnan(got[reached]).all()
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(test(got[~reached]), test(want[~reached]))
+        finite = np.isfinite(want) & ~reached[..., None]
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
 
 
 def _attend(q, k, v):

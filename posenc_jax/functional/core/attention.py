@@ -23,23 +23,23 @@ merely multiply masked values by zero weights either. What is exact and cheap:
 * keys that some queries see and others do not (causal, segments, a general mask):
   their values are read by the product of every row, so a non-finite value there
   would poison the rows that mask it. :func:`masked_value_product` is the einsum of
-  the weights with the values' non-finite entries replaced by 0, plus what the
-  non-finite entries of the first 8 keys holding one bring to the rows that see them
-  (``±inf`` or NaN by IEEE rules, from 8 gathered columns of the weights and the
-  mask); past 8 such keys, a row that gives weight to a further one is NaN (one more
-  column of the einsum). No conditional: the same program for every input, under
+  the weights with the values' non-finite entries replaced by 0, plus, for each row,
+  the non-finite entries of the keys it may see (``±inf``, or NaN for a NaN or both
+  infinities), feature by feature for the first 8 keys holding one (8 gathered columns
+  of the mask); a row that may see a further such key is NaN (which rows, from the mask
+  parts in linear memory). No conditional: the same program for every input, under
   ``jit``, ``vmap``, ``grad`` and ``jvp``.
 
 The causal, padding and segment masks are not stored. The mask is kept as its parts
 (:class:`~posenc_jax.functional.core.masks.MaskParts`: positions for causality, key padding,
 segment ids, an extra mask); the combined mask is a
-comparison XLA computes inside each fusion that reads it, which keys some query sees
-comes from the parts in linear memory, and the value product gathers the few columns
-of it that it needs. The softmax has no selection after its exponential (masked scores are
-``finfo.min``, seen ones at least ``finfo.min / 2``, so masked exponentials underflow to
-0), the form XLA fuses into one pass: causal attention compiles to the passes over
-``[B, N, T, S]`` that ``jax.nn.dot_product_attention``'s does (score product, masking,
-softmax, the value product's operand copy, value product).
+comparison XLA computes inside each fusion that reads it; which keys some query sees,
+and which queries see some key of a given set, come from the parts in linear memory, and
+the value product gathers the few columns of the mask it needs. The softmax has no
+selection after its exponential (masked scores are ``finfo.min``, seen ones at least
+``finfo.min / 2``, so masked exponentials underflow to 0), the form XLA fuses into one
+pass: on XLA:CPU the forward of causal attention is the score product, the masking, and
+one fusion of the softmax with the value product (the weights are not stored).
 
 Logits terms are added to the *already scaled* scores: a term bilinear in q (Shaw,
 Transformer-XL) applies the context's scale itself, a bias (T5, ALiBi) is added as is.
@@ -407,7 +407,7 @@ def attention_output(
         out = value_product(weights, value)
     else:
         # A key hidden from some queries only still enters their rows as 0 · v.
-        out = masked_value_product(weights, value, mask_parts.mask())
+        out = masked_value_product(weights, value, mask_parts)
     for hook in hooks:
         term = hook.values(weights, context) if isinstance(hook, Values) else None
         if term is not None:

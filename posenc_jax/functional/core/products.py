@@ -11,6 +11,8 @@ import einops
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.functional.core.masks import MaskParts
+
 __all__ = ["NONFINITE_KEYS", "as_scores", "broadcasts_to", "content_scores", "masked_value_product", "value_product"]
 
 
@@ -38,34 +40,39 @@ def content_scores(query: jax.Array, key: jax.Array, scale: float) -> jax.Array:
     return einops.rearrange(scores, "B K G T S -> B (K G) T S") * jnp.float32(scale)
 
 
-# Keys per batch row whose non-finite values are added exactly (see masked_value_product).
+# Keys per batch row whose non-finite entries reach the rows that see them feature by feature.
 NONFINITE_KEYS = 8
 
 
-def masked_value_product(weights: jax.Array, value: jax.Array, mask: jax.Array) -> jax.Array:
+def masked_value_product(weights: jax.Array, value: jax.Array, mask: jax.Array | MaskParts) -> jax.Array:
     """``out[b,t,n] = Σ_s w[b,n,t,s] · v[b,s,n]`` over the keys ``mask`` lets row t see, float32 ``[B, T, N, H]``.
 
-    Exact whatever the masked values hold, with no conditional. ``0 · NaN`` is NaN, so the
-    plain einsum would let a masked key's non-finite value poison every row. Here, with
-    ``v̄ = where(isfinite(v), 0, v)`` (the non-finite entries) and ``P`` the first
-    ``NONFINITE_KEYS`` (8) keys of the batch row that hold one,
+    Masked values never reach a row, whatever they hold, and there is no conditional.
+    ``0 · NaN`` is NaN, so the plain einsum would let a masked key's non-finite value poison
+    every row. Here the einsum takes the values with their non-finite entries as 0, and
+    each row gets what the non-finite entries of the keys it may see bring, feature by
+    feature: with ``v̄ = where(isfinite(v), 0, v)`` and ``P`` the first ``NONFINITE_KEYS``
+    (8) keys of the batch row whose value vector holds one,
 
-        out[t] = Σ_s w[t, s] · where(isfinite(v), v, 0)[s]  +  Σ_{s ∈ P} where(mask[t, s], w[t, s] · v̄[s], 0)
+        out[t] = Σ_s w[t, s] · where(isfinite(v), v, 0)[s]  +  Σ_{s ∈ P} where(mask[t, s], v̄[s], 0)
 
-    The second term is what those entries bring to the rows that see them, by IEEE rules
-    (``w · ±inf`` is ``±inf``, or NaN for ``w = 0``; a sum with NaN or both infinities is
-    NaN): an elementwise ``[B, N, T, P, H]`` term from ``P`` gathered columns of ``w`` and of
-    the mask. Rows that see no non-finite value get the first term alone, the plain einsum's
-    result. Past ``P`` such keys (values mostly NaN), a row that gives weight (``w ≠ 0``) to
-    a further one is NaN in every feature of its head: ``Σ_s w[t, s] · u[s]`` with ``u[s] = 1``
-    for those keys, one more column of the first product. The second term reads the weights
-    under ``stop_gradient``, so the derivative is the einsum's on the finite values (the rows
-    a non-finite value reaches are NaN or infinite).
+    so a feature is ``+inf`` or ``-inf`` where the row sees that infinity, and NaN where it
+    sees a NaN or both infinities: what the plain product gives a row whose weights on those
+    keys are positive (a weight of exactly 0 there would give NaN for ``0 · inf``, a negative
+    one the other infinity). The second term reads ``P`` gathered columns of the mask and
+    none of the weights, an elementwise ``[B, N, T, P, H]`` term. Past ``P`` such keys (values
+    mostly NaN), a row that may see a further one is NaN in every feature: which rows is
+    ``any_s mask[t, s] ∧ u[s]`` with ``u[s]`` true for those keys, from the mask's parts in
+    linear memory (:meth:`~posenc_jax.functional.core.masks.MaskParts.queries_seeing`), or one
+    reduction of a mask given whole. Rows that see no non-finite value get the einsum's result
+    alone, and the derivative is the einsum's on the finite values (the rows a non-finite
+    value reaches are NaN or infinite).
 
     Args:
       weights: ``[B, N, T, S]`` weights, zero where masked.
       value: ``[B, S, K, H]`` (grouped heads: query head n reads value head ``n // (N / K)``).
-      mask: boolean, broadcastable to ``[B, N, T, S]``, True where row t may see key s.
+      mask: boolean, broadcastable to ``[B, N, T, S]``, True where row t may see key s, or the
+        :class:`~posenc_jax.functional.core.masks.MaskParts` it is made of.
 
     Returns:
       float32 ``[B, T, N, H]``.
@@ -76,36 +83,40 @@ def masked_value_product(weights: jax.Array, value: jax.Array, mask: jax.Array) 
       >>> masked_value_product(w, v, jnp.tril(jnp.ones((2, 2), bool)))[0, :, 0, 0]
       Array([ 1., nan], dtype=float32)
     """
-    batch, k_len, num_kv_heads, head_dim = value.shape
     finite = jnp.isfinite(value)
+    out = value_product(weights, jnp.where(finite, value, jnp.zeros((), value.dtype)))
+    return out + _seen_nonfinite(jax.lax.stop_gradient(value), finite, mask, weights.shape[1], weights.shape[2])
+
+
+def _seen_nonfinite(value: jax.Array, finite: jax.Array, mask, num_heads: int, q_len: int) -> jax.Array:
+    """The second term of :func:`masked_value_product` and its NaN past ``P`` keys, float32 ``[B, T, N, H]``."""
+    batch, k_len, num_kv_heads, head_dim = value.shape
+    group = num_heads // num_kv_heads
     bad = ~finite.all(axis=(2, 3))  # [B, S]: the key's value vector holds a non-finite entry
     picked = min(NONFINITE_KEYS, k_len)
-    further = (bad & (jnp.cumsum(bad, axis=1) > picked)).astype(value.dtype)
-    further = jnp.broadcast_to(further[:, :, None, None], (batch, k_len, num_kv_heads, 1))
-    both = value_product(weights, jnp.concatenate([jnp.where(finite, value, jnp.zeros((), value.dtype)), further], -1))
-    out, reached = both[..., :head_dim], both[..., head_dim:] != 0
-    seen = _seen_nonfinite(jax.lax.stop_gradient(weights), jax.lax.stop_gradient(value), finite, bad, mask, picked)
-    return out + jnp.where(reached, jnp.nan, seen)
-
-
-def _seen_nonfinite(weights, value, finite, bad, mask, picked: int) -> jax.Array:
-    """``Σ_{s ∈ P} where(mask[t, s], w[t, s] · v̄[s], 0)`` of :func:`masked_value_product`, ``[B, T, N, H]``."""
-    batch, num_heads, q_len, k_len = weights.shape
-    num_kv_heads = value.shape[2]
     first = jnp.where(bad, k_len - jnp.arange(k_len, dtype=jnp.int32)[None], 0)  # earlier keys score higher
     score, keys = jax.lax.top_k(first, picked)  # [B, P]: the first keys that hold one, then any (score 0)
     nonfinite = jnp.where(finite, jnp.zeros((), value.dtype), value)
     nonfinite = jnp.take_along_axis(nonfinite, keys[:, :, None, None], axis=1).astype(jnp.float32)  # [B, P, K, H]
-    mask = as_scores(mask, 4, dtype=jnp.bool_)
-    mask = jnp.broadcast_to(mask, (batch, *mask.shape[1:]))
-    sees = jnp.take_along_axis(mask, keys[:, None, None, :], axis=3) & (score > 0)[:, None, None, :]  # [B, N|1, T, P]
-    w = jnp.take_along_axis(weights, keys[:, None, None, :], axis=3).astype(jnp.float32)  # [B, N, T, P]
-    w = einops.rearrange(w, "B (K G) T P -> B K G T P", K=num_kv_heads)
-    sees = einops.rearrange(sees, "B (K G) T P -> B K G T P", K=num_kv_heads if sees.shape[1] > 1 else 1)
+    parts = mask if isinstance(mask, MaskParts) else None
+    mask = as_scores(mask if parts is None else parts.mask(), 4, dtype=jnp.bool_)  # [B|1, N|1, T|1, S]
+    columns = jnp.broadcast_to(mask, (batch, *mask.shape[1:3], k_len))
+    sees = jnp.take_along_axis(columns, keys[:, None, None, :], axis=3) & (score > 0)[:, None, None, :]
+    # Keys that hold one past the first P: after the P-th, when there are P of them.
+    further = bad & (jnp.arange(k_len)[None] > keys[:, -1:]) & (score[:, -1:] > 0)
+    # [B, N|1, T|1]: the rows that may see one of them.
+    reached = (mask & further[:, None, None, :]).any(axis=3) if parts is None else parts.queries_seeing(further)
+    if mask.shape[1] == 1:
+        sees, reached = sees[:, :, None], reached[:, :, None]  # [B, 1, 1, T, P], [B, 1, 1, T]
+    else:
+        sees = einops.rearrange(sees, "B (K G) T P -> B K G T P", K=num_kv_heads)
+        reached = einops.rearrange(reached, "B (K G) T -> B K G T", K=num_kv_heads)
     nonfinite = einops.rearrange(nonfinite, "B P K H -> B K 1 1 P H")
-    term = jnp.zeros((batch, num_kv_heads, num_heads // num_kv_heads, q_len, value.shape[3]), jnp.float32)
-    for p in range(picked):  # P terms of [B, K, G, T, H], one fused pass
-        term = term + jnp.where(sees[..., p, None], w[..., p, None] * nonfinite[..., p, :], 0.0)
+    term = jnp.zeros((batch, num_kv_heads, 1, q_len, head_dim), jnp.float32)
+    for p in range(picked):  # P terms of [B, K, G|1, T, H], one fused pass
+        term = term + jnp.where(sees[..., p, None], nonfinite[..., p, :], 0.0)
+    term = jnp.where(reached[..., None], jnp.nan, term)
+    term = jnp.broadcast_to(term, (batch, num_kv_heads, group, q_len, head_dim))
     return einops.rearrange(term, "B K G T H -> B T (K G) H")
 
 
