@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from posenc_jax.functional.core.attention import dot_product_attention
+from posenc_jax.functional.core.attention import _score_scale, dot_product_attention
+from posenc_jax.functional.core.blockwise import _pad_to
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CarriedLogits,
@@ -45,7 +46,6 @@ from posenc_jax.functional.core.hooks import (
     Logits,
     Normalize,
     Rotate,
-    ScoreScale,
     Values,
     one_or_more,
 )
@@ -96,12 +96,11 @@ def _split_arrays(tree):
 
 
 def _pad_rows(x, length: int, axis: int):
-    """``x`` padded along ``axis`` to ``length`` by repeating its last entry (positions, ids stay valid)."""
-    if x is None or x.shape[axis] in (1, length):
+    """``x`` padded along ``axis`` to ``length`` by repeating its last entry (positions, ids stay valid);
+    None and a broadcast axis of 1 as they are."""
+    if x is None or x.shape[axis] == 1:
         return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, length - x.shape[axis])
-    return jnp.pad(x, widths, mode="edge")
+    return _pad_to(x, length, axis, edge=True)
 
 
 def _gathered(x: jax.Array, axis: str) -> jax.Array:
@@ -124,18 +123,6 @@ def _rotations(hooks: list) -> list:
                 f"dot_product_attention(..., implementation='blockwise') on one device"
             )
     return rotations
-
-
-def _resolved_scale(hooks: list, head_dim: int, scale: float | None) -> float:
-    """The call's score scale: explicit, else prescribed by an encoding, else ``1/√H``.
-
-    Resolved here because the devices do not see the rotations, which may prescribe it (the
-    checked call has refused encodings that prescribe different scales).
-    """
-    if scale is not None:
-        return float(scale)
-    prescribed = [float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)]
-    return prescribed[0] if prescribed else float(1.0 / np.sqrt(head_dim))
 
 
 def sequence_parallel_attention(
@@ -236,7 +223,8 @@ def sequence_parallel_attention(
     batch, q_len, num_heads, head_dim = query.shape
     hooks = [resolve_encoding(encoding) for encoding in one_or_more(encodings)]
     rotations = _rotations(hooks)
-    settings["scale"] = _resolved_scale(hooks, head_dim, scale)
+    # Resolved here: the devices do not see the rotations, which may prescribe it.
+    settings["scale"] = _score_scale(hooks, head_dim, scale)
     settings["normalizer"] = as_normalizer(normalizer)
 
     if rotations:
