@@ -159,6 +159,9 @@ def sequence_parallel_attention(
     and the padding dropped. Rotations (RoPE, xPos, ...) are applied to the whole q and k
     before the split, since some read the whole call (see the module docstring).
 
+    The arguments after ``axis_name`` (``query_positions`` … ``block_k``) mean what they
+    mean in :func:`~posenc_jax.functional.core.attention.dot_product_attention`.
+
     Call it under ``jax.jit`` or not; the inputs may be placed anywhere (they are moved to
     the split above). Dropout draws each device's masks from ``fold_in(dropout_rng, d)``.
 
@@ -168,9 +171,6 @@ def sequence_parallel_attention(
       mesh: a :class:`jax.sharding.Mesh`; e.g. ``Mesh(np.asarray(jax.devices()), ("sequence",))``.
       axis_name: the mesh axis that splits the queries (default: the mesh's only axis).
         Along the mesh's other axes, if any, the computation is repeated.
-      query_positions, key_positions, encodings, normalizer, causal, key_mask,
-      query_segment_ids, key_segment_ids, mask, scale, dropout_rate, dropout_rng, block_q,
-      block_k: as in :func:`~posenc_jax.functional.core.attention.dot_product_attention`.
 
     Returns:
       ``[B, T, N, H]`` in ``query``'s dtype, split along T over ``axis_name``.
