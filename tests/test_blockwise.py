@@ -256,6 +256,38 @@ def test_auto_goes_blockwise_above_the_budget(monkeypatch):
     assert "while" not in lowered.as_text()
 
 
+def test_a_models_shared_bias_follows_the_attentions_dispatch_rule(monkeypatch):
+    # forward_terms computes a shared bias once ([B, N, T, S]) where the layers will materialise and
+    # leaves it to the tiles where they go blockwise, by the rule the attention itself applies.
+    import posenc_jax.functional.core.attention as attention
+    from posenc_jax.functional import SharedBias
+
+    positions = jnp.arange(6)
+    terms = lambda implementation, hooks=(), normalizer=softmax_weights: attention.forward_terms(
+        hooks,
+        [ALiBi()],
+        query_positions=positions,
+        key_positions=positions,
+        batch=1,
+        num_heads=2,
+        head_dim=8,
+        causal=True,
+        normalizer=normalizer,
+        implementation=implementation,
+    )[0][0]
+    assert isinstance(terms("materialize"), SharedBias) and isinstance(terms("auto"), SharedBias)
+    assert isinstance(terms("blockwise"), ALiBi)
+    monkeypatch.setattr(attention, "MATERIALIZE_LIMIT_BYTES", 16)
+    assert isinstance(terms("auto"), ALiBi)  # over the budget: the tiles compute it
+    # ... unless something of the layer has no tiled form: "auto" then materialises, and so does the bias.
+    assert isinstance(terms("auto", normalizer=lambda s, m: softmax_weights(s, m)), SharedBias)
+
+    class Whole(MaterializeOnly, ALiBi):
+        pass
+
+    assert isinstance(terms("auto", hooks=[Whole()]), SharedBias)
+
+
 def test_what_cannot_run_in_tiles_is_refused_by_name():
     q, k, v, kwargs = _inputs(seed=15)
     with pytest.raises(ValueError, match="the normalizer <lambda> has no blockwise form"):

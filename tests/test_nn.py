@@ -1,6 +1,8 @@
 """NNX modules: shapes, decoding with a KV cache, packing, causality, every encoding in a model."""
 
+import collections
 import re
+import sys
 
 import chex
 import jax
@@ -9,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.functional import T5Config, encoding_info, encoding_names
+from posenc_jax.functional import RoPE, T5Config, dot_product_attention, encoding_info, encoding_names
+from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.nn import KVCache, MultiHeadAttention, PositionEncoding, Transformer, decode_step
 from small_encodings import small_config
 
@@ -340,7 +343,7 @@ def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes, tabl
             outputs.append(logits)
         np.testing.assert_allclose(jnp.concatenate(outputs, 1), full, atol=2e-4, rtol=1e-4)
         if tables and empty is not plain:  # the prefill's table, kept by every step after: W_R R_d, d = 0 .. 15
-            hook = model.blocks[0].attention._hooks(None)[0]
+            hook = model.blocks[0].attention._hooks()[0]
             np.testing.assert_allclose(caches[0].tables[0], hook.cache_table(16), rtol=1e-6)
 
 
@@ -352,7 +355,7 @@ def test_a_cache_first_written_without_its_tables_decodes_exactly(rng):
     x = jnp.asarray(rng.normal(size=(2, 6, D)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
     full = layer(x, positions, causal=True)
-    hook = layer._hooks(None)[0]
+    hook = layer._hooks()[0]
     k = layer.key(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
     v = layer.value(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
     cache = layer.init_cache(2, 8).append(k, v, positions[:, :4], features=(hook.key_features(k, positions[:, :4]),))
@@ -398,3 +401,81 @@ def test_blockwise_attention_over_a_cache_reads_each_key_tiles_stored_terms(rng,
     first, cache = layer(x[:, :6], positions[:, :6], causal=True, cache=cache, implementation="blockwise")
     step, cache = layer(x[:, 6:], positions[:, 6:], causal=True, cache=cache, implementation="blockwise")
     np.testing.assert_allclose(jnp.concatenate([first, step], 1), full, atol=2e-5, rtol=1e-5)
+
+
+def _position_checks(run) -> collections.Counter:
+    """Who checked positions while ``run()`` ran: for each call of ``check_positions``, the file (under
+    ``posenc_jax/``) of the first caller outside the shared helpers (positions, masks, relative)."""
+    code = check_positions.__code__
+    helpers = ("core/positions.py", "core/masks.py", "core/relative.py")
+    where = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            caller = frame.f_back
+            while caller.f_code.co_filename.endswith(helpers):  # batched_positions, relative_positions, ...
+                caller = caller.f_back
+            where[caller.f_code.co_filename.split("posenc_jax/")[-1]] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(previous)
+    return where
+
+
+@pytest.mark.parametrize("implementation", ["materialize", "blockwise"])
+@pytest.mark.parametrize("name", ["nope", "rope", "rope-yarn", "alibi"])
+def test_a_forward_and_a_decoding_step_check_positions_once(name, implementation):
+    # The model checks positions where they enter; its layers, their attention and masks, the shared
+    # terms, RoPE's table and the caches take them as they are (they were checked 15 to 29 times).
+    model = _model(_config(name), implementation=implementation)
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    forward = lambda state, t, p: nnx.merge(graphdef, state)(t, p)
+    step = lambda state, t, p, c: nnx.merge(graphdef, state).decode(t, p, c)
+    caches = model.init_cache(2, 12)
+    for run in (
+        lambda: jax.make_jaxpr(forward)(state, tokens, jnp.arange(8)),
+        lambda: jax.make_jaxpr(step)(state, tokens[:, :1], jnp.full((2, 1), 3), caches),
+    ):
+        checks = _position_checks(run)
+        # ALiBi's bias function checks its own arguments, as a public function must: once per forward
+        # when the layers share its bias, in every tile when they go blockwise.
+        bias_function = checks.pop("functional/encodings/alibi.py", 0)
+        assert checks == {"nn/transformer.py": 1}
+        if name != "alibi":
+            assert bias_function == 0
+        elif implementation == "materialize":
+            assert bias_function == 2
+
+
+@pytest.mark.parametrize("name", encoding_names())
+def test_the_model_and_its_attention_check_positions_once_whatever_the_encoding(name):
+    # An encoding's own functions (t5_bias, apply_xpos_qk, ...) check their arguments as public functions
+    # must; between them, the model, its layers, the attention, its masks and caches check them once.
+    encoding = ["rope", _config(name)] if name == "randomized" else _config(name)
+    model = _model(encoding)
+    graphdef, state = nnx.split(model)
+    forward = lambda state, t, p: nnx.merge(graphdef, state)(t, p)
+    checks = _position_checks(lambda: jax.make_jaxpr(forward)(state, jnp.zeros((2, 8), jnp.int32), jnp.arange(8)))
+    layers = {where: count for where, count in checks.items() if not where.startswith("functional/encodings/")}
+    assert layers == {"nn/transformer.py": 1}, checks
+
+
+def test_the_attention_entry_points_check_positions_once():
+    q = k = v = jnp.ones((1, 6, 2, 8))
+    positions = jnp.arange(6)
+    mha = MultiHeadAttention(16, 2, encodings=["rope"], rngs=nnx.Rngs(0))
+    # Self-attention: one array for queries and keys, checked once.
+    attend = lambda: dot_product_attention(
+        q, k, v, query_positions=positions, key_positions=positions, encodings=[RoPE()], causal=True
+    )
+    assert _position_checks(attend) == {"functional/core/attention.py": 1}
+    assert _position_checks(lambda: mha(jnp.ones((1, 6, 16)), positions, causal=True)) == {"nn/attention.py": 1}
+    assert _position_checks(lambda: RoPE().rotate(q, k, positions)) == {"functional/core/hooks.py": 1}
+    other = jnp.arange(6) + 2  # two arrays, each checked once
+    attend = lambda: dot_product_attention(q, k, v, query_positions=positions, key_positions=other, causal=True)
+    assert _position_checks(attend) == {"functional/core/attention.py": 2}

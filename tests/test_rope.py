@@ -278,7 +278,10 @@ def test_compiled_program_computes_the_table_once_per_position(dtype, layout):
     assert max(_trig_output_sizes(elementwise, q.astype(jnp.float32), positions)) >= 2 * 64 * 4 * 16
 
 
-def test_model_computes_the_table_once_for_all_layers():
+@pytest.mark.parametrize("call", ["forward", "blockwise forward", "decoding step"])
+def test_model_computes_the_table_once_for_all_layers(call):
+    # The model prepares the table once per call and each layer rotates its own tokens by it: no
+    # layer computes sin or cos again, whatever the attention's implementation, prefill or decoding.
     from flax import nnx
 
     from posenc_jax.nn import Transformer
@@ -291,14 +294,22 @@ def test_model_computes_the_table_once_for_all_layers():
             num_heads=2,
             mlp_dim=64,
             encoding="rope",
+            implementation="blockwise" if call == "blockwise forward" else "auto",
+            block_q=64,
+            block_k=64,
             rngs=nnx.Rngs(0),
         )
         graphdef, state = nnx.split(model)
-        forward = lambda state, t, p: nnx.merge(graphdef, state)(t, p)
-        return _trig_output_sizes(forward, state, jnp.zeros((2, 128), jnp.int32), jnp.arange(128))
+        tokens, positions = jnp.zeros((2, 128), jnp.int32), jnp.arange(128)
+        if call != "decoding step":
+            forward = lambda state, t, p: nnx.merge(graphdef, state)(t, p)
+            return _trig_output_sizes(forward, state, tokens, positions)
+        step = lambda state, t, p, c: nnx.merge(graphdef, state).decode(t, p, c)
+        positions = jnp.broadcast_to(positions, tokens.shape)
+        return _trig_output_sizes(step, state, tokens, positions, model.init_cache(2, 256))
 
     one, three = trig_elements(1), trig_elements(3)
-    assert sum(one) == sum(three) <= 128 * 32, (one, three)
+    assert sum(one) == sum(three) <= 2 * 128 * 32, (one, three)
 
 
 @pytest.mark.parametrize("scaling", [None, "yarn", "dynamic-ntk"])

@@ -16,22 +16,25 @@ by the first call that writes the cache.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
-from posenc_jax.functional.core.attention import IMPLEMENTATIONS, dot_product_attention
+from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, forward_terms
 from posenc_jax.functional.core.cache import CachedKeyTerm, CachedTable, KVCache
 from posenc_jax.functional.core.hooks import (
-    AttentionContext,
     EncodingConfig,
     Normalize,
     PerTokenRotation,
+    PreparedRotation,
     Rotate,
     RotatesAbout,
+    attention_context,
     hook_names,
     one_or_more,
 )
@@ -66,6 +69,21 @@ def _table_maker(hook, capacity: int, stored):
     if stored is None or not isinstance(hook, CachedTable):
         return None
     return functools.partial(hook.cache_table, capacity)
+
+
+@dataclasses.dataclass(frozen=True)
+class _OwnTokens:
+    """A model's prepared rotation as the ``rotate`` hook of a layer's self-attention.
+
+    The model prepared it for the layer's tokens, which are the attention's queries and keys, so
+    it rotates them by its table whatever the context (no positions compared), where the
+    attention applies any rotation.
+    """
+
+    table: PreparedRotation
+
+    def rotate(self, q: jax.Array, k: jax.Array, context) -> tuple[jax.Array, jax.Array]:
+        return self.table.rotate_prepared(q, k)
 
 
 class MultiHeadAttention(nnx.Module):
@@ -181,7 +199,6 @@ class MultiHeadAttention(nnx.Module):
         cache: KVCache | None = None,
         deterministic: bool = True,
         implementation: str | None = None,
-        prepared: Sequence | None = None,
     ):
         """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -196,9 +213,6 @@ class MultiHeadAttention(nnx.Module):
             the call then returns ``(output, new_cache)``. Make it with :meth:`init_cache`.
           deterministic: no dropout.
           implementation: overrides the layer's ``implementation`` for this call.
-          prepared: hooks computed once for the whole forward pass by the model, one per
-            encoding of this layer (None where the layer builds its own), e.g. RoPE with
-            its table (:meth:`~posenc_jax.functional.RoPE.prepare`).
 
         Returns:
           ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
@@ -208,23 +222,99 @@ class MultiHeadAttention(nnx.Module):
             raise ValueError(
                 f"x must have shape [B, T, D] with D = model_dim = {width}, got shape {getattr(x, 'shape', type(x))}"
             )
+        if not isinstance(causal, (bool, np.bool_)):
+            raise TypeError(f"causal must be True or False, got {causal!r}")
+        # The one check of the positions on this call's way down: the attention and its hooks take them as they are.
+        positions = check_positions(positions)
+        batch, length, _ = x.shape
+        if (
+            positions.shape[-1] != length
+            or positions.ndim > 2
+            or (positions.ndim == 2 and positions.shape[0] not in (1, batch))
+        ):
+            raise ValueError(f"positions must be [T] or [B, T] for x of shape {x.shape}, got shape {positions.shape}")
+        return self._attend(
+            x,
+            positions,
+            causal=bool(causal),
+            shared=shared,
+            key_mask=key_mask,
+            segment_ids=segment_ids,
+            cache=cache,
+            deterministic=deterministic,
+            implementation=implementation,
+        )
+
+    def _forward_terms(self, positions, key_positions, *, biases: Sequence, causal: bool, batch: int, implementation):
+        """What a model computes once per forward for all its layers made like this one: ``(shared, prepared)``.
+
+        :func:`~posenc_jax.functional.core.attention.forward_terms` for this layer's encodings,
+        sizes, normaliser and implementation (overridden by ``implementation`` when given), at
+        positions the model checked; the model gives both to every layer's :meth:`_attend`.
+        """
+        return forward_terms(
+            self._hooks(),
+            biases,
+            query_positions=positions,
+            key_positions=key_positions,
+            batch=batch,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            causal=causal,
+            normalizer=self._normalizer(),
+            implementation=self.implementation if implementation is None else implementation,
+        )
+
+    def _attend(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        *,
+        causal: bool,
+        shared: Sequence = (),
+        key_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        deterministic: bool = True,
+        implementation: str | None = None,
+        prepared: Sequence | None = None,
+    ):
+        """:meth:`__call__` for ``x`` and ``positions`` already checked: a model's layers (the model checked them once).
+
+        ``prepared``: the model's per-forward rotations (:meth:`_forward_terms`), one entry per
+        encoding of this layer, None where the layer uses its own hook. They were prepared for
+        the tokens at ``positions``, this layer's own queries and keys, which they rotate
+        (:meth:`~posenc_jax.functional.core.hooks.PreparedRotation.rotate_prepared`) with no
+        positions compared: in self-attention where the attention rotates (:class:`_OwnTokens`),
+        when decoding before the new keys are cached. A cache whose keys are re-rotated at every
+        step (a rotation that follows the sequence length) uses the layer's own hooks.
+        """
         batch, length, _ = x.shape
         q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
         v = self.value(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        encodings = self._hooks(prepared) + list(shared)
-        query_positions = positions
-        key_positions = positions
+        own = self._hooks()
+        rotations = self._prepared(prepared)  # per encoding: the model's prepared rotation, or None
+        query_positions = key_positions = positions
         new_cache = None
-        if cache is not None:
+        if cache is None:
+            encodings = [hook if r is None else _OwnTokens(r) for hook, r in zip(own, rotations, strict=True)]
+            encodings += list(shared)
+        else:
             if not causal:
                 raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
-            positions = jnp.broadcast_to(check_positions(positions), (batch, length))
-            # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
-            reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
-            q, k, encodings, terms = self._rotate_new_tokens(q, k, positions, encodings, reference)
+            positions = jnp.broadcast_to(positions, (batch, length))
+            encodings, terms = own + list(shared), []
+            if _stores_rotated_keys(encodings):
+                # A fixed reference position for rotations that need one (xPos's centre): the first cached token's.
+                reference = jnp.where(cache.length > 0, cache.positions[:, :1], positions[:, :1])
+                rest = [hook for hook, ready in zip(own, rotations, strict=True) if ready is None] + list(shared)
+                ready = [rotation for rotation in rotations if rotation is not None]
+                q, k = self._rotate_new_tokens(q, k, positions, rest, ready, reference)
+                encodings = [hook for hook in rest if not isinstance(hook, Rotate)]
+                terms = _cached_terms(encodings)
             if len(terms) != len(cache.features):
                 terms = []  # a cache made without this layer's per-key terms: they are computed from the keys
             features = tuple(hook.key_features(k, positions) for hook in terms)
@@ -235,7 +325,7 @@ class MultiHeadAttention(nnx.Module):
                     _table_maker(hook, capacity, stored) for hook, stored in zip(terms, cache.tables, strict=True)
                 )
             # Padding (key_mask False, e.g. left padding) is stored as invalid slots: never attended.
-            new_cache = cache.append(k, v, positions, valid=key_mask, features=features, tables=tables)
+            new_cache = cache._append(k, v, positions, valid=key_mask, features=features, tables=tables)
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
             key_mask = new_cache.valid  # empty slots and padding, whatever their positions
@@ -245,14 +335,14 @@ class MultiHeadAttention(nnx.Module):
                     stored[id(hook)] = stored[id(hook)].with_cache_table(table)
             encodings = [stored.get(id(hook), hook) for hook in encodings]
         use_dropout = self.dropout_rate > 0 and not deterministic
-        out = dot_product_attention(
+        out = attend(
             q,
             k,
             v,
+            encodings=encodings,
             query_positions=query_positions,
             key_positions=key_positions,
-            encodings=encodings,
-            normalizer=self.normalizer if self.normalizer_params is None else self.normalizer_params(),
+            normalizer=self._normalizer(),
             causal=causal,
             key_mask=key_mask,
             query_segment_ids=segment_ids,
@@ -266,42 +356,54 @@ class MultiHeadAttention(nnx.Module):
         out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
 
-    def _hooks(self, prepared: Sequence | None) -> list:
-        """This layer's encoding hooks, in order; a model's prepared hook replaces the layer's own."""
+    def _hooks(self) -> list:
+        """This layer's encoding hooks, in order (built from its parameters)."""
+        return [module() for module in self.encodings]
+
+    def _normalizer(self):
+        """The ``normalize`` hook (built from this layer's parameters when it has them)."""
+        return self.normalizer if self.normalizer_params is None else self.normalizer_params()
+
+    def _prepared(self, prepared: Sequence | None) -> list:
+        """The model's prepared rotations, one entry per encoding of this layer (None: the layer's own hook)."""
         if prepared is None:
-            return [module() for module in self.encodings]
+            return [None] * len(self.encodings)
         if len(prepared) != len(self.encodings):
             raise ValueError(
                 f"prepared has {len(prepared)} entries but this layer has {len(self.encodings)} encodings; pass one "
-                f"per encoding (None where the layer builds its own)"
+                f"per encoding (None where the layer uses its own)"
             )
-        return [module() if hook is None else hook for module, hook in zip(self.encodings, prepared, strict=True)]
+        for hook in prepared:
+            if hook is not None and not isinstance(hook, PreparedRotation):
+                raise TypeError(f"prepared entries must be prepared rotations (RoPE().prepare(...)), got {hook!r}")
+        return list(prepared)
 
-    def _rotate_new_tokens(self, q, k, positions, hooks, reference):
-        """A decoding step's queries and new keys rotated now, when a cache may hold keys rotated.
+    def _rotate_new_tokens(self, q, k, positions, hooks, prepared, reference):
+        """A decoding step's queries and new keys rotated now, when the cache holds keys rotated.
 
+        ``prepared``: the model's prepared rotations, for these tokens; ``hooks``: the layer's other
+        hooks, whose rotations rotate by ``positions`` (int32 ``[B, t]``, checked by the caller).
         ``reference`` (int32 ``[B, 1]``) is the fixed position a ``rotate_about`` hook rotates about.
-
-        Returns ``(q, k, hooks left for the attention, hooks whose per-key terms the cache stores)``.
         """
-        if not _stores_rotated_keys(hooks):
-            return q, k, hooks, []
-        context = AttentionContext(
-            query_positions=positions,
-            key_positions=positions,  # the new keys are the new tokens: one table for both
+        for rotation in prepared:
+            q, k = rotation.rotate_prepared(q, k)
+        rotations = [hook for hook in hooks if isinstance(hook, Rotate)]
+        if not rotations:
+            return q, k
+        context = attention_context(
+            positions,
+            positions,  # the new keys are the new tokens: one table for both
             scale=float(self.head_dim) ** -0.5,
+            causal=True,
             head_dim=self.head_dim,
             num_heads=self.num_heads,
-            causal=True,
-            key_length=k.shape[1],
         )
-        for hook in hooks:
-            if isinstance(hook, Rotate) and isinstance(hook, RotatesAbout):
+        for hook in rotations:
+            if isinstance(hook, RotatesAbout):
                 q, k = hook.rotate_about(q, k, context, reference)
-            elif isinstance(hook, Rotate):
+            else:
                 q, k = hook.rotate(q, k, context)
-        rest = [hook for hook in hooks if not isinstance(hook, Rotate)]
-        return q, k, rest, _cached_terms(rest)
+        return q, k
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         """An empty :class:`KVCache` of ``max_length`` slots for this layer, with room for its encodings'
@@ -309,7 +411,7 @@ class MultiHeadAttention(nnx.Module):
         projected relative sinusoids, computed by the first call that writes the cache)."""
         check_count("batch", batch)
         check_count("max_length", max_length, fix="the number of tokens the cache holds: prompt and new tokens")
-        terms = _cached_terms(self._hooks(None))
+        terms = _cached_terms(self._hooks())
         key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
         positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
         features = tuple(jax.eval_shape(hook.key_features, key, positions) for hook in terms)

@@ -34,15 +34,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.core.attention import SharedBias, goes_blockwise
 from posenc_jax.functional.core.cache import KVCache
-from posenc_jax.functional.core.hooks import (
-    AttentionContext,
-    ParameterFree,
-    PreparesTables,
-    check_together,
-    one_or_more,
-)
+from posenc_jax.functional.core.hooks import check_together, one_or_more
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.validation import check_values
@@ -69,7 +62,12 @@ def _dropout(rate: float, rngs: nnx.Rngs) -> nnx.Dropout:
 
 
 class Block(nnx.Module):
-    """Pre-LN block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``."""
+    """Pre-LN block: ``x + attn(LN(x))``, then ``x + MLP(LN(x))``.
+
+    A layer of :class:`Transformer`, called with the model's positions (checked once, by the
+    model) and the terms it computed for the forward (``shared``, ``prepared``: see
+    :meth:`MultiHeadAttention._forward_terms`).
+    """
 
     def __init__(
         self,
@@ -118,7 +116,7 @@ class Block(nnx.Module):
         implementation=None,
         prepared=None,
     ):
-        attended = self.attention(
+        attended = self.attention._attend(
             self.attention_norm(x),
             positions,
             causal=causal,
@@ -275,7 +273,11 @@ class Transformer(nnx.Module):
             )
         if not jnp.issubdtype(dtype, jnp.integer):
             raise TypeError(f"tokens must be integer ids [B, T], got dtype {dtype}")
-        if positions.shape[-1] != shape[1] or (positions.ndim == 2 and positions.shape[0] not in (1, shape[0])):
+        if (
+            positions.shape[-1] != shape[1]
+            or positions.ndim > 2
+            or (positions.ndim == 2 and positions.shape[0] not in (1, shape[0]))
+        ):
             raise ValueError(f"positions must be [T] or [B, T] for tokens {shape}, got shape {positions.shape}")
         vocab = self.embed.num_embeddings
 
@@ -292,6 +294,7 @@ class Transformer(nnx.Module):
     def _run(
         self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions, implementation=None
     ):
+        """The forward pass at positions :meth:`__call__` or :meth:`decode` checked: nothing below checks them again."""
         for module in self.position_samplers:
             positions = module().sample(self.position_rngs.default(), positions, train=not deterministic)
             key_positions = positions
@@ -299,34 +302,16 @@ class Transformer(nnx.Module):
         for module in self.absolute:
             x = module().embed(x, positions)
         x = self.dropout(x, deterministic=deterministic)
-        # Position-only biases: computed once for this forward, added by every layer.
-        head_dim = x.shape[-1] // self.num_heads
-        context = AttentionContext(
-            query_positions=positions,
-            key_positions=key_positions,
-            scale=float(head_dim) ** -0.5,
-            head_dim=head_dim,
-            num_heads=self.num_heads,
+        # What every layer shares for this forward, as the attention makes it: the position-only biases
+        # (computed once, or per tile when the layers go blockwise) and parameter-free rotations' tables.
+        shared, prepared = self.blocks[0].attention._forward_terms(
+            positions,
+            key_positions,
+            biases=[module() for module in self.shared],
             causal=self.causal,
-            key_length=key_positions.shape[-1],
-        )
-        tiled = goes_blockwise(
-            self.implementation if implementation is None else implementation,
             batch=tokens.shape[0],
-            num_heads=self.num_heads,
-            query_length=positions.shape[-1],
-            key_length=key_positions.shape[-1],
+            implementation=implementation,
         )
-        # In tiles, each tile computes its own bias: a [B, N, T, S] bias would undo the point.
-        shared = [module() if tiled else SharedBias(module().bias(context)) for module in self.shared]
-        # Parameter-free rotations (RoPE): their tables once for this forward, used by every layer.
-        prepared = [
-            module.config.prepare(positions, head_dim)
-            if isinstance(module.config, ParameterFree) and isinstance(module.config, PreparesTables)
-            else None
-            for module in self.blocks[0].attention.encodings
-        ]
-        prepared = prepared if any(hook is not None for hook in prepared) else None
         new_caches = []
         for i, block in enumerate(self.blocks):
             x, cache = block(

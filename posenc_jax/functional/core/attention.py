@@ -3,8 +3,10 @@
 Scaled dot-product attention written with the survey pseudocode's einsums
 (``'BTNH,BSNH->BNTS'`` then ``'BNTS,BSNH->BTNH'``), in four named stages:
 
-1. **checks** (:func:`_checked_call`): shapes, positions, masks, and the
-   :class:`~posenc_jax.functional.core.hooks.AttentionContext` every hook receives;
+1. **checks and context**: :func:`dot_product_attention` checks the arrays, shapes and
+   positions (a module calls :func:`attend`, having checked its own), then :func:`_call` checks
+   the masks and makes the call's mask and the
+   :class:`~posenc_jax.functional.core.hooks.AttentionContext` every hook receives, once;
 2. **scores** (:func:`attention_scores`): every ``rotate`` hook, then
    ``s = scale · q·k`` in float32 plus every ``logits`` term;
 3. **weights** (:func:`attention_weights`): the boolean masks (causal by position, key
@@ -73,10 +75,12 @@ from posenc_jax.functional.core.hooks import (
     Logits,
     Normalize,
     ParameterFree,
+    PreparesTables,
     Rotate,
     ScoreFeatures,
     ScoreScale,
     Values,
+    attention_context,
     check_together,
     hook_names,
     one_or_more,
@@ -103,9 +107,11 @@ __all__ = [
     "SharedBias",
     "attention_output",
     "attention_scores",
+    "attend",
     "attention_weights",
     "cond_over_batch",
     "dot_product_attention",
+    "forward_terms",
     "goes_blockwise",
     "masked_value_product",
 ]
@@ -487,41 +493,32 @@ class _Call:
     mask_parts: MaskParts | None
 
 
-def _checked_call(
+def _call(
     query,
     key,
     value,
+    hooks,
     *,
     query_positions,
     key_positions,
-    encodings,
-    normalizer,
     causal,
     key_mask,
     query_segment_ids,
     key_segment_ids,
     mask,
     scale,
-    dropout_rate,
     build_mask: bool = True,
 ) -> _Call:
-    """Stage 1: validates everything and builds the mask and the context.
+    """Stage 1, after the entry point's checks: the call's masks checked, its mask parts and its context.
 
-    With ``build_mask=False`` (blockwise attention) the ``[B, N, T, S]`` mask is not built:
-    the context's mask is None and each tile builds its own.
+    Positions are taken as the entry point checked them (``dot_product_attention``, or a module
+    that checked its own), int32 or None; the context is made here, once per call, by
+    :func:`~posenc_jax.functional.core.hooks.attention_context`. With ``build_mask=False``
+    (blockwise attention) the ``[B, N, T, S]`` mask is not built: the context's mask is None
+    and each tile builds its own.
     """
-    _check_shapes(query, key, value)
     batch, q_len, num_heads, head_dim = query.shape
     k_len = key.shape[1]
-    hooks = _attention_hooks(encodings, causal=bool(causal))
-    query_positions, key_positions = _checked_positions(
-        query_positions,
-        key_positions,
-        needed=causal or bool(hooks),
-        q_len=q_len,
-        k_len=k_len,
-        batch=batch,
-    )
     _check_masks(
         key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch, num_heads=num_heads
     )
@@ -540,13 +537,13 @@ def _checked_call(
         full_mask = mask_parts.mask()
     # Unused terms cost nothing under jit (dead code); relu²/n reads the sequence lengths.
     sequence_lengths = sequence_key_counts(key_valid, query_segment_ids, key_segment_ids)
-    context = AttentionContext(
-        query_positions=query_positions,
-        key_positions=key_positions,
+    context = attention_context(
+        query_positions,
+        key_positions,
         scale=_score_scale(hooks, head_dim, scale),
+        causal=bool(causal),
         head_dim=head_dim,
         num_heads=num_heads,
-        causal=bool(causal),
         key_length=k_len,
         mask=full_mask,
         sequence_lengths=sequence_lengths,
@@ -652,20 +649,25 @@ def dot_product_attention(
             "implementation='materialize' to get them"
         )
     normalizer = as_normalizer(normalizer)
-    # "auto" materialises a hook without a tiled form: the caller did not ask for blockwise.
-    blockwise = implementation == "blockwise" or (
-        implementation == "auto"
-        and not return_weights
-        and _scores_exceed_limit(query, key)
-        and _has_blockwise_form(_attention_hooks(encodings), normalizer)
+    _check_shapes(query, key, value)
+    batch, q_len = query.shape[:2]
+    hooks = _attention_hooks(encodings, causal=bool(causal))
+    # The one check of the positions on this call's way: below, they travel in its context.
+    query_positions, key_positions = _checked_positions(
+        query_positions,
+        key_positions,
+        needed=causal or bool(hooks),
+        q_len=q_len,
+        k_len=key.shape[1],
+        batch=batch,
     )
-    call = _checked_call(
+    out, weights = _attend(
         query,
         key,
         value,
+        hooks,
         query_positions=query_positions,
         key_positions=key_positions,
-        encodings=encodings,
         normalizer=normalizer,
         causal=causal,
         key_mask=key_mask,
@@ -674,6 +676,128 @@ def dot_product_attention(
         mask=mask,
         scale=scale,
         dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        return_weights=return_weights,
+        implementation=implementation,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    if unbatched:
+        out, weights = out[0], None if weights is None else weights[0]
+    return (out, weights) if return_weights else out
+
+
+def attend(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    *,
+    encodings: Sequence,
+    query_positions: jax.Array,
+    key_positions: jax.Array,
+    normalizer,
+    causal: bool,
+    key_mask: jax.Array | None = None,
+    query_segment_ids: jax.Array | None = None,
+    key_segment_ids: jax.Array | None = None,
+    dropout_rate: float = 0.0,
+    dropout_rng: jax.Array | None = None,
+    implementation: str = "auto",
+    block_q: int | None = None,
+    block_k: int | None = None,
+) -> jax.Array:
+    """:func:`dot_product_attention` for a module that has checked its arguments itself.
+
+    The modules (:class:`~posenc_jax.nn.MultiHeadAttention`, and through it the Transformer)
+    check their positions once, where they enter, and make q, k and v ``[B, T, N, H]`` /
+    ``[B, S, K, H]`` by their own projections; this runs the attention on them without
+    checking the positions again. The encodings, masks and implementation are checked as in
+    :func:`dot_product_attention`, and the context is made as there.
+
+    Args:
+      query_positions, key_positions: int32 ``[T]`` / ``[S]`` or ``[B, T]`` / ``[B, S]`` as
+        :func:`~posenc_jax.functional.core.positions.check_positions` returned them, fitting
+        the query and key lengths (the same array twice in self-attention).
+      the others: as in :func:`dot_product_attention`.
+
+    Returns:
+      ``[B, T, N, H]`` in ``query``'s dtype.
+    """
+    hooks = _attention_hooks(encodings, causal=bool(causal))
+    out, _ = _attend(
+        query,
+        key,
+        value,
+        hooks,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        normalizer=as_normalizer(normalizer),
+        causal=causal,
+        key_mask=key_mask,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        mask=None,
+        scale=None,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        return_weights=False,
+        implementation=implementation,
+        block_q=block_q,
+        block_k=block_k,
+    )
+    return out
+
+
+def _attend(
+    query,
+    key,
+    value,
+    hooks,
+    *,
+    query_positions,
+    key_positions,
+    normalizer,
+    causal,
+    key_mask,
+    query_segment_ids,
+    key_segment_ids,
+    mask,
+    scale,
+    dropout_rate,
+    dropout_rng,
+    return_weights,
+    implementation,
+    block_q,
+    block_k,
+):
+    """The attention of checked, batched arguments: the dispatch, the call's context (made once), the stages.
+
+    Returns ``(out in query's dtype, float32 weights or None)``.
+    """
+    batch, q_len, num_heads, _ = query.shape
+    blockwise = _goes_blockwise(
+        implementation,
+        batch=batch,
+        num_heads=num_heads,
+        query_length=q_len,
+        key_length=key.shape[1],
+        hooks=hooks,
+        normalizer=normalizer,
+        return_weights=return_weights,
+    )
+    call = _call(
+        query,
+        key,
+        value,
+        hooks,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        causal=causal,
+        key_mask=key_mask,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        mask=mask,
+        scale=scale,
         build_mask=not blockwise,
     )
     if blockwise:
@@ -692,33 +816,117 @@ def dot_product_attention(
             block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
             dropout_rate=dropout_rate,
             dropout_rng=dropout_rng,
-        ).astype(query.dtype)
-        return out[0] if unbatched else out
+        )
+        return out.astype(query.dtype), None
     scores = attention_scores(call.query, call.key, call.hooks, call.context, mask_parts=call.mask_parts)
     weights = attention_weights(scores, call.mask, normalizer, call.context)
     out = attention_output(
         _dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context, mask_parts=call.mask_parts
     )
-    out = out.astype(query.dtype)
-    if unbatched:
-        out, weights = out[0], weights[0]
-    return (out, weights) if return_weights else out
+    return out.astype(query.dtype), weights
 
 
-def _scores_exceed_limit(query: jax.Array, key: jax.Array) -> bool:
-    if query.ndim != 4 or key.ndim != 4:
-        return False  # stage 1 explains the shapes
-    batch, q_len, num_heads, _ = query.shape
-    return goes_blockwise("auto", batch=batch, num_heads=num_heads, query_length=q_len, key_length=key.shape[1])
+def _goes_blockwise(
+    implementation: str,
+    *,
+    batch: int,
+    num_heads: int,
+    query_length: int,
+    key_length: int,
+    hooks: Sequence,
+    normalizer,
+    return_weights: bool = False,
+) -> bool:
+    """The dispatch rule: :func:`goes_blockwise` by size, and ``"auto"`` materialises what has no
+    blockwise form or whose weights are asked for (the caller did not ask for blockwise)."""
+    tiled = goes_blockwise(
+        implementation, batch=batch, num_heads=num_heads, query_length=query_length, key_length=key_length
+    )
+    if implementation != "auto":
+        return tiled
+    return tiled and not return_weights and _has_blockwise_form(hooks, normalizer)
+
+
+def forward_terms(
+    hooks: Sequence,
+    biases: Sequence,
+    *,
+    query_positions: jax.Array,
+    key_positions: jax.Array,
+    batch: int,
+    num_heads: int,
+    head_dim: int,
+    causal: bool,
+    normalizer=softmax_weights,
+    implementation: str = "auto",
+) -> tuple[list, list | None]:
+    """What a model computes once per forward and gives every layer: ``(shared, prepared)``.
+
+    ``shared``: the position-only biases (T5, ALiBi, ...: :class:`~posenc_jax.functional.core.hooks.PositionBias`
+    hooks with one set of parameters for the whole model) in the form each layer adds them: a
+    :class:`SharedBias` computed now when the layers materialise their scores, the hooks
+    themselves when they go blockwise (each tile computes its own: a ``[B, N, T, S]`` bias
+    would undo the tiling). The choice is the attention's dispatch rule, as each layer will
+    make it. ``prepared``: for each of a layer's ``hooks``, the hook with its tables computed
+    now when it is parameter-free and fills
+    :class:`~posenc_jax.functional.core.hooks.PreparesTables` (RoPE), else None; None when
+    there is none. A prepared hook is valid for the tokens at ``query_positions``: a layer
+    rotates its own tokens by it (self-attention, or a decoding step's new tokens).
+
+    Both are computed from one context, made here.
+
+    Args:
+      hooks: one layer's attention hooks (every layer has the same encodings).
+      biases: the shared :class:`~posenc_jax.functional.core.hooks.PositionBias` hooks.
+      query_positions, key_positions: int32 positions the model checked (the same array
+        twice in a full forward; a decoding step's new tokens and the cache's keys).
+      batch, num_heads, head_dim: B, N, H of the layers' attention.
+      causal: the layers' attention direction.
+      normalizer, implementation: the layers' (they enter the dispatch rule).
+
+    Example:
+      >>> from posenc_jax.functional import ALiBi, RoPE
+      >>> pos = jnp.arange(6)
+      >>> shared, prepared = forward_terms(
+      ...     [RoPE()], [ALiBi()], query_positions=pos, key_positions=pos,
+      ...     batch=1, num_heads=2, head_dim=8, causal=True)
+      >>> type(shared[0]).__name__, shared[0].value.shape, type(prepared[0]).__name__
+      ('SharedBias', (1, 2, 6, 6), 'RotaryTable')
+    """
+    context = attention_context(
+        query_positions,
+        key_positions,
+        scale=_score_scale([*hooks, *biases], head_dim, None),
+        causal=causal,
+        head_dim=head_dim,
+        num_heads=num_heads,
+    )
+    tiled = _goes_blockwise(
+        implementation,
+        batch=batch,
+        num_heads=num_heads,
+        query_length=query_positions.shape[-1],
+        key_length=context.key_length,
+        hooks=[*hooks, *biases],
+        normalizer=as_normalizer(normalizer),
+    )
+    shared = [bias if tiled else SharedBias(bias.bias(context)) for bias in biases]
+    prepared = [
+        hook.prepare(context, head_dim)
+        if isinstance(hook, ParameterFree) and isinstance(hook, PreparesTables)
+        else None
+        for hook in hooks
+    ]
+    return shared, prepared if any(hook is not None for hook in prepared) else None
 
 
 def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_length: int, key_length: int) -> bool:
     """Whether ``implementation`` computes attention of these sizes in tiles.
 
     ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed
-    ``MATERIALIZE_LIMIT_BYTES`` (and then falls back to materialising only for a hook or
-    normaliser without a blockwise form). A model uses it to decide whether to compute a
-    shared bias once as ``[B, N, T, S]`` or let each tile compute its own.
+    ``MATERIALIZE_LIMIT_BYTES`` (and then falls back to materialising for a hook or
+    normaliser without a blockwise form, which this size rule does not see; a model's
+    per-forward terms follow the whole rule: :func:`forward_terms`).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")

@@ -13,8 +13,8 @@ FlashAttention, Dao et al. 2022):
     o' = c·o + p · v                    out = o / l   (after the last key block)
 
 Only one ``[B, N, block_q, block_k]`` tile of scores exists at a time. Every hook is
-computed per tile, from the tile's own positions (an :class:`AttentionContext` whose
-positions and mask are the tile's):
+computed per tile, from the tile's own positions (the call's :class:`AttentionContext` cut to
+the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile's):
 
 * ``rotate`` hooks (RoPE and its scalings, xPos, axial RoPE) run once on the whole q and k
   before tiling: a rotation is per token.
@@ -216,17 +216,7 @@ def blockwise_attention(
         q_positions = _tile(qpos, qi, block_q, 1)
         q_segments = _tile(qseg, qi, block_q, 1)
         q_extra = _tile(extra, qi, block_q, 2)
-        q_context = AttentionContext(
-            q_positions,
-            q_positions,
-            context.scale,
-            head_dim,
-            num_heads,
-            causal,
-            k_len,
-            None,
-            _tile(counts, qi, block_q, 1),
-        )
+        q_context = context.tile(q_positions, q_positions, sequence_lengths=_tile(counts, qi, block_q, 1))
         rows = (batch, num_heads, block_q)
         carry = (
             normalizer.tile_init(rows),  # the normaliser's running statistics
@@ -252,9 +242,7 @@ def blockwise_attention(
                 parts.append(_tile(q_extra, kj, block_k, 3))
             for part in parts:
                 tile_mask = part if tile_mask is None else jnp.logical_and(tile_mask, part)
-            tile_context = AttentionContext(
-                q_positions, k_positions, context.scale, head_dim, num_heads, causal, k_len, tile_mask
-            )
+            tile_context = context.tile(q_positions, k_positions, mask=tile_mask)
 
             s = content_scores(q, k, context.scale)
             new_hook_carry = []

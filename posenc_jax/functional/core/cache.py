@@ -188,6 +188,11 @@ class KVCache(NamedTuple):
         new (valid) token placed at or before a position the row already holds: positions
         only move forward in a cache.
         """
+        return self._append(key, value, check_positions(positions), valid, features, tables)
+
+    def _append(self, key, value, positions: jax.Array, valid=None, features=(), tables=()) -> KVCache:
+        """:meth:`append` of int32 positions already checked (a layer's, checked once where they entered);
+        everything else is checked as there."""
         batch, capacity, heads, head_dim = self.key.shape
         for name, array in (("key", key), ("value", value)):
             shape = getattr(array, "shape", None)
@@ -205,7 +210,6 @@ class KVCache(NamedTuple):
                 f"the KV cache holds {capacity} tokens and {new} are given at once: make it larger with "
                 f"init_cache(batch, max_length) with max_length >= {new} (prompt and new tokens)"
             )
-        positions = check_positions(positions)
         if positions.shape[-1] != new or positions.ndim > 2 or (positions.ndim == 2 and positions.shape[0] != batch):
             raise ValueError(f"positions must be [B, T] = [{batch}, {new}] (or [T]), got shape {positions.shape}")
         positions = jnp.broadcast_to(positions, (batch, new))

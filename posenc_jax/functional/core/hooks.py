@@ -62,6 +62,7 @@ __all__ = [
     "Placement",
     "PositionBias",
     "PositionSampler",
+    "PreparedRotation",
     "PreparesTables",
     "Rotate",
     "RotatesAbout",
@@ -69,6 +70,7 @@ __all__ = [
     "ScoreScale",
     "TiledNormalize",
     "Values",
+    "attention_context",
     "check_together",
     "hook_names",
     "one_or_more",
@@ -141,9 +143,14 @@ class AttentionContext:
         sequence (real keys of its packed segment; the causal mask does not enter), or
         None when every one of the ``key_length`` keys counts (relu²/n reads it).
 
-    In blockwise attention a hook sees one tile at a time: the positions, ``mask`` and
-    ``sequence_lengths`` are the tile's (``key_length`` stays the whole call's S), so a
-    hook that computes its term from the context's positions works unchanged in tiles.
+    In blockwise attention a hook sees one tile at a time (:meth:`tile`): the positions,
+    ``mask`` and ``sequence_lengths`` are the tile's (``key_length`` stays the whole call's S),
+    so a hook that computes its term from the context's positions works unchanged in tiles.
+
+    Positions are checked once, where they enter (:meth:`from_positions`, :func:`rotation_context`,
+    ``dot_product_attention``, the modules), and every context is then made by
+    :func:`attention_context`: a hook given a context reads its positions as they are, int32.
+    Building the dataclass directly skips that check (its positions must already be int32 arrays).
     """
 
     query_positions: jax.Array = parameter()
@@ -200,17 +207,36 @@ class AttentionContext:
             value = float("nan")
         if isinstance(scale, bool) or not 0 < value < float("inf"):
             raise ValueError(f"scale must be a finite number > 0 (e.g. 1/sqrt(head_dim)), got {scale!r}")
-        same = key_positions is query_positions
-        query_positions = check_positions(query_positions, "query_positions")
-        key_positions = query_positions if same else check_positions(key_positions, "key_positions")
-        return cls(
+        query_positions, key_positions = _checked_pair(query_positions, key_positions)
+        return attention_context(
+            query_positions,
+            key_positions,
+            scale=value,
+            causal=causal,
+            head_dim=head_dim,
+            num_heads=num_heads,
+            mask=mask,
+            sequence_lengths=sequence_lengths,
+        )
+
+    def tile(
+        self,
+        query_positions: jax.Array,
+        key_positions: jax.Array,
+        *,
+        mask: jax.Array | None = None,
+        sequence_lengths: jax.Array | None = None,
+    ) -> AttentionContext:
+        """This call's context for one tile of queries × keys (blockwise attention).
+
+        The positions, ``mask`` and ``sequence_lengths`` are the tile's; the scale, sizes,
+        direction and ``key_length`` (the whole call's S) stay the call's. The tile's
+        positions are cut from the call's, so they are not checked again.
+        """
+        return dataclasses.replace(
+            self,
             query_positions=query_positions,
             key_positions=key_positions,
-            scale=value,
-            head_dim=int(head_dim),
-            num_heads=int(num_heads),
-            causal=causal,
-            key_length=int(key_positions.shape[-1]),
             mask=mask,
             sequence_lengths=sequence_lengths,
         )
@@ -228,13 +254,68 @@ class AttentionContext:
             )
 
 
+def attention_context(
+    query_positions: jax.Array | None,
+    key_positions: jax.Array | None,
+    *,
+    scale: float,
+    causal: bool,
+    head_dim: int = 0,
+    num_heads: int = 0,
+    key_length: int | None = None,
+    mask: jax.Array | None = None,
+    sequence_lengths: jax.Array | None = None,
+) -> AttentionContext:
+    """The context of one attention call, from positions already checked: every context is made here.
+
+    The entry points check positions once (:func:`~posenc_jax.functional.core.positions.check_positions`)
+    and then make the context here: :meth:`AttentionContext.from_positions` and
+    :func:`rotation_context` for hooks called directly, ``dot_product_attention`` and the
+    modules for a call, a model for its per-forward terms. Nothing below re-checks them.
+
+    Args:
+      query_positions, key_positions: int32 ``[T]`` / ``[S]`` or ``[B, T]`` / ``[B, S]`` as
+        ``check_positions`` returns them (the same object twice in self-attention, so tables
+        computed from positions are computed once), or both None when nothing reads them.
+      scale, causal, head_dim, num_heads, mask, sequence_lengths: as in :class:`AttentionContext`.
+      key_length: S; by default the key positions' length (required without positions).
+
+    Example:
+      >>> pos = jnp.arange(4)
+      >>> context = attention_context(pos, pos, scale=0.5, causal=True)
+      >>> context.key_length, context.query_positions is context.key_positions
+      (4, True)
+    """
+    if key_length is None:
+        key_length = key_positions.shape[-1]
+    return AttentionContext(
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=scale,
+        head_dim=int(head_dim),
+        num_heads=int(num_heads),
+        causal=causal,
+        key_length=int(key_length),
+        mask=mask,
+        sequence_lengths=sequence_lengths,
+    )
+
+
+def _checked_pair(query_positions, key_positions) -> tuple[jax.Array, jax.Array]:
+    """Both positions checked; self-attention (one array given twice) keeps one array."""
+    same = key_positions is query_positions
+    query_positions = check_positions(query_positions, "query_positions")
+    return query_positions, query_positions if same else check_positions(key_positions, "key_positions")
+
+
 def rotation_context(context, caller: str) -> AttentionContext:
     """The :class:`AttentionContext` a ``rotate`` hook called directly works from.
 
     The attention hands every hook an :class:`AttentionContext`. A user rotating q and k
     themselves (to pair RoPE with ``jax.nn.dot_product_attention`` or a fused kernel) passes
     positions instead: one integer array ``[T]`` or ``[B, T]`` for queries and keys alike, or
-    a pair ``(query_positions, key_positions)``. ``caller`` names the hook in the error.
+    a pair ``(query_positions, key_positions)``, checked here. A context is returned as it is:
+    its positions were checked where it was made. ``caller`` names the hook in the error.
 
     Example:
       >>> rotation_context(jnp.arange(4), "RoPE.rotate").key_length
@@ -249,9 +330,7 @@ def rotation_context(context, caller: str) -> AttentionContext:
     if isinstance(context, arrays):
         query_positions = key_positions = check_positions(context, "positions")
     elif isinstance(context, (tuple, list)) and len(context) == 2 and all(isinstance(p, arrays) for p in context):
-        query_positions = check_positions(context[0], "query_positions")
-        same = context[1] is context[0]
-        key_positions = query_positions if same else check_positions(context[1], "key_positions")
+        query_positions, key_positions = _checked_pair(*context)
     else:
 
         def kind(x) -> str:
@@ -265,9 +344,7 @@ def rotation_context(context, caller: str) -> AttentionContext:
             f"{caller}(q, k, context): context must be an AttentionContext, a positions array [T] or [B, T] (for "
             f"q and k alike), or a pair (query_positions, key_positions) of arrays; got {got}"
         )
-    return AttentionContext(
-        query_positions=query_positions, key_positions=key_positions, key_length=int(key_positions.shape[-1])
-    )
+    return attention_context(query_positions, key_positions, scale=1.0, causal=False)
 
 
 @runtime_checkable
@@ -391,12 +468,28 @@ class RotatesAbout(Protocol):
 class PreparesTables(Protocol):
     """A parameter-free ``rotate`` hook whose tables depend on positions alone.
 
-    ``prepare(positions, head_dim)`` returns a ``rotate`` hook that rotates by tables computed
-    once for those positions; a model calls it once per forward and shares the result across
-    its layers (RoPE and its scalings).
+    ``prepare(positions, head_dim)`` returns a :class:`PreparedRotation`: the rotation by tables
+    computed once for those positions (an integer array, or a forward's
+    :class:`AttentionContext`: its query positions); a model calls it once per forward and
+    shares the result across its layers (RoPE and its scalings).
     """
 
-    def prepare(self, positions: jax.Array, head_dim: int) -> Rotate: ...
+    def prepare(self, positions: jax.Array | AttentionContext, head_dim: int) -> PreparedRotation: ...
+
+
+@runtime_checkable
+class PreparedRotation(Protocol):
+    """A ``rotate`` hook with its tables computed for one array of positions (:class:`PreparesTables`).
+
+    ``rotate_prepared(q, k)`` rotates queries and keys that are both at those positions: a
+    model's layer calls it for its own tokens (self-attention at the forward's positions, a
+    decoding step's new tokens), so no positions are compared. As a plain ``rotate`` hook it
+    must stay right for any context it is given.
+    """
+
+    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
+
+    def rotate_prepared(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]: ...
 
 
 @runtime_checkable

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.functional.core.hooks import parameter, pytree_dataclass
-from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.positions import batched_positions, check_positions, with_batch_axis
 
 __all__ = [
     "MaskParts",
@@ -42,8 +42,14 @@ def causal_mask(query_positions, key_positions) -> jax.Array:
              [1, 1, 0],
              [1, 1, 1]], dtype=int32)
     """
-    q = batched_positions(query_positions, "query_positions")
-    k = batched_positions(key_positions, "key_positions")
+    return _causal_mask(
+        batched_positions(query_positions, "query_positions"), batched_positions(key_positions, "key_positions")
+    )
+
+
+def _causal_mask(query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+    """:func:`causal_mask` of positions already checked, ``[T]`` or ``[B|1, T]``."""
+    q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
     return k[:, None, None, :] <= q[:, None, :, None]
 
 
@@ -126,12 +132,19 @@ def keys_seen_by_segment(query_segment_ids, key_segment_ids, query_positions=Non
     Returns:
       boolean ``[B, S]``.
     """
+    if query_positions is not None:
+        query_positions = check_positions(query_positions, "query_positions")
+        key_positions = check_positions(key_positions, "key_positions")
+    return _keys_seen_by_segment(query_segment_ids, key_segment_ids, query_positions, key_positions)
+
+
+def _keys_seen_by_segment(query_segment_ids, key_segment_ids, query_positions, key_positions) -> jax.Array:
+    """:func:`keys_seen_by_segment` with positions (or None) already checked."""
     qseg = _batched(_check_segment_ids(query_segment_ids, "query_segment_ids"))
     kseg = _batched(_check_segment_ids(key_segment_ids, "key_segment_ids"))
     causal = query_positions is not None
     if causal:
-        qpos = batched_positions(query_positions, "query_positions")
-        kpos = batched_positions(key_positions, "key_positions")
+        qpos, kpos = with_batch_axis(query_positions), with_batch_axis(key_positions)
     else:
         qpos = jnp.zeros(qseg.shape[-1:], jnp.int32)[None]
         kpos = jnp.zeros(kseg.shape[-1:], jnp.int32)[None]
@@ -162,8 +175,8 @@ class MaskParts:
     query (:meth:`per_key`).
 
     Args:
-      query_positions, key_positions: int32 ``[B|1, T]`` / ``[B|1, S]`` positions of a causal
-        call, else None.
+      query_positions, key_positions: int32 ``[T]`` / ``[S]`` or ``[B|1, T]`` / ``[B|1, S]``
+        positions of a causal call, else None; checked by the call's entry point, not again here.
       key_valid: boolean ``[B|1, S]``, True for real keys, or None.
       query_segment_ids, key_segment_ids: integer ``[B|1, T]`` / ``[B|1, S]``, or None.
       extra: a boolean mask ``[B|1, N|1, T|1, S|1]`` (True = attend), or None.
@@ -180,7 +193,7 @@ class MaskParts:
         """The combined boolean mask, broadcastable to ``[B, N, T, S]`` (True = attend), or None."""
         causal = self.query_positions is not None
         return combine_masks(
-            causal_mask(self.query_positions, self.key_positions) if causal else None,
+            _causal_mask(self.query_positions, self.key_positions) if causal else None,
             None if self.key_valid is None else self.key_valid[:, None, None, :],
             None if self.query_segment_ids is None else segment_mask(self.query_segment_ids, self.key_segment_ids),
             self.extra,
@@ -207,15 +220,15 @@ class MaskParts:
             return self.mask().any(axis=(1, 2))
         seen = None
         if segments:
-            seen = keys_seen_by_segment(
+            seen = _keys_seen_by_segment(
                 self.query_segment_ids,
                 self.key_segment_ids,
                 self.query_positions if causal else None,
                 self.key_positions if causal else None,
             )
         elif causal:
-            latest = batched_positions(self.query_positions, "query_positions").max(axis=-1, keepdims=True)
-            seen = batched_positions(self.key_positions, "key_positions") <= latest
+            latest = with_batch_axis(self.query_positions).max(axis=-1, keepdims=True)
+            seen = with_batch_axis(self.key_positions) <= latest
         if self.key_valid is not None:
             seen = self.key_valid if seen is None else jnp.logical_and(seen, self.key_valid)
         return seen

@@ -38,6 +38,7 @@ __all__ = [
     "inverse_frequencies",
     "position_angles",
     "position_difference",
+    "with_batch_axis",
 ]
 
 # Positions are split into four 8-bit digits; each digit's contribution to the
@@ -90,7 +91,16 @@ def check_positions(positions, name: str = "positions") -> jax.Array:
 
 def batched_positions(positions, name: str = "positions") -> jax.Array:
     """:func:`check_positions`, with a leading batch axis added to ``[T]``: int32 ``[B|1, T]``."""
-    positions = check_positions(positions, name)
+    return with_batch_axis(check_positions(positions, name))
+
+
+def with_batch_axis(positions: jax.Array) -> jax.Array:
+    """Positions ``[T]`` or ``[B, T]`` as ``[B|1, T]``, taken as they are: for positions already checked.
+
+    Example:
+      >>> with_batch_axis(jnp.arange(3)).shape
+      (1, 3)
+    """
     return positions if positions.ndim >= 2 else positions[None]
 
 
@@ -182,7 +192,11 @@ def position_angles(positions, inverse_frequency) -> jax.Array:
       >>> position_angles(jnp.array([0, 1, 2]), np.array([1.0, 0.5])).shape
       (3, 2)
     """
-    positions = check_positions(positions)
+    return _position_angles(check_positions(positions), inverse_frequency)
+
+
+def _position_angles(positions: jax.Array, inverse_frequency) -> jax.Array:
+    """:func:`position_angles` of int32 positions already checked (where they entered), taken as they are."""
     try:
         freq = np.asarray(inverse_frequency, np.float64)
     except jax.errors.TracerArrayConversionError:

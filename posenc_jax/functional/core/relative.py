@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.positions import batched_positions, position_difference
+from posenc_jax.functional.core.positions import batched_positions, position_difference, with_batch_axis
 from posenc_jax.functional.kernels.autodiff import custom_gradients
 from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
 
@@ -65,6 +65,12 @@ def relative_positions(query_positions, key_positions, *, dtype=jnp.int32) -> ja
     """
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
+    return _relative_positions(q, k, dtype=dtype)
+
+
+def _relative_positions(query_positions, key_positions, *, dtype=jnp.int32) -> jax.Array:
+    """:func:`relative_positions` of positions already checked (``[T]`` or ``[B|1, T]``)."""
+    q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
     return position_difference(k[:, None, :], q[:, :, None], dtype=dtype)
 
 
@@ -355,7 +361,7 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
 
 
 def _expand_by_gather(per_distance, query_positions, key_positions, k: int) -> jax.Array:
-    index = clipped_relative_index(query_positions, key_positions, k)  # [B|1, T, S]
+    index = _distance_slots(query_positions, key_positions, sign=1, offset=k, slots=2 * k + 1)  # [B|1, T, S]
     bias = jnp.take(per_distance, index, axis=1, mode="clip")  # [N, B|1, T, S]
     return jnp.moveaxis(bias, 0, 1)
 
@@ -389,7 +395,7 @@ def _expand_jvp(k: int, primals, tangents):
     # diagonals when the positions are runs (so that reverse mode sums diagonals instead of scattering
     # T·S cotangents into the table), by the gather otherwise.
     per_distance, query_positions, key_positions = primals
-    runs = consecutive_rows(query_positions) & consecutive_rows(key_positions)
+    runs = _consecutive_rows(query_positions) & _consecutive_rows(key_positions)
     tangent = jax.lax.cond(
         runs,
         lambda t: _expand_by_diagonals(t, query_positions, key_positions, k),
@@ -409,7 +415,12 @@ def consecutive_rows(positions) -> jax.Array:
       >>> bool(consecutive_rows(jnp.arange(5) + 7)), bool(consecutive_rows(jnp.array([0, 1, 3])))
       (True, False)
     """
-    positions = batched_positions(positions)
+    return _consecutive_rows(batched_positions(positions))
+
+
+def _consecutive_rows(positions: jax.Array) -> jax.Array:
+    """:func:`consecutive_rows` of positions already checked."""
+    positions = with_batch_axis(positions)
     if positions.shape[-1] < 2:
         return jnp.bool_(True)
     return jnp.all(position_difference(positions[:, 1:], positions[:, :-1]) == 1)
@@ -464,7 +475,14 @@ def distance_slots(query_positions, key_positions, *, sign: int, offset: int, sl
              [0, 0, 1]], dtype=int32)
     """
     _check_slot_map(sign, offset, slots)
-    rel = relative_positions(query_positions, key_positions)
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    return _distance_slots(q, k, sign=sign, offset=offset, slots=slots)
+
+
+def _distance_slots(query_positions, key_positions, *, sign: int, offset: int, slots: int) -> jax.Array:
+    """:func:`distance_slots` of positions already checked, the slot map already checked."""
+    rel = _relative_positions(query_positions, key_positions)
     return jnp.clip(sign * rel, -offset, slots - 1 - offset) + offset
 
 
@@ -567,7 +585,7 @@ def sum_by_distance(
 
 
 def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
-    index = distance_slots(q, k, sign=sign, offset=offset, slots=per_distance.shape[-1])
+    index = _distance_slots(q, k, sign=sign, offset=offset, slots=per_distance.shape[-1])
     if flat:
         return take_along_last_axis(per_distance, index[:, None], transposed=key_side)
     return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
@@ -633,7 +651,7 @@ def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None
 def _sums_by_scatter(weights, q, k, sign: int, offset: int, slots: int, block_elements: int, mask=None):
     def index_rows(start, rows):
         block = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)
-        return distance_slots(block, k, sign=sign, offset=offset, slots=slots)
+        return _distance_slots(block, k, sign=sign, offset=offset, slots=slots)
 
     return bucket_relative(weights, index_rows, slots, mask=mask, block_elements=block_elements)
 
@@ -644,7 +662,7 @@ def _sums(weights, q, k, sign, offset, slots, block_elements=_SCATTER_BLOCK, mas
     The mask goes into the conditional as it is and is applied inside each branch, where it
     fuses: a masked copy of the weights as the conditional's operand would be stored whole.
     """
-    runs = consecutive_rows(q) & consecutive_rows(k)
+    runs = _consecutive_rows(q) & _consecutive_rows(k)
     summed = jax.lax.cond(
         runs,
         lambda w, m: _sums_over_runs(w, q, k, sign, offset, slots, m),

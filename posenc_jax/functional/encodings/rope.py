@@ -34,7 +34,12 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
     rotation_context,
 )
-from posenc_jax.functional.core.positions import check_positions, inverse_frequencies, position_angles
+from posenc_jax.functional.core.positions import (
+    _position_angles,
+    check_positions,
+    inverse_frequencies,
+    position_angles,
+)
 from posenc_jax.functional.core.registry import Source, register_encoding
 
 __all__ = [
@@ -214,9 +219,8 @@ def apply_rope(
     rotary_dim = _check_head(x, rotary_dim, "x")
     positions = check_positions(positions)
     _check_positions_fit(x, positions, "x")
-    inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
-    cos, sin = rope_tables(positions, inverse_frequency)
-    return _rotate(x, cos * attention_factor, sin * attention_factor, layout)
+    angles = _position_angles(positions, _frequencies(inverse_frequency, rotary_dim, base))
+    return _rotate(x, jnp.cos(angles) * attention_factor, jnp.sin(angles) * attention_factor, layout)
 
 
 def apply_rope_qk(
@@ -251,7 +255,7 @@ def apply_rope_qk(
         k,
         query_positions,
         key_positions,
-        lambda positions: position_angles(positions, inverse_frequency),
+        lambda positions: _position_angles(positions, inverse_frequency),
         layout,
         attention_factor,
     )
@@ -259,16 +263,27 @@ def apply_rope_qk(
 
 def _checked_qk(q, k, query_positions, key_positions, rotary_dim):
     """Validates q, k and their positions; returns the rotary dim and int32 positions (one array if shared)."""
+    same_positions = query_positions is key_positions
+    rotary_dim = _check_qk_heads(q, k, rotary_dim)
+    query_positions = check_positions(query_positions, "query_positions")
+    key_positions = query_positions if same_positions else check_positions(key_positions, "key_positions")
+    _check_qk_fit(q, k, query_positions, key_positions)
+    return rotary_dim, query_positions, key_positions
+
+
+def _check_qk_heads(q, k, rotary_dim) -> int:
+    """Validates q's and k's heads for a rotation of ``rotary_dim`` (None: all) features; returns the rotary dim."""
     rotary_dim = _check_head(q, rotary_dim, "q")
     _check_head(k, rotary_dim, "k")
     if k.shape[-1] != q.shape[-1]:
         raise ValueError(f"q and k must share the head dim, got q {q.shape} and k {k.shape}")
-    same_positions = query_positions is key_positions
-    query_positions = check_positions(query_positions, "query_positions")
-    key_positions = query_positions if same_positions else check_positions(key_positions, "key_positions")
+    return rotary_dim
+
+
+def _check_qk_fit(q, k, query_positions, key_positions) -> None:
+    """Checked positions fit q and k (one position per token)."""
     _check_positions_fit(q, query_positions, "q")
     _check_positions_fit(k, key_positions, "k")
-    return rotary_dim, query_positions, key_positions
 
 
 def _rotate_qk(q, k, query_positions, key_positions, angles_of, layout: Layout, attention_factor: float):
@@ -389,7 +404,7 @@ class RoPE(ParameterFree):
         """``(angles_of, attention_factor)``: ``angles_of(positions)`` gives ``[..., T, R/2]`` float32 angles."""
         if not self.length_dependent:
             freq, factor = self.frequencies(head_dim)
-            return (lambda positions: position_angles(positions, freq)), factor
+            return (lambda positions: _position_angles(positions, freq)), factor
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
         # The current length, as transformers' dynamic RoPE takes it; in float32, as
         # max + 1 leaves int32 at the last int32 position.
@@ -422,22 +437,27 @@ class RoPE(ParameterFree):
           >>> bool(jnp.allclose(q_last, q_rot[:, -1:]))
           True
         """
+        # Positions given as arrays are checked by rotation_context; a context's were checked where it was made.
         context = rotation_context(context, "RoPE.rotate")
-        _check_head(q, self.rotary_dim, "q")  # before the frequencies: an odd head dim is named as such
-        _, query_positions, key_positions = _checked_qk(
-            q, k, context.query_positions, context.key_positions, self.rotary_dim
-        )
-        angles_of, factor = self._angles(q.shape[-1], query_positions)
-        return _rotate_qk(q, k, query_positions, key_positions, angles_of, self.layout, factor)
+        _check_qk_heads(q, k, self.rotary_dim)
+        _check_qk_fit(q, k, context.query_positions, context.key_positions)
+        angles_of, factor = self._angles(q.shape[-1], context.query_positions)
+        return _rotate_qk(q, k, context.query_positions, context.key_positions, angles_of, self.layout, factor)
 
-    def prepare(self, positions, head_dim: int) -> RotaryTable:
+    def prepare(self, positions: jax.Array | AttentionContext, head_dim: int) -> RotaryTable:
         """This RoPE with its table for ``positions`` computed now, as a ``rotate`` hook.
 
         A model computes it once per forward pass and gives it to every layer, so the
         cos/sin table is computed once for all layers (like a shared bias), not once per
-        layer. The hook uses the table when the attention's query and key positions are
-        this very array (self-attention at ``positions``, or a decoding step rotating its
-        new queries and keys) and rotates from scratch otherwise.
+        layer: each layer rotates its own tokens, at ``positions``, by it
+        (:meth:`RotaryTable.rotate_prepared`). Given to an attention as a hook, it uses the
+        table when the query and key positions are this very array and rotates from scratch
+        otherwise (:meth:`RotaryTable.rotate`).
+
+        Args:
+          positions: integer ``[T]`` or ``[B, T]``, or the :class:`AttentionContext` of the
+            forward (its query positions, checked when it was made).
+          head_dim: H, the head dim of the queries and keys it will rotate.
 
         Example:
           >>> from posenc_jax.functional import dot_product_attention
@@ -448,7 +468,9 @@ class RoPE(ParameterFree):
           >>> dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[hook]).shape
           (1, 8, 2, 16)
         """
-        positions = check_positions(positions)
+        # A forward's context holds positions checked when it was made.
+        context = isinstance(positions, AttentionContext)
+        positions = positions.query_positions if context else check_positions(positions)
         if not isinstance(head_dim, (int, np.integer)) or head_dim < 2 or head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {head_dim!r}")
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
@@ -472,10 +494,14 @@ class RoPE(ParameterFree):
 class RotaryTable:
     """RoPE with its ``[..., T, R]`` table computed for one array of positions (:meth:`RoPE.prepare`).
 
-    A ``rotate`` hook. When the attention's query and key positions are ``positions``
-    itself (the same array object, as when a model hands one positions array to every
-    layer), q and k are rotated by the stored table; otherwise ``rope`` rotates them
-    from the context's positions, so the hook is never wrong, only slower.
+    A model's layers rotate their own tokens, at ``positions``, by the stored table
+    (:meth:`rotate_prepared`): the model prepared it for those tokens, so nothing need be
+    compared. As a ``rotate`` hook given to an attention (:meth:`rotate`) it cannot know that:
+    when the query and key positions are ``positions`` itself (the same array object) q and
+    k are rotated by the table; otherwise ``rope`` rotates them from the context's
+    positions, so the hook is never wrong, only slower. The test is by identity because it
+    is the only one free under ``jit``: comparing the values would cost a pass over the
+    positions, and a conditional, at every call.
 
     Attributes:
       positions: int32 ``[T]`` or ``[B, T]``, the positions the table was computed for.
@@ -499,7 +525,24 @@ class RotaryTable:
         context = rotation_context(context, "RotaryTable.rotate")
         if context.query_positions is not self.positions or context.key_positions is not self.positions:
             return self.rope.rotate(q, k, context)
-        rotary_dim, _, _ = _checked_qk(q, k, self.positions, self.positions, self.rope.rotary_dim)
+        return self.rotate_prepared(q, k)
+
+    def rotate_prepared(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Rotates queries ``[..., T, N, H]`` and keys ``[..., T, K, H]`` that are both at :attr:`positions`.
+
+        What a model's layer calls for its own tokens (self-attention, or a decoding step's
+        new tokens), at the positions the model prepared the table for: no positions are
+        given, so none is compared or checked.
+
+        Example:
+          >>> pos = jnp.arange(6); q = k = jnp.ones((1, 6, 2, 8))
+          >>> table = RoPE().prepare(pos, head_dim=8)
+          >>> got, want = table.rotate_prepared(q, k), RoPE().rotate(q, k, pos)
+          >>> all(bool(jnp.allclose(a, b)) for a, b in zip(got, want))
+          True
+        """
+        rotary_dim = _check_qk_heads(q, k, self.rope.rotary_dim)
+        _check_qk_fit(q, k, self.positions, self.positions)
         if self.table.shape[-1] != rotary_dim:
             raise ValueError(
                 f"this RoPE table rotates {self.table.shape[-1]} features but q has rotary dim {rotary_dim} "
