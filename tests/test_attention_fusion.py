@@ -2,8 +2,10 @@
 
 The mask is kept as parts (:class:`~posenc_jax.functional.core.masks.MaskParts`): which keys some
 query sees is computed from them, not by reducing the ``[B, N, T, S]`` mask; the softmax has
-no selection after its exponential; the non-finite values term is a conditional that stays one
-under ``vmap`` (:func:`~posenc_jax.functional.core.attention.cond_over_batch`).
+no selection after its exponential; the value product is exact whatever masked values hold with no
+conditional (:func:`~posenc_jax.functional.core.products.masked_value_product`). The conditional that
+stays one under ``vmap`` (:func:`~posenc_jax.functional.core.control.cond_over_batch`) is the
+in-``jit`` range checks'.
 """
 
 import re
@@ -14,9 +16,10 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import dot_product_attention
-from posenc_jax.functional.core.attention import cond_over_batch, masked_value_product
-from posenc_jax.functional.core.masks import MaskParts, keys_seen_by_segment
+from posenc_jax.functional.core.control import cond_over_batch
+from posenc_jax.functional.core.masks import MaskParts, keys_seen_by_segment, queries_seeing_by_segment
 from posenc_jax.functional.core.normalizers import softmax_weights
+from posenc_jax.functional.core.products import NONFINITE_KEYS, masked_value_product
 
 LOWEST = np.finfo(np.float32).min
 
@@ -89,6 +92,20 @@ KINDS = [
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_queries_seeing_equal_the_reduced_mask(rng, kind):
+    for _ in range(5):
+        parts = _random_parts(rng, kind)
+        marked = jnp.asarray(rng.random((3, 8)) < 0.3)
+        want = np.asarray(parts.mask() & marked[:, None, None, :]).any(axis=3)
+        got = np.asarray(parts.queries_seeing(marked))
+        np.testing.assert_array_equal(np.broadcast_to(got, want.shape), want)
+    seen = queries_seeing_by_segment(
+        jnp.array([5, 5, 9]), jnp.array([9, 1, 5, 5]), jnp.array([True, True, False, False])
+    )
+    np.testing.assert_array_equal(seen, [[False, False, True]])  # ids need not be small
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_keys_seen_equal_the_reduced_mask(rng, kind):
     for _ in range(5):
         parts = _random_parts(rng, kind)
@@ -135,7 +152,7 @@ def test_masked_value_product_and_its_derivatives_are_the_plain_einsums(rng):
     weights = softmax_weights(jnp.asarray(rng.normal(size=(2, 4, length, length)), jnp.float32), parts.mask())
     value = jnp.asarray(rng.normal(size=(2, length, 2, 3)), jnp.float32)  # grouped heads: N = 4, K = 2
     plain = lambda w, v: jnp.einsum("BNTS,BSNH->BTNH", w, jnp.repeat(v, 2, axis=2))
-    fast = lambda w, v: masked_value_product(w, v, parts)
+    fast = lambda w, v: masked_value_product(w, v, parts.mask())
     np.testing.assert_allclose(fast(weights, value), plain(weights, value), rtol=1e-6, atol=1e-6)
     tangents = (jnp.asarray(rng.normal(size=weights.shape), jnp.float32), jnp.asarray(rng.normal(size=value.shape)))
     np.testing.assert_allclose(
@@ -155,8 +172,89 @@ def test_masked_value_product_and_its_derivatives_are_the_plain_einsums(rng):
     out = np.asarray(fast(weights, poisoned))
     np.testing.assert_allclose(out[0, :3], plain(weights, clean)[0, :3], rtol=1e-6, atol=1e-6)
     assert np.isnan(out[0, 3:, 2:, 2]).all() and np.isfinite(out[0, :, :2]).all() and np.isfinite(out[1]).all()
+    np.testing.assert_allclose(out[0, 3:, 2:, :2], plain(weights, clean)[0, 3:, 2:, :2], rtol=1e-6, atol=1e-6)
     got = jax.vjp(fast, weights, poisoned)[1](cotangent)[0]
     np.testing.assert_allclose(got, jax.vjp(plain, weights, clean)[1](cotangent)[0], rtol=1e-5, atol=1e-6)
+    tangent = jax.jvp(fast, (weights, poisoned), tangents)[1]
+    finite_tangents = (tangents[0], tangents[1].at[0, 3, 1, 2].set(0.0))
+    np.testing.assert_allclose(tangent, jax.jvp(plain, (weights, clean), finite_tangents)[1], rtol=1e-5, atol=1e-6)
+
+
+def _seen_reference(weights, value, mask):
+    """The rule of masked_value_product in NumPy, elementwise: ``Σ_s where(mask, w · v_finite + v̄, 0)``
+    with ``v_finite`` the finite entries (others 0) and ``v̄`` the non-finite ones (others 0), IEEE sums."""
+    weights, value, mask = (np.asarray(x) for x in (weights, value, mask))
+    per_head = np.repeat(value, weights.shape[1] // value.shape[2], axis=2).transpose(0, 2, 1, 3)[:, :, None]
+    finite = np.isfinite(per_head)
+    seen = np.broadcast_to(mask, weights.shape)[..., None]  # [B, N, T, S, 1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        terms = weights[..., None] * np.where(finite, per_head, 0) + np.where(finite, 0, per_head)
+        out = np.where(seen, terms, np.float32(0)).sum(axis=3)
+    return out.transpose(0, 2, 1, 3)
+
+
+def _poisoned_case(rng, head_dim, *, k_len, bad_keys):
+    """Weights (some seen keys of weight 0, batch row 1 negative), a mask per head, grouped heads, and
+    values whose ``bad_keys`` keys of batch row 0 and ``min(bad_keys, 3)`` of row 1 hold NaN, +inf or -inf
+    in some features (both infinities at one feature of two keys)."""
+    batch, num_kv, group, q_len = 2, 2, 2, 7
+    mask = jnp.asarray(rng.random((batch, num_kv * group, q_len, k_len)) < 0.5)
+    weights = rng.random(mask.shape).astype(np.float32)
+    weights[rng.random(mask.shape) < 0.15] = 0.0  # seen keys of weight 0
+    weights[1] *= -1.0  # a normaliser may give negative weights
+    weights = jnp.where(mask, jnp.asarray(weights), 0.0)
+    value = rng.normal(size=(batch, k_len, num_kv, head_dim)).astype(np.float32)
+    for b, count in enumerate((bad_keys, min(bad_keys, 3))):
+        for key in rng.choice(k_len, count, replace=False):
+            entries = rng.random((num_kv, head_dim)) < 0.3
+            entries[rng.integers(num_kv), rng.integers(head_dim)] = True
+            value[b, key][entries] = rng.choice([np.nan, np.inf, -np.inf], entries.sum())
+    value[0, :2, 0, 0] = (np.inf, -np.inf)
+    return weights, jnp.asarray(value), mask
+
+
+@pytest.mark.parametrize("head_dim", [3, 33, 70])
+def test_masked_value_product_gives_what_the_seen_values_give_bit_for_bit(rng, head_dim):
+    """Every non-finite entry of the keys the row may see, and only those: NaN, +inf, -inf, both
+    infinities (NaN), whatever the weight there (0, negative); grouped heads; per-head and shared masks."""
+    weights, value, mask = _poisoned_case(rng, head_dim, k_len=12, bad_keys=NONFINITE_KEYS)
+    want = _seen_reference(weights, value, mask)
+    finite = np.isfinite(want)
+    assert 0.05 < finite.mean() < 0.95 and np.isposinf(want).any() and np.isneginf(want).any()
+    shared = mask[:, :1]  # a mask shared by every head, [B, 1, T, S]
+    cases = [(weights, mask, want), (jnp.where(shared, weights, 0.0), shared, None)]
+    for w, m, want in cases:
+        want = _seen_reference(w, value, m) if want is None else want
+        for got in (masked_value_product(w, value, m), jax.jit(masked_value_product)(w, value, m)):
+            got = np.asarray(got)
+            for test in (np.isnan, np.isposinf, np.isneginf):
+                np.testing.assert_array_equal(test(got), test(want))
+            np.testing.assert_allclose(got[np.isfinite(want)], want[np.isfinite(want)], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_masked_value_product_from_mask_parts_and_past_its_exact_keys(rng, kind):
+    """Past NONFINITE_KEYS keys holding non-finite values, a row that may see a further one is NaN in
+    every feature; every other row is as before. From mask parts (queries seeing a key found in linear
+    memory) as from the whole mask."""
+    parts = _random_parts(rng, kind, k_len=24)
+    mask = jnp.broadcast_to(parts.mask(), (3, 2, 6, 24))
+    weights = jnp.where(mask, jnp.asarray(rng.random(mask.shape), jnp.float32), 0.0)
+    value = rng.normal(size=(3, 24, 1, 5)).astype(np.float32)
+    value[0, rng.choice(24, 14, replace=False), 0, rng.integers(5)] = np.nan  # past the 8th in row 0 only
+    value[1, 3, 0, :2] = (np.inf, -np.inf)
+    value = jnp.asarray(value)
+    want = _seen_reference(weights, value, mask)
+    bad = ~np.isfinite(np.asarray(value)).all(axis=(2, 3))
+    further = bad & (np.cumsum(bad, axis=1) > NONFINITE_KEYS)  # [B, S]
+    reached = (np.asarray(mask) & further[:, None, None, :]).any(-1).transpose(0, 2, 1)  # [B, T, N]
+    for m in (parts, mask):
+        got = np.asarray(jax.jit(masked_value_product)(weights, value, m))
+        assert np.isnan(got[reached]).all()
+        for test in (np.isnan, np.isposinf, np.isneginf):
+            np.testing.assert_array_equal(test(got[~reached]), test(want[~reached]))
+        finite = np.isfinite(want) & ~reached[..., None]
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
 
 
 def _attend(q, k, v):
@@ -165,7 +263,7 @@ def _attend(q, k, v):
     return out
 
 
-def test_vmapped_attention_keeps_its_conditional_and_agrees_per_example(rng):
+def test_vmapped_attention_agrees_per_example_with_no_conditional(rng):
     q, k, v = (jnp.asarray(rng.normal(size=(3, 8, 2, 4)), jnp.float32) for _ in range(3))
     v = v.at[1, 5, 0, 2].set(jnp.nan)  # example 1's key 5 holds a NaN: rows 5.. of head 0 see it
     batched = jax.jit(jax.vmap(_attend))
@@ -173,7 +271,7 @@ def test_vmapped_attention_keeps_its_conditional_and_agrees_per_example(rng):
     for b in range(3):
         np.testing.assert_array_equal(out[b], _attend(q[b], k[b], v[b]))
     assert np.isfinite(out[[0, 2]]).all() and np.isfinite(out[1, :5]).all() and np.isnan(out[1, 5:, 0, 2]).all()
-    assert "conditional(" in batched.lower(q, k, v).compile().as_text()
+    assert "conditional(" not in batched.lower(q, k, v).compile().as_text()
 
     loss = lambda q, k, v: (_attend(q, k, v) ** 2).sum()
     v = v.at[1, 5, 0, 2].set(1.0)
@@ -181,7 +279,25 @@ def test_vmapped_attention_keeps_its_conditional_and_agrees_per_example(rng):
     for b in range(3):
         for got, want in zip(grads(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q[b], k[b], v[b]), strict=True):
             np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6)
-    assert "conditional(" in grads.lower(q, k, v).compile().as_text()
+    assert "conditional(" not in grads.lower(q, k, v).compile().as_text()
+
+
+def test_jvp_through_causal_attention(rng):
+    """Forward mode works as it is (no custom rule, no context manager) and equals the plain
+    attention's; a NaN in a future key's value leaves the rows before it and their tangents exact."""
+    q, k, v, dq, dk, dv = (jnp.asarray(rng.normal(size=(2, 8, 2, 4)), jnp.float32) for _ in range(6))
+    pos = jnp.arange(8)
+    attend = lambda q, k, v: dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True)
+    plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    out, tangent = jax.jvp(attend, (q, k, v), (dq, dk, dv))
+    want_out, want_tangent = jax.jvp(plain, (q, k, v), (dq, dk, dv))
+    np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tangent, want_tangent, rtol=1e-5, atol=1e-5)
+    out, tangent = jax.jit(lambda v: jax.jvp(attend, (q, k, v), (dq, dk, dv)))(v.at[0, 5, 1, 3].set(jnp.nan))
+    np.testing.assert_allclose(out[0, :5], want_out[0, :5], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(tangent[0, :5], want_tangent[0, :5], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[1], want_out[1], rtol=1e-5, atol=1e-6)
+    assert np.isnan(out[0, 5:, 1, 3]).all() and np.isfinite(out[0, :, 0]).all()
 
 
 def _entry(text: str) -> str:
@@ -199,4 +315,4 @@ def test_compiled_causal_attention_stores_no_mask():
     entry = _entry(attend.lower(q, k, v, pos).compile().as_text())
     stored = re.findall(rf"= pred\[[0-9,]*{length},{length}\]", entry)
     assert not stored, stored
-    assert "conditional(" in entry  # the non-finite values term, skipped when every value is finite
+    assert "conditional(" not in entry  # the non-finite values term is the same program for every input

@@ -24,25 +24,24 @@ merely multiply masked values by zero weights either. What is exact and cheap:
   the whole story and the product is the plain einsum;
 * keys that some queries see and others do not (causal, segments, a general mask):
   their values are read by the product of every row, so a non-finite value there
-  would poison the rows that mask it. :func:`masked_value_product` keeps the plain
-  einsum when every value is finite (one ``isfinite`` reduction over v, one
-  conditional); otherwise the einsum takes the finite values and the non-finite ones
-  are added as ``Σ_s where(mask, w·v, 0)`` over blocks of query rows, a term not
-  differentiated (the rows it reaches are NaN or infinite). The conditional stays one
-  under ``vmap`` (:func:`cond_over_batch`: a batched predicate is reduced with ``all``,
-  so a batch with one non-finite value takes the exact branch, which equals the plain
-  one wherever the values are finite).
+  would poison the rows that mask it. :func:`masked_value_product` is the einsum of
+  the weights with the values' non-finite entries replaced by 0, plus, for each row,
+  the non-finite entries of the keys it may see (``±inf``, or NaN for a NaN or both
+  infinities), feature by feature for the first 8 keys holding one (8 gathered columns
+  of the mask); a row that may see a further such key is NaN (which rows, from the mask
+  parts in linear memory). No conditional: the same program for every input, under
+  ``jit``, ``vmap``, ``grad`` and ``jvp``.
 
 The causal, padding and segment masks are not stored. The mask is kept as its parts
 (:class:`~posenc_jax.functional.core.masks.MaskParts`: positions for causality, key padding,
 segment ids, an extra mask); the combined mask is a
-comparison XLA computes inside each fusion that reads it, which keys some query sees
-comes from the parts in linear memory, and the conditional's exact branch rebuilds the
-mask from them. The softmax has no selection after its exponential (masked scores are
-``finfo.min``, seen ones at least ``finfo.min / 2``, so masked exponentials underflow to
-0), the form XLA fuses into one pass: causal attention compiles to the passes over
-``[B, N, T, S]`` that ``jax.nn.dot_product_attention``'s does (score product, masking,
-softmax, the value product's operand copy, value product).
+comparison XLA computes inside each fusion that reads it; which keys some query sees,
+and which queries see some key of a given set, come from the parts in linear memory, and
+the value product gathers the few columns of the mask it needs. The softmax has no
+selection after its exponential (masked scores are ``finfo.min``, seen ones at least
+``finfo.min / 2``, so masked exponentials underflow to 0), the form XLA fuses into one
+pass: on XLA:CPU the forward of causal attention is the score product, the masking, and
+one fusion of the softmax with the value product (the weights are not stored).
 
 Logits terms are added to the *already scaled* scores: a term bilinear in q (Shaw,
 Transformer-XL) applies the context's scale itself, a bias (T5, ALiBi) is added as is.
@@ -64,7 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
-from posenc_jax.functional.core.control import cond_over_batch
+from posenc_jax.functional.core.control import cond_over_batch  # exported here before it moved
 from posenc_jax.functional.core.hooks import (
     ATTENTION_HOOKS,
     AddsLogits,
@@ -94,7 +93,7 @@ from posenc_jax.functional.core.products import (
     as_scores,
     broadcasts_to,
     content_scores,
-    selected_product,
+    masked_value_product,
     value_product,
 )
 from posenc_jax.functional.core.registry import resolve_encoding
@@ -392,54 +391,6 @@ def attention_weights(scores: jax.Array, mask: jax.Array | None, normalizer, con
     A hook gives zero weight where the mask is False itself.
     """
     return as_normalizer(normalizer).normalize(scores, mask, context).astype(jnp.float32)
-
-
-def _nonfinite_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
-    """``weights · v`` exact whatever masked values hold: the finite values by the einsum, the others
-    by :func:`selected_product`, only where the mask (rebuilt here from its parts, not passed in:
-    an operand would be stored) lets them be seen."""
-    finite = jnp.isfinite(value)
-    zero = jnp.zeros((), value.dtype)
-    finite_part = value_product(weights, jnp.where(finite, value, zero))
-    return finite_part + selected_product(weights, jnp.where(finite, zero, value), mask_parts.mask())
-
-
-def _plain_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
-    return value_product(weights, value)
-
-
-@jax.custom_jvp
-def masked_value_product(weights: jax.Array, value: jax.Array, mask_parts: MaskParts) -> jax.Array:
-    """``out[b,t,n] = Σ_s w[b,n,t,s] · v[b,s,n]`` over the keys the mask lets row t see, float32 ``[B, T, N, H]``.
-
-    ``0 · NaN`` is NaN, so a masked key's non-finite value would poison every row of the plain
-    einsum. When every value is finite (one reduction over ``v``) this is the plain einsum;
-    otherwise :func:`_nonfinite_product`, exact: a non-finite value reaches exactly the rows
-    that see it. One conditional (:func:`cond_over_batch`, so also under ``vmap``), which
-    holds the einsum: the weights are its operand, stored once. The derivative is that of the
-    einsum on the finite values (the rows a non-finite value reaches are NaN or infinite).
-
-    Args:
-      weights: ``[B, N, T, S]`` float32 weights, zero where masked.
-      value: ``[B, S, K, H]``.
-      mask_parts: the parts of the mask the weights were made with.
-
-    Returns:
-      float32 ``[B, T, N, H]``.
-    """
-    return cond_over_batch(jnp.isfinite(value).all(), _plain_product, _nonfinite_product, weights, value, mask_parts)
-
-
-@masked_value_product.defjvp
-def _masked_value_product_jvp(primals, tangents):
-    weights, value, mask_parts = primals
-    weights_dot, value_dot, _ = tangents
-    finite = jnp.isfinite(value)
-    zero = jnp.zeros((), value.dtype)
-    tangent = value_product(weights_dot, jnp.where(finite, value, zero)) + value_product(
-        weights, jnp.where(finite, value_dot, zero)
-    )
-    return masked_value_product(weights, value, mask_parts), tangent
 
 
 def attention_output(

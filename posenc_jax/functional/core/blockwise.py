@@ -64,7 +64,7 @@ from posenc_jax.functional.core.hooks import (
     TiledNormalize,
     Values,
 )
-from posenc_jax.functional.core.products import content_scores, selected_product, value_product
+from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
@@ -108,22 +108,11 @@ def _tile(x: jax.Array | None, index, size: int, axis: int) -> jax.Array | None:
 def _tile_product(p: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax.Array:
     """``Σ_s p[b,n,t,s] · v[b,s,n]`` over a tile, ``[B, bq, N, H]`` float32, exact whatever masked values hold.
 
-    ``p`` is zero where the mask is False, but ``0 · NaN`` is NaN: a tile whose values are
-    all finite takes the plain einsum, any other the selecting product (a ``lax.cond``).
+    ``p`` is zero where the mask is False, but ``0 · NaN`` is NaN: with a mask, the tile's
+    product is :func:`~posenc_jax.functional.core.products.masked_value_product` (the einsum
+    on the finite values plus the ``±inf`` or NaN each row's seen non-finite values bring).
     """
-    plain = value_product
-    if mask is None:
-        return plain(p, value)
-    finite = jnp.isfinite(value)
-
-    def selecting(p, value):
-        # The finite values by the einsum; the others only where seen, by blocks of query rows
-        # (never a [B, N, bq, bk, H] product), not differentiated (the rows they reach are not finite).
-        finite_part = plain(p, jnp.where(finite, value, jnp.zeros((), value.dtype)))
-        nonfinite = jax.lax.stop_gradient(jnp.where(finite, jnp.zeros((), value.dtype), value))
-        return finite_part + selected_product(jax.lax.stop_gradient(p), nonfinite, mask, block_elements=1 << 18)
-
-    return jax.lax.cond(finite.all(), plain, selecting, p, value)
+    return value_product(p, value) if mask is None else masked_value_product(p, value, mask)
 
 
 def blockwise_attention(

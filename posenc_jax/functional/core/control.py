@@ -2,9 +2,8 @@
 
 ``vmap`` turns a ``lax.cond`` with a batched predicate into a ``select`` that computes both
 branches for every example. :func:`cond_over_batch` reduces a batched predicate instead, so
-the rare branch (a non-finite value, a value out of range) costs nothing when it is not taken:
-the attention's exact value product and the in-``jit`` range checks of
-:mod:`~posenc_jax.functional.core.validation` use it.
+the rare branch (a value out of range) costs nothing when it is not taken: the in-``jit``
+range checks of :mod:`~posenc_jax.functional.core.validation` use it.
 """
 
 from __future__ import annotations

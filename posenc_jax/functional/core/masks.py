@@ -19,6 +19,7 @@ __all__ = [
     "combine_masks",
     "key_padding_mask",
     "keys_seen_by_segment",
+    "queries_seeing_by_segment",
     "segment_mask",
     "sequence_key_counts",
 ]
@@ -163,6 +164,59 @@ def _keys_seen_by_segment(query_segment_ids, key_segment_ids, query_positions, k
     return jax.vmap(one)(qseg, qpos, kseg, kpos)
 
 
+def queries_seeing_by_segment(
+    query_segment_ids, key_segment_ids, marked, query_positions=None, key_positions=None
+) -> jax.Array:
+    """Whether each query may attend to some marked key under the segment mask (and the causal one), ``[B, T]``.
+
+    ``out[b, t] = any_s marked[b, s] ∧ seg_q[b, t] == seg_k[b, s]`` and, with positions, also
+    ``key_pos[b, s] <= query_pos[b, t]``: the ``any`` over keys of ``segment_mask & causal_mask``
+    restricted to the marked keys, without building it. Linear memory: the marked keys are
+    sorted by (segment, position) and each query looks up the first marked key of its
+    segment, which holds the segment's smallest marked position.
+
+    Args:
+      query_segment_ids, key_segment_ids: integer ``[B|1, T]`` / ``[B|1, S]`` (or ``[T]`` / ``[S]``).
+      marked: boolean ``[B|1, S]``.
+      query_positions, key_positions: integer ``[B|1, T]`` / ``[B|1, S]`` (or ``[T]`` / ``[S]``) for
+        causal attention, or both None.
+
+    Returns:
+      boolean ``[B, T]``.
+    """
+    if query_positions is not None:
+        query_positions = check_positions(query_positions, "query_positions")
+        key_positions = check_positions(key_positions, "key_positions")
+    return _queries_seeing_by_segment(query_segment_ids, key_segment_ids, marked, query_positions, key_positions)
+
+
+def _queries_seeing_by_segment(query_segment_ids, key_segment_ids, marked, query_positions, key_positions):
+    qseg = _batched(_check_segment_ids(query_segment_ids, "query_segment_ids"))
+    kseg = _batched(_check_segment_ids(key_segment_ids, "key_segment_ids"))
+    marked = _batched(jnp.asarray(marked))
+    causal = query_positions is not None
+    if causal:
+        qpos, kpos = with_batch_axis(query_positions), with_batch_axis(key_positions)
+    else:
+        qpos = jnp.zeros(qseg.shape[-1:], jnp.int32)[None]
+        kpos = jnp.zeros(kseg.shape[-1:], jnp.int32)[None]
+    batch = max(qseg.shape[0], kseg.shape[0], qpos.shape[0], kpos.shape[0], marked.shape[0])
+    qseg, qpos = (jnp.broadcast_to(a, (batch, a.shape[-1])) for a in (qseg, qpos))
+    kseg, kpos, marked = (jnp.broadcast_to(a, (batch, a.shape[-1])) for a in (kseg, kpos, marked))
+
+    def one(qseg, qpos, kseg, kpos, marked):
+        order = jnp.lexsort((kpos, kseg, ~marked))  # marked keys first, by segment, then position
+        count = marked.sum()
+        # Unmarked keys as the largest id: the ids stay sorted; a query never finds them (below `count`).
+        sorted_seg = jnp.where(jnp.arange(kseg.shape[0]) < count, kseg[order], jnp.iinfo(kseg.dtype).max)
+        first = jnp.searchsorted(sorted_seg, qseg, side="left", method="sort")
+        at = jnp.minimum(first, kseg.shape[0] - 1)
+        seen = (first < count) & (sorted_seg[at] == qseg)
+        return seen & (kpos[order][at] <= qpos) if causal else seen
+
+    return jax.vmap(one)(qseg, qpos, kseg, kpos, marked)
+
+
 @pytree_dataclass
 class MaskParts:
     """The pieces of an attention call's mask, kept apart so no ``[B, N, T, S]`` mask need be stored.
@@ -205,6 +259,34 @@ class MaskParts:
         return all(ids is None or ids.shape[-1] == 1 for ids in per_query) and (
             self.extra is None or self.extra.shape[1] == self.extra.shape[2] == 1
         )
+
+    def queries_seeing(self, marked: jax.Array) -> jax.Array:
+        """``[B, N|1, T|1]``: whether each query may attend to some key where ``marked`` (``[B, S]``) is True.
+
+        Equal to ``(mask() & marked[:, None, None, :]).any(axis=3)`` (the reference, used when an
+        extra mask is given), computed from the parts in linear memory otherwise.
+        """
+        if self.key_valid is not None:
+            marked = jnp.logical_and(marked, self.key_valid)
+        if self.extra is not None:
+            return jnp.logical_and(self.mask(), marked[:, None, None, :]).any(axis=3)
+        causal = self.query_positions is not None
+        if self.query_segment_ids is not None:
+            seen = _queries_seeing_by_segment(
+                self.query_segment_ids,
+                self.key_segment_ids,
+                marked,
+                self.query_positions if causal else None,
+                self.key_positions if causal else None,
+            )
+        elif causal:
+            # The earliest marked key; a query at or after it sees it.
+            marked, kpos = jnp.broadcast_arrays(marked, with_batch_axis(self.key_positions))
+            earliest = jnp.where(marked, kpos, jnp.iinfo(kpos.dtype).max).min(axis=-1, keepdims=True)
+            seen = marked.any(axis=-1, keepdims=True) & (earliest <= with_batch_axis(self.query_positions))
+        else:
+            seen = marked.any(axis=-1, keepdims=True)  # [B, 1]: the mask is the same for every query
+        return seen[:, None, :]
 
     def keys_seen(self) -> jax.Array | None:
         """``[B|1, S]``: whether any query of any head may attend to each key, or None without a mask.
