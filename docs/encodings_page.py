@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import html
 import importlib
 import inspect
 import pathlib
+import re
+
+import griffe
+from griffe_extensions import rewrite_roles  # docs/ is on sys.path while MkDocs loads this hook
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # The modules whose ``__all__`` the API pages cover; the build fails if a name lacks its entry.
 API_PAGES = {
@@ -42,6 +49,18 @@ def _helper_names() -> list[str]:
     return names
 
 
+@functools.cache
+def _griffe_modules() -> griffe.ModulesCollection:
+    return griffe.load("posenc_jax", search_paths=[str(ROOT)]).modules_collection
+
+
+def _definition_markdown(module) -> list[str]:
+    """The module's docstring as a Markdown block quote, its Sphinx roles cross-references."""
+    text = rewrite_roles(inspect.cleandoc(module.__doc__ or "").strip(), _griffe_modules()[module.__name__])
+    text = re.sub(r"(\S)::\n\n", r"\1:\n\n", text)  # reStructuredText's "text::" before a literal block
+    return [f"> {line}".rstrip() for line in text.splitlines()]
+
+
 def _encodings_markdown() -> str:
     from posenc_jax.functional import encoding_info, encoding_names
     from posenc_jax.functional.core.registry import _entry
@@ -74,9 +93,7 @@ def _encodings_markdown() -> str:
             "",
             "**Definition** (from `" + module.__name__ + "`):",
             "",
-            "```text",
-            inspect.cleandoc(module.__doc__ or "").strip(),
-            "```",
+            *_definition_markdown(module),
             "",
             "**BibTeX**:",
             "",
