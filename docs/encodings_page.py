@@ -1,4 +1,9 @@
-"""MkDocs hooks: the encodings page from the registry, and a check that every public name is documented."""
+"""MkDocs hooks: the encodings page from the registry, and checks of the built site.
+
+The checks (``on_post_build``): every public name has its API entry, no Sphinx role
+(``:func:`name```) is left literal in a page, and every cross-reference link points to an
+anchor that its page has.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +12,11 @@ import html
 import importlib
 import inspect
 import pathlib
+import posixpath
 import re
 
 import griffe
-from griffe_extensions import rewrite_roles  # docs/ is on sys.path while MkDocs loads this hook
+from griffe_extensions import ROLES, rewrite_roles  # docs/ is on sys.path while MkDocs loads this hook
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -32,6 +38,9 @@ API_PAGES = {
         "posenc_jax.bench.ngram",
     ],
 }
+# A Sphinx role left as text: ``:func:`name``` in a code block, ``:func:<code>name</code>`` after Markdown, or
+# ``func:<code>name</code>`` where a Returns or Raises entry's first colon was taken for its type's.
+LITERAL_ROLE = re.compile(rf"(?<![\w-])(?::?py)?:?(?:{ROLES}):(?:`[^`\n]*`?|<code>.*?</code>)")
 # Packages whose modules' own ``__all__`` names not exported by the package go on the helpers page.
 HELPER_PACKAGES = ("posenc_jax.functional", "posenc_jax.nn")
 
@@ -127,3 +136,25 @@ def on_post_build(config):
     missing += [f"{name} (on api/helpers/index.html)" for name in _helper_names() if f'id="{name}"' not in helpers]
     if missing:
         raise SystemExit(f"public names without an API entry: {', '.join(missing)}")
+    pages = {path.relative_to(site).as_posix(): path.read_text() for path in sorted(site.rglob("*.html"))}
+    roles = [f"{page}: {m[0]}" for page, text in pages.items() for m in LITERAL_ROLE.finditer(html.unescape(text))]
+    if roles:
+        raise SystemExit(f"Sphinx roles left literal ({len(roles)}):\n" + "\n".join(roles))
+    broken = _broken_links(pages)
+    if broken:
+        raise SystemExit(f"cross-reference links to no anchor ({len(broken)}):\n" + "\n".join(broken))
+
+
+def _broken_links(pages: dict[str, str]) -> list[str]:
+    """``page: href`` of each autorefs link whose target page lacks the anchor (or does not exist)."""
+    ids = {page: {html.unescape(i) for i in re.findall(r'\sid="([^"]+)"', text)} for page, text in pages.items()}
+    broken = []
+    for page, text in pages.items():
+        for href in re.findall(r'<a class="autorefs autorefs-internal"[^>]*\shref="([^"]+)"', text):
+            path, _, anchor = html.unescape(href).partition("#")
+            target = posixpath.normpath(posixpath.join(posixpath.dirname(page), path)) if path else page
+            if not target.endswith(".html"):
+                target = posixpath.join(target, "index.html")
+            if target not in ids or (anchor and anchor not in ids[target]):
+                broken.append(f"{page}: {href}")
+    return broken
