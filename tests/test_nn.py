@@ -479,3 +479,21 @@ def test_the_attention_entry_points_check_positions_once():
     other = jnp.arange(6) + 2  # two arrays, each checked once
     attend = lambda: dot_product_attention(q, k, v, query_positions=positions, key_positions=other, causal=True)
     assert _position_checks(attend) == {"functional/core/attention.py": 2}
+
+
+def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
+    # mesh= splits a forward pass's queries over devices (tests/test_sharded.py checks the results on 8);
+    # a cache, the materialising implementation, or a mesh that is not one are refused by name.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("sequence",))
+    layer = MultiHeadAttention(D, HEADS, encodings=["rope"], rngs=nnx.Rngs(0))
+    x, positions = jnp.ones((1, 6, D)), jnp.arange(6)
+    np.testing.assert_allclose(
+        layer(x, positions, causal=True, mesh=mesh), layer(x, positions, causal=True, implementation="blockwise"),
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="decoding with a cache takes no mesh"):
+        layer(x, positions, causal=True, cache=layer.init_cache(1, 8), mesh=mesh)
+    with pytest.raises(ValueError, match='implementation="materialize" cannot be split'):
+        layer(x, positions, causal=True, implementation="materialize", mesh=mesh)
+    with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh .*got str"):
+        _model("alibi")(jnp.zeros((1, 6), jnp.int32), positions, mesh="sequence")

@@ -142,6 +142,25 @@ SCRIPT = textwrap.dedent(
 
     found["memory"] = {"one": memory(one_device, None), "split": memory(split, P(None, "sequence")),
                        "key_bytes": T * K * H * 4, "query_bytes": T * N * H * 4}
+
+    # 6. The model (mesh=) and the benchmark's long evaluation: every layer's queries split over the devices.
+    from flax import nnx
+    from posenc_jax.bench.cell import predict, sequence_mesh
+    from posenc_jax.nn import Transformer
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 44)), jnp.int32)
+    positions = jnp.arange(44)
+    found["model"] = {}
+    for encoding in (["rope", "t5"], "cope", "transformer-xl", "alibi", "xpos"):
+        model = Transformer(vocab_size=32, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64, encoding=encoding,
+                            causal=True, block_q=8, block_k=8, rngs=nnx.Rngs(0))
+        alone = model(tokens, positions, implementation="blockwise")
+        shared = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh))(model, tokens, positions)
+        found["model"]["+".join(np.atleast_1d(encoding))] = difference(alone, shared)
+    evaluation = sequence_mesh("blockwise")
+    found["sequence_mesh"] = [len(evaluation.devices.flat), sequence_mesh("materialize")]
+    batch = {"inputs": tokens, "targets": tokens, "positions": positions}
+    outputs = [predict(model, batch, implementation="blockwise", mesh=m) for m in (None, evaluation)]
+    found["predict"] = difference(outputs[0]["target_log_probs"], outputs[1]["target_log_probs"])
     print("FOUND" + json.dumps(found))
     """
 )
@@ -198,3 +217,11 @@ def test_sequence_parallel_equals_one_device_on_8_simulated_devices():
     total = sum(split.values()) / sum(one.values())
     assert total < 0.35, (total, memory)  # 0.31 measured
     assert split["temp"] < 2 * memory["key_bytes"] + 2 * memory["query_bytes"] / 8 + 40 * 2**20, memory
+
+    # The model with mesh= (every layer split over the devices) and the benchmark's long evaluation:
+    # equal to one device to float32 rounding (the layers after the attention run on split rows).
+    assert set(found["model"]) == {"rope+t5", "cope", "transformer-xl", "alibi", "xpos"}
+    for encoding, d in found["model"].items():
+        assert d["finite"] and d["relative"] < 1e-5, (encoding, d)
+    assert found["sequence_mesh"] == [8, None]
+    assert found["predict"]["finite"] and found["predict"]["relative"] < 1e-5, found["predict"]

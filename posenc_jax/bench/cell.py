@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from posenc_jax.bench.ledger import checkpoint_dir, write_text
 from posenc_jax.bench.presets import Preset, TaskLengths, finetune_batch
@@ -51,9 +51,7 @@ __all__ = [
     "train_batch",
 ]
 
-# The attention implementations evaluation can run today. The blockwise path exists in the
-# functional attention but is not yet threaded through the model: until it is, a preset
-# that asks for it (cpu-long) is refused before any training.
+# The attention implementations evaluation runs (the model's `implementation=`).
 SUPPORTED_IMPLEMENTATIONS = ("materialize", "blockwise", "auto")
 
 
@@ -186,38 +184,57 @@ def position_buckets(train_length: int, length: int) -> list[tuple[str, int, int
     return buckets
 
 
-@functools.partial(nnx.jit, static_argnames="implementation")
-def _predict(model, batch, implementation):
-    logits = model(batch["inputs"], batch["positions"], key_mask=batch.get("key_mask"), implementation=implementation)
+@functools.partial(nnx.jit, static_argnames=("implementation", "mesh"))
+def _predict(model, batch, implementation, mesh):
+    logits = model(
+        batch["inputs"], batch["positions"], key_mask=batch.get("key_mask"), implementation=implementation, mesh=mesh
+    )
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     target_log_probs = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
     return {"predictions": logits.argmax(-1), "target_log_probs": target_log_probs}
 
 
-def predict(model, batch: dict, *, implementation: str = "materialize") -> dict:
-    """The argmax predictions and the targets' log-probabilities of ``batch``."""
+def predict(model, batch: dict, *, implementation: str = "materialize", mesh=None) -> dict:
+    """The argmax predictions and the targets' log-probabilities of ``batch``.
+
+    ``mesh``: with ``implementation="blockwise"``, a :class:`jax.sharding.Mesh` whose devices
+    share each sequence's queries (the model's ``mesh=``), or None for one device.
+    """
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
             f"evaluation with implementation={implementation!r} is not one the model runs; "
             f"supported: {SUPPORTED_IMPLEMENTATIONS}"
         )
-    return _predict(model, batch, implementation)
+    return _predict(model, batch, implementation, mesh)
+
+
+def sequence_mesh(implementation: str):
+    """The mesh a long evaluation splits its sequences' queries over: every local device, when
+    there are several and the evaluation goes blockwise; else None (one device)."""
+    if implementation != "blockwise" or jax.local_device_count() < 2:
+        return None
+    return Mesh(np.asarray(jax.local_devices()), ("sequence",))
 
 
 def evaluate(model, cell: Cell, preset: Preset, seed: int, length: int) -> dict:
     """The task's metric at ``length`` over the test examples: ``{"value": ...}``, and for text
     also ``"buckets"``, bits per character by position range (:func:`position_buckets`)."""
     implementation = preset.implementation_at(cell.eval_tokens(length))
+    mesh = sequence_mesh(implementation)
     if not cell.lengths.text:
         scores = []
         for batch in eval_batches(cell, seed, length):
-            outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation)
+            outputs = predict(
+                model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation, mesh=mesh
+            )
             scores.append(cell.task.score(np.asarray(outputs[cell.task.scored_on]), batch))
         return {"value": float(np.concatenate(scores).mean())}
     nats = np.zeros(length)  # summed over windows, per position
     windows = 0
     for batch in eval_batches(cell, seed, length):
-        outputs = predict(model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation)
+        outputs = predict(
+            model, {k: jnp.asarray(v) for k, v in batch.items()}, implementation=implementation, mesh=mesh
+        )
         nats -= np.asarray(outputs["target_log_probs"], np.float64).sum(0)
         windows += len(batch["inputs"])
     bits = nats / np.log(2.0) / windows

@@ -40,6 +40,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.sharded import sequence_parallel_attention
 from posenc_jax.functional.core.validation import check_count
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size
 
@@ -84,6 +85,21 @@ class _OwnTokens:
 
     def rotate(self, q: jax.Array, k: jax.Array, context) -> tuple[jax.Array, jax.Array]:
         return self.table.rotate_prepared(q, k)
+
+
+def _check_mesh(mesh, cache, implementation: str) -> None:
+    """A sequence-parallel call's static facts: a mesh, no cache, an implementation that tiles."""
+    if mesh is None:
+        return
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh (or None), got {type(mesh).__name__}")
+    if cache is not None:
+        raise ValueError("mesh= splits one forward pass's queries over devices; decoding with a cache takes no mesh")
+    if implementation == "materialize":
+        raise ValueError(
+            'mesh= computes each device\'s queries in tiles (blockwise); implementation="materialize" cannot be split: '
+            'pass implementation="blockwise" or "auto"'
+        )
 
 
 class MultiHeadAttention(nnx.Module):
@@ -199,6 +215,7 @@ class MultiHeadAttention(nnx.Module):
         cache: KVCache | None = None,
         deterministic: bool = True,
         implementation: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -213,6 +230,11 @@ class MultiHeadAttention(nnx.Module):
             the call then returns ``(output, new_cache)``. Make it with :meth:`init_cache`.
           deterministic: no dropout.
           implementation: overrides the layer's ``implementation`` for this call.
+          mesh: a :class:`jax.sharding.Mesh` of one axis (or with a ``"sequence"`` axis): the
+            call's queries are split over its devices, each computing its rows blockwise
+            against all the keys (:func:`~posenc_jax.functional.core.sharded.sequence_parallel_attention`),
+            so one long sequence uses every device. Equal to one device's result to float32
+            rounding. Not with a cache, and not with ``implementation="materialize"``.
 
         Returns:
           ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
@@ -243,6 +265,7 @@ class MultiHeadAttention(nnx.Module):
             cache=cache,
             deterministic=deterministic,
             implementation=implementation,
+            mesh=mesh,
         )
 
     def _forward_terms(self, positions, key_positions, *, biases: Sequence, causal: bool, batch: int, implementation):
@@ -278,6 +301,7 @@ class MultiHeadAttention(nnx.Module):
         deterministic: bool = True,
         implementation: str | None = None,
         prepared: Sequence | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """:meth:`__call__` for ``x`` and ``positions`` already checked: a model's layers (the model checked them once).
 
@@ -289,6 +313,8 @@ class MultiHeadAttention(nnx.Module):
         when decoding before the new keys are cached. A cache whose keys are re-rotated at every
         step (a rotation that follows the sequence length) uses the layer's own hooks.
         """
+        implementation = self.implementation if implementation is None else implementation
+        _check_mesh(mesh, cache, implementation)
         batch, length, _ = x.shape
         q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -335,10 +361,7 @@ class MultiHeadAttention(nnx.Module):
                     stored[id(hook)] = stored[id(hook)].with_cache_table(table)
             encodings = [stored.get(id(hook), hook) for hook in encodings]
         use_dropout = self.dropout_rate > 0 and not deterministic
-        out = attend(
-            q,
-            k,
-            v,
+        arguments = dict(
             encodings=encodings,
             query_positions=query_positions,
             key_positions=key_positions,
@@ -349,10 +372,13 @@ class MultiHeadAttention(nnx.Module):
             key_segment_ids=segment_ids,
             dropout_rate=self.dropout_rate if use_dropout else 0.0,
             dropout_rng=self.dropout_rngs.dropout() if use_dropout else None,
-            implementation=self.implementation if implementation is None else implementation,
             block_q=self.block_q,
             block_k=self.block_k,
         )
+        if mesh is None:
+            out = attend(q, k, v, implementation=implementation, **arguments)
+        else:
+            out = sequence_parallel_attention(q, k, v, mesh=mesh, **arguments)
         out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
 

@@ -115,6 +115,7 @@ class Block(nnx.Module):
         deterministic,
         implementation=None,
         prepared=None,
+        mesh=None,
     ):
         attended = self.attention._attend(
             self.attention_norm(x),
@@ -127,6 +128,7 @@ class Block(nnx.Module):
             deterministic=deterministic,
             implementation=implementation,
             prepared=prepared,
+            mesh=mesh,
         )
         if cache is not None:
             attended, cache = attended
@@ -292,7 +294,17 @@ class Transformer(nnx.Module):
         check_values(check, tokens, within=(0, vocab))
 
     def _run(
-        self, tokens, positions, *, key_mask, segment_ids, caches, deterministic, key_positions, implementation=None
+        self,
+        tokens,
+        positions,
+        *,
+        key_mask,
+        segment_ids,
+        caches,
+        deterministic,
+        key_positions,
+        implementation=None,
+        mesh=None,
     ):
         """The forward pass at positions :meth:`__call__` or :meth:`decode` checked: nothing below checks them again."""
         for module in self.position_samplers:
@@ -310,7 +322,7 @@ class Transformer(nnx.Module):
             biases=[module() for module in self.shared],
             causal=self.causal,
             batch=tokens.shape[0],
-            implementation=implementation,
+            implementation="blockwise" if mesh is not None else implementation,
         )
         new_caches = []
         for i, block in enumerate(self.blocks):
@@ -325,6 +337,7 @@ class Transformer(nnx.Module):
                 deterministic=deterministic,
                 implementation=implementation,
                 prepared=prepared,
+                mesh=mesh,
             )
             new_caches.append(cache)
         logits = self.head(self.final_norm(x))
@@ -339,6 +352,7 @@ class Transformer(nnx.Module):
         segment_ids=None,
         deterministic: bool = True,
         implementation: str | None = None,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -347,7 +361,9 @@ class Transformer(nnx.Module):
         (never NaN logits; see the README's Reliability section).
 
         ``implementation`` overrides the model's attention implementation for this call
-        (e.g. ``"blockwise"`` to evaluate at 64k tokens a model trained on 256).
+        (e.g. ``"blockwise"`` to evaluate at 64k tokens a model trained on 256). ``mesh`` (a
+        :class:`jax.sharding.Mesh`) splits every layer's queries over the mesh's devices, so
+        one long sequence uses all of them (see :meth:`MultiHeadAttention.__call__`).
         """
         positions = check_positions(positions)
         self._check_tokens(tokens, positions)
@@ -360,6 +376,7 @@ class Transformer(nnx.Module):
             deterministic=deterministic,
             key_positions=positions,
             implementation=implementation,
+            mesh=mesh,
         )
         return logits
 
