@@ -488,7 +488,8 @@ def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
     layer = MultiHeadAttention(D, HEADS, encodings=["rope"], rngs=nnx.Rngs(0))
     x, positions = jnp.ones((1, 6, D)), jnp.arange(6)
     np.testing.assert_allclose(
-        layer(x, positions, causal=True, mesh=mesh), layer(x, positions, causal=True, implementation="blockwise"),
+        layer(x, positions, causal=True, mesh=mesh),
+        layer(x, positions, causal=True, implementation="blockwise"),
         atol=1e-6,
     )
     with pytest.raises(ValueError, match="decoding with a cache takes no mesh"):
