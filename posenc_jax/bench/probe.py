@@ -18,6 +18,7 @@ import pathlib
 import numpy as np
 
 from posenc_jax.bench.presets import Preset
+from posenc_jax.bench.stats import t_interval
 from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_info
 
@@ -122,15 +123,27 @@ def _order(rows):
 
 
 def _table(rows):
-    """(label, task) -> {"all": every value, "longest": the values at the longest n}."""
+    """(label, task) -> {"all": every value, "longest": the values at the longest n,
+    "seeds": {seed: every value of that seed}, "seeds_longest": {seed: its values at the longest n}}."""
     longest = max(row["length"] for row in rows)
     cells = collections.defaultdict(lambda: collections.defaultdict(list))
     for row in rows:
         key = (row["encoding"], row["task"])
-        cells[key]["all"].append(row["value"])
+        cell = cells[key]
+        cell["all"].append(row["value"])
+        cell.setdefault("seeds", collections.defaultdict(list))[row.get("seed", 0)].append(row["value"])
         if row["length"] == longest:
-            cells[key]["longest"].append(row["value"])
+            cell["longest"].append(row["value"])
+            cell.setdefault("seeds_longest", collections.defaultdict(list))[row.get("seed", 0)].append(row["value"])
     return cells
+
+
+def _over_seeds(per_seed) -> str:
+    """The mean over seeds of each seed's mean, with its 95% interval when there are several seeds."""
+    if not per_seed:
+        return "nan"
+    interval = t_interval([float(np.mean(values)) for values in per_seed.values()])
+    return str(interval) if interval.n > 1 else f"{interval.mean:.3f}"
 
 
 def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -> str:
@@ -141,7 +154,8 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
             f"Preset `{preset['name']}`: encoders of {preset['num_layers']} layers x {preset['model_dim']}, "
             f"up to {preset['steps']} steps, trained on n <= {preset['train_length']}, tested at "
             f"{list(preset['eval_lengths'])} (only lengths it trained on: longer n would ask for position classes "
-            f"never taught); per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}.",
+            f"never taught); per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}; with several seeds, "
+            "the mean over seeds with its 95% Student-t interval.",
             "",
         ]
         if preset.get("query_init_scale", 1.0) != 1.0:
@@ -172,9 +186,8 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
             values = cells[(label, task)]
             boundary = task == "probe_boundary"
             lines.append(
-                f"| {encoding} | {normalizer} | {'yes' if boundary else 'no'} | {np.mean(values['all']):.3f} | "
-                f"{np.mean(values['longest']) if values['longest'] else float('nan'):.3f} | "
-                f"{expected_outcome(encoding, normalizer, boundary)} |"
+                f"| {encoding} | {normalizer} | {'yes' if boundary else 'no'} | {_over_seeds(values['seeds'])} | "
+                f"{_over_seeds(values.get('seeds_longest'))} | {expected_outcome(encoding, normalizer, boundary)} |"
             )
     lines += ["", "![accuracy heat map](probe_heatmap.png)", ""]
     text = "\n".join(lines)
