@@ -2,6 +2,7 @@
 
     python benchmarks/blockwise.py                       # 1k to 128k tokens (long: see below)
     python benchmarks/blockwise.py --lengths 1024 4096   # a quick look
+    python benchmarks/blockwise.py --longest             # every encoding: longest length in 24 GiB
 
 One causal self-attention layer's forward, B=1, N=4, H=64, float32, for NoPE, RoPE, ALiBi,
 T5, Shaw and DeBERTa. Memory is the compiled program's own account
@@ -11,6 +12,18 @@ memory is compiled but not run. Time is the median of steady-state runs (after o
 compiling run), both implementations timed side by side in the same process, and the
 ratio is blockwise / materialising at the same length. A length whose estimated run time
 exceeds ``--max-seconds`` is not timed (the table says so).
+
+``--longest`` prints another table, blockwise only, for every registered encoding (default
+tiles): the longest length (a multiple of the tile size) whose causal forward fits in
+``--budget-gib`` by the compiled program's own account; the exponents of memory and time
+against length (log-log least squares: memory over the compiles at ``--memory-lengths``,
+time over steady-state runs at ``--time-lengths``, the lengths taking turns); and the time
+at the longest length, measured when the fit puts it under ``--max-seconds`` and otherwise
+the fit's extrapolation, labelled so. The longest length comes from the line of memory
+against length through the two longest ``--memory-lengths``, checked by compiling at the
+predicted length (must fit) and one tile more (must not); where the check fails the search
+doubles and bisects instead. Encodings that fill no attention hook (absolute embeddings,
+randomized positions) get a line saying so: their attention is NoPE's.
 """
 
 from __future__ import annotations
@@ -18,32 +31,51 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from posenc_jax.functional import dot_product_attention, encoding_config
+from posenc_jax.functional import dot_product_attention, encoding_config, encoding_info, encoding_names
+from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
 
 ENCODINGS = ("rope", "alibi", "t5", "shaw", "deberta", "nope")
 LENGTHS = (1024, 4096, 16384, 65536, 131072)
+MEMORY_LENGTHS = (16384, 65536, 262144, 1048576)
+TIME_LENGTHS = (2048, 4096, 8192)
 B, N, H = 1, 4, 64
+
+
+def _no_hook(name: str) -> str | None:
+    """Why ``name`` has no attention to measure (it fills no attention hook), or None."""
+    acts_on = encoding_info(name).acts_on
+    if acts_on == "embeddings":
+        return "added to the token embeddings: fills no attention hook, so its attention is nope's"
+    if acts_on == "positions":
+        return "replaces the positions the other encodings see: fills no attention hook, so its attention is nope's"
+    return None
 
 
 def _hooks(name: str, length: int):
     if name == "nope":
         return []
-    config = encoding_config(name)
+    # Settings an encoding cannot do without (a scaling's factor, the axial grid width) start
+    # from its small settings; ``for_lengths`` then sizes them for a model trained on 512 tokens.
+    info = encoding_info(name)
+    config = encoding_config(name, **{key: info.small_settings[key] for key in info.required})
     config = config.for_lengths(train_length=512, max_length=length, head_dim=H)
     return [config.build(config.init(jax.random.key(0), num_heads=N, head_dim=H, model_dim=N * H))]
 
 
-def _program(name: str, length: int, implementation: str, block: int):
+def _program(name: str, length: int, implementation: str, block: int | None):
+    """``name``'s causal forward at ``length`` compiled (tiles ``block`` x ``block``; the defaults when None)."""
     hooks = _hooks(name, length)
     positions = jnp.arange(length)
 
     def attend(q, k, v, hooks):
-        extra = dict(block_q=block, block_k=block) if implementation == "blockwise" else {}
+        extra = dict(block_q=block, block_k=block) if implementation == "blockwise" and block else {}
         return dot_product_attention(
             q,
             k,
@@ -78,14 +110,133 @@ def _time(compiled, hooks, length: int, rounds: int, warm_up: bool = True) -> fl
     return statistics.median(times)
 
 
+def _interleaved(name: str, lengths, rounds: int) -> list[float]:
+    """The median of ``rounds`` steady-state runs of ``name``'s blockwise forward at each length (after
+    one compiling run each), the lengths taking turns so that a change in the machine's load falls on all."""
+    runs = []
+    for length in lengths:
+        compiled, hooks = _program(name, length, "blockwise", None)
+        q, k, v = (jax.random.normal(jax.random.key(i), (B, length, N, H)) for i in range(3))
+        compiled(q, k, v, hooks).block_until_ready()
+        runs.append((compiled, (q, k, v, hooks), []))
+    for _ in range(rounds):
+        for compiled, inputs, times in runs:
+            start = time.perf_counter()
+            compiled(*inputs).block_until_ready()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for _, _, times in runs]
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f}" if n >= 2**27 else f"{n / 2**20:.0f} MiB"
+
+
+def _slope(xs, ys) -> float:
+    """The least-squares slope of log y against log x."""
+    return float(np.polyfit(np.log(xs), np.log(ys), 1)[0])
+
+
+def _blockwise_bytes(name: str, length: int) -> int:
+    compiled, _ = _program(name, length, "blockwise", None)
+    return _bytes(compiled)
+
+
+def _longest(name: str, budget: float, memory: dict[int, int], tile: int) -> tuple[int, int, int]:
+    """The longest multiple of ``tile`` whose program needs at most ``budget`` bytes, its bytes, and
+    the compiles it took. ``memory`` (length: bytes, every length compiled so far) gains each compile."""
+    compiles = 0
+
+    def need(length: int) -> int:
+        nonlocal compiles
+        if length not in memory:
+            memory[length] = _blockwise_bytes(name, length)
+            compiles += 1
+        return memory[length]
+
+    # The line through the two longest lengths compiled: short programs carry fixed workspaces
+    # that a fit over all the lengths would spread into the slope.
+    short, long = sorted(memory)[-2:]
+    slope = (memory[long] - memory[short]) / (long - short)
+    guess = max(tile, int((budget - memory[long]) / slope + long) // tile * tile)
+    if need(guess) <= budget and need(guess + tile) > budget:  # the affine prediction, checked both sides
+        return guess, memory[guess], compiles
+    # The prediction missed (memory not affine in T): double from the longest length known to fit, then bisect.
+    low = max([n for n in memory if memory[n] <= budget], default=tile)
+    high = min([n for n in memory if memory[n] > budget], default=None)
+    while high is None:
+        if need(2 * low) <= budget:
+            low = 2 * low
+        else:
+            high = 2 * low
+    while high - low > tile:
+        middle = (low + high) // 2 // tile * tile
+        if need(middle) <= budget:
+            low = middle
+        else:
+            high = middle
+    return low, need(low), compiles
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def longest(args) -> None:
+    """The ``--longest`` table (see the module's docstring)."""
+    budget = args.budget_gib * 2**30
+    tile = max(DEFAULT_BLOCK_Q, DEFAULT_BLOCK_K)
+    time_lengths, memory_lengths = sorted(args.time_lengths), sorted(args.memory_lengths)
+    fit_lengths = ", ".join(f"{n:,}" for n in time_lengths)
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; blockwise causal forward, "
+        f"B={B}, N={N}, H={H}, float32, default tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; budget "
+        f"{args.budget_gib:g} GiB (compiled temporaries + arguments + output); memory exponent over compiles at "
+        f"{', '.join(f'{n:,}' for n in memory_lengths)}; time exponent over the median of {args.rounds} "
+        f"steady-state runs at {fit_lengths} (taking turns)"
+    )
+    print(
+        "| encoding | longest T in budget | GiB at it | memory exponent | time exponent | "
+        f"s at {time_lengths[-1]:,} | time at longest T |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---|")
+    for name in args.encodings:
+        why = _no_hook(name)
+        if why is not None:
+            print(f"| {name} | – | – | – | – | – | {why} |", flush=True)
+            continue
+        started = time.perf_counter()
+        memory = {n: _blockwise_bytes(name, n) for n in memory_lengths}
+        memory_exponent = _slope(memory_lengths, [memory[n] for n in memory_lengths])
+        length, need, compiles = _longest(name, budget, memory, tile)
+        seconds = _interleaved(name, time_lengths, args.rounds)
+        time_exponent = _slope(time_lengths, seconds)
+        estimate = seconds[-1] * (length / time_lengths[-1]) ** time_exponent
+        if estimate <= args.max_seconds:
+            compiled, hooks = _program(name, length, "blockwise", None)
+            at_longest = f"{_duration(_time(compiled, hooks, length, 1, warm_up=False))}, measured"
+            del compiled
+        else:
+            at_longest = f"≈ {_duration(estimate)}, estimated from the fit at {fit_lengths}"
+        print(
+            f"| {name} | {length:,} | {need / 2**30:.2f} | {memory_exponent:.2f} | {time_exponent:.2f} | "
+            f"{seconds[-1]:.3g} | {at_longest} |",
+            flush=True,
+        )
+        print(
+            f"{name}: {len(memory) - compiles} + {compiles} compiles to find the longest length, "
+            f"seconds {[round(x, 4) for x in seconds]}, {time.perf_counter() - started:.0f} s in all",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    parser.add_argument("--encodings", nargs="+", default=list(ENCODINGS))
+    parser.add_argument("--encodings", nargs="+", help=f"default {' '.join(ENCODINGS)}; every one with --longest")
     parser.add_argument("--block", type=int, default=512, help="block_q = block_k")
     parser.add_argument("--rounds", type=int, default=5, help="timed runs per cell (fewer when one run is long)")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="skip timing a cell estimated above this")
@@ -93,7 +244,16 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--time-materialize-up-to", type=int, default=4096, help="time the materialising path up to this length"
     )
+    parser.add_argument("--longest", action="store_true", help="the longest-length table (blockwise, every encoding)")
+    parser.add_argument("--budget-gib", type=float, default=24.0, help="--longest: the memory budget")
+    parser.add_argument("--memory-lengths", type=int, nargs="+", default=list(MEMORY_LENGTHS), help="--longest")
+    parser.add_argument("--time-lengths", type=int, nargs="+", default=list(TIME_LENGTHS), help="--longest")
     args = parser.parse_args(argv)
+    if args.longest:
+        args.encodings = args.encodings or encoding_names()
+        longest(args)
+        return
+    args.encodings = args.encodings or list(ENCODINGS)
     limit = args.memory_limit_gib * 2**30
 
     print(
@@ -106,6 +266,10 @@ def main(argv=None) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     per_element = {}  # seconds per (query, key) pair of the last timed blockwise run, to estimate the next
     for name in args.encodings:
+        why = _no_hook(name)
+        if why is not None:
+            print(f"| {name} | – | – | – | – | – | – | {why} |", flush=True)
+            continue
         for length in args.lengths:
             cells = {}
             for implementation in ("materialize", "blockwise"):
