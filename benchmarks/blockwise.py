@@ -216,7 +216,9 @@ def longest(args) -> None:
         estimate = seconds[-1] * (length / time_lengths[-1]) ** time_exponent
         if estimate <= args.max_seconds:
             compiled, hooks = _program(name, length, "blockwise", None)
-            at_longest = f"{_duration(_time(compiled, hooks, length, 1, warm_up=False))}, measured"
+            rounds = args.rounds if estimate < 5 else 1  # as the per-length table: one cold run when runs are long
+            seconds_there = _time(compiled, hooks, length, rounds, warm_up=estimate <= 30)
+            at_longest = f"{_duration(seconds_there)}, measured"
             del compiled
         else:
             at_longest = f"≈ {_duration(estimate)}, estimated from the fit at {fit_lengths}"
