@@ -36,9 +36,12 @@ Sections (the issue's targets in the last column):
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
@@ -48,18 +51,30 @@ from flax import nnx
 
 from posenc_jax.functional import (
     apply_rope_qk,
-    dot_product_attention,
-    encoding_config,
     encoding_info,
     encoding_names,
 )
-from posenc_jax.functional.core.hooks import BiasHook
-from posenc_jax.nn import Transformer
 
-try:  # the split-state decoding step (absent from older checkouts, for before/after runs)
-    from posenc_jax.nn import decode_step
-except ImportError:
-    decode_step = None
+
+@dataclass(frozen=True)
+class Library:
+    """The modules the attention, memory, train and decode cases are built from: posenc_jax's, or
+    those of a second copy of the package under another name (``benchmarks/old_vs_new.py``)."""
+
+    functional: ModuleType
+    nn: ModuleType
+    hooks: ModuleType
+
+    @classmethod
+    def load(cls, package: str = "posenc_jax") -> Library:
+        return cls(
+            functional=importlib.import_module(f"{package}.functional"),
+            nn=importlib.import_module(f"{package}.nn"),
+            hooks=importlib.import_module(f"{package}.functional.core.hooks"),
+        )
+
+
+LIBRARY = Library.load()
 
 SECTIONS = ("rope", "attention", "memory", "train", "decode")
 ROPE_CALLS = 3  # calls in a row per case and round in the RoPE table (see paired_times)
@@ -74,12 +89,16 @@ def _selected(names: list[str]) -> list[str]:
 # Measurement
 
 
-def paired_times(cases: dict[str, Callable[[], object]], rounds: int, calls: int = 1) -> dict[str, np.ndarray]:
+def paired_times(
+    cases: dict[str, Callable[[], object]], rounds: int, calls: int = 1, alternate: bool = False
+) -> dict[str, np.ndarray]:
     """Runs every case per round (order rotated each round); ``[rounds]`` seconds per case.
 
     ``calls``: a case's time in a round is the median of that many calls in a row, its steady
     state (on the 2-core CPU the first call of a memory-bound case after another case was
-    slower, by an amount that varied with the case before).
+    slower, by an amount that varied with the case before). ``alternate``: every other round
+    runs the rotated order backwards, so of two neighbouring cases each runs first in half the
+    rounds (``old_vs_new.py`` puts each row's two versions side by side).
     """
     for run in cases.values():
         jax.block_until_ready(run())  # compile and warm up
@@ -87,7 +106,8 @@ def paired_times(cases: dict[str, Callable[[], object]], rounds: int, calls: int
     times = {name: [] for name in names}
     for r in range(rounds):
         shift = r % len(names)
-        for name in names[shift:] + names[:shift]:
+        order = names[shift:] + names[:shift]
+        for name in reversed(order) if alternate and r % 2 else order:
             each = []
             for _ in range(calls):
                 start = time.perf_counter()
@@ -256,18 +276,18 @@ def _four_rotations(q, k, positions, layout):
 # Attention and its memory
 
 
-def benchmark_config(name: str, *, length: int, head_dim: int):
+def benchmark_config(name: str, *, length: int, head_dim: int, lib: Library = LIBRARY):
     """The registered config with its defaults (its small settings where it has required ones), sized for
     sequences of ``length`` tokens (``for_lengths``: CoPE's count range, the axial grid width)."""
     try:
-        config = encoding_config(name)
+        config = lib.functional.encoding_config(name)
     except ValueError:
-        config = encoding_config(name, **encoding_info(name).small_settings)
+        config = lib.functional.encoding_config(name, **lib.functional.encoding_info(name).small_settings)
     return config.for_lengths(train_length=length, max_length=length, head_dim=head_dim)
 
 
-def _hook(name: str, *, num_heads: int, head_dim: int, model_dim: int, length: int):
-    config = benchmark_config(name, length=length, head_dim=head_dim)
+def _hook(name: str, *, num_heads: int, head_dim: int, model_dim: int, length: int, lib: Library = LIBRARY):
+    config = benchmark_config(name, length=length, head_dim=head_dim, lib=lib)
     params = config.init(jax.random.key(1), num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
     # Learned tables start near zero; perturb them so no term is trivially zero.
     params = jax.tree.map(lambda p: p + 0.01 * jax.random.normal(jax.random.key(2), p.shape, p.dtype), params)
@@ -287,9 +307,14 @@ def attention_encodings(causal: bool = True) -> list[str]:
     return _selected(names)
 
 
-def _attention_fn(hooks):
+def _attention_fn(hooks, lib: Library = LIBRARY, **options):
+    """Causal self-attention ``(q, k, v, pos) -> out`` with ``hooks``; ``options`` (e.g. ``implementation``)
+    passed on to ``dot_product_attention``."""
+
     def run(q, k, v, pos):
-        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)
+        return lib.functional.dot_product_attention(
+            q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True, **options
+        )
 
     return run
 
@@ -327,7 +352,7 @@ def memory_section(quick: bool) -> None:
     rows = [("plain", f"{plain / 2**20:.0f} MiB", "1.00×")]
     for name in attention_encodings():
         hook = _hook(name, num_heads=heads, head_dim=head_dim, model_dim=512, length=length)
-        if isinstance(hook, BiasHook):
+        if isinstance(hook, LIBRARY.hooks.BiasHook):
             kind = "position bias"
         else:
             kind = "computed term" if "logits" in encoding_info(name).hooks else "rotation"
@@ -358,20 +383,20 @@ def model_encodings(causal: bool = True) -> list[str]:
     return _selected(names)
 
 
-def _model(name: str, *, model_dim: int, heads: int, layers: int, length: int) -> Transformer:
-    return Transformer(
+def _model(name: str, *, model_dim: int, heads: int, layers: int, length: int, lib: Library = LIBRARY):
+    return lib.nn.Transformer(
         vocab_size=VOCAB,
         model_dim=model_dim,
         num_layers=layers,
         num_heads=heads,
         mlp_dim=4 * model_dim,
-        encoding=benchmark_config(name, length=length, head_dim=model_dim // heads),
+        encoding=benchmark_config(name, length=length, head_dim=model_dim // heads, lib=lib),
         causal=True,
         rngs=nnx.Rngs(0),
     )
 
 
-def _train_functions(model: Transformer, batch: dict):
+def _train_functions(model, batch: dict):
     """Split-state ``jax.jit`` training step (AdamW) and forward."""
     optimizer = nnx.Optimizer(model, optax.adamw(1e-3), wrt=nnx.Param)
     graphdef, state = nnx.split((model, optimizer))
@@ -431,10 +456,12 @@ def train_section(rounds: int, quick: bool) -> None:
 class _Decoder:
     """One encoding's model, prefilled, stepping one token at a time (caches donated each step)."""
 
-    def __init__(self, name, *, model_dim, heads, layers, batch, prefill, capacity, rng):
-        self.model = _model(name, model_dim=model_dim, heads=heads, layers=layers, length=capacity)
+    def __init__(self, name, *, model_dim, heads, layers, batch, prefill, capacity, rng, lib: Library = LIBRARY):
+        self.model = _model(name, model_dim=model_dim, heads=heads, layers=layers, length=capacity, lib=lib)
         self.traces = 0
         model = self.model
+        # the split-state decoding step (absent from older checkouts, for before/after runs)
+        decode_step = getattr(lib.nn, "decode_step", None)
         if decode_step is not None:
             self.step = decode_step(model, on_trace=self._count)
         else:  # before the split-state step existed: nnx.jit, as the old tests did
