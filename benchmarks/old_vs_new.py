@@ -94,8 +94,25 @@ def _ms(seconds) -> str:
     return f"{np.median(seconds) * 1e3:.1f} ms"
 
 
-def timed_rows(cases: dict[str, dict[str, Callable[[], object]]], rounds: int, limit: float) -> list[tuple]:
-    """``cases[row] = {"old": run, "new": run}``, timed in one set of interleaved rounds."""
+def same_program(old, new) -> str:
+    """Whether two compiled programs are the same instructions in the same order, up to the names
+    of values and computations and their source locations: ``"same"`` or ``"differs"``."""
+
+    def instructions(compiled):
+        lines = re.findall(r"^\s*(?:ROOT )?%.*$|^ENTRY.*$", compiled.as_text(), flags=re.M)
+        return [
+            re.sub(r"%[\w.-]+", "%", re.sub(r", (metadata|backend_config|frontend_attributes)=.*", "", line))
+            for line in lines
+        ]
+
+    return "same" if instructions(old) == instructions(new) else "differs"
+
+
+def timed_rows(
+    cases: dict[str, dict[str, Callable[[], object]]], rounds: int, limit: float, programs: dict | None = None
+) -> list[tuple]:
+    """``cases[row] = {"old": run, "new": run}``, timed in one set of interleaved rounds;
+    ``programs[row]``: :func:`same_program` of the row's two compiled programs, where compared."""
     flat = {f"{row} [{which}]": run for row, pair in cases.items() for which, run in pair.items()}
     times = speed.paired_times(flat, rounds, alternate=True)
     rows = []
@@ -103,11 +120,12 @@ def timed_rows(cases: dict[str, dict[str, Callable[[], object]]], rounds: int, l
         old, new = f"{row} [old]", f"{row} [new]"
         ratio = float(np.median(times[new] / times[old]))
         flag = f"> {limit:.2f}" if ratio > limit else ""
-        rows.append((row, _ms(times[old]), _ms(times[new]), speed.ratio_cell(times, new, old), flag))
+        compared = (programs or {}).get(row, "–")
+        rows.append((row, _ms(times[old]), _ms(times[new]), speed.ratio_cell(times, new, old), compared, flag))
     return rows
 
 
-HEADER = ("case", "old", "new", "new/old, median (range)", "flag")
+HEADER = ("case", "old", "new", "new/old, median (range)", "compiled program", "flag")
 
 
 def _qkv(batch, length, heads, head_dim):
@@ -115,13 +133,14 @@ def _qkv(batch, length, heads, head_dim):
     return tuple(jnp.asarray(rng.normal(size=(batch, length, heads, head_dim)), jnp.float32) for _ in range(3))
 
 
-def _attention_cases(libs, names, shape, grad: bool, **options) -> dict:
+def _attention_cases(libs, names, shape, grad: bool, **options) -> tuple[dict, dict]:
+    """The rows' cases (compiled once, ahead of time) and whether each row's two programs are the same."""
     batch, length, heads, head_dim = shape
     q, k, v = _qkv(*shape)
     pos = jnp.arange(length)
-    cases = {}
+    cases, programs = {}, {}
     for name in names:
-        forward, backward = {}, {}
+        forward, backward, compiled = {}, {}, {"forward": {}, "forward+grad": {}}
         for which, lib in libs.items():
             hooks = (
                 []
@@ -129,27 +148,32 @@ def _attention_cases(libs, names, shape, grad: bool, **options) -> dict:
                 else [speed._hook(name, num_heads=heads, head_dim=head_dim, model_dim=512, length=length, lib=lib)]
             )
             attend = speed._attention_fn(hooks, lib, **options)
-            fn = jax.jit(attend)
+            fn = compiled["forward"][which] = jax.jit(attend).lower(q, k, v, pos).compile()
             forward[which] = lambda fn=fn: fn(q, k, v, pos)
             if grad:
-                g = jax.jit(jax.grad(lambda q, k, v, pos, attend=attend: attend(q, k, v, pos).sum(), argnums=(0, 1, 2)))
+                loss = jax.grad(lambda q, k, v, pos, attend=attend: attend(q, k, v, pos).sum(), argnums=(0, 1, 2))
+                g = compiled["forward+grad"][which] = jax.jit(loss).lower(q, k, v, pos).compile()
                 backward[which] = lambda g=g: g(q, k, v, pos)
         cases[f"{name}, forward"] = forward
         if grad:
             cases[f"{name}, forward+grad"] = backward
-    return cases
+        for kind, pair in compiled.items():
+            if pair:
+                programs[f"{name}, {kind}"] = same_program(pair["old"], pair["new"])
+    return cases, programs
 
 
 def attention_section(libs, names, rounds, quick, grad, limit) -> None:
     shape = (1, 512, 8, 64) if quick else (1, 1024, 8, 64)
-    rows = timed_rows(_attention_cases(libs, ["plain", *names], shape, grad), rounds, limit)
+    cases, programs = _attention_cases(libs, ["plain", *names], shape, grad)
+    rows = timed_rows(cases, rounds, limit, programs)
     speed.print_table(f"Causal attention, B=1, N=8, T={shape[1]}, H=64: old vs new", HEADER, rows)
 
 
 def blockwise_section(libs, names, rounds, quick, grad, limit) -> None:
     shape = (1, 1024, 8, 64) if quick else (1, 2048, 8, 64)
-    cases = _attention_cases(libs, ["plain", *names], shape, grad, implementation="blockwise")
-    rows = timed_rows(cases, rounds, limit)
+    cases, programs = _attention_cases(libs, ["plain", *names], shape, grad, implementation="blockwise")
+    rows = timed_rows(cases, rounds, limit, programs)
     speed.print_table(
         f'Causal attention, implementation="blockwise" (512 × 512 tiles), B=1, N=8, T={shape[1]}, H=64: old vs new',
         HEADER,
