@@ -2,6 +2,7 @@
 test_notebooks.py)."""
 
 import ast
+import os
 import pathlib
 import re
 import subprocess
@@ -128,3 +129,21 @@ def test_packaging_metadata_agrees():
     assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
     assert (ROOT / "posenc_jax" / "py.typed").exists()
     assert f"## {posenc_jax.__version__}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_old_vs_new_benchmark_imports_an_old_commit_beside_the_current_one():
+    old = "27d360e"
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{old}^{{commit}}"], capture_output=True).returncode:
+        pytest.skip(f"commit {old} is not in this clone")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "old_vs_new.py"), "--old", old, "--quick", "--sections", "memory"]
+        + ["--encodings", "rope"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "as posenc_jax_old" in result.stdout and "warning" not in result.stdout, result.stdout
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("| plain |", "| rope |"))]
+    assert len(rows) == 2 and all(line.count("MiB") == 2 for line in rows), result.stdout
