@@ -12,7 +12,10 @@ in one process; the current one is whatever ``import posenc_jax`` finds (run it 
 ``speed.paired_times`` (each round runs every case once, rotated, every other round in reverse,
 so neither copy always runs first). A row gives the median time of each copy over the rounds
 and the median (min-max) of the per-round ratio new/old; a median above ``--limit`` (1.10) is
-flagged. Memory rows compare the compiled programs' temporary memory (exact, no rounds).
+flagged. For the attention rows, "compiled program" says whether the two copies compile to
+the same instructions in the same order (up to names): where they do, a ratio away from 1 is
+the machine's noise. Memory rows compare the compiled programs' temporary memory (exact, no
+rounds).
 
 Sections, with ``speed.py``'s shapes (``--quick``: smaller ones, for a smoke run):
 
