@@ -37,6 +37,7 @@ import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
+from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import check_max_distance
 from posenc_jax.functional.kernels.cope import cope_added_by_blocks, interpolate_pairs, reverse_cumsum
@@ -114,8 +115,8 @@ def cope_logits(
         term,
         q,
         k,
-        query_positions,
-        key_positions,
+        batched_positions(query_positions, "query_positions"),  # [B|1, T]
+        batched_positions(key_positions, "key_positions"),  # [B|1, S]
         embeddings,
         scale=scale,
         mask=mask,

@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
 from posenc_jax.functional.kernels.autodiff import custom_gradients
 
@@ -161,11 +160,13 @@ def cope_added_by_blocks(
     """``scores + term(q, k, query_positions, key_positions, embeddings, mask=...)``, the term computed
     by blocks of query rows and added in place.
 
-    ``term`` is CoPE's term of a block (the encoding's, given the block's rows of the queries,
-    its keys and mask, and ``gate_logits``, the gates' logits where read from the scores, else
-    None). With ``content_scale``, ``scores`` are exactly ``content_scale · q·k`` and the
-    gates' logits are read from them (times ``scale / content_scale``). ``scores`` is an
-    array or a function of no arguments making one.
+    ``query_positions`` ``[B|1, T]`` and ``key_positions`` ``[B|1, S]``, int32, are taken as
+    checked (the encoding's entry checks them). ``term`` is CoPE's term of a block (the
+    encoding's, given the block's rows of the queries, its keys and mask, and ``gate_logits``,
+    the gates' logits where read from the scores, else None). With ``content_scale``,
+    ``scores`` are exactly ``content_scale · q·k`` and the gates' logits are read from them
+    (times ``scale / content_scale``). ``scores`` is an array or a function of no arguments
+    making one.
 
     In self-attention (the same positions for queries and keys) whose positions increase
     along every row, query t sees no key after t: each block then works on the keys up to
@@ -181,7 +182,6 @@ def cope_added_by_blocks(
     shape = tuple(jax.eval_shape(make_scores).shape)
     if len(shape) != 4 or shape[2:] != (q_len, k_len) or shape[1] != q.shape[2]:
         raise ValueError(f"into must be scores [B, N, T, S] = {expected}, got {shape}")
-    query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
     if mask is not None:
         mask = jnp.asarray(mask)
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
@@ -189,7 +189,6 @@ def cope_added_by_blocks(
     # S), so the interpolation reads embeddings 0 .. S + 1 at most: the others are never gathered.
     embeddings = jnp.asarray(embeddings)[..., : min(np.shape(embeddings)[-2], k_len + 2), :]
 
-    key_positions = batched_positions(key_positions, "key_positions")  # [B|1, S]
     if content_scale is not None:  # the gates' logits are the content scores times this
         ratio = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
 

@@ -39,9 +39,9 @@ import jax.numpy as jnp
 
 from posenc_jax.functional.core.positions import position_difference
 from posenc_jax.functional.core.relative import (
+    _consecutive_rows,
     by_causal_prefixes_where,
     by_query_blocks,
-    consecutive_rows,
     take_along_last_axis,
 )
 from posenc_jax.functional.kernels.autodiff import custom_gradients, plain_autodiff
@@ -72,7 +72,7 @@ def transformer_xl_terms(
 
     Args:
       content: ``u · k_s`` ``[B, N, 1, S]``; shifted_q: ``q + v`` float32 ``[B, T, N, H]``.
-      query_positions, key_positions: integer ``[B|1, T]``, ``[B|1, S]``.
+      query_positions, key_positions: int32 ``[B|1, T]``, ``[B|1, S]``, checked (the encoding's entry checks them).
       position_projection: ``W_R`` ``[D, N, H]``.
       position_scores: the identity, ``position_scores(shifted_q, W_R, query_positions,
         key_positions, sinusoids)`` ``[B, N, T, S]`` for any positions (sinusoids None: from
@@ -111,7 +111,7 @@ def transformer_xl_terms(
     if causal and q_len <= k_len and not decoding:
         # Queries are the last T of S consecutive keys, in every row: then the ladder, projected once.
         last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
-        standard = consecutive_rows(query_positions) & consecutive_rows(key_positions) & last_keys
+        standard = _consecutive_rows(query_positions) & _consecutive_rows(key_positions) & last_keys
         project = lambda: project_distances(jnp.arange(k_len - 1, -1, -1), position_projection)  # S-1 .. 0
         if make_scores is not None and q_len == k_len and q_len > block_elements // max(1, batch * num_heads * k_len):
             # Self-attention with the ladder's positions: each block against the keys up to its last row.
