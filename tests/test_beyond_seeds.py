@@ -624,7 +624,10 @@ def test_cope_reverse_cumsum_is_the_sum_over_later_keys(length):
     """CoPE's counts by blocks (a triangle product per block, then the later blocks' totals): the
     sums ``Σ_{s' >= s} x[s']`` in float64 numpy, and the gradient of a reverse cumulative sum
     (a forward cumulative sum of the cotangent)."""
-    from posenc_jax.functional.encodings.cope import reverse_cumsum
+    from posenc_jax.functional.encodings import cope
+    from posenc_jax.functional.kernels.cope import reverse_cumsum
+
+    assert cope.reverse_cumsum is reverse_cumsum  # the encoding's name for the kernel
 
     rng = np.random.default_rng(length)
     x = rng.random((2, 3, length)).astype(np.float32)
@@ -684,6 +687,29 @@ def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
     for g, w in zip(grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
     assert np.any(np.asarray(grads[1]) != 0) or num_positions == 1  # the counts' gradient is not vacuous
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 4, 7)], ids=["one-row", "cope-axes"])
+def test_cope_pair_reads_equal_their_plain_form(shape):
+    """The kernel's pair reads (a custom gradient: one scatter of pairs into the flat values) equal their
+    plain form (``take_along_axis``, autodiff's gradient) in value and gradients; in plain autodiff the
+    plain form is taken, and forward mode works."""
+    from posenc_jax.functional.kernels.autodiff import plain_autodiff
+    from posenc_jax.functional.kernels.cope import interpolate_pairs, interpolate_pairs_plain
+
+    rng = np.random.default_rng(len(shape))
+    per_position = jnp.asarray(rng.normal(size=shape[:-1] + (5,)), jnp.float32)
+    lower = jnp.asarray(rng.integers(0, 4, size=shape), jnp.int32)
+    weight = jnp.asarray(rng.uniform(size=shape), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=shape), jnp.float32)
+    got, pullback = jax.vjp(lambda x, w: interpolate_pairs(x, lower, w), per_position, weight)
+    want, plain_pullback = jax.vjp(lambda x, w: interpolate_pairs_plain(x, lower, w), per_position, weight)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(pullback(cotangent), plain_pullback(cotangent), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    with plain_autodiff():
+        tangent = jax.jvp(lambda x: interpolate_pairs(x, lower, weight), (per_position,), (per_position,))[1]
+    np.testing.assert_allclose(tangent, want, rtol=1e-6, atol=1e-6)  # linear in the values
 
 
 def test_cope_interpolation_keeps_nan_and_checks_shapes():

@@ -194,6 +194,26 @@ def test_rel_shift_is_transformer_xl_pad_reshape_slice(rng):
         rel_shift(jnp.zeros((4, 3)))
 
 
+@pytest.mark.parametrize("first_row, rows", [(0, T), (2, 3)], ids=["all-rows", "a-block"])
+def test_transformer_xl_ladder_shift_by_a_gather_is_rel_shift(rng, first_row, rows):
+    """The fast form's shift (kernels: one gather for a block of query rows, a gather and a masked sum in its
+    gradient) equals the paper's pad-reshape-slice :func:`rel_shift` on every key up to the query: values and
+    gradients, with the custom gradient and in plain autodiff."""
+    from posenc_jax.functional.kernels.transformer_xl import shift_ladder_scores
+
+    scores = _normal(rng, (B, N, T, S))
+    block = lambda x: jax.lax.slice_in_dim(x, first_row, first_row + rows, axis=-2)
+    seen = block(jnp.asarray(np.arange(S)[None, :] <= (S - T + np.arange(T))[:, None]))  # [rows, S]
+    weights = _normal(rng, (B, N, rows, S))
+    plain = lambda x: jnp.where(seen, block(rel_shift(x)), 0.0)
+    fast = lambda x: jnp.where(seen, shift_ladder_scores(block(x), first_row, T), 0.0)
+    np.testing.assert_array_equal(jax.jit(fast)(scores), plain(scores))
+    want = jax.grad(lambda x: (plain(x) * weights).sum())(scores)
+    np.testing.assert_allclose(jax.jit(jax.grad(lambda x: (fast(x) * weights).sum()))(scores), want, atol=1e-6)
+    with plain_autodiff():
+        np.testing.assert_allclose(jax.grad(lambda x: (fast(x) * weights).sum())(scores), want, atol=1e-6)
+
+
 @pytest.mark.parametrize("bidirectional", [True, False])
 @pytest.mark.parametrize("num_buckets,max_distance", [(32, 128), (8, 20), (4, 4), (64, 1000)])
 def test_t5_buckets_match_reference(bidirectional, num_buckets, max_distance):

@@ -1,19 +1,27 @@
 """CoPE: contextual position encoding (Golovneva et al. 2024).
 
-Positions are counted by the context instead of by tokens: with gates
-``g[t, s] = σ(q_t · k_s / √H)`` on the keys a query may see (causal), the position
-of key s for query t is ``p[t, s] = Σ_{s' >= s} g[t, s']``, a fractional count of
-"relevant" keys between s and t. It is clipped to ``P - 1`` and its embedding is
-interpolated from learned integer embeddings ``e[0..P-1]``; the term added to the
-scores is ``q_t · e[p[t, s]]``, computed as ``z = q · eᵀ`` (``[B, N, T, P]``) and two
-gathers, never as ``[T, S, H]``. In attention the term is added into the scores by
-blocks of query rows (:meth:`CoPE.add_logits`), so its gates, counts and ``z`` are
-never stored whole.
+Positions are counted by the context instead of by tokens. With gates on the keys a
+query may see (causal),
+
+``g[t, s] = σ(q_t · k_s / √H)``, ``p[t, s] = Σ_{s' = s}^{t} g[t, s']``,
+
+the position of key s for query t is a fractional count of "relevant" keys between s
+and t (a reverse cumulative sum of the gates). It is clipped to ``P - 1`` and its
+embedding is interpolated from learned integer embeddings ``e[0..P-1]``; the term added
+to the scores is
+
+``q_t · e[p] = (1 - w) · z[t, ⌊p⌋] + w · z[t, ⌊p⌋ + 1]``, ``w = p - ⌊p⌋``, ``z = q · eᵀ``,
+
+computed as ``z`` (``[B, N, T, P]``) and two gathers, never as ``[T, S, H]``.
 
 Keys must be in position order (as in any causal sequence or cache). The gates
 count only the keys the query may see: the causal mask by position and, in an
 attention, the call's whole mask (padding, a cache's empty slots, segments), so a
 masked key changes no other key's position, whatever it holds. Causal only.
+
+The counts by blocked triangle products, the interpolation's gradient and the term
+added into the scores by blocks of query rows (:meth:`CoPE.add_logits`, its gates,
+counts and ``z`` never stored whole) are fast forms, in :mod:`posenc_jax.functional.kernels.cope`.
 
 Reference: Golovneva et al., "Contextual Position Encoding: Learning to Count
 What's Important", 2024, arXiv:2405.18719.
@@ -31,13 +39,8 @@ from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, Encod
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.relative import (
-    by_causal_prefix_blocks,
-    by_causal_prefixes_where,
-    by_query_blocks,
-    check_max_distance,
-)
-from posenc_jax.functional.kernels.autodiff import custom_gradients
+from posenc_jax.functional.core.relative import check_max_distance
+from posenc_jax.functional.kernels.cope import cope_added_by_blocks, interpolate_pairs, reverse_cumsum
 
 __all__ = ["CoPE", "CoPEConfig", "cope_logits", "interpolate_positions", "reverse_cumsum"]
 
@@ -76,8 +79,9 @@ def cope_logits(
         query rows (each block's gates, counts and ``q · eᵀ`` are block-sized) and added to
         them in place; ``into + term`` is returned without any ``[B, N, T, S]`` intermediate
         stored whole. Or a function of no arguments returning them: they are then made
-        inside the run-time conditional of self-attention's prefix blocks (below), one for
-        the whole term instead of one per block, which a given array would be copied into.
+        inside the run-time conditional of self-attention's prefix blocks, one for the whole
+        term instead of one per block, which a given array would be copied into
+        (:func:`~posenc_jax.functional.kernels.cope.cope_added_by_blocks`).
       content_scale: with ``into``, a promise that ``into`` is exactly the content scores
         ``content_scale · q·k`` and nothing else (the first term an attention adds): the
         gates' logits are then read from it (times ``scale / content_scale``) instead of a
@@ -99,19 +103,20 @@ def cope_logits(
         raise ValueError(
             f"CoPE embeddings must have shape [P, H={head_dim}] or [N={num_heads}, P, H], got {np.shape(embeddings)}"
         )
+    term = lambda *tile, **kw: _cope_tile(*tile, scale=scale, **kw)[0]
     if into is None:
         if content_scale is not None:
             raise ValueError("content_scale says what into holds: pass it with into, the content scores")
-        term, _ = _cope_tile(q, k, query_positions, key_positions, embeddings, scale=scale, mask=mask, later=None)
-        return term
+        return term(q, k, query_positions, key_positions, embeddings, mask=mask)
     if content_scale is not None and not content_scale:
         raise ValueError(f"content_scale must be nonzero to read the gates from the content scores: {content_scale}")
-    return _cope_added_by_blocks(
+    return cope_added_by_blocks(
         into,
+        term,
         q,
         k,
-        query_positions,
-        key_positions,
+        batched_positions(query_positions, "query_positions"),  # [B|1, T]
+        batched_positions(key_positions, "key_positions"),  # [B|1, S]
         embeddings,
         scale=scale,
         mask=mask,
@@ -121,124 +126,7 @@ def cope_logits(
     )
 
 
-def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
-    """``out[..., s] = Σ_{s' >= s} x[..., s']`` along the last axis, in float32 (CoPE's counts).
-
-    By blocks of ``block`` entries: the sums within each block are one product with a
-    ``[block, block]`` triangle of ones (a matrix product, at full float32 precision on
-    every backend), and the totals of the later blocks, a cumulative sum over S / block
-    values, are added. The same sums as ``jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)``
-    up to rounding, the form XLA:CPU runs as a tree of reduce-windows (about 5× slower on
-    CoPE's gates, and the same again in the gradient, which is a forward cumulative sum,
-    here a product with the transposed triangle). For finite values: an infinite or NaN
-    entry makes its whole block NaN (CoPE's gates are in [0, 1], or NaN where a visible
-    key's score already is).
-
-    Example:
-      >>> reverse_cumsum(jnp.array([1.0, 2.0, 3.0]))
-      Array([6., 5., 3.], dtype=float32)
-    """
-    x = jnp.asarray(x, jnp.float32)
-    *lead, length = x.shape
-    num_blocks = -(-length // block)
-    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_blocks * block - length)])
-    triangle = jnp.asarray(np.tril(np.ones((block, block), np.float32)))  # [i, j] = 1 where i >= j
-    within = jnp.einsum(
-        "...ki,ij->...kj",
-        padded.reshape(*lead, num_blocks, block),
-        triangle,
-        precision=jax.lax.Precision.HIGHEST,
-        preferred_element_type=jnp.float32,
-    )  # Σ over the block's entries from j on
-    totals = within[..., 0]  # [..., num_blocks]
-    later = jax.lax.cumsum(totals, axis=totals.ndim - 1, reverse=True) - totals  # the blocks after each
-    return (within + later[..., None]).reshape(*lead, num_blocks * block)[..., :length]
-
-
-def _cope_added_by_blocks(
-    scores,
-    q,
-    k,
-    query_positions,
-    key_positions,
-    embeddings,
-    *,
-    scale,
-    mask,
-    content_scale,
-    block_elements,
-    self_attention=False,
-):
-    """``scores + cope_logits(...)``, the term computed by blocks of query rows and added in place.
-
-    In self-attention (the same positions for queries and keys) whose positions increase
-    along every row, query t sees no key after t: each block then works on the keys up to
-    its last row only (:func:`by_causal_prefix_blocks`, 5/8 of the work). The positions are
-    checked at run time, by one conditional around the whole term where ``scores`` is a function
-    that makes them (:func:`by_causal_prefixes_where`), by one per block where it is an array;
-    otherwise each block takes all keys.
-    """
-    q_len, k_len = q.shape[1], k.shape[1]
-    expected = (q.shape[0], q.shape[2], q_len, k_len)
-    make_scores = scores if callable(scores) else (lambda: scores)
-    shape = tuple(jax.eval_shape(make_scores).shape)
-    if len(shape) != 4 or shape[2:] != (q_len, k_len) or shape[1] != q.shape[2]:
-        raise ValueError(f"into must be scores [B, N, T, S] = {expected}, got {shape}")
-    query_positions = batched_positions(query_positions, "query_positions")  # [B|1, T]
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
-    # A count is at most the number of keys a query sees (S; a sum of S gates <= 1 rounds to at most
-    # S), so the interpolation reads embeddings 0 .. S + 1 at most: the others are never gathered.
-    embeddings = jnp.asarray(embeddings)[..., : min(np.shape(embeddings)[-2], k_len + 2), :]
-
-    key_positions = batched_positions(key_positions, "key_positions")  # [B|1, S]
-    if content_scale is not None:  # the gates' logits are the content scores times this
-        ratio = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
-
-    def block(start, rows: int, width: int, content=None) -> jax.Array:
-        """The term of query rows ``start ..`` for keys ``0 .. width - 1``; ``content``, their content scores."""
-        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
-        keys_of = lambda x, axis: x if x.shape[axis] in (1, width) else jax.lax.slice_in_dim(x, 0, width, axis=axis)
-        gate_logits = None
-        if content_scale is not None:
-            gate_logits = content if ratio == 1.0 else content * jnp.float32(ratio)
-        term, _ = _cope_tile(
-            rows_of(q, 1),
-            keys_of(k, 1),
-            rows_of(query_positions, 1),
-            keys_of(key_positions, 1),
-            embeddings[..., : width + 2, :],
-            scale=scale,
-            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
-            later=None,
-            gate_logits=gate_logits,
-        )
-        return term
-
-    def all_keys(scores):
-        return by_query_blocks(
-            lambda start, rows, content=None: block(start, rows, k_len, content),
-            tuple(scores.shape),
-            jnp.float32,
-            block_elements=block_elements,
-            into=scores,
-            reads_into=content_scale is not None,
-        )
-
-    rows_per_block = block_elements // max(1, shape[0] * shape[1] * k_len)
-    if not self_attention or q_len != k_len or q_len <= rows_per_block:
-        return all_keys(make_scores())
-
-    increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
-    if callable(scores):
-        return by_causal_prefixes_where(increasing, make_scores, lambda: block, all_keys, block_elements=block_elements)
-    return by_causal_prefix_blocks(
-        block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
-    )
-
-
-def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later, gate_logits=None):
+def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later=None, gate_logits=None):
     """CoPE's term for a tile of keys, given ``later`` ``[B, N, T]``: the gate sums of the keys after the tile.
 
     ``gate_logits``: the gates' logits ``scale · q·k`` ``[B, N, T, S]`` where the caller has them.
@@ -261,7 +149,7 @@ def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask,
         total = total + later
     counts = jnp.minimum(counts, num_positions - 1)
     spec = "BTNH,PH->BNTP" if np.ndim(embeddings) == 2 else "BTNH,NPH->BNTP"
-    per_position = jnp.einsum(spec, q, embeddings, preferred_element_type=jnp.float32)  # [B, N, T, P]
+    per_position = jnp.einsum(spec, q, embeddings, preferred_element_type=jnp.float32)  # z = q · eᵀ: [B, N, T, P]
     return interpolate_positions(per_position, counts), total
 
 
@@ -274,12 +162,8 @@ def interpolate_positions(per_position: jax.Array, counts: jax.Array) -> jax.Arr
         (one below 0 extrapolates the line through positions 0 and 1, one above P - 1 reads P - 1).
 
     For ``c = P - 1`` the pair starting at ``P - 2`` is read, with weight 1 on the second.
-    Where the gradient is taken, the pair is read from the values laid out flat, by offsets,
-    and the values' gradient is one scatter of pairs, a window of two, into that flat array.
-    As ``take_along_axis`` on ``[..., P]`` (gathers with batch dimensions), the gradient was
-    two scatters with batch dimensions, which XLA:CPU ran about 3× slower (CoPE's
-    ``[8, 4, 512, 514]`` values: 300 ms against 80–110 ms for value and gradient).
-    A NaN count gives NaN.
+    A NaN count gives NaN. The pairs are read by
+    :func:`~posenc_jax.functional.kernels.cope.interpolate_pairs` (a gradient of one scatter).
 
     Example:
       >>> interpolate_positions(jnp.array([0.0, 10.0, 20.0]), jnp.array([0.5, 2.0, 1.25]))
@@ -294,63 +178,7 @@ def interpolate_positions(per_position: jax.Array, counts: jax.Array) -> jax.Arr
     # Weight 1 at the top position, a constant there, as the clip to P - 1 makes the count: its
     # gradient stays 0. (NaN >= P - 1 is false: a NaN count keeps a NaN weight.)
     weight = jnp.where(counts >= num_positions - 1, 1.0, counts - lower)
-    lower = lower.astype(jnp.int32)
-    if not custom_gradients() or per_position.size >= 2**31:  # plain autodiff; or flat offsets past int32
-        return _interpolate_along_axis(per_position, lower, weight)
-    return _interpolate(per_position, lower, weight)
-
-
-def _interpolate_along_axis(per_position, lower, weight):
-    at_lower = jnp.take_along_axis(per_position, lower, axis=-1, mode="clip")
-    at_upper = jnp.take_along_axis(per_position, lower + 1, axis=-1, mode="clip")
-    return at_lower * (1.0 - weight) + at_upper * weight
-
-
-@jax.custom_vjp
-def _interpolate(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
-    """Without the gradient, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
-    attention (B=1, N=8, T=1024) took 2.03× plain's time with the flat gathers, 1.68× with these."""
-    return _interpolate_along_axis(per_position, lower, weight)
-
-
-def _flat_starts(per_position, lower):
-    rows = int(np.prod(lower.shape[:-1], dtype=np.int64))
-    row_start = (jnp.arange(rows, dtype=jnp.int32) * per_position.shape[-1]).reshape(*lower.shape[:-1], 1)
-    return per_position.reshape(-1), row_start + lower
-
-
-def _pair_at(flat, start):
-    clip = jax.lax.GatherScatterMode.CLIP
-    return flat.at[start].get(mode=clip), flat.at[start + 1].get(mode=clip)
-
-
-def _interpolate_forward(per_position, lower, weight):
-    # With the gradient, the pairs read from the flat table (as relative.take_along_last_axis, and why).
-    at_lower, at_upper = _pair_at(*_flat_starts(per_position, lower))
-    return at_lower * (1.0 - weight) + at_upper * weight, (per_position, lower, weight)
-
-
-def _interpolate_backward(residuals, cotangent):
-    per_position, lower, weight = residuals
-    flat, start = _flat_starts(per_position, lower)
-    at_lower, at_upper = _pair_at(flat, start)
-    # The values' gradient: one scatter of (lower, upper) pairs, a window of two, into the flat
-    # table (half the updates of two scalar scatters; with batch dimensions, as autodiff makes of
-    # take_along_axis, XLA:CPU ran it about 3x slower).
-    pairs = jnp.stack([cotangent * (1.0 - weight), cotangent * weight], axis=-1)  # [..., S, 2]
-    into_flat = jax.lax.scatter_add(
-        jnp.zeros_like(flat),
-        start[..., None],
-        pairs.astype(flat.dtype),
-        jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(start.ndim,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
-        ),
-        mode=jax.lax.GatherScatterMode.CLIP,
-    )
-    return into_flat.reshape(per_position.shape), None, (cotangent * (at_upper - at_lower)).astype(weight.dtype)
-
-
-_interpolate.defvjp(_interpolate_forward, _interpolate_backward)
+    return interpolate_pairs(per_position, lower.astype(jnp.int32), weight)
 
 
 def _check_causal(context: AttentionContext) -> None:

@@ -1,5 +1,7 @@
-"""Fast forms of operations the encodings share: same values as their plain forms, other programs.
+"""Fast forms, of operations the encodings share and of one encoding's terms: same values as their
+plain forms, other programs.
 
 Each module says which backends it is for and keeps the plain form beside it; a test holds
-the two equal.
+the two equal. A module here may import ``core`` but never an encoding: an encoding calls its
+kernel through one named function and hands it what the kernel needs of its mathematics.
 """

@@ -1,0 +1,231 @@
+"""CoPE's fast forms: counts by blocked triangles, the interpolation's gradient, the term by blocks of rows.
+
+The encoding (:mod:`posenc_jax.functional.encodings.cope`) defines the term: gates
+``σ(q·k)``, positions as reverse cumulative sums of the gates, position embeddings
+interpolated at them. Here, with the plain form of each beside it:
+
+- :func:`reverse_cumsum`, the counts, as products with a triangle of ones by blocks; the
+  plain form is ``jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)``;
+- :func:`interpolate_pairs`, the interpolation's reads, whose gradient is one scatter of
+  pairs into the values laid out flat; the plain form is :func:`interpolate_pairs_plain`
+  (``take_along_axis``, autodiff's gradient), taken inside
+  :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`;
+- :func:`cope_added_by_blocks`, the term added into ``[B, N, T, S]`` scores by blocks of
+  query rows (its gates, counts and ``q·eᵀ`` never stored whole), in causal self-attention
+  each block over the keys up to its last row; the plain form is the term computed whole
+  and added.
+
+Backends: every form here runs on every backend. The first two were shaped on XLA:CPU and
+are kept on the others unmeasured: no GPU or TPU timing says the plain form is as fast there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
+from posenc_jax.functional.kernels.autodiff import custom_gradients
+
+__all__ = ["cope_added_by_blocks", "interpolate_pairs", "interpolate_pairs_plain", "reverse_cumsum"]
+
+
+def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
+    """``out[..., s] = Σ_{s' >= s} x[..., s']`` along the last axis, in float32 (CoPE's counts).
+
+    By blocks of ``block`` entries: the sums within each block are one product with a
+    ``[block, block]`` triangle of ones (a matrix product, at full float32 precision on
+    every backend), and the totals of the later blocks, a cumulative sum over S / block
+    values, are added. The same sums as ``jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)``
+    up to rounding, the form XLA:CPU runs as a tree of reduce-windows (about 5× slower on
+    CoPE's gates, and the same again in the gradient, which is a forward cumulative sum,
+    here a product with the transposed triangle). For finite values: an infinite or NaN
+    entry makes its whole block NaN (CoPE's gates are in [0, 1], or NaN where a visible
+    key's score already is). Kept on every backend (not timed on a GPU or TPU against the
+    plain form).
+
+    Example:
+      >>> reverse_cumsum(jnp.array([1.0, 2.0, 3.0]))
+      Array([6., 5., 3.], dtype=float32)
+    """
+    x = jnp.asarray(x, jnp.float32)
+    *lead, length = x.shape
+    num_blocks = -(-length // block)
+    padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_blocks * block - length)])
+    triangle = jnp.asarray(np.tril(np.ones((block, block), np.float32)))  # [i, j] = 1 where i >= j
+    within = jnp.einsum(
+        "...ki,ij->...kj",
+        padded.reshape(*lead, num_blocks, block),
+        triangle,
+        precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=jnp.float32,
+    )  # Σ over the block's entries from j on
+    totals = within[..., 0]  # [..., num_blocks]
+    later = jax.lax.cumsum(totals, axis=totals.ndim - 1, reverse=True) - totals  # the blocks after each
+    return (within + later[..., None]).reshape(*lead, num_blocks * block)[..., :length]
+
+
+def interpolate_pairs(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
+    """``(1 - w) · x[..., l] + w · x[..., l + 1]`` for each ``l = lower[..., s]``, ``w = weight[..., s]``.
+
+    ``per_position`` ``[..., P]``; ``lower`` int32 and ``weight`` ``[..., S]`` with the same
+    leading shape, ``0 <= lower <= P - 2``. Where the gradient is taken, the pair is read from
+    the values laid out flat, by offsets, and the values' gradient is one scatter of pairs, a
+    window of two, into that flat array. As ``take_along_axis`` on ``[..., P]`` (gathers with
+    batch dimensions), the gradient was two scatters with batch dimensions, which XLA:CPU ran
+    about 3× slower (CoPE's ``[8, 4, 512, 514]`` values: 300 ms against 80–110 ms for value
+    and gradient). Kept on every backend (not timed on a GPU or TPU against the plain form).
+
+    Example:
+      >>> interpolate_pairs(jnp.array([0.0, 10.0, 20.0]), jnp.array([0, 1]), jnp.array([0.5, 0.25]))
+      Array([ 5. , 12.5], dtype=float32)
+    """
+    if not custom_gradients() or per_position.size >= 2**31:  # plain autodiff; or flat offsets past int32
+        return interpolate_pairs_plain(per_position, lower, weight)
+    return _interpolate(per_position, lower, weight)
+
+
+def interpolate_pairs_plain(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
+    """:func:`interpolate_pairs` by ``take_along_axis``: the plain form, with autodiff's gradient."""
+    at_lower = jnp.take_along_axis(per_position, lower, axis=-1, mode="clip")
+    at_upper = jnp.take_along_axis(per_position, lower + 1, axis=-1, mode="clip")
+    return at_lower * (1.0 - weight) + at_upper * weight
+
+
+@jax.custom_vjp
+def _interpolate(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
+    """Without the gradient, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
+    attention (B=1, N=8, T=1024) took 2.03× plain's time with the flat gathers, 1.68× with these."""
+    return interpolate_pairs_plain(per_position, lower, weight)
+
+
+def _flat_starts(per_position, lower):
+    rows = int(np.prod(lower.shape[:-1], dtype=np.int64))
+    row_start = (jnp.arange(rows, dtype=jnp.int32) * per_position.shape[-1]).reshape(*lower.shape[:-1], 1)
+    return per_position.reshape(-1), row_start + lower
+
+
+def _pair_at(flat, start):
+    clip = jax.lax.GatherScatterMode.CLIP
+    return flat.at[start].get(mode=clip), flat.at[start + 1].get(mode=clip)
+
+
+def _interpolate_forward(per_position, lower, weight):
+    # With the gradient, the pairs read from the flat table (as relative.take_along_last_axis, and why).
+    at_lower, at_upper = _pair_at(*_flat_starts(per_position, lower))
+    return at_lower * (1.0 - weight) + at_upper * weight, (per_position, lower, weight)
+
+
+def _interpolate_backward(residuals, cotangent):
+    per_position, lower, weight = residuals
+    flat, start = _flat_starts(per_position, lower)
+    at_lower, at_upper = _pair_at(flat, start)
+    # The values' gradient: one scatter of (lower, upper) pairs, a window of two, into the flat
+    # table (half the updates of two scalar scatters; with batch dimensions, as autodiff makes of
+    # take_along_axis, XLA:CPU ran it about 3x slower).
+    pairs = jnp.stack([cotangent * (1.0 - weight), cotangent * weight], axis=-1)  # [..., S, 2]
+    into_flat = jax.lax.scatter_add(
+        jnp.zeros_like(flat),
+        start[..., None],
+        pairs.astype(flat.dtype),
+        jax.lax.ScatterDimensionNumbers(
+            update_window_dims=(start.ndim,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
+        ),
+        mode=jax.lax.GatherScatterMode.CLIP,
+    )
+    return into_flat.reshape(per_position.shape), None, (cotangent * (at_upper - at_lower)).astype(weight.dtype)
+
+
+_interpolate.defvjp(_interpolate_forward, _interpolate_backward)
+
+
+def cope_added_by_blocks(
+    scores,
+    term: Callable,
+    q,
+    k,
+    query_positions,
+    key_positions,
+    embeddings,
+    *,
+    scale,
+    mask,
+    content_scale,
+    block_elements: int,
+    self_attention: bool = False,
+):
+    """``scores + term(q, k, query_positions, key_positions, embeddings, mask=...)``, the term computed
+    by blocks of query rows and added in place.
+
+    ``query_positions`` ``[B|1, T]`` and ``key_positions`` ``[B|1, S]``, int32, are taken as
+    checked (the encoding's entry checks them). ``term`` is CoPE's term of a block (the
+    encoding's, given the block's rows of the queries, its keys and mask, and ``gate_logits``,
+    the gates' logits where read from the scores, else None). With ``content_scale``,
+    ``scores`` are exactly ``content_scale · q·k`` and the gates' logits are read from them
+    (times ``scale / content_scale``). ``scores`` is an array or a function of no arguments
+    making one.
+
+    In self-attention (the same positions for queries and keys) whose positions increase
+    along every row, query t sees no key after t: each block then works on the keys up to
+    its last row only (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`,
+    5/8 of the work). The positions are checked at run time, by one conditional around the
+    whole term where ``scores`` is a function that makes them
+    (:func:`~posenc_jax.functional.core.relative.by_causal_prefixes_where`), by one per block
+    where it is an array; otherwise each block takes all keys.
+    """
+    q_len, k_len = q.shape[1], k.shape[1]
+    expected = (q.shape[0], q.shape[2], q_len, k_len)
+    make_scores = scores if callable(scores) else (lambda: scores)
+    shape = tuple(jax.eval_shape(make_scores).shape)
+    if len(shape) != 4 or shape[2:] != (q_len, k_len) or shape[1] != q.shape[2]:
+        raise ValueError(f"into must be scores [B, N, T, S] = {expected}, got {shape}")
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)  # [B|1, N|1, T|1, S|1]
+    # A count is at most the number of keys a query sees (S; a sum of S gates <= 1 rounds to at most
+    # S), so the interpolation reads embeddings 0 .. S + 1 at most: the others are never gathered.
+    embeddings = jnp.asarray(embeddings)[..., : min(np.shape(embeddings)[-2], k_len + 2), :]
+
+    if content_scale is not None:  # the gates' logits are the content scores times this
+        ratio = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
+
+    def block(start, rows: int, width: int, content=None) -> jax.Array:
+        """The term of query rows ``start ..`` for keys ``0 .. width - 1``; ``content``, their content scores."""
+        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
+        keys_of = lambda x, axis: x if x.shape[axis] in (1, width) else jax.lax.slice_in_dim(x, 0, width, axis=axis)
+        gate_logits = None
+        if content_scale is not None:
+            gate_logits = content if ratio == 1.0 else content * jnp.float32(ratio)
+        return term(
+            rows_of(q, 1),
+            keys_of(k, 1),
+            rows_of(query_positions, 1),
+            keys_of(key_positions, 1),
+            embeddings[..., : width + 2, :],
+            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
+            gate_logits=gate_logits,
+        )
+
+    def all_keys(scores):
+        return by_query_blocks(
+            lambda start, rows, content=None: block(start, rows, k_len, content),
+            tuple(scores.shape),
+            jnp.float32,
+            block_elements=block_elements,
+            into=scores,
+            reads_into=content_scale is not None,
+        )
+
+    rows_per_block = block_elements // max(1, shape[0] * shape[1] * k_len)
+    if not self_attention or q_len != k_len or q_len <= rows_per_block:
+        return all_keys(make_scores())
+
+    increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
+    if callable(scores):
+        return by_causal_prefixes_where(increasing, make_scores, lambda: block, all_keys, block_elements=block_elements)
+    return by_causal_prefix_blocks(
+        block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
+    )

@@ -1,0 +1,312 @@
+"""Transformer-XL's terms by their fast forms: the paper's ladder, a cache's table, blocks of query rows.
+
+The encoding (:mod:`posenc_jax.functional.encodings.transformer_xl`) defines the terms
+``scale · (u·k_s + (q_t + v)·W_R R_{t-s})`` and computes the position part by the sinusoid
+product identity, exact for any positions, a contraction over the sinusoid width D for
+every (query, key) pair. :func:`transformer_xl_terms` computes the same values, choosing at
+run time the cheaper way the positions allow:
+
+- the ladder, the paper's own way: for causal queries that are the last T of S consecutive
+  keys, ``W_R R_d`` for the S distances ``S-1, ..., 1, 0`` projected once (``[S, N, H]``),
+  scored against every query (the work of one content score) and moved to its key as
+  :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift` moves it, by one gather
+  whose gradient is a gather and a masked sum, not the scatter autodiff would make;
+- the table, for decoding with a KV cache: each query scored against ``W_R R_d`` for
+  ``d = 0 .. L-1`` and each key's score picked by its distance, where every key the mask
+  lets through is at a distance the table holds;
+- blocks: the terms added into ``[B, N, T, S]`` scores by blocks of query rows, so the terms
+  are never stored whole; in causal self-attention each block against the keys up to its
+  last row only (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`).
+
+The plain forms beside them: the identity (the encoding's, which every way falls back to),
+:func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift`, and the float64 reference
+:func:`posenc_jax.reference.relative.transformer_xl_logits`; the tests hold each way to them.
+
+Backends: every form here runs on every backend. Two were shaped on XLA:CPU and are kept on
+the others unmeasured, no GPU or TPU timing saying a plainer form is as fast there: the
+ladder's scores written as the content score's batched product (:func:`_scores_against`) and
+the table-or-identity choice as a loop of one pass or none (:func:`_identity_unless`) rather
+than a conditional.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from posenc_jax.functional.core.positions import position_difference
+from posenc_jax.functional.core.relative import (
+    _consecutive_rows,
+    by_causal_prefixes_where,
+    by_query_blocks,
+    take_along_last_axis,
+)
+from posenc_jax.functional.kernels.autodiff import custom_gradients, plain_autodiff
+
+__all__ = ["shift_ladder_scores", "transformer_xl_terms"]
+
+
+def transformer_xl_terms(
+    content: jax.Array,
+    shifted_q: jax.Array,
+    query_positions: jax.Array,
+    key_positions: jax.Array,
+    position_projection: jax.Array,
+    *,
+    position_scores: Callable,
+    key_sinusoids: Callable,
+    project_distances: Callable,
+    scale: float,
+    stored_sinusoids: jax.Array | None = None,
+    decoding: bool = False,
+    distance_table: jax.Array | None = None,
+    mask: jax.Array | None = None,
+    causal: bool = False,
+    into=None,
+    block_elements: int = 1 << 21,
+) -> jax.Array:
+    """``scale · (content + (q_t + v)·W_R R_{t-s})``, ``[B, N, T, S]`` float32, by the fastest exact way.
+
+    Args:
+      content: ``u · k_s`` ``[B, N, 1, S]``; shifted_q: ``q + v`` float32 ``[B, T, N, H]``.
+      query_positions, key_positions: int32 ``[B|1, T]``, ``[B|1, S]``, checked (the encoding's entry checks them).
+      position_projection: ``W_R`` ``[D, N, H]``.
+      position_scores: the identity, ``position_scores(shifted_q, W_R, query_positions,
+        key_positions, sinusoids)`` ``[B, N, T, S]`` for any positions (sinusoids None: from
+        the key positions).
+      key_sinusoids: ``key_sinusoids(key_positions)``, the keys' ``R`` ``[B|1, S, D]``.
+      project_distances: ``project_distances(distances, W_R)``, ``W_R R_d`` ``[L, N, H]``.
+      scale: the factor of all terms.
+      stored_sinusoids: the keys' sinusoids a cache stored, or None (computed where needed).
+      decoding: a step against a KV cache, never the ladder's layout.
+      distance_table, mask, causal, into, block_elements: as
+        :func:`~posenc_jax.functional.encodings.transformer_xl.transformer_xl_logits`.
+    """
+    batch, q_len, num_heads = shifted_q.shape[:3]
+    k_len = content.shape[-1]
+    make_scores = into if callable(into) else None
+    expected = (batch, num_heads, q_len, k_len)
+    made = None if make_scores is None else tuple(jax.eval_shape(make_scores).shape)
+    if made is not None and made != expected:
+        raise ValueError(f"into must make scores [B, N, T, S] = {expected}, got {made}")
+    standard = projected = distances = in_table = None
+    if distance_table is not None:
+        distances = position_difference(query_positions[:, :, None], key_positions[:, None, :])  # [B|1, T, S]
+        held = (distances >= 0) & (distances < distance_table.shape[0])
+        in_table = jnp.all(held if mask is None else held[:, None] | ~jnp.asarray(mask, jnp.bool_))
+
+    def sinusoids_of_keys() -> jax.Array:
+        return key_sinusoids(key_positions) if stored_sinusoids is None else stored_sinusoids
+
+    def by_identity(start, rows: int, sinusoids=None) -> jax.Array:
+        """The position term of query rows ``start ..`` by the identity: ``[B, N, rows, S]``."""
+        q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+        row_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
+        sinusoids = sinusoids_of_keys() if sinusoids is None else sinusoids
+        return position_scores(q_rows, position_projection, row_positions, key_positions, sinusoids)
+
+    if causal and q_len <= k_len and not decoding:
+        # Queries are the last T of S consecutive keys, in every row: then the ladder, projected once.
+        last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
+        standard = _consecutive_rows(query_positions) & _consecutive_rows(key_positions) & last_keys
+        project = lambda: project_distances(jnp.arange(k_len - 1, -1, -1), position_projection)  # S-1 .. 0
+        if make_scores is not None and q_len == k_len and q_len > block_elements // max(1, batch * num_heads * k_len):
+            # Self-attention with the ladder's positions: each block against the keys up to its last row.
+            def ladder_blocks():
+                projected = project()  # a block of width w reads the ladder's last w rows: w-1 .. 0
+
+                def block(start, rows: int, width: int, current=None) -> jax.Array:
+                    q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+                    position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
+                    return (content[..., :width] + position) * jnp.float32(scale)
+
+                return block
+
+            def every_key(scores):
+                sinusoids = sinusoids_of_keys()
+                terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
+                return by_query_blocks(terms, expected, jnp.float32, block_elements=block_elements, into=scores)
+
+            return by_causal_prefixes_where(
+                standard, make_scores, ladder_blocks, every_key, block_elements=block_elements
+            )
+        projected = jax.lax.cond(standard, project, lambda: jnp.zeros((k_len, *shifted_q.shape[2:]), jnp.float32))
+    if make_scores is not None:
+        into = make_scores()
+    # Computed once here (not per block) when the call computes them; a cache's decoding step computes
+    # them only where its table cannot serve.
+    sinusoids = None if decoding else sinusoids_of_keys()
+
+    def rows_term(start, rows: int) -> jax.Array:
+        """The terms of query rows ``start .. start + rows - 1``: ``[B, N, rows, S]``."""
+        q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+        identity = functools.partial(by_identity, start, rows, sinusoids)
+        if in_table is not None:
+            row_distances = jax.lax.dynamic_slice_in_dim(distances, start, rows, axis=1)
+            by_table = _position_term_by_table(q_rows, distance_table, row_distances)
+            row_positions = jax.lax.dynamic_slice_in_dim(query_positions, start, rows, axis=1)
+            operands = (q_rows, position_projection, row_positions, key_positions, stored_sinusoids)
+            position = _identity_unless(position_scores, key_sinusoids, ~in_table, by_table, operands)
+        elif standard is None:
+            position = identity()
+        else:
+            ladder = lambda: _position_term_by_ladder(q_rows, projected, start, q_len)
+            position = jax.lax.cond(standard, ladder, identity)
+        return (content + position) * jnp.float32(scale)
+
+    if into is None:
+        return rows_term(0, q_len)
+    return by_query_blocks(rows_term, tuple(into.shape), jnp.float32, block_elements=block_elements, into=into)
+
+
+def _identity_at(position_scores, key_sinusoids, offset, shifted_q, projection, query_positions, key_positions, given):
+    """The identity's term with ``offset`` (zero) added to every position: the distances, and so the term,
+    are unchanged."""
+    query_positions, key_positions = query_positions + offset, key_positions + offset
+    sinusoids = key_sinusoids(key_positions) if given is None else given
+    return position_scores(shifted_q, projection, query_positions, key_positions, sinusoids)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _identity_unless(position_scores, key_sinusoids, use_identity, by_table, operands):
+    """``by_table``, or the identity's term (:func:`_identity_at` of ``operands``) where ``use_identity``.
+
+    A loop of one pass or none, not a conditional: in a decoding step, XLA:CPU ran the
+    conditional beside the whole-cache copies of the score and value products, which then
+    took longer (a step 1.46× and 1.51× NoPE's at 684 and 1024 cache slots, paired, 15 rounds;
+    1.05× and 1.03× as this loop). The loop's counter (0 in its one pass) is added to the
+    positions, so XLA cannot hoist the identity out of the loop and run it every step. A loop
+    with a run-time trip count has no reverse-mode derivative: the derivatives are those of a
+    selection between the two (below), so ``jax.grad`` and ``jax.jvp`` work as they would
+    through a conditional.
+
+    Kept on every backend: the conditional, the generic form, was not timed on a GPU or TPU
+    against this loop.
+    """
+    body = lambda i, current: _identity_at(position_scores, key_sinusoids, i, *operands)
+    return jax.lax.fori_loop(0, use_identity.astype(jnp.int32), body, by_table)
+
+
+@_identity_unless.defjvp
+def _identity_unless_jvp(position_scores, key_sinusoids, primals, tangents):
+    use_identity, by_table, operands = primals
+    _, table_dot, operands_dot = tangents
+
+    def chosen(by_table, operands):
+        # A selection, not a conditional: JAX (0.10) cannot transpose a conditional inside a custom JVP rule
+        # under vmap with a batched predicate (grad of vmap raised). The identity then runs whenever the step
+        # is differentiated, which a decoding step rarely is.
+        return jnp.where(use_identity, _identity_at(position_scores, key_sinusoids, 0, *operands), by_table)
+
+    with plain_autodiff():  # forward mode through the identity: its custom-VJP operations in their plain form
+        return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
+
+
+def _scores_against(shifted_q, projected) -> jax.Array:
+    """``[B, N, T, L]``: each query against each of ``projected`` ``[L, N, H]`` (shared by the batch).
+
+    Written as the content score's product, with ``projected`` broadcast over the batch (a copy
+    of B·L·N·H values, as many as the keys): XLA:CPU computes ``'BTNH,LNH->BNTL'`` (or its
+    heads-first form) as ``[N, L, T]`` and then transposes the whole product, ~1.7× its time
+    at T = L = 1024. Kept on every backend (not timed on a GPU or TPU against the plain product).
+    """
+    keys = jnp.broadcast_to(projected[None], (shifted_q.shape[0], *projected.shape))
+    return jnp.einsum("BTNH,BLNH->BNTL", shifted_q, keys, preferred_element_type=jnp.float32)
+
+
+def _position_term_by_table(shifted_q, table, distances) -> jax.Array:
+    """``(q + v) · W_R R_{i-j}`` read from ``table`` (``W_R R_d`` for ``d = 0 .. L-1``): ``[B, N, rows, S]``.
+
+    ``shifted_q`` ``[B, rows, N, H]``; ``distances`` int32 ``[B|1, rows, S]`` (query minus key).
+    Each query is scored against all L projected distances (one product the size of a content
+    score against L keys) and each key's score picked by its distance (clipped into the table:
+    the caller checks that every key it does not mask is inside).
+    """
+    scores = jnp.einsum(  # a few query rows (decoding): no product worth broadcasting the table for
+        "BNTH,NLH->BNTL", jnp.swapaxes(shifted_q, 1, 2), jnp.swapaxes(table, 0, 1), preferred_element_type=jnp.float32
+    )
+    index = jnp.clip(distances, 0, table.shape[0] - 1)[:, None]  # [B|1, 1, rows, S]
+    index = jnp.broadcast_to(index, (scores.shape[0], 1) + index.shape[2:])
+    return jnp.take_along_axis(scores, index, axis=-1)
+
+
+def _position_term_by_ladder(shifted_q, projected, first_row, q_len: int) -> jax.Array:
+    """``(q + v) · W_R R_{i-j}`` for queries that are the last T of S consecutive keys: ``[B, N, rows, S]``.
+
+    ``shifted_q`` ``[B, rows, N, H]`` holds query rows ``first_row ..`` of the call's T; ``projected``
+    the sinusoids of the distances ``S-1, ..., 1, 0`` projected by ``W_R`` once. Each query is
+    scored against the ladder and each score moved to its key (:func:`shift_ladder_scores`);
+    entries of keys after the query are filler (masked in causal attention).
+    """
+    return shift_ladder_scores(_scores_against(shifted_q, projected), first_row, q_len)
+
+
+def shift_ladder_scores(scores: jax.Array, first_row, q_len: int) -> jax.Array:
+    """``rel_shift``'s result, for query rows ``first_row ..`` of T = ``q_len``, by one gather.
+
+    ``scores`` ``[..., rows, S]`` holds each query's scores against the distance ladder
+    ``S-1, ..., 1, 0``; ``out[..., r, s] = scores[..., r, min(T - 1 - (first_row + r) + s, S - 1)]``,
+    the score at the query-minus-key distance ``S - T + t - s`` of query ``t = first_row + r``
+    and key s, as :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift` gives it for
+    every key up to the query (later keys are filler, masked). A gather XLA fuses into its
+    consumer; its gradient, outside :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`,
+    is a gather and a masked sum, not the scatter autodiff would make of it.
+
+    Example:
+      >>> scores = jnp.arange(8.0).reshape(2, 4)  # T = 2 queries against S = 4 ladder distances 3 .. 0
+      >>> shift_ladder_scores(scores, 0, 2)  # entry [t, s]: distance 2 + t - s (ladder column 1 - t + s)
+      Array([[1., 2., 3., 3.],
+             [4., 5., 6., 7.]], dtype=float32)
+    """
+    first_row = jnp.asarray(first_row, jnp.int32)
+    if not custom_gradients():
+        return _gather_ladder_columns(scores, first_row, q_len)
+    return _shift_to_keys(scores, first_row, q_len)
+
+
+def _ladder_columns(first_row, rows: int, q_len: int, k_len: int) -> jax.Array:
+    """``[rows, S]``: the ladder column of key s for query t = first_row + r, ``T - 1 - t + s``
+    (distance ``S - T + t - s``), capped at ``S - 1``."""
+    query = first_row + jnp.arange(rows)[:, None]
+    return jnp.minimum(jnp.arange(k_len)[None, :] - query + (q_len - 1), k_len - 1)
+
+
+def _gather_ladder_columns(scores, first_row, q_len: int, flat: bool = False) -> jax.Array:
+    rows, k_len = scores.shape[-2:]
+    columns = _ladder_columns(first_row, rows, q_len, k_len)[(None,) * (scores.ndim - 2)]
+    if flat:
+        return take_along_last_axis(scores, columns)
+    return jnp.take_along_axis(scores, columns, axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.Array:
+    """:func:`shift_ladder_scores` with a gradient that is a gather and a masked sum (below)."""
+    return _gather_ladder_columns(scores, first_row, q_len)
+
+
+def _shift_forward(scores, first_row, q_len):
+    # With the gradient, the flat gather (as relative.gather_by_distance's forward, and why).
+    return _gather_ladder_columns(scores, first_row, q_len, flat=True), first_row
+
+
+def _shift_backward(q_len, first_row, cotangent):
+    rows, k_len = cotangent.shape[-2:]
+    lead = (None,) * (cotangent.ndim - 2)
+    query = first_row + jnp.arange(rows)[:, None]  # [rows, 1]: the query index t of each row
+    keys = jnp.arange(k_len)[None, :]
+    # Column c < S - 1 of row t receives key s = c - (T - 1 - t) alone; column S - 1 receives every key
+    # from S - T + t on (the capped ones).
+    source = keys - (q_len - 1) + query  # [rows, S]
+    inside = (source >= 0) & (keys < k_len - 1)
+    moved = take_along_last_axis(cotangent, source[lead])  # clipped into [0, S)
+    grad = jnp.where(inside[lead], moved, 0.0)
+    capped = keys >= (k_len - q_len) + query  # [rows, S]
+    tail = jnp.where(capped[lead], cotangent, 0.0).sum(axis=-1)  # [..., rows]
+    return grad.at[..., k_len - 1].add(tail), None
+
+
+_shift_to_keys.defvjp(_shift_forward, _shift_backward)
