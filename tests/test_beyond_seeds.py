@@ -691,10 +691,9 @@ def test_cope_interpolation_by_flat_pairs_matches_floor_and_ceil(num_positions):
 
 @pytest.mark.parametrize("shape", [(7,), (2, 3, 4, 7)], ids=["one-row", "cope-axes"])
 def test_cope_pair_reads_equal_their_plain_form(shape):
-    """The kernel's pair reads (a custom gradient: one scatter of pairs into the flat values) equal their
-    plain form (``take_along_axis``, autodiff's gradient) in value and gradients; in plain autodiff the
-    plain form is taken, and forward mode works."""
-    from posenc_jax.functional.kernels.autodiff import plain_autodiff
+    """The kernel's pair reads (a linear primitive: one scatter of pairs into the flat values as its
+    transpose) equal their plain form (``take_along_axis``, autodiff's gradient) in value, gradients and
+    forward mode, in the values and the weights."""
     from posenc_jax.functional.kernels.cope import interpolate_pairs, interpolate_pairs_plain
 
     rng = np.random.default_rng(len(shape))
@@ -707,9 +706,16 @@ def test_cope_pair_reads_equal_their_plain_form(shape):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(pullback(cotangent), plain_pullback(cotangent), strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
-    with plain_autodiff():
-        tangent = jax.jvp(lambda x: interpolate_pairs(x, lower, weight), (per_position,), (per_position,))[1]
+    tangent = jax.jvp(lambda x: interpolate_pairs(x, lower, weight), (per_position,), (per_position,))[1]
     np.testing.assert_allclose(tangent, want, rtol=1e-6, atol=1e-6)  # linear in the values
+    tangents = (jnp.asarray(rng.normal(size=per_position.shape), jnp.float32), jnp.asarray(rng.normal(size=shape)))
+    tangents = (tangents[0], tangents[1].astype(jnp.float32))
+    got = jax.jvp(lambda x, w: interpolate_pairs(x, lower, w), (per_position, weight), tangents)
+    want = jax.jvp(lambda x, w: interpolate_pairs_plain(x, lower, w), (per_position, weight), tangents)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    second = lambda f: jax.hessian(lambda w: (f(per_position, lower, w) ** 3).sum())(weight)  # through the jvp rule
+    np.testing.assert_allclose(second(interpolate_pairs), second(interpolate_pairs_plain), rtol=1e-4, atol=1e-4)
 
 
 def test_cope_interpolation_keeps_nan_and_checks_shapes():

@@ -39,7 +39,6 @@ from posenc_jax.functional.core.relative import (
     toeplitz,
 )
 from posenc_jax.functional.encodings.transformer_xl import project_distances
-from posenc_jax.functional.kernels.autodiff import plain_autodiff
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -198,7 +197,7 @@ def test_rel_shift_is_transformer_xl_pad_reshape_slice(rng):
 def test_transformer_xl_ladder_shift_by_a_gather_is_rel_shift(rng, first_row, rows):
     """The fast form's shift (kernels: one gather for a block of query rows, a gather and a masked sum in its
     gradient) equals the paper's pad-reshape-slice :func:`rel_shift` on every key up to the query: values and
-    gradients, with the custom gradient and in plain autodiff."""
+    gradients, and forward mode (the shift is linear: its tangent is the shifted tangent)."""
     from posenc_jax.functional.kernels.transformer_xl import shift_ladder_scores
 
     scores = _normal(rng, (B, N, T, S))
@@ -210,8 +209,8 @@ def test_transformer_xl_ladder_shift_by_a_gather_is_rel_shift(rng, first_row, ro
     np.testing.assert_array_equal(jax.jit(fast)(scores), plain(scores))
     want = jax.grad(lambda x: (plain(x) * weights).sum())(scores)
     np.testing.assert_allclose(jax.jit(jax.grad(lambda x: (fast(x) * weights).sum()))(scores), want, atol=1e-6)
-    with plain_autodiff():
-        np.testing.assert_allclose(jax.grad(lambda x: (fast(x) * weights).sum())(scores), want, atol=1e-6)
+    tangent = jnp.asarray(np.random.default_rng(1).normal(size=scores.shape), jnp.float32)
+    np.testing.assert_allclose(jax.jvp(fast, (scores,), (tangent,))[1], plain(tangent), atol=1e-6)  # it is linear
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
@@ -748,9 +747,8 @@ def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions,
     np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-4)
     tangent = _normal(rng, q.shape)
-    with plain_autodiff():  # forward mode: the library's custom-VJP operations in their plain form
-        _, got_t = jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))
-        _, want_t = jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))
+    _, got_t = jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))  # forward mode, no context manager
+    _, want_t = jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))
     np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4)
 
 
@@ -1055,6 +1053,9 @@ def test_gather_by_distance_and_its_gradient_follow_the_definition(
     np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(pullback(cotangent)[0], plain, rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(plain)).max() > 0.1  # a gradient that can be wrong
+    tangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)  # forward mode: the gather of the tangent
+    forward = jax.jit(lambda x, t: jax.jvp(gather, (x,), (t,)))(x, tangent)
+    np.testing.assert_allclose(forward[1], _reference_gather(tangent, one_hot, key_side), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
@@ -1077,6 +1078,31 @@ def test_sum_by_distance_and_its_gradient_follow_the_definition(
     plain = jax.grad(lambda w: (reference(w) * cotangent).sum())(weights)
     np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
     assert np.abs(np.asarray(plain)).max() > 0.1
+    tangent = jnp.asarray(rng.normal(size=weights.shape), jnp.float32)  # forward mode: the sums of the tangent
+    np.testing.assert_allclose(jax.jvp(summed, (hidden,), (tangent,))[1], reference(tangent), rtol=1e-5, atol=1e-5)
+
+
+def test_distance_maps_differentiate_to_second_order_and_under_vmap(rng):
+    """Hessians (forward over reverse) and the gradient of a vmapped call, through the gather by slot and
+    the sum by slot (linear primitives, each the other's transpose), equal the one-hot definition's."""
+    qp, kp = jnp.arange(3, 7), jnp.arange(8)
+    one_hot = _slot_one_hot(qp, kp, 1, 2, 5)
+    x = jnp.asarray(rng.normal(size=(2, 1, 4, 5)), jnp.float32)
+    weights = jnp.asarray(rng.normal(size=(2, 1, 4, 8)), jnp.float32)
+    ours = lambda x, w: (
+        (jnp.sin(gather_by_distance(x, qp, kp, sign=1, offset=2)) * w).sum()
+        + (jnp.cos(sum_by_distance(w, qp, kp, sign=1, offset=2, slots=5)) * x).sum()
+    )
+    plain = lambda x, w: (
+        (jnp.sin(_reference_gather(x, one_hot, False)) * w).sum()
+        + (jnp.cos(jnp.einsum("BNTS,BTSR->BNTR", w, one_hot)) * x).sum()
+    )
+    for argnums in (0, 1):
+        got = jax.jit(jax.hessian(ours, argnums=argnums))(x, weights)
+        np.testing.assert_allclose(got, jax.hessian(plain, argnums=argnums)(x, weights), rtol=1e-4, atol=1e-4)
+    mapped = lambda f: jax.grad(lambda x: jax.vmap(f, in_axes=(0, None))(x, weights).sum())
+    stacked = jnp.stack([x, 2 * x])
+    np.testing.assert_allclose(mapped(ours)(stacked), mapped(plain)(stacked), rtol=1e-5, atol=1e-5)
 
 
 def test_distance_gradients_map_over_a_batch_of_positions(rng):

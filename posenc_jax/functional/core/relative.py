@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.positions import batched_positions, position_difference, with_batch_axis
-from posenc_jax.functional.kernels.autodiff import custom_gradients
-from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
+from posenc_jax.functional.kernels.autodiff import linear_primitives
+from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
     "bucket_relative",
@@ -509,8 +509,8 @@ def gather_by_distance(
     slot r of query t is read by exactly one key, ``s = t + sign·(r - offset) - d`` with
     ``d = key_pos[0] - query_pos[0]``, so the gradient is a gather of the cotangent and the
     two end slots are masked row sums (:func:`sum_by_distance`); gapped positions keep the
-    scatter. Both are plain autodiff's gradient (``tests/test_relative.py``). Reverse mode
-    only: for ``jax.jvp`` trace it inside :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`.
+    scatter. Both are plain autodiff's gradient (``tests/test_relative.py``); forward mode is
+    the gather of the tangent (:func:`~posenc_jax.functional.kernels.autodiff.linear_primitives`).
 
     Args:
       per_distance: ``[B, N, T, R]`` values per query and slot (``[B, N, S, R]`` per key
@@ -533,11 +533,9 @@ def gather_by_distance(
     _check_slot_map(sign, offset, slots)
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
-    if not custom_gradients() or q.shape[1] == 0 or k.shape[1] == 0:
+    if q.shape[1] == 0 or k.shape[1] == 0:
         return _gather_plain(per_distance, q, k, sign, offset, key_side)
-    return _gather_by_distance(
-        per_distance, q, k, sign, offset, key_side, tuple(per_distance.shape), jnp.dtype(per_distance.dtype)
-    )
+    return _gather_by_distance(per_distance, q, k, sign, offset, key_side)
 
 
 def sum_by_distance(
@@ -577,10 +575,8 @@ def sum_by_distance(
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     if weights.shape[-2] == 0 or weights.shape[-1] == 0:  # no query or no key: every sum is empty
         return jnp.zeros((*weights.shape[:-1], slots), weights.dtype)
-    if not custom_gradients():
-        return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
-    return _sum_by_distance(
-        weights, q, k, mask, sign, offset, slots, block_elements, tuple(weights.shape), jnp.dtype(weights.dtype)
+    return _sum_primitive(
+        weights, q, k, *(() if mask is None else (mask,)), **_slot_map(sign, offset, slots, False, block_elements)
     )
 
 
@@ -591,30 +587,44 @@ def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
     return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
-def _gather_by_distance(per_distance, q, k, sign, offset, key_side, shape, dtype):
+def _slot_map(sign, offset, slots, key_side, block_elements=_SCATTER_BLOCK) -> dict:
+    return dict(sign=sign, offset=offset, slots=slots, key_side=key_side, block_elements=block_elements)
+
+
+def _gathered(per_distance, q, k, *mask, sign, offset, slots, key_side, block_elements):
+    """The gather by slot (the flat gather: in a program with the gradient, XLA:CPU does not fuse
+    the gather into the scores and stores it, and take_along_axis's index-first layout then costs
+    a transposing pass: DeBERTa's attention with gradient, B=8, 2.8x plain's time against 1.7x);
+    entries the mask hides are zero."""
+    out = _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True)
+    return jnp.where(mask[0], out, jnp.zeros((), out.dtype)) if mask else out
+
+
+def _summed(weights, q, k, *mask, sign, offset, slots, key_side, block_elements):
+    """The sums by slot, its transpose (key-side: the same map seen from the keys, distances negated)."""
+    mask = mask[0] if mask else None
+    if key_side:
+        mask = None if mask is None else jnp.swapaxes(mask, -1, -2)
+        return _sums(jnp.swapaxes(weights, -1, -2), k, q, -sign, offset, slots, block_elements, mask)
+    return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
+
+
+# The gather by slot and the sum by slot, each the other's transpose: reverse mode gathers where plain
+# autodiff would scatter (a gather's transpose), and forward mode works.
+_gather_primitive, _sum_primitive = linear_primitives("gather_by_distance", _gathered, _summed)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
+def _gather_by_distance(per_distance, q, k, sign, offset, key_side):
+    # Without a derivative, take_along_axis, which XLA:CPU fuses into the consumer.
     return _gather_plain(per_distance, q, k, sign, offset, key_side)
 
 
-def _gather_by_distance_forward(per_distance, q, k, sign, offset, key_side, shape, dtype):
-    # The same values by the flat gather: in a program with the gradient, XLA:CPU does not fuse
-    # the gather into the scores and stores it, and take_along_axis's index-first layout then
-    # costs a transposing pass (DeBERTa's attention with gradient, B=8: 2.8x plain's time
-    # against 1.7x). Without the gradient the gather fuses, and take_along_axis's is the faster.
-    return _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True), (q, k)
-
-
-def _gather_by_distance_backward(sign, offset, key_side, shape, dtype, residuals, cotangent):
-    q, k = residuals
-    slots = shape[-1]
-    if key_side:  # x[b,n,s,slot]: the same map seen from the keys, distances negated
-        summed = _sums(jnp.swapaxes(cotangent, -1, -2), k, q, -sign, offset, slots)
-    else:
-        summed = _sums(cotangent, q, k, sign, offset, slots)
-    return sum_to_shape(summed, shape).astype(dtype), None, None
-
-
-_gather_by_distance.defvjp(_gather_by_distance_forward, _gather_by_distance_backward)
+@_gather_by_distance.defjvp
+def _gather_by_distance_jvp(sign, offset, key_side, primals, tangents):
+    per_distance, q, k = primals
+    slot_map = _slot_map(sign, offset, per_distance.shape[-1], key_side)
+    return _gather_primitive(per_distance, q, k, **slot_map), _gather_primitive(tangents[0], q, k, **slot_map)
 
 
 def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None):
@@ -671,24 +681,3 @@ def _sums(weights, q, k, sign, offset, slots, block_elements=_SCATTER_BLOCK, mas
         mask,
     )
     return summed.astype(weights.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _sum_by_distance(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
-    return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
-
-
-def _sum_by_distance_forward(weights, q, k, mask, sign, offset, slots, block_elements, shape, dtype):
-    return _sums(weights, q, k, sign, offset, slots, block_elements, mask), (q, k, mask)
-
-
-def _sum_by_distance_backward(sign, offset, slots, block_elements, shape, dtype, residuals, cotangent):
-    q, k, mask = residuals
-    gathered = _gather_plain(cotangent, q, k, sign, offset, False)
-    if mask is not None:
-        gathered = jnp.where(mask, gathered, jnp.zeros((), gathered.dtype))
-    gathered = sum_to_shape(jnp.broadcast_to(gathered, jnp.broadcast_shapes(gathered.shape, shape)), shape)
-    return gathered.astype(dtype), None, None, None
-
-
-_sum_by_distance.defvjp(_sum_by_distance_forward, _sum_by_distance_backward)

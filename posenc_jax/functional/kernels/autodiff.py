@@ -1,48 +1,141 @@
-"""Forward-mode autodiff through the library: :func:`plain_autodiff`.
+"""Linear operations with their own transpose: fast reverse mode, forward mode intact.
 
-A few operations carry a hand-written reverse-mode gradient (a custom VJP) because plain
-autodiff's is slow on some backends: broadcasting a shared term over the batch
-(:func:`~posenc_jax.functional.kernels.broadcast.broadcast_to`), the lookup of a learned relative
-table, the gathers and sums by clipped distance (Shaw, DeBERTa) and Transformer-XL's shift.
-JAX cannot push forward-mode tangents (``jax.jvp``, ``jax.jacfwd``, forward-over-reverse
-Hessian products) through a custom VJP. Inside ``with plain_autodiff():`` those operations are
-traced in their plain form instead: the same values, plain autodiff's gradients in both modes.
+A few operations of the library are linear in one array and read others (positions, a mask,
+indices) as fixed: Shaw's and DeBERTa's gather of a per-distance table and its transpose, the
+sum by distance; Transformer-XL's shift of ladder scores to keys; CoPE's read of interpolation
+pairs. Autodiff's transpose of a gather is a scatter, slow on some backends, where the
+transpose these operations have is again a gather (or one scatter of pairs). A ``custom_vjp``
+would give that gradient but break ``jax.jvp``; so each such operation is a JAX primitive
+with a transpose rule instead (:func:`linear_primitives`): its JVP is the operation applied to
+the tangent (it is linear), its transpose is its partner's application to the cotangent. Then
+reverse mode, forward mode (``jax.jvp``, ``jax.jacfwd``), and any composition (Hessians) all
+work, with no switch and no context manager.
 
-The setting is read when a function is traced. A function jitted and traced before the block
-keeps the form it was traced with; trace it again inside (a new ``jax.jit``) to get the plain
-form. Values never depend on it, only which autodiff modes work and how fast.
+Each primitive lowers to its plain ``jax.numpy`` implementation (the same program a direct
+call traces), runs eagerly through it, and is batched by folding the mapped axis into the
+operands' leading (batch) axis, so ``jax.vmap`` keeps the fast transpose.
 
 Example:
-  >>> from posenc_jax.functional import Shaw, dot_product_attention
-  >>> x, pos = jnp.ones((1, 3, 1, 2)), jnp.arange(3)
-  >>> attend = lambda x: dot_product_attention(
-  ...     x, x, x, query_positions=pos, key_positions=pos, encodings=[Shaw(1, jnp.ones((3, 2)))])
-  >>> with plain_autodiff():
-  ...     tangent = jax.jvp(attend, (x,), (x,))[1]
-  >>> tangent.shape
-  (1, 3, 1, 2)
+  >>> gather, scatter = linear_primitives(
+  ...     "example_take",
+  ...     lambda x, i: x[i],                                       # linear in x; i fixed
+  ...     lambda y, i, *, size: jnp.zeros(size, y.dtype).at[i].add(y),
+  ...     transpose_params=lambda x, i: {"size": x.shape[0]},
+  ... )
+  >>> x, i = jnp.arange(3.0), jnp.array([2, 2, 0])
+  >>> gather(x, i).tolist(), jax.grad(lambda x: gather(x, i).sum())(x).tolist()
+  ([2.0, 2.0, 0.0], [1.0, 0.0, 2.0])
+  >>> jax.jvp(lambda x: gather(x, i), (x,), (jnp.ones(3),))[1].tolist()
+  [1.0, 1.0, 1.0]
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
+import functools
+from collections.abc import Callable
 
-__all__ = ["custom_gradients", "plain_autodiff"]
+import jax
+import jax.numpy as jnp
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
-_PLAIN = contextvars.ContextVar("posenc_jax_plain_autodiff", default=False)
+from posenc_jax.functional.kernels.broadcast import sum_to_shape
 
-
-@contextlib.contextmanager
-def plain_autodiff():
-    """Trace the library's custom-gradient operations in their plain form (for ``jax.jvp``)."""
-    token = _PLAIN.set(True)
-    try:
-        yield
-    finally:
-        _PLAIN.reset(token)
+__all__ = ["linear_primitives"]
 
 
-def custom_gradients() -> bool:
-    """Whether operations with a custom VJP use it (False inside :func:`plain_autodiff`)."""
-    return not _PLAIN.get()
+def linear_primitives(
+    name: str,
+    apply: Callable,
+    transpose: Callable,
+    *,
+    apply_params: Callable | None = None,
+    transpose_params: Callable | None = None,
+) -> tuple[Callable, Callable]:
+    """Two primitives, ``apply(x, *fixed, **params)`` and ``transpose(y, *fixed, **params)``, transposes of each other.
+
+    Both are linear in their first operand; the other operands (``fixed``: integer positions,
+    a boolean mask) are read, never differentiated. ``apply_params(y, *fixed, **params)`` and
+    ``transpose_params(x, *fixed, **params)`` give the static parameters of the partner when it
+    is called as the transpose (for example the shape to sum back to); by default the same.
+
+    Every operand's leading axis is the batch axis (size B or 1, broadcasting): ``jax.vmap``
+    folds its mapped axis into it.
+
+    Returns:
+      ``(apply_fn, transpose_fn)``, called as ``apply_fn(x, *fixed, **params)``.
+    """
+    forward = _primitive(f"{name}", apply)
+    backward = _primitive(f"{name}_transpose", transpose)
+    _linear_rules(forward, backward, transpose_params)
+    _linear_rules(backward, forward, apply_params)
+    return functools.partial(_bind, forward), functools.partial(_bind, backward)
+
+
+def _bind(primitive: Primitive, x, *fixed, **params):
+    return primitive.bind(jnp.asarray(x), *(jnp.asarray(f) for f in fixed), **params)
+
+
+def _primitive(name: str, impl: Callable) -> Primitive:
+    primitive = Primitive(name)
+    primitive.def_impl(impl)
+
+    def abstract(x, *fixed, **params):
+        out = jax.eval_shape(functools.partial(impl, **params), x, *fixed)
+        return x.update(shape=out.shape, dtype=out.dtype)  # keeps what else the input's type carries
+
+    primitive.def_abstract_eval(abstract)
+    mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
+    batching.primitive_batchers[primitive] = functools.partial(_batch, primitive, impl)
+    return primitive
+
+
+def _linear_rules(primitive: Primitive, partner: Primitive, partner_params: Callable | None) -> None:
+    def jvp(primals, tangents, **params):
+        x, *fixed = primals
+        if any(type(t) is not ad.Zero and t.dtype != jax.dtypes.float0 for t in tangents[1:]):
+            raise NotImplementedError(f"{primitive.name} is linear in its first operand; the others are read as fixed")
+        out = primitive.bind(x, *fixed, **params)
+        if type(tangents[0]) is ad.Zero:
+            return out, ad.Zero.from_primal_value(out)
+        return out, primitive.bind(ad.instantiate_zeros(tangents[0]), *fixed, **params)
+
+    def transposed(cotangent, x, *fixed, **params):
+        if any(ad.is_undefined_primal(f) for f in fixed):
+            raise NotImplementedError(f"{primitive.name} is linear in its first operand only")
+        if type(cotangent) is ad.Zero:
+            return (None, *(None for _ in fixed))
+        aval = x.aval
+        other = params if partner_params is None else partner_params(aval, *fixed, **params)
+        grad = partner.bind(ad.instantiate_zeros(cotangent), *fixed, **other)
+        grad = sum_to_shape(grad, aval.shape)  # over the axes the operand was broadcast along
+        return (grad.astype(aval.dtype), *(None for _ in fixed))
+
+    ad.primitive_jvps[primitive] = jvp
+    ad.primitive_transposes[primitive] = transposed
+
+
+def _batch(primitive: Primitive, impl: Callable, operands, dims, **params):
+    """``jax.vmap``'s rule: the mapped axis folded into every operand's leading (batch) axis.
+
+    An unmapped operand keeps its shape where it is shared (a leading axis of 1, or a scalar) and
+    is repeated for each mapped entry otherwise. A mapped operand without a batch axis of its own
+    (a scalar per entry) cannot be folded: then the plain implementation is mapped instead.
+    """
+    mapped = [d is not None for d in dims]
+    size = next(x.shape[d] for x, d, m in zip(operands, dims, mapped, strict=True) if m)
+    moved = [jnp.moveaxis(x, d, 0) if m else x for x, d, m in zip(operands, dims, mapped, strict=True)]
+    if any(m and x.ndim < 2 for x, m in zip(moved, mapped, strict=True)):
+        axes = [0 if m else None for m in mapped]
+        return jax.vmap(functools.partial(impl, **params), in_axes=axes)(*moved), 0
+    batch = max((x.shape[1] if m else x.shape[0]) for x, m in zip(moved, mapped, strict=True) if x.ndim > 0)
+    folded = []
+    for x, m in zip(moved, mapped, strict=True):
+        if not m:
+            shared = x.ndim == 0 or x.shape[0] == 1
+            folded.append(x if shared else jnp.tile(x, (size,) + (1,) * (x.ndim - 1)))
+        else:
+            x = jnp.broadcast_to(x, (size, batch, *x.shape[2:]))
+            folded.append(x.reshape(size * batch, *x.shape[2:]))
+    out = primitive.bind(*folded, **params)
+    return out.reshape(size, batch, *out.shape[1:]), 0

@@ -7,9 +7,10 @@ interpolated at them. Here, with the plain form of each beside it:
 - :func:`reverse_cumsum`, the counts, as products with a triangle of ones by blocks; the
   plain form is ``jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)``;
 - :func:`interpolate_pairs`, the interpolation's reads, whose gradient is one scatter of
-  pairs into the values laid out flat; the plain form is :func:`interpolate_pairs_plain`
-  (``take_along_axis``, autodiff's gradient), taken inside
-  :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`;
+  pairs into the values laid out flat (a linear primitive,
+  :func:`~posenc_jax.functional.kernels.autodiff.linear_primitives`, so forward mode works
+  too); the plain form is :func:`interpolate_pairs_plain` (``take_along_axis``, autodiff's
+  gradient);
 - :func:`cope_added_by_blocks`, the term added into ``[B, N, T, S]`` scores by blocks of
   query rows (its gates, counts and ``q·eᵀ`` never stored whole), in causal self-attention
   each block over the keys up to its last row; the plain form is the term computed whole
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
-from posenc_jax.functional.kernels.autodiff import custom_gradients
+from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = ["cope_added_by_blocks", "interpolate_pairs", "interpolate_pairs_plain", "reverse_cumsum"]
 
@@ -83,7 +84,7 @@ def interpolate_pairs(per_position: jax.Array, lower: jax.Array, weight: jax.Arr
       >>> interpolate_pairs(jnp.array([0.0, 10.0, 20.0]), jnp.array([0, 1]), jnp.array([0.5, 0.25]))
       Array([ 5. , 12.5], dtype=float32)
     """
-    if not custom_gradients() or per_position.size >= 2**31:  # plain autodiff; or flat offsets past int32
+    if per_position.size >= 2**31:  # flat offsets past int32
         return interpolate_pairs_plain(per_position, lower, weight)
     return _interpolate(per_position, lower, weight)
 
@@ -95,11 +96,23 @@ def interpolate_pairs_plain(per_position: jax.Array, lower: jax.Array, weight: j
     return at_lower * (1.0 - weight) + at_upper * weight
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _interpolate(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
-    """Without the gradient, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
+    """Without a derivative, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
     attention (B=1, N=8, T=1024) took 2.03× plain's time with the flat gathers, 1.68× with these."""
     return interpolate_pairs_plain(per_position, lower, weight)
+
+
+@_interpolate.defjvp
+def _interpolate_jvp(primals, tangents):
+    per_position, lower, weight = primals
+    values_dot, _, weight_dot = tangents
+    pairs = _read_pairs(per_position, lower)  # [..., S, 2]
+    at_lower, at_upper = pairs[..., 0], pairs[..., 1]
+    out = at_lower * (1.0 - weight) + at_upper * weight
+    pairs_dot = _read_pairs(values_dot, lower)
+    out_dot = pairs_dot[..., 0] * (1.0 - weight) + pairs_dot[..., 1] * weight + weight_dot * (at_upper - at_lower)
+    return out, out_dot
 
 
 def _flat_starts(per_position, lower):
@@ -108,38 +121,33 @@ def _flat_starts(per_position, lower):
     return per_position.reshape(-1), row_start + lower
 
 
-def _pair_at(flat, start):
-    clip = jax.lax.GatherScatterMode.CLIP
-    return flat.at[start].get(mode=clip), flat.at[start + 1].get(mode=clip)
-
-
-def _interpolate_forward(per_position, lower, weight):
-    # With the gradient, the pairs read from the flat table (as relative.take_along_last_axis, and why).
-    at_lower, at_upper = _pair_at(*_flat_starts(per_position, lower))
-    return at_lower * (1.0 - weight) + at_upper * weight, (per_position, lower, weight)
-
-
-def _interpolate_backward(residuals, cotangent):
-    per_position, lower, weight = residuals
+def _pairs(per_position, lower):
+    """``[..., S, 2]``: the pair ``x[..., l], x[..., l + 1]`` for each ``l = lower[..., s]``, read from the
+    values laid out flat (as relative.take_along_last_axis, and why)."""
     flat, start = _flat_starts(per_position, lower)
-    at_lower, at_upper = _pair_at(flat, start)
-    # The values' gradient: one scatter of (lower, upper) pairs, a window of two, into the flat
-    # table (half the updates of two scalar scatters; with batch dimensions, as autodiff makes of
-    # take_along_axis, XLA:CPU ran it about 3x slower).
-    pairs = jnp.stack([cotangent * (1.0 - weight), cotangent * weight], axis=-1)  # [..., S, 2]
-    into_flat = jax.lax.scatter_add(
-        jnp.zeros_like(flat),
-        start[..., None],
-        pairs.astype(flat.dtype),
-        jax.lax.ScatterDimensionNumbers(
-            update_window_dims=(start.ndim,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
-        ),
-        mode=jax.lax.GatherScatterMode.CLIP,
+    clip = jax.lax.GatherScatterMode.CLIP
+    return jnp.stack([flat.at[start].get(mode=clip), flat.at[start + 1].get(mode=clip)], axis=-1)
+
+
+def _pairs_back(pairs, lower, *, shape):
+    """The transpose: one scatter of (lower, upper) pairs, a window of two, into the flat values (half
+    the updates of two scalar scatters; with batch dimensions, as autodiff makes of take_along_axis,
+    XLA:CPU ran it about 3x slower)."""
+    flat, start = _flat_starts(jnp.zeros(shape, pairs.dtype), lower)
+    numbers = jax.lax.ScatterDimensionNumbers(
+        update_window_dims=(start.ndim,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
     )
-    return into_flat.reshape(per_position.shape), None, (cotangent * (at_upper - at_lower)).astype(weight.dtype)
+    into_flat = jax.lax.scatter_add(flat, start[..., None], pairs, numbers, mode=jax.lax.GatherScatterMode.CLIP)
+    return into_flat.reshape(shape)
 
 
-_interpolate.defvjp(_interpolate_forward, _interpolate_backward)
+# The pair reads and their transpose: reverse mode scatters pairs once, forward mode reads them.
+# (``shape``, the values' shape, is what the transpose sums back into.)
+_pairs_primitive, _ = linear_primitives("cope_pairs", lambda x, lower, *, shape: _pairs(x, lower), _pairs_back)
+
+
+def _read_pairs(per_position, lower):
+    return _pairs_primitive(per_position, lower, shape=tuple(per_position.shape))
 
 
 def cope_added_by_blocks(

@@ -44,7 +44,7 @@ from posenc_jax.functional.core.relative import (
     by_query_blocks,
     take_along_last_axis,
 )
-from posenc_jax.functional.kernels.autodiff import custom_gradients, plain_autodiff
+from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = ["shift_ladder_scores", "transformer_xl_terms"]
 
@@ -201,8 +201,7 @@ def _identity_unless_jvp(position_scores, key_sinusoids, primals, tangents):
         # is differentiated, which a decoding step rarely is.
         return jnp.where(use_identity, _identity_at(position_scores, key_sinusoids, 0, *operands), by_table)
 
-    with plain_autodiff():  # forward mode through the identity: its custom-VJP operations in their plain form
-        return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
+    return jax.jvp(chosen, (by_table, operands), (table_dot, operands_dot))
 
 
 def _scores_against(shifted_q, projected) -> jax.Array:
@@ -252,8 +251,8 @@ def shift_ladder_scores(scores: jax.Array, first_row, q_len: int) -> jax.Array:
     the score at the query-minus-key distance ``S - T + t - s`` of query ``t = first_row + r``
     and key s, as :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift` gives it for
     every key up to the query (later keys are filler, masked). A gather XLA fuses into its
-    consumer; its gradient, outside :func:`~posenc_jax.functional.kernels.autodiff.plain_autodiff`,
-    is a gather and a masked sum, not the scatter autodiff would make of it.
+    consumer; its transpose is a gather and a masked sum, not the scatter autodiff would make of
+    it (:func:`~posenc_jax.functional.kernels.autodiff.linear_primitives`).
 
     Example:
       >>> scores = jnp.arange(8.0).reshape(2, 4)  # T = 2 queries against S = 4 ladder distances 3 .. 0
@@ -261,10 +260,7 @@ def shift_ladder_scores(scores: jax.Array, first_row, q_len: int) -> jax.Array:
       Array([[1., 2., 3., 3.],
              [4., 5., 6., 7.]], dtype=float32)
     """
-    first_row = jnp.asarray(first_row, jnp.int32)
-    if not custom_gradients():
-        return _gather_ladder_columns(scores, first_row, q_len)
-    return _shift_to_keys(scores, first_row, q_len)
+    return _shift_to_keys(scores, jnp.asarray(first_row, jnp.int32), q_len)
 
 
 def _ladder_columns(first_row, rows: int, q_len: int, k_len: int) -> jax.Array:
@@ -282,18 +278,13 @@ def _gather_ladder_columns(scores, first_row, q_len: int, flat: bool = False) ->
     return jnp.take_along_axis(scores, columns, axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.Array:
-    """:func:`shift_ladder_scores` with a gradient that is a gather and a masked sum (below)."""
-    return _gather_ladder_columns(scores, first_row, q_len)
+def _shifted(scores, first_row, *, q_len: int) -> jax.Array:
+    # With a derivative, the flat gather (as relative.gather_by_distance's, and why).
+    return _gather_ladder_columns(scores, first_row, q_len, flat=True)
 
 
-def _shift_forward(scores, first_row, q_len):
-    # With the gradient, the flat gather (as relative.gather_by_distance's forward, and why).
-    return _gather_ladder_columns(scores, first_row, q_len, flat=True), first_row
-
-
-def _shift_backward(q_len, first_row, cotangent):
+def _shifted_back(cotangent, first_row, *, q_len: int) -> jax.Array:
+    """The shift's transpose: each key's cotangent moved back to its ladder column, by a gather."""
     rows, k_len = cotangent.shape[-2:]
     lead = (None,) * (cotangent.ndim - 2)
     query = first_row + jnp.arange(rows)[:, None]  # [rows, 1]: the query index t of each row
@@ -306,7 +297,20 @@ def _shift_backward(q_len, first_row, cotangent):
     grad = jnp.where(inside[lead], moved, 0.0)
     capped = keys >= (k_len - q_len) + query  # [rows, S]
     tail = jnp.where(capped[lead], cotangent, 0.0).sum(axis=-1)  # [..., rows]
-    return grad.at[..., k_len - 1].add(tail), None
+    return grad.at[..., k_len - 1].add(tail)
 
 
-_shift_to_keys.defvjp(_shift_forward, _shift_backward)
+# The shift and its transpose, each the other's: reverse mode gathers, forward mode works.
+_shift, _ = linear_primitives("transformer_xl_shift", _shifted, _shifted_back)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.Array:
+    """:func:`shift_ladder_scores`; without a derivative, ``take_along_axis``, which XLA:CPU fuses."""
+    return _gather_ladder_columns(scores, first_row, q_len)
+
+
+@_shift_to_keys.defjvp
+def _shift_to_keys_jvp(q_len, primals, tangents):
+    scores, first_row = primals
+    return _shift(scores, first_row, q_len=q_len), _shift(tangents[0], first_row, q_len=q_len)
