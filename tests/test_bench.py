@@ -10,6 +10,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -203,6 +204,20 @@ def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_prom
     assert records[0]["seeds"] == [0, 1] and len(records[0]["final_loss"]) == 2
 
 
+_TWO_SEEDS = dataclasses.replace(
+    presets.PRESETS["smoke"], encodings=("nope",), tasks=("counting_copy",), seeds=(0, 1), steps=3, checkpoint_every=1
+)
+
+
+@pytest.fixture(scope="module")
+def two_seeds_finished(tmp_path_factory):
+    """A finished run of two seeds that kept its checkpoints, made once for the tests that damage copies of it."""
+    folder = tmp_path_factory.mktemp("two-seeds")
+    with jax.numpy_dtype_promotion("standard"):
+        extrapolate.run(_TWO_SEEDS, folder, progress=False, keep_checkpoints=True, log=lambda line: None)
+    return folder
+
+
 @pytest.mark.parametrize(
     "lost, resumed_from",
     # Killed after seed 0 saved step 3 and before seed 1 did: both go back to step 2. Killed while
@@ -210,16 +225,11 @@ def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_prom
     [("3", 2), ("", 0)],
     ids=["common step", "no common step"],
 )
-def test_seeds_left_at_different_steps_resume_together(tmp_path, standard_promotion, lost, resumed_from):
-    preset = dataclasses.replace(
-        presets.PRESETS["smoke"],
-        encodings=("nope",),
-        tasks=("counting_copy",),
-        seeds=(0, 1),
-        steps=3,
-        checkpoint_every=1,
-    )
-    extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lambda line: None)
+def test_seeds_left_at_different_steps_resume_together(
+    tmp_path, two_seeds_finished, standard_promotion, lost, resumed_from
+):
+    preset = _TWO_SEEDS
+    shutil.copytree(two_seeds_finished, tmp_path, dirs_exist_ok=True)
     first = _values(tmp_path / "results.jsonl")
     (seed1,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1")
     subprocess.run(["rm", "-rf", str(seed1 / lost)], check=True)

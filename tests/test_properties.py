@@ -126,17 +126,24 @@ def test_attention_matches_float64_references_and_masked_keys_never_leak(case):
         "kerple": (rng.uniform(0.1, 1.0, num_heads), rng.uniform(0.1, 1.0, num_heads)),
     }.get(case["encoding"])
     encodings = [] if case["encoding"] == "none" else [_hook(case["encoding"], params)]
-    out = dot_product_attention(
-        *(jnp.asarray(a, jnp.float32) for a in (q, k, v)),
-        query_positions=jnp.asarray(q_pos),
-        key_positions=jnp.asarray(k_pos),
-        encodings=encodings,
-        normalizer=NORMALIZERS[case["normalizer"]],
-        causal=case["causal"],
-        key_mask=jnp.asarray(key_mask),
-        implementation="materialize" if case["blocks"] is None else "blockwise",
-        **({} if case["blocks"] is None else dict(block_q=case["blocks"][0], block_k=case["blocks"][1])),
+    # Under jit, as a model runs it: one program per drawn case, where eager dispatch compiles each of its
+    # operations at the case's shapes (twice the time); tests/test_attention.py runs the eager path.
+    attend = jax.jit(
+        lambda q, k, v, query_positions, key_positions, key_mask: dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            encodings=encodings,
+            normalizer=NORMALIZERS[case["normalizer"]],
+            causal=case["causal"],
+            key_mask=key_mask,
+            implementation="materialize" if case["blocks"] is None else "blockwise",
+            **({} if case["blocks"] is None else dict(block_q=case["blocks"][0], block_k=case["blocks"][1])),
+        )
     )
+    out = attend(*(jnp.asarray(a, jnp.float32) for a in (q, k, v)), *map(jnp.asarray, (q_pos, k_pos, key_mask)))
     out = np.asarray(out, np.float64)
     assert np.isfinite(out).all()
 

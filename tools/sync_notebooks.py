@@ -158,9 +158,9 @@ def readme_section(url: str | None) -> str:
             "to it. The saved outputs come from a run on a CPU, so the plots are there without running anything; "
             "`python -m pytest tests/test_notebooks.py` runs every notebook top to bottom in a fresh kernel "
             "(part of the test suite). The tests set `POSENC_JAX_TINY=1`, which the device cells of the "
-            "heavier notebooks read to shrink the work further (fewer encodings, steps or lengths; numbers that "
-            "mean nothing), so every cell runs in seconds; the saved outputs are from the CPU size, and "
-            "`tools/sync_notebooks.py` refuses to save a tiny run.",
+            "heavier notebooks read to shrink the work further (fewer encodings, scalings, normalisers, steps or "
+            "lengths; numbers that mean nothing), so every cell runs in seconds; the saved outputs are from the CPU "
+            "size, and `tools/sync_notebooks.py` refuses to save a tiny run.",
             90,
             break_on_hyphens=False,
         ),
