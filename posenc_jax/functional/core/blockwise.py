@@ -57,6 +57,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CarriedLogits,
+    DistanceBias,
     KeyFeatures,
     Logits,
     MaterializeOnly,
@@ -65,6 +66,7 @@ from posenc_jax.functional.core.hooks import (
     Values,
 )
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
+from posenc_jax.functional.core.relative import toeplitz_where_runs
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
@@ -113,6 +115,17 @@ def _tile_product(p: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax
     on the finite values plus the ``±inf`` or NaN each row's seen non-finite values bring).
     """
     return value_product(p, value) if mask is None else masked_value_product(p, value, mask)
+
+
+def _distance_tile(hook: DistanceBias, q, k, context: AttentionContext) -> jax.Array:
+    """A :class:`DistanceBias` hook's ``[B|1, N, bq, bk]`` tile: from the tile's ``bq + bk - 1`` distances
+    where its positions are runs, else its ``logits`` pair by pair."""
+    return toeplitz_where_runs(
+        lambda distance: hook.distance_bias(distance, context),
+        lambda: hook.logits(q, k, context),
+        context.query_positions,
+        context.key_positions,
+    )
 
 
 def blockwise_attention(
@@ -241,6 +254,8 @@ def blockwise_attention(
                 if isinstance(hook, CarriedLogits):
                     term, c = hook.carried_logits(q, k, tile_context, hook_carry[len(new_hook_carry)])
                     new_hook_carry.append(c)
+                elif isinstance(hook, DistanceBias):
+                    term = _distance_tile(hook, q, k, tile_context)
                 else:
                     term = hook.logits(q, k, tile_context) if isinstance(hook, Logits) else None
                 if term is not None:

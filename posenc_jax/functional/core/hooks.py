@@ -56,6 +56,7 @@ __all__ = [
     "Logits",
     "MaterializeOnly",
     "CarriedLogits",
+    "DistanceBias",
     "Normalize",
     "ParameterFree",
     "PerTokenRotation",
@@ -515,6 +516,19 @@ class PositionBias(Protocol):
     """A ``logits`` term that depends on positions alone: computed once per forward, shared by layers."""
 
     def bias(self, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class DistanceBias(Protocol):
+    """A :class:`PositionBias` whose value at a (query, key) pair depends on the distance j − i alone (Kerple).
+
+    ``distance_bias(distance, context)`` gives it for float32 distances ``[B|1, D]`` (each the
+    exact ``key_pos - query_pos`` rounded once to float32) as ``[B|1, N, D]``. Blockwise attention
+    evaluates a tile whose positions are runs at its ``bq + bk - 1`` distances only and lays
+    them out as a Toeplitz tile; ``bias`` stays the reference, used for other tiles.
+    """
+
+    def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array: ...
 
 
 @runtime_checkable
