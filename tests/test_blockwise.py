@@ -119,7 +119,7 @@ def test_every_encoding_blockwise_equals_materialising(name, causal):
 
 # Encodings with a tile form of their own (from the tile's distance range where its positions are runs),
 # beside their plain per-tile form: both are compared with the materialising path.
-TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative"]
+TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta"]
 RUN_POSITIONS = {
     "runs": jnp.asarray(100 + np.arange(S)),
     # Row 0 a run, row 1 gapped: tiles of both kinds in one call.
@@ -128,9 +128,13 @@ RUN_POSITIONS = {
 
 
 @pytest.mark.parametrize("positions", RUN_POSITIONS, ids=list(RUN_POSITIONS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("name", TILE_FORMS)
-def test_tile_forms_equal_materialising_on_runs_and_gaps(name, positions):
-    """Self-attention (T = S) on consecutive positions, where the tile forms are taken, and on gaps."""
+def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal, positions):
+    """Self-attention (T = S) on consecutive positions and on gaps: tiles past a clip on either side (far
+    before and, bidirectional, far after their queries), tiles across it, and Toeplitz tiles."""
+    if ("causal" if causal else "bidirectional") not in encoding_info(name).forms:
+        pytest.skip(f"{name} has no {'causal' if causal else 'bidirectional'} form")
     config = small_config(name)
     params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
     q, k, v, _ = _inputs()
@@ -138,7 +142,7 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name, positions):
     pos = RUN_POSITIONS[positions]
     weight = jax.random.normal(jax.random.key(3), (B, S, N, H))
     results = _both(
-        lambda p: [config.build(p)], params, q, k, v, weight, causal=True, query_positions=pos, key_positions=pos
+        lambda p: [config.build(p)], params, q, k, v, weight, causal=causal, query_positions=pos, key_positions=pos
     )
     _check(results, f"{name} on {positions}")
 

@@ -22,12 +22,18 @@ the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile'
   length-dependent scalings) run once on the whole q and k before tiling.
 * ``logits`` hooks (T5, ALiBi, Kerple, FIRE, Sandwich, the clipped and functional relative
   biases, Shaw's R_K, Transformer-XL, DeBERTa) compute their tile from the tile's positions
-  and the tile's q and k; per-key arrays a hook read from a KV cache are cut to the tile's
+  and the tile's q and k, by a tile form of their own where they have one: a bias of the distance
+  alone (:class:`~posenc_jax.functional.core.hooks.DistanceBias`, Kerple) from the tile's
+  ``bq + bk - 1`` distances where its positions are runs, a clipped table (Shaw, DeBERTa:
+  :class:`~posenc_jax.functional.core.hooks.TiledLogits`) from one row where the whole tile is past
+  the clip; per-key arrays a hook read from a KV cache are cut to the tile's
   keys (``map_key_features``). A hook whose tile depends on key tiles after it (CoPE: its gate
   sums run over the keys up to the query) is a :class:`CarriedLogits`: key blocks are then
   visited last first and the hook carries its sums from tile to tile.
 * ``values`` hooks (Shaw's R_V) must be linear in the weights: the tile's term is accumulated
-  beside the output with the same rescaling ``c`` and divided by the same denominator.
+  beside the output with the same rescaling ``c`` and divided by the same denominator (Shaw's
+  tile past its clip: each row's weights summed into one table row,
+  :class:`~posenc_jax.functional.core.hooks.TiledValues`).
 * Normalisers bring their tiled form through the contract
   (:class:`~posenc_jax.functional.core.hooks.TiledNormalize`), so a user's normaliser tiles
   too: softmax and URPE (softmax times a per-tile Toeplitz factor) online as above; L2 online
@@ -66,7 +72,9 @@ from posenc_jax.functional.core.hooks import (
     PerTokenRotation,
     Rotate,
     ScoreFeatures,
+    TiledLogits,
     TiledNormalize,
+    TiledValues,
     Values,
 )
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
@@ -286,6 +294,8 @@ def blockwise_attention(
                 if isinstance(hook, CarriedLogits):
                     term, c = hook.carried_logits(q, k, tile_context, hook_carry[len(new_hook_carry)])
                     new_hook_carry.append(c)
+                elif isinstance(hook, TiledLogits):
+                    term = hook.tile_logits(q, k, tile_context)
                 elif isinstance(hook, DistanceBias):
                     term = _distance_tile(hook, q, k, tile_context)
                 else:
@@ -303,7 +313,9 @@ def blockwise_attention(
             out = _tile_product(p, v, tile_mask)
             terms = []
             for hook in values_hooks:
-                term = hook.values(p, tile_context)
+                term = (
+                    hook.tile_values(p, tile_context) if isinstance(hook, TiledValues) else hook.values(p, tile_context)
+                )
                 terms.append(jnp.zeros_like(acc) if term is None else term.astype(jnp.float32))
             if correction is not None:
                 rescale = einops.rearrange(correction, "B N T -> B T N 1")

@@ -69,7 +69,9 @@ __all__ = [
     "RotatesAbout",
     "ScoreFeatures",
     "ScoreScale",
+    "TiledLogits",
     "TiledNormalize",
+    "TiledValues",
     "Values",
     "attention_context",
     "check_together",
@@ -529,6 +531,24 @@ class DistanceBias(Protocol):
     """
 
     def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class TiledLogits(Protocol):
+    """A ``logits`` hook with a form of its own for one blockwise tile, cheaper where the tile's positions
+    allow: ``tile_logits(q, k, context)`` equals ``logits(q, k, context)`` for a tile's context (Shaw's and
+    DeBERTa's tiles wholly past their clip read one table row). ``logits`` stays the reference."""
+
+    def tile_logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class TiledValues(Protocol):
+    """A ``values`` hook with a form of its own for one blockwise tile: ``tile_values(weights, context)``
+    equals ``values(weights, context)`` for a tile's context (Shaw's R_V past its clip: each row's weights
+    summed into one table row). ``values`` stays the reference."""
+
+    def tile_values(self, weights: jax.Array, context: AttentionContext) -> jax.Array | None: ...
 
 
 @runtime_checkable
