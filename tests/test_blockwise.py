@@ -119,7 +119,7 @@ def test_every_encoding_blockwise_equals_materialising(name, causal):
 
 # Encodings with a tile form of their own (from the tile's distance range where its positions are runs),
 # beside their plain per-tile form: both are compared with the materialising path.
-TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta"]
+TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta", "fire"]
 RUN_POSITIONS = {
     "runs": jnp.asarray(100 + np.arange(S)),
     # Row 0 a run, row 1 gapped: tiles of both kinds in one call.

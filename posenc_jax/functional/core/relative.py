@@ -463,7 +463,7 @@ def toeplitz(diagonals: jax.Array, rows: int, cols: int) -> jax.Array:
     return padded.reshape(*lead, rows, cols + rows)[..., :cols][..., ::-1, :]
 
 
-def toeplitz_where_runs(per_distance, plain, query_positions, key_positions) -> jax.Array:
+def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, also=True) -> jax.Array:
     """A bias of the distance alone, ``[B|1, N, T, S]``: from its ``T + S - 1`` distances where positions are runs.
 
     Where every row of ``query_positions`` ``[B|1, T]`` and ``key_positions`` ``[B|1, S]``
@@ -472,7 +472,10 @@ def toeplitz_where_runs(per_distance, plain, query_positions, key_positions) -> 
     on its diagonal rounded once, as ``relative_positions(..., dtype=jnp.float32)``; it returns
     ``[B|1, N, T + S - 1]``) and laid out by :func:`toeplitz`. Otherwise ``plain()``, the bias
     computed pair by pair. One conditional on a check of ``T + S`` positions: a blockwise
-    tile evaluates its bias at ``bq + bk - 1`` distances instead of ``bq · bk``.
+    tile evaluates its bias at ``bq + bk - 1`` distances instead of ``bq · bk``. ``also``: a further
+    run-time condition for the diagonals' form (a bias that depends on the distance alone only
+    where it holds, FIRE's below its threshold). Either way the bias is a buffer of its own, the
+    conditional's output: what made it is never fused, and evaluated again, into its consumers.
 
     Example:
       >>> f = lambda d: -jnp.abs(d)[:, None]  # [B|1, 1, D]
@@ -492,7 +495,7 @@ def toeplitz_where_runs(per_distance, plain, query_positions, key_positions) -> 
     t, s = jnp.maximum(q_len - 1 - diagonal, 0), jnp.maximum(diagonal - (q_len - 1), 0)
     distance = position_difference(k[:, s], q[:, t], dtype=jnp.float32)  # [B|1, T + S - 1]
     values = per_distance(distance).astype(jnp.float32)  # [B|1, N, T + S - 1]
-    runs = _consecutive_rows(q) & _consecutive_rows(k)
+    runs = _consecutive_rows(q) & _consecutive_rows(k) & also
     return jax.lax.cond(
         runs,
         lambda values: jnp.broadcast_to(_toeplitz_tile(values, q_len, k_len), shape),
