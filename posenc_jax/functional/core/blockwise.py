@@ -65,6 +65,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CarriedLogits,
+    CarriedLogitsFromContent,
     DistanceBias,
     KeyFeatures,
     Logits,
@@ -288,11 +289,16 @@ def blockwise_attention(
             ]
             s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
             new_hook_carry = []
+            content_only = not any(joined)  # s is exactly scale · q·k until a term is added
             for hook, is_joined in zip(tile_hooks, joined, strict=True):
                 if is_joined:
                     continue
                 if isinstance(hook, CarriedLogits):
-                    term, c = hook.carried_logits(q, k, tile_context, hook_carry[len(new_hook_carry)])
+                    hook_state = hook_carry[len(new_hook_carry)]
+                    if content_only and isinstance(hook, CarriedLogitsFromContent):
+                        term, c = hook.carried_logits_from_content(s, q, k, tile_context, hook_state)
+                    else:
+                        term, c = hook.carried_logits(q, k, tile_context, hook_state)
                     new_hook_carry.append(c)
                 elif isinstance(hook, TiledLogits):
                     term = hook.tile_logits(q, k, tile_context)
@@ -303,6 +309,7 @@ def blockwise_attention(
                 if term is not None:
                     term = term.astype(jnp.float32)
                     s = s + broadcast_to(term.reshape((1,) * (4 - term.ndim) + term.shape), s.shape)
+                    content_only = False
             visible = jnp.ones(s.shape, bool) if tile_mask is None else jnp.broadcast_to(tile_mask, s.shape)
 
             p, state, correction = normalizer.tile_weights(s, visible, state, tile_context)

@@ -56,6 +56,7 @@ __all__ = [
     "Logits",
     "MaterializeOnly",
     "CarriedLogits",
+    "CarriedLogitsFromContent",
     "DistanceBias",
     "Normalize",
     "ParameterFree",
@@ -510,6 +511,21 @@ class CarriedLogits(Protocol):
 
     def carried_logits(
         self, q: jax.Array, k: jax.Array, context: AttentionContext, carry: Any
+    ) -> tuple[jax.Array, Any]: ...
+
+
+@runtime_checkable
+class CarriedLogitsFromContent(Protocol):
+    """A :class:`CarriedLogits` hook whose tile reads the content scores (CoPE's gates are ``σ(q·k)``).
+
+    ``carried_logits_from_content(content, q, k, context, carry)`` is called instead of
+    ``carried_logits`` when the tile's scores are exactly ``content = context.scale · q·k``
+    (the hook adds the tile's first term, ``[B, N, bq, bk]`` float32), so the hook reads them
+    rather than compute ``q·k`` again; it returns what ``carried_logits`` returns.
+    """
+
+    def carried_logits_from_content(
+        self, content: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext, carry: Any
     ) -> tuple[jax.Array, Any]: ...
 
 
