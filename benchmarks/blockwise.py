@@ -31,8 +31,9 @@ attention against plain blockwise attention (NoPE, the same tiles) at each of ``
 the compiled temporaries (``memory_analysis().temp_size_in_bytes``) and the time of the
 forward and of the forward and backward (the gradient with respect to q, k, v and the
 encoding's parameters), each as a ratio to NoPE's. Each encoding is timed in rounds that
-take turns with NoPE's (the median of ``--rounds`` runs each), so a change in the machine's
-load falls on both; lengths above ``--time-up-to`` are compiled (memory) but not timed.
+take turns with NoPE's; a time ratio is the median over ``--rounds`` rounds of the
+encoding's run over the NoPE run just before it, so a change in the machine's load falls on
+both sides of each ratio; lengths above ``--time-up-to`` are compiled (memory) but not timed.
 """
 
 from __future__ import annotations
@@ -283,7 +284,7 @@ def versus_plain(args) -> None:
     print(
         f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; blockwise causal attention, "
         f"B={B}, N={N}, H={H}, float32, default tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; each a ratio to NoPE "
-        f"(blockwise, same tiles), times the median of {args.rounds} runs taking turns with NoPE's"
+        f"(blockwise, same tiles); time: the median over {args.rounds} rounds of the run over NoPE's run just before it"
     )
     print("| encoding | T | temp fwd | temp fwd+bwd | time fwd | time fwd+bwd | NoPE s fwd, fwd+bwd |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -312,7 +313,10 @@ def versus_plain(args) -> None:
                         times[f"p{i}"].append(_run(plain[i], (q, k, v, plain_hooks)))
                         times[f"e{i}"].append(_run(programs[i], (q, k, v, hooks)))
                 medians = {key: statistics.median(x) for key, x in times.items()}
-                cells = [f"{medians[f'e{i}'] / medians[f'p{i}']:.2f}×" for i in range(2)]
+                # The median of each round's ratio (the encoding's run over the NoPE run just before it):
+                # a change in the machine's load between rounds falls on both sides of each ratio.
+                ratios = [[e / p for e, p in zip(times[f"e{i}"], times[f"p{i}"], strict=True)] for i in range(2)]
+                cells = [f"{statistics.median(r):.2f}×" for r in ratios]
                 base = f"{medians['p0']:.3g}, {medians['p1']:.3g}"
             print(
                 f"| {name} | {length:,} | {temp[0]:.2f}× | {temp[1]:.2f}× | {cells[0]} | {cells[1]} | {base} |",
