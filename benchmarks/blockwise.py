@@ -24,6 +24,16 @@ against length through the two longest ``--memory-lengths``, checked by compilin
 predicted length (must fit) and one tile more (must not); where the check fails the search
 doubles and bisects instead. Encodings that fill no attention hook (absolute embeddings,
 randomized positions) get a line saying so: their attention is NoPE's.
+
+``--versus-plain`` prints, for every encoding that fills an attention hook, its blockwise
+attention against plain blockwise attention (NoPE, the same tiles) at each of ``--lengths``
+(default 4,096 and 16,384; ``--quick``: 1,024 and 2,048), causal, B=1, N=4, H=64, float32:
+the compiled temporaries (``memory_analysis().temp_size_in_bytes``) and the time of the
+forward and of the forward and backward (the gradient with respect to q, k, v and the
+encoding's parameters), each as a ratio to NoPE's. Each encoding is timed in rounds that
+take turns with NoPE's; a time ratio is the median over ``--rounds`` rounds of the
+encoding's run over the NoPE run just before it, so a change in the machine's load falls on
+both sides of each ratio; lengths above ``--time-up-to`` are compiled (memory) but not timed.
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ ENCODINGS = ("rope", "alibi", "t5", "shaw", "deberta", "nope")
 LENGTHS = (1024, 4096, 16384, 65536, 131072)
 MEMORY_LENGTHS = (16384, 65536, 262144, 1048576)
 TIME_LENGTHS = (2048, 4096, 8192)
+VERSUS_LENGTHS = (4096, 16384)
 B, N, H = 1, 4, 64
 
 
@@ -235,9 +246,88 @@ def longest(args) -> None:
         )
 
 
+def _versus_programs(name: str, length: int):
+    """``name``'s blockwise causal forward and its forward and backward, compiled, with their inputs."""
+    hooks = _hooks(name, length)
+    positions = jnp.arange(length)
+
+    def forward(q, k, v, hooks):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=positions,
+            key_positions=positions,
+            encodings=hooks,
+            causal=True,
+            implementation="blockwise",
+        )
+
+    def loss(q, k, v, hooks):
+        return jnp.sum(forward(q, k, v, hooks))
+
+    backward = jax.grad(loss, argnums=(0, 1, 2, 3))
+    shape = jax.ShapeDtypeStruct((B, length, N, H), jnp.float32)
+    compiled = [jax.jit(f).lower(shape, shape, shape, hooks).compile() for f in (forward, backward)]
+    return compiled, hooks
+
+
+def _run(compiled, inputs) -> float:
+    """Seconds of one run of ``compiled`` on ``inputs``."""
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*inputs))
+    return time.perf_counter() - start
+
+
+def versus_plain(args) -> None:
+    """The ``--versus-plain`` table (see the module's docstring)."""
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; blockwise causal attention, "
+        f"B={B}, N={N}, H={H}, float32, default tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; each a ratio to NoPE "
+        f"(blockwise, same tiles); time: the median over {args.rounds} rounds of the run over NoPE's run just before it"
+    )
+    print("| encoding | T | temp fwd | temp fwd+bwd | time fwd | time fwd+bwd | NoPE s fwd, fwd+bwd |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for length in args.lengths:
+        timed = length <= args.time_up_to
+        plain, plain_hooks = _versus_programs("nope", length)
+        q, k, v = (jax.random.normal(jax.random.key(i), (B, length, N, H)) for i in range(3))
+
+        plain_temp = [c.memory_analysis().temp_size_in_bytes for c in plain]
+        if timed:
+            for c in plain:
+                _run(c, (q, k, v, plain_hooks))
+        for name in args.encodings:
+            if name == "nope" or _no_hook(name) is not None:
+                continue
+            programs, hooks = _versus_programs(name, length)
+            temp = [c.memory_analysis().temp_size_in_bytes / p for c, p in zip(programs, plain_temp, strict=True)]
+            cells = ["–", "–"]
+            base = ""
+            if timed:
+                for c in programs:
+                    _run(c, (q, k, v, hooks))
+                times = {key: [] for key in ("p0", "e0", "p1", "e1")}
+                for _ in range(args.rounds):
+                    for i in range(2):
+                        times[f"p{i}"].append(_run(plain[i], (q, k, v, plain_hooks)))
+                        times[f"e{i}"].append(_run(programs[i], (q, k, v, hooks)))
+                medians = {key: statistics.median(x) for key, x in times.items()}
+                # The median of each round's ratio (the encoding's run over the NoPE run just before it):
+                # a change in the machine's load between rounds falls on both sides of each ratio.
+                ratios = [[e / p for e, p in zip(times[f"e{i}"], times[f"p{i}"], strict=True)] for i in range(2)]
+                cells = [f"{statistics.median(r):.2f}×" for r in ratios]
+                base = f"{medians['p0']:.3g}, {medians['p1']:.3g}"
+            print(
+                f"| {name} | {length:,} | {temp[0]:.2f}× | {temp[1]:.2f}× | {cells[0]} | {cells[1]} | {base} |",
+                flush=True,
+            )
+            del programs
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
+    parser.add_argument("--lengths", type=int, nargs="+", help=f"default {' '.join(map(str, LENGTHS))}")
     parser.add_argument("--encodings", nargs="+", help=f"default {' '.join(ENCODINGS)}; every one with --longest")
     parser.add_argument("--block", type=int, default=512, help="block_q = block_k")
     parser.add_argument("--rounds", type=int, default=5, help="timed runs per cell (fewer when one run is long)")
@@ -250,12 +340,21 @@ def main(argv=None) -> None:
     parser.add_argument("--budget-gib", type=float, default=24.0, help="--longest: the memory budget")
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=list(MEMORY_LENGTHS), help="--longest")
     parser.add_argument("--time-lengths", type=int, nargs="+", default=list(TIME_LENGTHS), help="--longest")
+    parser.add_argument("--versus-plain", action="store_true", help="every encoding against NoPE, blockwise")
+    parser.add_argument("--quick", action="store_true", help="--versus-plain at 1,024 and 2,048 tokens")
+    parser.add_argument("--time-up-to", type=int, default=16384, help="--versus-plain: time up to this length")
     args = parser.parse_args(argv)
+    if args.versus_plain:
+        args.lengths = args.lengths or ([1024, 2048] if args.quick else list(VERSUS_LENGTHS))
+        args.encodings = args.encodings or encoding_names()
+        versus_plain(args)
+        return
     if args.longest:
         args.encodings = args.encodings or encoding_names()
         longest(args)
         return
     args.encodings = args.encodings or list(ENCODINGS)
+    args.lengths = args.lengths or list(LENGTHS)
     limit = args.memory_limit_gib * 2**30
 
     print(

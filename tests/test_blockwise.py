@@ -117,6 +117,39 @@ def test_every_encoding_blockwise_equals_materialising(name, causal):
     _check(results, name)
 
 
+# Encodings with a tile form of their own (from the tile's distance range where its positions are runs),
+# beside their plain per-tile form: both are compared with the materialising path.
+TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta", "fire", "cope"]
+RUN_POSITIONS = {
+    "runs": jnp.asarray(100 + np.arange(S)),
+    # Row 0 a run, row 1 gapped: tiles of both kinds in one call.
+    "runs-and-gaps": jnp.asarray([100 + np.arange(S), np.r_[0:4, 9:16]]),
+}
+
+
+@pytest.mark.parametrize("positions", RUN_POSITIONS, ids=list(RUN_POSITIONS))
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
+@pytest.mark.parametrize("name", TILE_FORMS)
+def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal, positions):
+    """Self-attention (T = S) on consecutive positions and on gaps: tiles past a clip on either side (far
+    before and, bidirectional, far after their queries), tiles across it, and Toeplitz tiles."""
+    if ("causal" if causal else "bidirectional") not in encoding_info(name).forms:
+        pytest.skip(f"{name} has no {'causal' if causal else 'bidirectional'} form")
+    # CoPE counting to 3 only: most of its tiles are past the top (one row read), the others not.
+    config = small_config(name, **(dict(num_positions=3) if name == "cope" else {}))
+    params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    if name == "cope":  # zeros at init would make its term vanish
+        params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
+    q, k, v, _ = _inputs()
+    q = jnp.concatenate([q, q[:, :2]], axis=1)  # T = S
+    pos = RUN_POSITIONS[positions]
+    weight = jax.random.normal(jax.random.key(3), (B, S, N, H))
+    results = _both(
+        lambda p: [config.build(p)], params, q, k, v, weight, causal=causal, query_positions=pos, key_positions=pos
+    )
+    _check(results, f"{name} on {positions}")
+
+
 NORMALIZERS = {
     "softmax": softmax_weights,
     "l2": l2_normalized_weights,

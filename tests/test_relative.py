@@ -35,8 +35,10 @@ from posenc_jax.functional.core.relative import (
     distance_slots,
     expand_relative_bias,
     gather_by_distance,
+    relative_positions,
     sum_by_distance,
     toeplitz,
+    toeplitz_where_runs,
 )
 from posenc_jax.functional.encodings.transformer_xl import project_distances
 from posenc_jax.reference import relative as ref
@@ -642,6 +644,32 @@ def test_table_forward_mode_equals_plain_autodiff(rng, query_positions, key_posi
     )
     want = _gather_expand(tangent, batched_positions(qp), batched_positions(kp), k)
     np.testing.assert_allclose(batched, jnp.stack([want, want]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
+def test_toeplitz_where_runs_equals_the_bias_pair_by_pair(rng, positions):
+    """Values, reverse-mode and forward-mode gradients of the tile form equal the plain bias's, on runs and gaps."""
+    qp, kp = (batched_positions(jnp.asarray(p, jnp.int32)) for p in POSITIONS[positions])
+    weights = jnp.asarray(rng.normal(size=(qp.shape[0], N, T, S)), jnp.float32)
+    slope = jnp.asarray(rng.uniform(0.5, 2.0, size=(N,)), jnp.float32)
+
+    def per_distance(slope, distance):  # [B|1, D] -> [B|1, N, D], nonlinear in the distance
+        return -slope[None, :, None] * jnp.log1p(jnp.abs(distance)[:, None]) ** 1.5
+
+    def plain(slope):
+        return per_distance(slope, relative_positions(qp, kp, dtype=jnp.float32).reshape(qp.shape[0], -1)).reshape(
+            qp.shape[0], N, T, S
+        )
+
+    def tile(slope):
+        return toeplitz_where_runs(lambda d: per_distance(slope, d), lambda: plain(slope), qp, kp)
+
+    loss = lambda f: lambda slope: jnp.sum(jnp.sin(f(slope)) * weights)
+    np.testing.assert_allclose(jax.jit(tile)(slope), plain(slope), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss(tile)))(slope), jax.grad(loss(plain))(slope), rtol=1e-5, atol=1e-5)
+    tangent = jnp.asarray(rng.normal(size=(N,)), jnp.float32)
+    for a, b in zip(jax.jvp(tile, (slope,), (tangent,)), jax.jvp(plain, (slope,), (tangent,)), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def _gather_expand(per_distance, query_positions, key_positions, k):

@@ -16,16 +16,24 @@ Only one ``[B, N, block_q, block_k]`` tile of scores exists at a time. Every hoo
 computed per tile, from the tile's own positions (the call's :class:`AttentionContext` cut to
 the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile's):
 
-* ``rotate`` hooks (RoPE and its scalings, xPos, axial RoPE) run once on the whole q and k
-  before tiling: a rotation is per token.
+* ``rotate`` hooks that rotate each token by its own position (RoPE and its fixed scalings, axial
+  RoPE: :class:`~posenc_jax.functional.core.hooks.PerTokenRotation`) rotate each query block once
+  and each key tile at each step, so no rotated copy of q and k is stored; the others (xPos, the
+  length-dependent scalings) run once on the whole q and k before tiling.
 * ``logits`` hooks (T5, ALiBi, Kerple, FIRE, Sandwich, the clipped and functional relative
   biases, Shaw's R_K, Transformer-XL, DeBERTa) compute their tile from the tile's positions
-  and the tile's q and k; per-key arrays a hook read from a KV cache are cut to the tile's
+  and the tile's q and k, by a tile form of their own where they have one: a bias of the distance
+  alone (:class:`~posenc_jax.functional.core.hooks.DistanceBias`, Kerple) from the tile's
+  ``bq + bk - 1`` distances where its positions are runs, a clipped table (Shaw, DeBERTa:
+  :class:`~posenc_jax.functional.core.hooks.TiledLogits`) from one row where the whole tile is past
+  the clip; per-key arrays a hook read from a KV cache are cut to the tile's
   keys (``map_key_features``). A hook whose tile depends on key tiles after it (CoPE: its gate
   sums run over the keys up to the query) is a :class:`CarriedLogits`: key blocks are then
   visited last first and the hook carries its sums from tile to tile.
 * ``values`` hooks (Shaw's R_V) must be linear in the weights: the tile's term is accumulated
-  beside the output with the same rescaling ``c`` and divided by the same denominator.
+  beside the output with the same rescaling ``c`` and divided by the same denominator (Shaw's
+  tile past its clip: each row's weights summed into one table row,
+  :class:`~posenc_jax.functional.core.hooks.TiledValues`).
 * Normalisers bring their tiled form through the contract
   (:class:`~posenc_jax.functional.core.hooks.TiledNormalize`), so a user's normaliser tiles
   too: softmax and URPE (softmax times a per-tile Toeplitz factor) online as above; L2 online
@@ -57,14 +65,21 @@ import numpy as np
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CarriedLogits,
+    CarriedLogitsFromContent,
+    DistanceBias,
     KeyFeatures,
     Logits,
     MaterializeOnly,
+    PerTokenRotation,
     Rotate,
+    ScoreFeatures,
+    TiledLogits,
     TiledNormalize,
+    TiledValues,
     Values,
 )
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
+from posenc_jax.functional.core.relative import toeplitz_where_runs
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
@@ -115,6 +130,29 @@ def _tile_product(p: jax.Array, value: jax.Array, mask: jax.Array | None) -> jax
     return value_product(p, value) if mask is None else masked_value_product(p, value, mask)
 
 
+def _joined_scores(q, k, joined: Sequence, context: AttentionContext) -> jax.Array:
+    """The tile's content scores ``scale · q·k`` plus the terms of the ``joined`` :class:`ScoreFeatures` hooks,
+    their features appended to q and k: ``[B, N, bq, bk]`` float32, one contraction."""
+    if not joined:
+        return content_scores(q, k, context.scale)
+    features = [hook.score_features(q, k, context) for hook in joined]
+    per_key = [jnp.broadcast_to(fk[:, :, None, :], (*k.shape[:3], fk.shape[-1])) for _, fk in features]
+    q = jnp.concatenate([q, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
+    k = jnp.concatenate([k, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
+    return content_scores(q, k, context.scale)
+
+
+def _distance_tile(hook: DistanceBias, q, k, context: AttentionContext) -> jax.Array:
+    """A :class:`DistanceBias` hook's ``[B|1, N, bq, bk]`` tile: from the tile's ``bq + bk - 1`` distances
+    where its positions are runs, else its ``logits`` pair by pair."""
+    return toeplitz_where_runs(
+        lambda distance: hook.distance_bias(distance, context),
+        lambda: hook.logits(q, k, context),
+        context.query_positions,
+        context.key_positions,
+    )
+
+
 def blockwise_attention(
     query: jax.Array,
     key: jax.Array,
@@ -150,9 +188,13 @@ def blockwise_attention(
     if dropout_rate > 0.0 and dropout_rng is None:
         raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng PRNG key")
 
-    for hook in hooks:
-        if isinstance(hook, Rotate):
+    # A rotation by each token's own position is applied per tile (a query block once, a key tile at each
+    # step), so no rotated copy of q and k is stored; any other rotation runs once on the whole q and k.
+    per_token = [isinstance(h, PerTokenRotation) and isinstance(h, Rotate) and h.rotates_per_token for h in hooks]
+    for hook, tiled in zip(hooks, per_token, strict=True):
+        if isinstance(hook, Rotate) and not tiled:
             query, key = hook.rotate(query, key, context)
+    rotations = [hook for hook, tiled in zip(hooks, per_token, strict=True) if tiled]
     block_q, block_k = min(int(block_q), q_len), min(int(block_k), k_len)
     num_q_blocks, num_k_blocks = math.ceil(q_len / block_q), math.ceil(k_len / block_k)
     q_pad, k_pad = num_q_blocks * block_q, num_k_blocks * block_k
@@ -196,6 +238,10 @@ def blockwise_attention(
         for hook in hooks
     ]
     carried = [hook for hook in hooks if isinstance(hook, CarriedLogits)]
+    # Terms that split into per-query and per-key features join the tile's content product (as in the
+    # materialising path): one contraction, and no [B, N, bq, bk] term of their own to add.
+    joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32
+    joined = [joinable and isinstance(hook, ScoreFeatures) for hook in hooks]
     values_hooks = [hook for hook in hooks if isinstance(hook, Values)]
     key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
     causal = context.causal
@@ -206,6 +252,8 @@ def blockwise_attention(
         q_segments = _tile(qseg, qi, block_q, 1)
         q_extra = _tile(extra, qi, block_q, 2)
         q_context = context.tile(q_positions, q_positions, sequence_lengths=_tile(counts, qi, block_q, 1))
+        for hook in rotations:  # the queries' half of the rotation (the keys' half, of q itself, is dropped)
+            q = hook.rotate(q, q, q_context)[0]
         rows = (batch, num_heads, block_q)
         carry = (
             normalizer.tile_init(rows),  # the normaliser's running statistics
@@ -219,6 +267,8 @@ def blockwise_attention(
             k = _tile(key, kj, block_k, 1)
             v = _tile(value, kj, block_k, 1)
             k_positions = _tile(kpos, kj, block_k, 1)
+            for hook in rotations:  # the keys' half (the queries' half, of k itself, is dropped)
+                k = hook.rotate(k, k, context.tile(k_positions, k_positions))[1]
             tile_mask = None
             parts = []
             if causal:
@@ -233,19 +283,33 @@ def blockwise_attention(
                 tile_mask = part if tile_mask is None else jnp.logical_and(tile_mask, part)
             tile_context = context.tile(q_positions, k_positions, mask=tile_mask)
 
-            s = content_scores(q, k, context.scale)
+            tile_hooks = [
+                hook.map_key_features(lambda x: _tile(x, kj, block_k, 1)) if isinstance(hook, KeyFeatures) else hook
+                for hook in hooks
+            ]
+            s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
             new_hook_carry = []
-            for hook in hooks:
-                if isinstance(hook, KeyFeatures):
-                    hook = hook.map_key_features(lambda x: _tile(x, kj, block_k, 1))
+            content_only = not any(joined)  # s is exactly scale · q·k until a term is added
+            for hook, is_joined in zip(tile_hooks, joined, strict=True):
+                if is_joined:
+                    continue
                 if isinstance(hook, CarriedLogits):
-                    term, c = hook.carried_logits(q, k, tile_context, hook_carry[len(new_hook_carry)])
+                    hook_state = hook_carry[len(new_hook_carry)]
+                    if content_only and isinstance(hook, CarriedLogitsFromContent):
+                        term, c = hook.carried_logits_from_content(s, q, k, tile_context, hook_state)
+                    else:
+                        term, c = hook.carried_logits(q, k, tile_context, hook_state)
                     new_hook_carry.append(c)
+                elif isinstance(hook, TiledLogits):
+                    term = hook.tile_logits(q, k, tile_context)
+                elif isinstance(hook, DistanceBias):
+                    term = _distance_tile(hook, q, k, tile_context)
                 else:
                     term = hook.logits(q, k, tile_context) if isinstance(hook, Logits) else None
                 if term is not None:
                     term = term.astype(jnp.float32)
                     s = s + broadcast_to(term.reshape((1,) * (4 - term.ndim) + term.shape), s.shape)
+                    content_only = False
             visible = jnp.ones(s.shape, bool) if tile_mask is None else jnp.broadcast_to(tile_mask, s.shape)
 
             p, state, correction = normalizer.tile_weights(s, visible, state, tile_context)
@@ -256,7 +320,9 @@ def blockwise_attention(
             out = _tile_product(p, v, tile_mask)
             terms = []
             for hook in values_hooks:
-                term = hook.values(p, tile_context)
+                term = (
+                    hook.tile_values(p, tile_context) if isinstance(hook, TiledValues) else hook.values(p, tile_context)
+                )
                 terms.append(jnp.zeros_like(acc) if term is None else term.astype(jnp.float32))
             if correction is not None:
                 rescale = einops.rearrange(correction, "B N T -> B T N 1")

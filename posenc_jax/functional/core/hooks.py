@@ -56,6 +56,8 @@ __all__ = [
     "Logits",
     "MaterializeOnly",
     "CarriedLogits",
+    "CarriedLogitsFromContent",
+    "DistanceBias",
     "Normalize",
     "ParameterFree",
     "PerTokenRotation",
@@ -68,7 +70,9 @@ __all__ = [
     "RotatesAbout",
     "ScoreFeatures",
     "ScoreScale",
+    "TiledLogits",
     "TiledNormalize",
+    "TiledValues",
     "Values",
     "attention_context",
     "check_together",
@@ -511,10 +515,56 @@ class CarriedLogits(Protocol):
 
 
 @runtime_checkable
+class CarriedLogitsFromContent(Protocol):
+    """A :class:`CarriedLogits` hook whose tile reads the content scores (CoPE's gates are ``σ(q·k)``).
+
+    ``carried_logits_from_content(content, q, k, context, carry)`` is called instead of
+    ``carried_logits`` when the tile's scores are exactly ``content = context.scale · q·k``
+    (the hook adds the tile's first term, ``[B, N, bq, bk]`` float32), so the hook reads them
+    rather than compute ``q·k`` again; it returns what ``carried_logits`` returns.
+    """
+
+    def carried_logits_from_content(
+        self, content: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext, carry: Any
+    ) -> tuple[jax.Array, Any]: ...
+
+
+@runtime_checkable
 class PositionBias(Protocol):
     """A ``logits`` term that depends on positions alone: computed once per forward, shared by layers."""
 
     def bias(self, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class DistanceBias(Protocol):
+    """A :class:`PositionBias` whose value at a (query, key) pair depends on the distance j − i alone (Kerple).
+
+    ``distance_bias(distance, context)`` gives it for float32 distances ``[B|1, D]`` (each the
+    exact ``key_pos - query_pos`` rounded once to float32) as ``[B|1, N, D]``. Blockwise attention
+    evaluates a tile whose positions are runs at its ``bq + bk - 1`` distances only and lays
+    them out as a Toeplitz tile; ``bias`` stays the reference, used for other tiles.
+    """
+
+    def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array: ...
+
+
+@runtime_checkable
+class TiledLogits(Protocol):
+    """A ``logits`` hook with a form of its own for one blockwise tile, cheaper where the tile's positions
+    allow: ``tile_logits(q, k, context)`` equals ``logits(q, k, context)`` for a tile's context (Shaw's and
+    DeBERTa's tiles wholly past their clip read one table row). ``logits`` stays the reference."""
+
+    def tile_logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class TiledValues(Protocol):
+    """A ``values`` hook with a form of its own for one blockwise tile: ``tile_values(weights, context)``
+    equals ``values(weights, context)`` for a tile's context (Shaw's R_V past its clip: each row's weights
+    summed into one table row). ``values`` stays the reference."""
+
+    def tile_values(self, weights: jax.Array, context: AttentionContext) -> jax.Array | None: ...
 
 
 @runtime_checkable

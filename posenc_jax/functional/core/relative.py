@@ -38,6 +38,7 @@ __all__ = [
     "consecutive_rows",
     "diagonal_sums",
     "toeplitz",
+    "toeplitz_where_runs",
     "distance_slots",
     "expand_relative_bias",
     "gather_by_distance",
@@ -460,6 +461,68 @@ def toeplitz(diagonals: jax.Array, rows: int, cols: int) -> jax.Array:
     copies = jnp.broadcast_to(diagonals[..., None, :], (*lead, rows, width)).reshape(*lead, rows * width)
     padded = jnp.pad(copies, [(0, 0)] * len(lead) + [(0, rows * (cols + rows) - rows * width)])
     return padded.reshape(*lead, rows, cols + rows)[..., :cols][..., ::-1, :]
+
+
+def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, also=True) -> jax.Array:
+    """A bias of the distance alone, ``[B|1, N, T, S]``: from its ``T + S - 1`` distances where positions are runs.
+
+    Where every row of ``query_positions`` ``[B|1, T]`` and ``key_positions`` ``[B|1, S]``
+    counts up by one, the bias is constant along diagonals: ``per_distance`` is evaluated at
+    the ``T + S - 1`` distances (float32 ``[B|1, T + S - 1]``, each the exact distance of a pair
+    on its diagonal rounded once, as ``relative_positions(..., dtype=jnp.float32)``; it returns
+    ``[B|1, N, T + S - 1]``) and laid out by :func:`toeplitz`. Otherwise ``plain()``, the bias
+    computed pair by pair. One conditional on a check of ``T + S`` positions: a blockwise
+    tile evaluates its bias at ``bq + bk - 1`` distances instead of ``bq · bk``. ``also``: a further
+    run-time condition for the diagonals' form (a bias that depends on the distance alone only
+    where it holds, FIRE's below its threshold). Either way the bias is a buffer of its own, the
+    conditional's output: what made it is never fused, and evaluated again, into its consumers.
+
+    Example:
+      >>> f = lambda d: -jnp.abs(d)[:, None]  # [B|1, 1, D]
+      >>> plain = lambda: -jnp.abs(relative_positions(jnp.arange(2), jnp.arange(3), dtype=jnp.float32))[:, None]
+      >>> toeplitz_where_runs(f, plain, jnp.arange(2)[None], jnp.arange(3)[None])[0, 0]
+      Array([[-0., -1., -2.],
+             [-1., -0., -1.]], dtype=float32)
+    """
+    q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
+    q_len, k_len = q.shape[-1], k.shape[-1]
+    shape = jax.eval_shape(plain).shape
+
+    # Diagonal c holds the pairs with s - t = c - (T - 1); its first pair is (t, s) below. The values are
+    # made outside the conditional, so that XLA cannot fuse their making into the tile's copy (it would
+    # evaluate them T · S times again).
+    diagonal = jnp.arange(q_len + k_len - 1)
+    t, s = jnp.maximum(q_len - 1 - diagonal, 0), jnp.maximum(diagonal - (q_len - 1), 0)
+    distance = position_difference(k[:, s], q[:, t], dtype=jnp.float32)  # [B|1, T + S - 1]
+    values = per_distance(distance).astype(jnp.float32)  # [B|1, N, T + S - 1]
+    runs = _consecutive_rows(q) & _consecutive_rows(k) & also
+    return jax.lax.cond(
+        runs,
+        lambda values: jnp.broadcast_to(_toeplitz_tile(values, q_len, k_len), shape),
+        lambda values: plain().astype(jnp.float32),
+        values,
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _toeplitz_tile(diagonals: jax.Array, rows: int, cols: int) -> jax.Array:
+    """:func:`toeplitz` as ``rows`` slices of ``cols`` consecutive diagonals, so that the tile is one copy.
+
+    Row t is ``diagonals[..., rows - 1 - t :][..., :cols]``: one gather of contiguous slices,
+    not ``rows · cols`` scalar reads nor :func:`toeplitz`'s copies ``rows + cols`` wide. Its
+    tangent is :func:`toeplitz` of the tangent (linear), whose transpose, which reverse mode
+    takes, is :func:`diagonal_sums`: no scatter.
+    """
+    *lead, width = diagonals.shape
+    flat = diagonals.reshape(-1, width)  # one slice per row of each leading row, laid out [..., rows, cols]
+    starts = (rows - 1) - jnp.arange(rows, dtype=jnp.int32)
+    row_slices = jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, cols), in_axes=(None, 0))
+    return jax.vmap(row_slices, in_axes=(0, None))(flat, starts).reshape(*lead, rows, cols)
+
+
+@_toeplitz_tile.defjvp
+def _toeplitz_tile_jvp(rows: int, cols: int, primals, tangents):
+    return _toeplitz_tile(primals[0], rows, cols), toeplitz(tangents[0], rows, cols)
 
 
 def distance_slots(query_positions, key_positions, *, sign: int, offset: int, slots: int) -> jax.Array:

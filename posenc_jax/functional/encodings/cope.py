@@ -40,7 +40,12 @@ from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import check_max_distance
-from posenc_jax.functional.kernels.cope import cope_added_by_blocks, interpolate_pairs, reverse_cumsum
+from posenc_jax.functional.kernels.cope import (
+    carried_unless_saturated,
+    cope_added_by_blocks,
+    interpolate_pairs,
+    reverse_cumsum,
+)
 
 __all__ = ["CoPE", "CoPEConfig", "cope_logits", "interpolate_positions", "reverse_cumsum"]
 
@@ -244,19 +249,40 @@ class CoPE(CausalOnly):
 
     def carried_logits(self, q, k, context: AttentionContext, carry):
         """One tile's term from the gate sums of the key tiles after it; the sums passed on."""
+        return self._carried(q, k, context, carry, None)
+
+    def carried_logits_from_content(self, content, q, k, context: AttentionContext, carry):
+        """:meth:`carried_logits` with the gates' logits read from the tile's content scores."""
+        return self._carried(q, k, context, carry, content)
+
+    def _carried(self, q, k, context: AttentionContext, carry, content):
         _check_causal(context)
         scale = context.scale if self.scale is None else self.scale
-        term, total = _cope_tile(
-            q,
-            k,
-            context.query_positions,
-            context.key_positions,
-            self.embeddings,
-            scale=scale,
-            mask=context.mask,
-            later=carry,
-        )
-        return term, total
+        gate_logits = None
+        if content is not None and self.scale is not None:
+            gate_logits = content * jnp.float32(self.scale / context.scale)
+        elif content is not None:
+            gate_logits = content
+
+        def tile():
+            return _cope_tile(
+                q,
+                k,
+                context.query_positions,
+                context.key_positions,
+                self.embeddings,
+                scale=scale,
+                mask=context.mask,
+                later=carry,
+                gate_logits=gate_logits,
+            )
+
+        def top():  # every count at P - 1: q_t · e[P - 1]
+            spec = "BTNH,H->BNT" if np.ndim(self.embeddings) == 2 else "BTNH,NH->BNT"
+            per_row = jnp.einsum(spec, q, self.embeddings[..., -1, :], preferred_element_type=jnp.float32)
+            return jnp.broadcast_to(per_row[..., None], (*per_row.shape, k.shape[1]))
+
+        return carried_unless_saturated(tile, top, carry, np.shape(self.embeddings)[-2])
 
 
 @register_encoding(

@@ -41,6 +41,7 @@ from posenc_jax.functional.core.relative import (
     relative_positions,
 )
 from posenc_jax.functional.core.validation import check_init_std
+from posenc_jax.functional.kernels.relative_tiles import by_saturation, saturated_side
 
 __all__ = [
     "DeBERTa",
@@ -351,6 +352,30 @@ class DeBERTa:
             key_projection=self.key_projection,
             causal=context.causal,
         )
+
+    def tile_logits(self, q, k, context: AttentionContext):
+        """:meth:`logits` for one blockwise tile: where every pair of the tile is past the slots' reach, all
+        read one slot, so c2p is ``q_t · K_r[slot]`` per query and p2c ``k_s · Q_r[slot]`` per key."""
+        plain = lambda: self.logits(q, k, context)
+        shape = jax.eval_shape(plain).shape
+        scale = jnp.float32(context.scale if self.scale is None else self.scale)
+
+        def end(slot: int):
+            total = jnp.zeros((), jnp.float32)
+            if "c2p" in self.terms:
+                per_query = jnp.einsum("BTNH,NH->BNT", q, self.pos_key[slot], preferred_element_type=jnp.float32)
+                total = total + per_query[..., None]
+            if "p2c" in self.terms:
+                num_heads = np.shape(self.pos_query)[1]
+                keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+                per_key = jnp.einsum("BSNH,NH->BNS", keys, self.pos_query[slot], preferred_element_type=jnp.float32)
+                total = total + per_key[:, :, None, :]
+            return jnp.broadcast_to(total * scale, shape)
+
+        # Keys far before their queries (i - j large) are in the last slot, far after in slot 0.
+        reach = _saturation_distance(self.span, self.position_buckets, self.max_relative_positions)
+        side = saturated_side(context.query_positions, context.key_positions, reach=reach)
+        return by_saturation(side, plain, lambda: end(2 * self.span - 1), lambda: end(0))
 
 
 @register_encoding(

@@ -9,7 +9,8 @@ get distance 0 and are expected to be masked. Distances are exact integers until
 the log (rounded once to float32), so the bias is right at any int32 position.
 
 The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
-activations are never stored whole.
+activations are never stored whole; a blockwise tile sums it unit by unit instead
+(:mod:`posenc_jax.functional.kernels.fire`).
 
 Reference: Li et al., "Functional Interpolation for Relative Positions Improves
 Long Context Transformers", ICLR 2024, arXiv:2310.04418.
@@ -37,6 +38,7 @@ from posenc_jax.functional.core.products import broadcasts_to
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import by_query_blocks, relative_positions
 from posenc_jax.functional.core.validation import check_count, check_key, check_number
+from posenc_jax.functional.kernels.fire import fire_tile
 
 __all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
 
@@ -153,6 +155,13 @@ class Fire(CausalOnly, BiasHook):
     def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
         """``scores + bias``, the bias added by blocks of query rows into the scores (never stored whole)."""
         return fire_bias(self.params, context.query_positions, context.key_positions, into=scores)
+
+    def tile_logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
+        """The bias of one blockwise tile (:func:`~posenc_jax.functional.kernels.fire.fire_tile`): its MLP summed
+        unit by unit, on the tile's distances alone where its queries are below the threshold."""
+        query_positions = batched_positions(context.query_positions, "query_positions")
+        key_positions = batched_positions(context.key_positions, "key_positions")
+        return fire_tile(self.params, query_positions, key_positions)
 
 
 @register_encoding(

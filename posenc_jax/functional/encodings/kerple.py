@@ -58,10 +58,16 @@ def kerple_bias(r1, r2, query_positions, key_positions, *, variant: Literal["log
     _check_variant(variant)
     if np.ndim(r1) != 1 or np.shape(r1) != np.shape(r2):
         raise ValueError(f"r1 and r2 must both have shape [N], got {np.shape(r1)} and {np.shape(r2)}")
-    num_heads = np.shape(r1)[0]
-    distance = jnp.abs(relative_positions(query_positions, key_positions, dtype=jnp.float32))[:, None]
-    r1 = jnp.asarray(r1, jnp.float32).reshape(1, num_heads, 1, 1)
-    r2 = jnp.asarray(r2, jnp.float32).reshape(1, num_heads, 1, 1)
+    distance = relative_positions(query_positions, key_positions, dtype=jnp.float32)  # [B|1, T, S]
+    return _kernel(r1, r2, distance, variant)
+
+
+def _kernel(r1, r2, distance, variant):
+    """The kernel of ``d = |distance|`` (float32 ``[B|1, ...]``) for each head: ``[B|1, N, ...]``."""
+    distance = jnp.abs(distance)[:, None]
+    per_head = (1, np.shape(r1)[0]) + (1,) * (distance.ndim - 2)
+    r1 = jnp.asarray(r1, jnp.float32).reshape(per_head)
+    r2 = jnp.asarray(r2, jnp.float32).reshape(per_head)
     if variant == "log":
         return -r1 * jnp.log1p(r2 * distance)
     # d ** r2 with a gradient that stays finite at d = 0.
@@ -104,6 +110,11 @@ class Kerple(BiasHook):
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
         context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
         return kerple_bias(self.r1, self.r2, context.query_positions, context.key_positions, variant=self.variant)
+
+    def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array:
+        """The bias at float32 distances ``[B|1, D]``, ``[B|1, N, D]``: a function of ``|j - i|`` alone."""
+        context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
+        return _kernel(self.r1, self.r2, distance, self.variant)
 
 
 def _check_variant(variant):

@@ -22,6 +22,7 @@ from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, p
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import check_max_distance, gather_by_distance, sum_by_distance
 from posenc_jax.functional.core.validation import check_init_std
+from posenc_jax.functional.kernels.relative_tiles import by_saturation, saturated_side
 
 __all__ = ["Shaw", "ShawConfig", "shaw_key_logits", "shaw_value_term"]
 
@@ -161,6 +162,36 @@ class Shaw:
             max_distance=self.max_distance,
             mask=context.mask,
         )
+
+    def tile_logits(self, q, k, context: AttentionContext):
+        """:meth:`logits` for one blockwise tile: ``q_t · P_K[end]`` broadcast over a tile wholly past the clip."""
+        if self.key_table is None:
+            return None
+        scale = jnp.float32(context.scale if self.scale is None else self.scale)
+        plain = lambda: self.logits(q, k, context)
+        shape = jax.eval_shape(plain).shape
+        spec = "BTNH,H->BNT" if np.ndim(self.key_table) == 2 else "BTNH,NH->BNT"
+
+        def end(row: int):
+            per_row = jnp.einsum(spec, q, self.key_table[..., row, :], preferred_element_type=jnp.float32)
+            return jnp.broadcast_to((per_row * scale)[..., None], shape)
+
+        side = saturated_side(context.query_positions, context.key_positions, reach=self.max_distance)
+        return by_saturation(side, plain, lambda: end(0), lambda: end(-1))
+
+    def tile_values(self, weights, context: AttentionContext):
+        """:meth:`values` for one blockwise tile: each row's weights summed, times ``P_V[end]``, past the clip."""
+        if self.value_table is None:
+            return None
+        spec = "BNT,H->BTNH" if np.ndim(self.value_table) == 2 else "BNT,NH->BTNH"
+
+        def end(row: int):
+            seen = weights if context.mask is None else jnp.where(context.mask, weights, jnp.zeros((), weights.dtype))
+            total = seen.astype(jnp.float32).sum(axis=-1)  # [B, N, T]
+            return jnp.einsum(spec, total, self.value_table[..., row, :], preferred_element_type=jnp.float32)
+
+        side = saturated_side(context.query_positions, context.key_positions, reach=self.max_distance)
+        return by_saturation(side, lambda: self.values(weights, context), lambda: end(0), lambda: end(-1))
 
 
 @register_encoding(

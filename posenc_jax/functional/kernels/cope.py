@@ -31,7 +31,26 @@ import numpy as np
 from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
-__all__ = ["cope_added_by_blocks", "interpolate_pairs", "interpolate_pairs_plain", "reverse_cumsum"]
+__all__ = [
+    "carried_unless_saturated",
+    "cope_added_by_blocks",
+    "interpolate_pairs",
+    "interpolate_pairs_plain",
+    "reverse_cumsum",
+]
+
+
+def carried_unless_saturated(tile: Callable, top: Callable, later: jax.Array, num_positions: int):
+    """A blockwise tile's ``(term, sums)``: ``tile()``, or ``(top(), later)`` where every count is past the top.
+
+    ``later`` ``[B, N, bq]``: the gate sums of the key tiles after this one (the carry). Gates are
+    ``>= 0``, so where every row has counted ``P - 1`` already, every count of the tile is clipped
+    to ``P - 1``: the term is ``q_t · e[P - 1]`` for each row (``top()``, ``[B, N, bq, bk]``) and no
+    count can fall below the top again, so the sums passed on need not grow. The same values,
+    and the same gradients (a clipped count has none): the tile's gates, counts, ``q · eᵀ`` and
+    interpolation are skipped, one conditional on ``B · N · bq`` sums.
+    """
+    return jax.lax.cond(jnp.all(later >= num_positions - 1), lambda: (top(), later), tile)
 
 
 def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
