@@ -150,6 +150,38 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal, positions
     _check(results, f"{name} on {positions}")
 
 
+@pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope"])
+def test_tile_forms_forward_mode_equals_materialising(name):
+    """jax.jvp through the tiles' own forms (no context manager), on a run with tiles of every kind:
+    the tangent of the materialising path, with respect to q, k and v at once."""
+    config = small_config(name, **(dict(num_positions=3) if name == "cope" else {}))
+    params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(2), p.shape), params)
+    hooks = [config.build(params)]
+    q, k, v, _ = _inputs()
+    pos = RUN_POSITIONS["runs"]
+    q = jnp.concatenate([q, q[:, :2]], axis=1)  # T = S
+    tangents = tuple(jax.random.normal(jax.random.key(7 + i), x.shape) for i, x in enumerate((q, k, v)))
+
+    def attend(implementation, q, k, v):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            encodings=hooks,
+            causal=True,
+            implementation=implementation,
+            **(dict(block_q=4, block_k=4) if implementation == "blockwise" else {}),
+        )
+
+    got = jax.jvp(lambda *x: attend("blockwise", *x), (q, k, v), tangents)[1]
+    want = jax.jvp(lambda *x: attend("materialize", *x), (q, k, v), tangents)[1]
+    assert float(jnp.abs(want).max()) > 1e-2  # a tangent that can be wrong
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 NORMALIZERS = {
     "softmax": softmax_weights,
     "l2": l2_normalized_weights,
