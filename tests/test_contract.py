@@ -27,7 +27,17 @@ from posenc_jax.functional import (
     register_encoding,
 )
 from posenc_jax.functional.core import registry
-from posenc_jax.functional.core.hooks import PLACEMENTS, ParameterFree, PerTokenRotation, Placement, RotatesAbout
+from posenc_jax.functional.core.hooks import (
+    PLACEMENTS,
+    CarriedLogitsFromContent,
+    DistanceBias,
+    ParameterFree,
+    PerTokenRotation,
+    Placement,
+    RotatesAbout,
+    TiledLogits,
+    TiledValues,
+)
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
 from posenc_jax.hf import RoPEOnLastFeatures
@@ -158,6 +168,52 @@ def test_forward_mode_is_the_transpose_of_reverse_mode(rng, name):
     )
     assert abs(lhs) > 1e-3  # the function depends on what is varied
     np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
+
+
+_TILE_FORMS = (DistanceBias, TiledLogits, TiledValues, CarriedLogitsFromContent)
+_WITH_TILE_FORMS = [n for n in _HOOK_NAMES if n != "urpe" and isinstance(_built(n), _TILE_FORMS)]
+
+
+@pytest.mark.parametrize("keys_at", [0, 97, 160], ids=["far-before", "across", "far-after"])
+@pytest.mark.parametrize("name", _WITH_TILE_FORMS)
+def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
+    """Every fast form a hook declares for blockwise tiles gives what its reference hook gives, on a tile
+    of keys far before its queries, across them, and (bidirectional) far after: ``distance_bias`` at the
+    tile's distances is ``bias``, ``tile_logits`` is ``logits``, ``tile_values`` is ``values``,
+    ``carried_logits_from_content`` is ``carried_logits``."""
+    hook = _built(name)
+    hook = jax.tree.map(lambda p: p + 0.3 * _normal(rng, p.shape), hook)  # parameters away from their init
+    forms = encoding_info(name).forms
+    causal = "bidirectional" not in forms
+    if causal and keys_at > 100:
+        pytest.skip(f"{name} is causal only: no keys after the queries")
+    qpos, kpos = jnp.arange(100, 104), jnp.arange(keys_at, keys_at + 6)
+    mask = (kpos[None, :] <= qpos[:, None])[None, None] if causal else None
+    context = AttentionContext.from_positions(qpos, kpos, causal=causal, scale=H**-0.5, num_heads=N, mask=mask)
+    q, k = _normal(rng, (B, 4, N, H)), _normal(rng, (B, 6, N, H))
+    checked = 0
+    if isinstance(hook, DistanceBias):
+        distance = (kpos[None, :] - qpos[:, None]).astype(jnp.float32).reshape(1, -1)
+        got = hook.distance_bias(distance, context).reshape(1, N, 4, 6)
+        np.testing.assert_allclose(got, jnp.broadcast_to(hook.bias(context), got.shape), rtol=1e-5, atol=1e-5)
+        checked += 1
+    if isinstance(hook, TiledLogits):
+        want = hook.logits(q, k, context)
+        np.testing.assert_allclose(hook.tile_logits(q, k, context), want, rtol=1e-5, atol=1e-5)
+        checked += 1
+    if isinstance(hook, TiledValues):
+        weights = jax.nn.softmax(_normal(rng, (B, N, 4, 6)), axis=-1)
+        np.testing.assert_allclose(hook.tile_values(weights, context), hook.values(weights, context), atol=1e-5)
+        checked += 1
+    if isinstance(hook, CarriedLogitsFromContent):
+        carry = hook.init_carry(q, context)
+        content = jnp.einsum("BTNH,BSNH->BNTS", q, k) * context.scale
+        got = hook.carried_logits_from_content(content, q, k, context, carry)
+        want = hook.carried_logits(q, k, context, carry)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        checked += 1
+    assert checked > 0
 
 
 def test_position_sampler_passes_through_jit_and_vmap():
