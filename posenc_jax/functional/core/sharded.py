@@ -11,10 +11,11 @@ statistics) divide by the number of devices; the keys, the values and the
 Every encoding sees its true positions. A device's queries keep their positions (the slice
 of ``query_positions``), so causal masking, segment ids, biases from positions (T5, ALiBi,
 Kerple, FIRE, ...), terms from positions and q or k (Shaw, DeBERTa, Transformer-XL, CoPE)
-are computed for each tile exactly as on one device. Rotations (RoPE and its scalings,
-xPos, axial RoPE) are applied once to the whole q and k before the split: some read the
-whole call (dynamic NTK and LongRoPE the length ``max(query_positions) + 1``, xPos the
-queries' midpoint), which one device's slice would change.
+are computed for each tile exactly as on one device. Rotations by each token's own position
+(RoPE, its fixed scalings, axial RoPE) go to the devices, which apply them per tile as one
+device does; the other rotations are applied once to the whole q and k before the split:
+they read the whole call (dynamic NTK and LongRoPE the length ``max(query_positions) + 1``,
+xPos the queries' midpoint), which one device's slice would change.
 
 Each query row goes through the same arithmetic as on one device (its tiles of keys, in the
 same order). On XLA:CPU the outputs equal one device's bit for bit, for every encoding, with T
@@ -45,6 +46,7 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     Normalize,
+    PerTokenRotation,
     Rotate,
     Values,
     one_or_more,
@@ -223,10 +225,14 @@ def sequence_parallel_attention(
     batch, q_len, num_heads, head_dim = query.shape
     hooks = [resolve_encoding(encoding) for encoding in one_or_more(encodings)]
     rotations = _rotations(hooks)
-    # Resolved here: the devices do not see the rotations, which may prescribe it.
+    # Resolved here, from every hook (a rotation may prescribe it): the devices are given the result.
     settings["scale"] = _score_scale(hooks, head_dim, scale)
     settings["normalizer"] = as_normalizer(normalizer)
 
+    # A rotation by each token's own position goes to the devices, whose blockwise attention applies it per
+    # tile (no rotated copy of q or k, nor of the gathered keys); any other rotation runs here, on the whole call.
+    per_token = [isinstance(h, PerTokenRotation) and h.rotates_per_token for h in rotations]
+    rotations = [h for h, tiled in zip(rotations, per_token, strict=True) if not tiled]
     if rotations:
         context = AttentionContext.from_positions(
             query_positions,
@@ -238,7 +244,7 @@ def sequence_parallel_attention(
         )
         for hook in rotations:
             query, key = hook.rotate(query, key, context)
-    hooks = [hook for hook in hooks if not isinstance(hook, Rotate)]
+    hooks = [hook for hook in hooks if not any(hook is rotation for rotation in rotations)]
 
     # Whole-call arrays in the shapes the devices receive: per-query ones [B|1, T, ...] padded to P·⌈T/P⌉.
     devices = mesh.shape[axis]
