@@ -718,6 +718,33 @@ def test_cope_pair_reads_equal_their_plain_form(shape):
     np.testing.assert_allclose(second(interpolate_pairs), second(interpolate_pairs_plain), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("lower_mapped", [True, False], ids=["all-mapped", "indices-shared"])
+def test_cope_pair_reads_under_vmap_equal_their_plain_form(lower_mapped):
+    """jax.vmap of the pair reads' value, gradient (its transpose, batched) and tangent, with the indices
+    and weights mapped too or shared by every mapped entry (batch axis of 1): the plain form's."""
+    from posenc_jax.functional.kernels.cope import interpolate_pairs, interpolate_pairs_plain
+
+    rng = np.random.default_rng(7)
+    mapped, batch, keys, positions = 3, 1, 6, 5
+    per_position = jnp.asarray(rng.normal(size=(mapped, batch, positions)), jnp.float32)
+    lower = jnp.asarray(rng.integers(0, positions - 1, size=(mapped, batch, keys)), jnp.int32)
+    weight = jnp.asarray(rng.uniform(size=(mapped, batch, keys)), jnp.float32)
+    cotangent = jnp.asarray(rng.normal(size=(mapped, batch, keys)), jnp.float32)
+    axes = (0, 0, 0, 0) if lower_mapped else (0, None, None, 0)
+    lower, weight = (lower, weight) if lower_mapped else (lower[0], weight[0])
+
+    def each(f):
+        def one(x, lower, weight, c):
+            value, pullback = jax.vjp(lambda x: f(x, lower, weight), x)
+            return value, pullback(c)[0], jax.jvp(lambda x: f(x, lower, weight), (x,), (2 * x,))[1]
+
+        return jax.jit(jax.vmap(one, in_axes=axes))(per_position, lower, weight, cotangent)
+
+    for got, want in zip(each(interpolate_pairs), each(interpolate_pairs_plain), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert float(jnp.abs(each(interpolate_pairs_plain)[1]).max()) > 0.1  # a gradient that can be wrong
+
+
 def test_cope_interpolation_keeps_nan_and_checks_shapes():
     """A NaN count (a visible key's NaN score) gives NaN, not another position's value; mismatched leading
     axes are refused with both shapes named."""

@@ -16,17 +16,16 @@ call traces), runs eagerly through it, and is batched by folding the mapped axis
 operands' leading (batch) axis, so ``jax.vmap`` keeps the fast transpose.
 
 Example:
-  >>> gather, scatter = linear_primitives(
+  >>> take, put = linear_primitives(  # rows [B, L] read at indices [B, M]; B is the batch axis
   ...     "example_take",
-  ...     lambda x, i: x[i],                                       # linear in x; i fixed
-  ...     lambda y, i, *, size: jnp.zeros(size, y.dtype).at[i].add(y),
-  ...     transpose_params=lambda x, i: {"size": x.shape[0]},
+  ...     lambda x, i, *, length: jnp.take_along_axis(x, i, axis=-1),
+  ...     lambda y, i, *, length: jax.vmap(lambda y, i: jnp.zeros(length, y.dtype).at[i].add(y))(y, i),
   ... )
-  >>> x, i = jnp.arange(3.0), jnp.array([2, 2, 0])
-  >>> gather(x, i).tolist(), jax.grad(lambda x: gather(x, i).sum())(x).tolist()
-  ([2.0, 2.0, 0.0], [1.0, 0.0, 2.0])
-  >>> jax.jvp(lambda x: gather(x, i), (x,), (jnp.ones(3),))[1].tolist()
-  [1.0, 1.0, 1.0]
+  >>> x, i = jnp.arange(3.0)[None], jnp.array([[2, 2, 0]])
+  >>> take(x, i, length=3).tolist(), jax.grad(lambda x: take(x, i, length=3).sum())(x).tolist()
+  ([[2.0, 2.0, 0.0]], [[1.0, 0.0, 2.0]])
+  >>> jax.jvp(lambda x: take(x, i, length=3), (x,), (jnp.ones((1, 3)),))[1].tolist()
+  [[1.0, 1.0, 1.0]]
 """
 
 from __future__ import annotations
@@ -44,31 +43,23 @@ from posenc_jax.functional.kernels.broadcast import sum_to_shape
 __all__ = ["linear_primitives"]
 
 
-def linear_primitives(
-    name: str,
-    apply: Callable,
-    transpose: Callable,
-    *,
-    apply_params: Callable | None = None,
-    transpose_params: Callable | None = None,
-) -> tuple[Callable, Callable]:
+def linear_primitives(name: str, apply: Callable, transpose: Callable) -> tuple[Callable, Callable]:
     """Two primitives, ``apply(x, *fixed, **params)`` and ``transpose(y, *fixed, **params)``, transposes of each other.
 
     Both are linear in their first operand; the other operands (``fixed``: integer positions,
-    a boolean mask) are read, never differentiated. ``apply_params(y, *fixed, **params)`` and
-    ``transpose_params(x, *fixed, **params)`` give the static parameters of the partner when it
-    is called as the transpose (for example the shape to sum back to); by default the same.
+    a boolean mask) are read, never differentiated. Both take the same static ``params``, which
+    must not depend on the operands' leading (batch) axis.
 
     Every operand's leading axis is the batch axis (size B or 1, broadcasting): ``jax.vmap``
-    folds its mapped axis into it.
+    folds its mapped axis into it, leaving ``params`` as they are.
 
     Returns:
       ``(apply_fn, transpose_fn)``, called as ``apply_fn(x, *fixed, **params)``.
     """
     forward = _primitive(f"{name}", apply)
     backward = _primitive(f"{name}_transpose", transpose)
-    _linear_rules(forward, backward, transpose_params)
-    _linear_rules(backward, forward, apply_params)
+    _linear_rules(forward, backward)
+    _linear_rules(backward, forward)
     return functools.partial(_bind, forward), functools.partial(_bind, backward)
 
 
@@ -90,7 +81,7 @@ def _primitive(name: str, impl: Callable) -> Primitive:
     return primitive
 
 
-def _linear_rules(primitive: Primitive, partner: Primitive, partner_params: Callable | None) -> None:
+def _linear_rules(primitive: Primitive, partner: Primitive) -> None:
     def jvp(primals, tangents, **params):
         x, *fixed = primals
         if any(type(t) is not ad.Zero and t.dtype != jax.dtypes.float0 for t in tangents[1:]):
@@ -106,8 +97,7 @@ def _linear_rules(primitive: Primitive, partner: Primitive, partner_params: Call
         if type(cotangent) is ad.Zero:
             return (None, *(None for _ in fixed))
         aval = x.aval
-        other = params if partner_params is None else partner_params(aval, *fixed, **params)
-        grad = partner.bind(ad.instantiate_zeros(cotangent), *fixed, **other)
+        grad = partner.bind(ad.instantiate_zeros(cotangent), *fixed, **params)
         grad = sum_to_shape(grad, aval.shape)  # over the axes the operand was broadcast along
         return (grad.astype(aval.dtype), *(None for _ in fixed))
 

@@ -135,12 +135,16 @@ def _interpolate_jvp(primals, tangents):
 
 
 def _flat_starts(per_position, lower):
-    rows = int(np.prod(lower.shape[:-1], dtype=np.int64))
-    row_start = (jnp.arange(rows, dtype=jnp.int32) * per_position.shape[-1]).reshape(*lower.shape[:-1], 1)
+    """The values laid out flat and each pair's flat offset, the leading axes of both broadcast together."""
+    lead = jnp.broadcast_shapes(per_position.shape[:-1], lower.shape[:-1])
+    per_position = jnp.broadcast_to(per_position, (*lead, per_position.shape[-1]))
+    lower = jnp.broadcast_to(lower, (*lead, lower.shape[-1]))
+    rows = int(np.prod(lead, dtype=np.int64))
+    row_start = (jnp.arange(rows, dtype=jnp.int32) * per_position.shape[-1]).reshape(*lead, 1)
     return per_position.reshape(-1), row_start + lower
 
 
-def _pairs(per_position, lower):
+def _pairs(per_position, lower, *, positions: int):
     """``[..., S, 2]``: the pair ``x[..., l], x[..., l + 1]`` for each ``l = lower[..., s]``, read from the
     values laid out flat (as relative.take_along_last_axis, and why)."""
     flat, start = _flat_starts(per_position, lower)
@@ -148,10 +152,11 @@ def _pairs(per_position, lower):
     return jnp.stack([flat.at[start].get(mode=clip), flat.at[start + 1].get(mode=clip)], axis=-1)
 
 
-def _pairs_back(pairs, lower, *, shape):
+def _pairs_back(pairs, lower, *, positions: int):
     """The transpose: one scatter of (lower, upper) pairs, a window of two, into the flat values (half
     the updates of two scalar scatters; with batch dimensions, as autodiff makes of take_along_axis,
-    XLA:CPU ran it about 3x slower)."""
+    XLA:CPU ran it about 3x slower). ``[..., P]`` for ``positions`` P, the pairs' leading axes."""
+    shape = (*pairs.shape[:-2], positions)
     flat, start = _flat_starts(jnp.zeros(shape, pairs.dtype), lower)
     numbers = jax.lax.ScatterDimensionNumbers(
         update_window_dims=(start.ndim,), inserted_window_dims=(), scatter_dims_to_operand_dims=(0,)
@@ -160,13 +165,13 @@ def _pairs_back(pairs, lower, *, shape):
     return into_flat.reshape(shape)
 
 
-# The pair reads and their transpose: reverse mode scatters pairs once, forward mode reads them.
-# (``shape``, the values' shape, is what the transpose sums back into.)
-_pairs_primitive, _ = linear_primitives("cope_pairs", lambda x, lower, *, shape: _pairs(x, lower), _pairs_back)
+# The pair reads and their transpose: reverse mode scatters pairs once, forward mode reads them. Their one
+# parameter, P, does not change when jax.vmap folds a mapped axis into the leading ones.
+_pairs_primitive, _ = linear_primitives("cope_pairs", _pairs, _pairs_back)
 
 
 def _read_pairs(per_position, lower):
-    return _pairs_primitive(per_position, lower, shape=tuple(per_position.shape))
+    return _pairs_primitive(per_position, lower, positions=per_position.shape[-1])
 
 
 def cope_added_by_blocks(
