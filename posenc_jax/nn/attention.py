@@ -30,13 +30,13 @@ from posenc_jax.functional.core.cache import CachedKeyTerm, CachedTable, KVCache
 from posenc_jax.functional.core.hooks import (
     EncodingConfig,
     Normalize,
-    PerTokenRotation,
     PreparedRotation,
     Rotate,
     RotatesAbout,
     attention_context,
     hook_names,
     one_or_more,
+    rotates_each_token,
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
@@ -51,8 +51,7 @@ def _stores_rotated_keys(hooks: Sequence) -> bool:
     """Whether a cache may hold keys rotated: every rotate hook rotates by each token's own position alone
     (``rotates_per_token``), or does given a fixed reference position (``rotate_about``, xPos's centre)."""
     return all(
-        ((isinstance(hook, PerTokenRotation) and hook.rotates_per_token) or isinstance(hook, RotatesAbout))
-        and hook_names(hook) == ("rotate",)
+        (rotates_each_token(hook) or isinstance(hook, RotatesAbout)) and hook_names(hook) == ("rotate",)
         for hook in hooks
         if isinstance(hook, Rotate)
     )

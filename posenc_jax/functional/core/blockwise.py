@@ -70,13 +70,13 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     MaterializeOnly,
-    PerTokenRotation,
     Rotate,
     ScoreFeatures,
     TiledLogits,
     TiledNormalize,
     TiledValues,
     Values,
+    rotates_each_token,
 )
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
 from posenc_jax.functional.core.relative import toeplitz_where_runs
@@ -190,7 +190,7 @@ def blockwise_attention(
 
     # A rotation by each token's own position is applied per tile (a query block once, a key tile at each
     # step), so no rotated copy of q and k is stored; any other rotation runs once on the whole q and k.
-    per_token = [isinstance(h, PerTokenRotation) and isinstance(h, Rotate) and h.rotates_per_token for h in hooks]
+    per_token = [rotates_each_token(h) for h in hooks]
     for hook, tiled in zip(hooks, per_token, strict=True):
         if isinstance(hook, Rotate) and not tiled:
             query, key = hook.rotate(query, key, context)

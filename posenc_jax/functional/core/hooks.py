@@ -80,6 +80,7 @@ __all__ = [
     "one_or_more",
     "parameter",
     "pytree_dataclass",
+    "rotates_each_token",
     "rotation_context",
 ]
 
@@ -456,6 +457,12 @@ class PerTokenRotation(Protocol):
 
     @property
     def rotates_per_token(self) -> bool: ...
+
+
+def rotates_each_token(hook) -> bool:
+    """Whether ``hook`` is a ``rotate`` hook that declares it rotates each token by its own position alone
+    (:class:`PerTokenRotation`): a cache may store its keys rotated, and a tile may rotate its own tokens."""
+    return isinstance(hook, Rotate) and isinstance(hook, PerTokenRotation) and hook.rotates_per_token
 
 
 @runtime_checkable

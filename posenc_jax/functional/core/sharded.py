@@ -46,10 +46,10 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     Normalize,
-    PerTokenRotation,
     Rotate,
     Values,
     one_or_more,
+    rotates_each_token,
 )
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
 from posenc_jax.functional.core.registry import resolve_encoding
@@ -231,8 +231,7 @@ def sequence_parallel_attention(
 
     # A rotation by each token's own position goes to the devices, whose blockwise attention applies it per
     # tile (no rotated copy of q or k, nor of the gathered keys); any other rotation runs here, on the whole call.
-    per_token = [isinstance(h, PerTokenRotation) and h.rotates_per_token for h in rotations]
-    rotations = [h for h, tiled in zip(rotations, per_token, strict=True) if not tiled]
+    rotations = [h for h in rotations if not rotates_each_token(h)]
     if rotations:
         context = AttentionContext.from_positions(
             query_positions,
