@@ -13,7 +13,15 @@ import jax.numpy as jnp
 
 from posenc_jax.functional.core.masks import MaskParts
 
-__all__ = ["NONFINITE_KEYS", "as_scores", "broadcasts_to", "content_scores", "masked_value_product", "value_product"]
+__all__ = [
+    "NONFINITE_KEYS",
+    "as_scores",
+    "broadcasts_to",
+    "content_scores",
+    "key_heads_for_queries",
+    "masked_value_product",
+    "value_product",
+]
 
 
 def as_scores(term: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:
@@ -25,6 +33,11 @@ def as_scores(term: jax.Array, ndim: int, dtype=jnp.float32) -> jax.Array:
 def broadcasts_to(shape: tuple, target: tuple) -> bool:
     """Whether an array of ``shape`` broadcasts to ``target`` (without growing ``target``)."""
     return len(shape) <= len(target) and all(d in (1, t) for d, t in zip(shape[::-1], target[::-1], strict=False))
+
+
+def key_heads_for_queries(key: jax.Array, num_heads: int) -> jax.Array:
+    """``[B, S, K, H]`` keys as ``[B, S, N, H]``: each key/value head repeated for its ``N / K`` query heads."""
+    return key if key.shape[-2] == num_heads else jnp.repeat(key, num_heads // key.shape[-2], axis=-2)
 
 
 def content_scores(query: jax.Array, key: jax.Array, scale: float) -> jax.Array:

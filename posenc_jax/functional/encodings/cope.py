@@ -38,6 +38,7 @@ import numpy as np
 from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.products import key_heads_for_queries
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import check_max_distance
 from posenc_jax.functional.kernels.cope import (
@@ -143,7 +144,7 @@ def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask,
     if scale is None:
         scale = 1.0 / np.sqrt(head_dim)
     if gate_logits is None:
-        keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+        keys = key_heads_for_queries(k, num_heads)
         gate_logits = jnp.einsum("BTNH,BSNH->BNTS", q, keys, preferred_element_type=jnp.float32) * jnp.float32(scale)
     visible = combine_masks(causal_mask(query_positions, key_positions), mask)  # [B|1, N|1, T, S]
     gates = jnp.where(visible, jax.nn.sigmoid(gate_logits), 0.0)  # selected: a masked key's NaN stays out

@@ -32,6 +32,7 @@ import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.products import key_heads_for_queries
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import (
     by_query_blocks,
@@ -256,7 +257,7 @@ def deberta_key_projection(k, pos_query, *, span: int) -> jax.Array:
       (1, 5, 2, 4)
     """
     num_heads = np.shape(pos_query)[1]
-    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    keys = key_heads_for_queries(k, num_heads)
     return jnp.einsum("BSNH,RNH->BSNR", keys, pos_query[span:], preferred_element_type=jnp.float32)
 
 
@@ -367,7 +368,7 @@ class DeBERTa:
                 total = total + per_query[..., None]
             if "p2c" in self.terms:
                 num_heads = np.shape(self.pos_query)[1]
-                keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+                keys = key_heads_for_queries(k, num_heads)
                 per_key = jnp.einsum("BSNH,NH->BNS", keys, self.pos_query[slot], preferred_element_type=jnp.float32)
                 total = total + per_key[:, :, None, :]
             return jnp.broadcast_to(total * scale, shape)

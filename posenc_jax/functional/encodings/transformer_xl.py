@@ -35,6 +35,7 @@ import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import batched_positions, inverse_frequencies, position_angles
+from posenc_jax.functional.core.products import key_heads_for_queries
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
 from posenc_jax.functional.kernels.transformer_xl import transformer_xl_terms
@@ -94,7 +95,7 @@ def project_distances(distances, position_projection, *, base: float = 10000.0) 
 def _content_bias_term(k, content_bias) -> jax.Array:
     """(c) ``u · k_s`` per head, ``[B, S, N]`` (grouped key heads repeated for their queries)."""
     num_heads = np.shape(content_bias)[0]
-    keys = jnp.repeat(k, num_heads // k.shape[-2], axis=-2) if k.shape[-2] != num_heads else k
+    keys = key_heads_for_queries(k, num_heads)
     return jnp.einsum("NH,BSNH->BSN", content_bias, keys, preferred_element_type=jnp.float32)
 
 
