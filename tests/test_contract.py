@@ -32,11 +32,13 @@ from posenc_jax.functional.core.hooks import (
     CarriedLogitsFromContent,
     DistanceBias,
     ParameterFree,
+    PerCallRotation,
     PerTokenRotation,
     Placement,
     RotatesAbout,
     TiledLogits,
     TiledValues,
+    rotates_each_token,
 )
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
@@ -170,8 +172,12 @@ def test_forward_mode_is_the_transpose_of_reverse_mode(rng, name):
     np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
 
 
-_TILE_FORMS = (DistanceBias, TiledLogits, TiledValues, CarriedLogitsFromContent)
-_WITH_TILE_FORMS = [n for n in _HOOK_NAMES if n != "urpe" and isinstance(_built(n), _TILE_FORMS)]
+def _declares_tile_form(hook) -> bool:
+    tile_forms = (DistanceBias, TiledLogits, TiledValues, CarriedLogitsFromContent)
+    return isinstance(hook, tile_forms) or (isinstance(hook, PerCallRotation) and not rotates_each_token(hook))
+
+
+_WITH_TILE_FORMS = [n for n in _HOOK_NAMES if n != "urpe" and _declares_tile_form(_built(n))]
 
 
 @pytest.mark.parametrize("keys_at", [0, 97, 160], ids=["far-before", "across", "far-after"])
@@ -204,6 +210,17 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
     if isinstance(hook, TiledValues):
         weights = jax.nn.softmax(_normal(rng, (B, N, 4, 6)), axis=-1)
         np.testing.assert_allclose(hook.tile_values(weights, context), hook.values(weights, context), atol=1e-5)
+        checked += 1
+    if isinstance(hook, PerCallRotation) and not rotates_each_token(hook):
+        per_token = hook.per_token_for(context)  # fixed by the whole call: xPos's centre, dynamic NTK's length
+        assert rotates_each_token(per_token)
+        want_q, want_k = hook.rotate(q, k, context)
+        for cut in (slice(0, 2), slice(2, 4)):  # two query tiles, then two key tiles, rotated apart
+            got = per_token.rotate(q[:, cut], q[:, cut], context.tile(qpos[cut], qpos[cut]))[0]
+            np.testing.assert_allclose(got, want_q[:, cut], rtol=1e-5, atol=1e-5)
+        for cut in (slice(0, 3), slice(3, 6)):
+            got = per_token.rotate(k[:, cut], k[:, cut], context.tile(kpos[cut], kpos[cut]))[1]
+            np.testing.assert_allclose(got, want_k[:, cut], rtol=1e-5, atol=1e-5)
         checked += 1
     if isinstance(hook, CarriedLogitsFromContent):
         carry = hook.init_carry(q, context)

@@ -18,8 +18,10 @@ the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile'
 
 * ``rotate`` hooks that rotate each token by its own position (RoPE and its fixed scalings, axial
   RoPE: :class:`~posenc_jax.functional.core.hooks.PerTokenRotation`) rotate each query block once
-  and each key tile at each step, so no rotated copy of q and k is stored; the others (xPos, the
-  length-dependent scalings) run once on the whole q and k before tiling.
+  and each key tile at each step, so no rotated copy of q and k is stored; so do those that do once
+  one value of the whole call is fixed (xPos's centre, the length of dynamic NTK and LongRoPE:
+  :class:`~posenc_jax.functional.core.hooks.PerCallRotation`), fixed before tiling; any other
+  rotation runs once on the whole q and k.
 * ``logits`` hooks (T5, ALiBi, Kerple, FIRE, Sandwich, the clipped and functional relative
   biases, Shaw's R_K, Transformer-XL, DeBERTa) compute their tile from the tile's positions
   and the tile's q and k, by a tile form of their own where they have one: a bias of the distance
@@ -70,6 +72,7 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     MaterializeOnly,
+    PerCallRotation,
     Rotate,
     ScoreFeatures,
     TiledLogits,
@@ -189,7 +192,12 @@ def blockwise_attention(
         raise ValueError(f"dropout_rate={dropout_rate} needs a dropout_rng PRNG key")
 
     # A rotation by each token's own position is applied per tile (a query block once, a key tile at each
-    # step), so no rotated copy of q and k is stored; any other rotation runs once on the whole q and k.
+    # step), so no rotated copy of q and k is stored; one that depends on the whole call through one value
+    # is fixed at this call's first; any other rotation runs once on the whole q and k.
+    hooks = [
+        hook.per_token_for(context) if isinstance(hook, PerCallRotation) and not rotates_each_token(hook) else hook
+        for hook in hooks
+    ]
     per_token = [rotates_each_token(h) for h in hooks]
     for hook, tiled in zip(hooks, per_token, strict=True):
         if isinstance(hook, Rotate) and not tiled:

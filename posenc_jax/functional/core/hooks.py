@@ -60,6 +60,7 @@ __all__ = [
     "DistanceBias",
     "Normalize",
     "ParameterFree",
+    "PerCallRotation",
     "PerTokenRotation",
     "Placement",
     "PositionBias",
@@ -463,6 +464,20 @@ def rotates_each_token(hook) -> bool:
     """Whether ``hook`` is a ``rotate`` hook that declares it rotates each token by its own position alone
     (:class:`PerTokenRotation`): a cache may store its keys rotated, and a tile may rotate its own tokens."""
     return isinstance(hook, Rotate) and isinstance(hook, PerTokenRotation) and hook.rotates_per_token
+
+
+@runtime_checkable
+class PerCallRotation(Protocol):
+    """A ``rotate`` hook whose rotation depends on the whole call through one value (xPos's centre, the
+    length a length-dependent RoPE scaling follows) and, that value fixed, on each token's own position.
+
+    ``per_token_for(context)`` fixes the value from ``context`` (the whole call's) and returns a hook
+    that rotates each token by its own position alone (:func:`rotates_each_token`) and gives what this
+    one gives on that call: blockwise attention rotates its tiles by it, so no rotated copy of q and
+    k is stored.
+    """
+
+    def per_token_for(self, context: AttentionContext) -> Rotate: ...
 
 
 @runtime_checkable

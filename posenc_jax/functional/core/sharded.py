@@ -46,6 +46,7 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     Normalize,
+    PerCallRotation,
     Rotate,
     Values,
     one_or_more,
@@ -230,9 +231,9 @@ def sequence_parallel_attention(
     settings["normalizer"] = as_normalizer(normalizer)
 
     # A rotation by each token's own position goes to the devices, whose blockwise attention applies it per
-    # tile (no rotated copy of q or k, nor of the gathered keys); any other rotation runs here, on the whole call.
-    rotations = [h for h in rotations if not rotates_each_token(h)]
-    if rotations:
+    # tile (no rotated copy of q or k, nor of the gathered keys); so does one that reads one value of the whole
+    # call (xPos's centre, a scaling's length), fixed here first; any other rotation runs here, on the whole call.
+    if not all(rotates_each_token(h) for h in rotations):
         context = AttentionContext.from_positions(
             query_positions,
             key_positions,
@@ -241,9 +242,14 @@ def sequence_parallel_attention(
             head_dim=head_dim,
             num_heads=num_heads,
         )
-        for hook in rotations:
+        hooks = [
+            h.per_token_for(context) if isinstance(h, PerCallRotation) and not rotates_each_token(h) else h
+            for h in hooks
+        ]
+        whole_call = [h for h in hooks if isinstance(h, Rotate) and not rotates_each_token(h)]
+        for hook in whole_call:
             query, key = hook.rotate(query, key, context)
-    hooks = [hook for hook in hooks if not any(hook is rotation for rotation in rotations)]
+        hooks = [hook for hook in hooks if not any(hook is rotation for rotation in whole_call)]
 
     # Whole-call arrays in the shapes the devices receive: per-query ones [B|1, T, ...] padded to P·⌈T/P⌉.
     devices = mesh.shape[axis]

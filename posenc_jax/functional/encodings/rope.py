@@ -21,7 +21,7 @@ the same map up to a fixed permutation of the first R features. Dimensions
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Protocol, runtime_checkable
+from typing import ClassVar, Literal, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ from posenc_jax.functional.core.registry import Source, register_encoding
 
 __all__ = [
     "RoPE",
+    "RoPEAtLength",
     "RotaryTable",
     "apply_rope",
     "apply_rope_qk",
@@ -400,15 +401,15 @@ class RoPE(ParameterFree):
         """
         return not self.length_dependent
 
-    def _angles(self, head_dim: int, query_positions: jax.Array):
-        """``(angles_of, attention_factor)``: ``angles_of(positions)`` gives ``[..., T, R/2]`` float32 angles."""
+    def _angles(self, head_dim: int, query_positions: jax.Array | None, length: jax.Array | None = None):
+        """``(angles_of, attention_factor)``: ``angles_of(positions)`` gives ``[..., T, R/2]`` float32 angles
+        (a length-dependent scaling's at ``length``, by default the current length of ``query_positions``)."""
         if not self.length_dependent:
             freq, factor = self.frequencies(head_dim)
             return (lambda positions: _position_angles(positions, freq)), factor
         rotary_dim = head_dim if self.rotary_dim is None else self.rotary_dim
-        # The current length, as transformers' dynamic RoPE takes it; in float32, as
-        # max + 1 leaves int32 at the last int32 position.
-        length = jnp.max(query_positions).astype(jnp.float32) + 1
+        if length is None:
+            length = _current_length(query_positions)
 
         def angles_of(positions):
             return self.scaling.angles(positions, rotary_dim, self.base, length)
@@ -443,6 +444,15 @@ class RoPE(ParameterFree):
         _check_qk_fit(q, k, context.query_positions, context.key_positions)
         angles_of, factor = self._angles(q.shape[-1], context.query_positions)
         return _rotate_qk(q, k, context.query_positions, context.key_positions, angles_of, self.layout, factor)
+
+    def per_token_for(self, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]) -> RoPE | RoPEAtLength:
+        """This RoPE for the call of ``context``, rotating each token by its own position alone: itself,
+        or, for a length-dependent scaling, a :class:`RoPEAtLength` at the call's current length
+        (what blockwise attention rotates its tiles by)."""
+        if not self.length_dependent:
+            return self
+        context = rotation_context(context, "RoPE.per_token_for")
+        return RoPEAtLength(_current_length(context.query_positions), self)
 
     def prepare(self, positions: jax.Array | AttentionContext, head_dim: int) -> RotaryTable:
         """This RoPE with its table for ``positions`` computed now, as a ``rotate`` hook.
@@ -490,6 +500,37 @@ class RoPE(ParameterFree):
         )
 
 
+def _current_length(query_positions: jax.Array) -> jax.Array:
+    """The length a length-dependent scaling follows, ``max(query_positions) + 1``, as transformers'
+    dynamic RoPE takes it; in float32, as max + 1 leaves int32 at the last int32 position."""
+    return jnp.max(query_positions).astype(jnp.float32) + 1
+
+
+@pytree_dataclass
+class RoPEAtLength:
+    """A length-dependent RoPE (dynamic NTK, LongRoPE) with its length fixed (:meth:`RoPE.per_token_for`):
+    each token is then rotated by its own position alone.
+
+    Attributes:
+      length: float32 scalar, the sequence length the scaling's frequencies are taken at.
+      rope: the :class:`RoPE` settings.
+    """
+
+    length: jax.Array = parameter()
+    rope: RoPE = dataclasses.field(default_factory=RoPE)
+    rotates_per_token: ClassVar[bool] = True
+
+    def rotate(
+        self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> tuple[jax.Array, jax.Array]:
+        """As :meth:`RoPE.rotate`, with the scaling's frequencies at :attr:`length`."""
+        context = rotation_context(context, "RoPEAtLength.rotate")
+        _check_qk_heads(q, k, self.rope.rotary_dim)
+        _check_qk_fit(q, k, context.query_positions, context.key_positions)
+        angles_of, factor = self.rope._angles(q.shape[-1], None, self.length)
+        return _rotate_qk(q, k, context.query_positions, context.key_positions, angles_of, self.rope.layout, factor)
+
+
 @pytree_dataclass
 class RotaryTable:
     """RoPE with its ``[..., T, R]`` table computed for one array of positions (:meth:`RoPE.prepare`).
@@ -517,6 +558,12 @@ class RotaryTable:
     def rotates_per_token(self) -> bool:
         """As :attr:`RoPE.rotates_per_token`."""
         return self.rope.rotates_per_token
+
+    def per_token_for(
+        self, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
+    ) -> RotaryTable | RoPEAtLength:
+        """As :meth:`RoPE.per_token_for` (itself when its RoPE's frequencies do not follow the length)."""
+        return self if self.rotates_per_token else self.rope.per_token_for(context)
 
     def rotate(
         self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]

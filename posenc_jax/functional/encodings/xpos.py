@@ -17,6 +17,9 @@ arXiv:2212.10554 (γ = 0.4, scale_base = 512 as in the authors' code).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import ClassVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +28,7 @@ from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CausalOnly,
     ParameterFree,
+    parameter,
     pytree_dataclass,
     rotation_context,
 )
@@ -45,7 +49,7 @@ from posenc_jax.functional.encodings.rope import (
     rope_tables,
 )
 
-__all__ = ["XPos", "apply_xpos_qk", "xpos_decay_bases"]
+__all__ = ["XPos", "XPosAbout", "apply_xpos_qk", "xpos_centre", "xpos_decay_bases"]
 
 XPOS = Source.paper(
     "sun2022length",
@@ -62,6 +66,14 @@ def xpos_decay_bases(rotary_dim: int, *, gamma: float = 0.4) -> np.ndarray:
     rope_inverse_frequencies(rotary_dim)  # validates rotary_dim
     gamma = check_number("gamma", gamma, above=0, fix="0.4 in the paper")
     return (np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim + gamma) / (1 + gamma)
+
+
+def xpos_centre(query_positions: jax.Array) -> jax.Array:
+    """The default centre, the midpoint ``⌊(min + max) / 2⌋`` of each example's query positions: ``[B|1, 1]``."""
+    q_batched = batched_positions(query_positions)
+    low, high = q_batched.min(axis=-1, keepdims=True), q_batched.max(axis=-1, keepdims=True)
+    # floor((low + high) / 2) without forming low + high, which can leave int32.
+    return low // 2 + high // 2 + (low % 2 + high % 2) // 2
 
 
 def _wide_enough(x):
@@ -110,13 +122,7 @@ def apply_xpos_qk(
     key_positions = check_positions(key_positions, "key_positions")
     freq = rope_inverse_frequencies(rotary_dim, base=base)
     log_zeta = jnp.asarray(np.log(xpos_decay_bases(rotary_dim, gamma=gamma)), jnp.float32)
-    if centre is None:
-        q_batched = batched_positions(query_positions)
-        low, high = q_batched.min(axis=-1, keepdims=True), q_batched.max(axis=-1, keepdims=True)
-        # floor((low + high) / 2) without forming low + high, which can leave int32.
-        centre = low // 2 + high // 2 + (low % 2 + high % 2) // 2  # [B|1, 1]
-    else:
-        centre = jnp.asarray(centre, jnp.int32).reshape(-1, 1)
+    centre = xpos_centre(query_positions) if centre is None else jnp.asarray(centre, jnp.int32).reshape(-1, 1)
 
     def tables(positions, sign):
         cos, sin = rope_tables(positions, freq)
@@ -172,6 +178,12 @@ class XPos(CausalOnly, ParameterFree):
         (an :class:`AttentionContext`, one positions array, or ``(query_positions, key_positions)``)."""
         return self.rotate_about(q, k, context, None)
 
+    def per_token_for(self, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]) -> XPosAbout:
+        """This xPos with its centre fixed at the call's (the midpoint of ``context``'s query positions):
+        each token's rotation then depends on its own position alone (what blockwise tiles rotate by)."""
+        context = rotation_context(context, "XPos.per_token_for")
+        return XPosAbout(xpos_centre(context.query_positions), self)
+
     def rotate_about(self, q, k, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array], centre):
         """:meth:`rotate` with the scale factors 1 at ``centre`` (``[B|1, 1]``; None: the queries' midpoint).
 
@@ -191,3 +203,22 @@ class XPos(CausalOnly, ParameterFree):
             layout=self.layout,
             centre=centre,
         )
+
+
+@pytree_dataclass
+class XPosAbout:
+    """xPos with its scale factors 1 at a fixed ``centre`` (:meth:`XPos.per_token_for`): each token is
+    rotated and scaled by its own position alone.
+
+    Attributes:
+      centre: integer ``[B|1, 1]``, the position where the scale factors are 1.
+      xpos: the :class:`XPos` settings.
+    """
+
+    centre: jax.Array = parameter()
+    xpos: XPos = dataclasses.field(default_factory=XPos)
+    rotates_per_token: ClassVar[bool] = True
+
+    def rotate(self, q: jax.Array, k: jax.Array, context) -> tuple[jax.Array, jax.Array]:
+        """:meth:`XPos.rotate_about` the fixed :attr:`centre`."""
+        return self.xpos.rotate_about(q, k, context, self.centre)
