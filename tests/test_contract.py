@@ -42,6 +42,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
+from posenc_jax.functional.kernels import backend
 from posenc_jax.hf import RoPEOnLastFeatures
 from posenc_jax.nn import Transformer
 from posenc_jax.nn.attention import _stores_rotated_keys
@@ -231,6 +232,40 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         checked += 1
     assert checked > 0
+
+
+@pytest.mark.parametrize("name", ["transformer-xl", "cope"])
+def test_plain_forms_of_the_other_backends_equal_the_cpu_forms(rng, name, monkeypatch):
+    """The kernels shaped on XLA:CPU run on the CPU only (``kernels.backend.cpu_forms``); the plain forms
+    the other backends run give the same values and gradients: Transformer-XL's ladder scores and its
+    table-or-identity choice in decoding steps, CoPE's counts and pair reads."""
+    hook = jax.tree.map(lambda p: p + 0.3 * _normal(rng, p.shape), _built(name))
+    q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
+
+    def value_and_grads():  # a new function each time: jit would reuse the trace of the same one
+        out = lambda *args: jnp.sum(jnp.sin(_run_hook(args[0], "attention", None, *args[1:], jnp.arange(T))))
+        return jax.jit(jax.value_and_grad(out, argnums=(0, 1, 2, 3)))
+
+    def decoded(model):
+        tokens = jnp.asarray(rng.integers(0, 16, (2, 7)), jnp.int32)
+        positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+        logits, caches = model.decode(tokens[:, :5], positions[:, :5], model.init_cache(2, 8))
+        steps = [logits]
+        for t in (5, 6):
+            logits, caches = model.decode(tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+            steps.append(logits)
+        return jnp.concatenate(steps, axis=1)
+
+    rng_state = rng.bit_generator.state
+    cpu = value_and_grads()(hook, q, k, v)
+    cpu_decoded = decoded(_model(name, causal=True)) if name == "transformer-xl" else None
+    monkeypatch.setattr(backend, "cpu_forms", lambda: False)
+    rng.bit_generator.state = rng_state  # the same tokens
+    plain = value_and_grads()(hook, q, k, v)  # traced with the plain forms
+    for a, b in zip(jax.tree.leaves(cpu), jax.tree.leaves(plain), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    if cpu_decoded is not None:  # steps against the cache's table of W_R R_d
+        np.testing.assert_allclose(decoded(_model(name, causal=True)), cpu_decoded, rtol=1e-5, atol=1e-5)
 
 
 def test_position_sampler_passes_through_jit_and_vmap():

@@ -17,7 +17,8 @@ interpolated at them. Here, with the plain form of each beside it:
   and added.
 
 Backends: every form here runs on every backend. The first two were shaped on XLA:CPU and
-are kept on the others unmeasured: no GPU or TPU timing says the plain form is as fast there.
+are used on the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`), the plain
+forms on the others.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
+from posenc_jax.functional.kernels import backend
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = [
@@ -64,14 +66,17 @@ def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
     CoPE's gates, and the same again in the gradient, which is a forward cumulative sum,
     here a product with the transposed triangle). For finite values: an infinite or NaN
     entry makes its whole block NaN (CoPE's gates are in [0, 1], or NaN where a visible
-    key's score already is). Kept on every backend (not timed on a GPU or TPU against the
-    plain form).
+    key's score already is). On the CPU only
+    (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`); on the other backends, the
+    plain reversed cumulative sum.
 
     Example:
       >>> reverse_cumsum(jnp.array([1.0, 2.0, 3.0]))
       Array([6., 5., 3.], dtype=float32)
     """
     x = jnp.asarray(x, jnp.float32)
+    if not backend.cpu_forms():
+        return jax.lax.cumsum(x, axis=x.ndim - 1, reverse=True)
     *lead, length = x.shape
     num_blocks = -(-length // block)
     padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_blocks * block - length)])
@@ -97,13 +102,14 @@ def interpolate_pairs(per_position: jax.Array, lower: jax.Array, weight: jax.Arr
     window of two, into that flat array. As ``take_along_axis`` on ``[..., P]`` (gathers with
     batch dimensions), the gradient was two scatters with batch dimensions, which XLA:CPU ran
     about 3× slower (CoPE's ``[8, 4, 512, 514]`` values: 300 ms against 80–110 ms for value
-    and gradient). Kept on every backend (not timed on a GPU or TPU against the plain form).
+    and gradient). On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`);
+    on the other backends, the plain form (:func:`interpolate_pairs_plain`).
 
     Example:
       >>> interpolate_pairs(jnp.array([0.0, 10.0, 20.0]), jnp.array([0, 1]), jnp.array([0.5, 0.25]))
       Array([ 5. , 12.5], dtype=float32)
     """
-    if per_position.size >= 2**31:  # flat offsets past int32
+    if per_position.size >= 2**31 or not backend.cpu_forms():  # flat offsets past int32, or not XLA:CPU
         return interpolate_pairs_plain(per_position, lower, weight)
     return _interpolate(per_position, lower, weight)
 

@@ -22,11 +22,11 @@ The plain forms beside them: the identity (the encoding's, which every way falls
 :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift`, and the float64 reference
 :func:`posenc_jax.reference.relative.transformer_xl_logits`; the tests hold each way to them.
 
-Backends: every form here runs on every backend. Two were shaped on XLA:CPU and are kept on
-the others unmeasured, no GPU or TPU timing saying a plainer form is as fast there: the
-ladder's scores written as the content score's batched product (:func:`_scores_against`) and
-the table-or-identity choice as a loop of one pass or none (:func:`_identity_unless`) rather
-than a conditional.
+Backends: every form here runs on every backend. Two were shaped on XLA:CPU and are used on
+the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`), the plain form on the
+others: the ladder's scores written as the content score's batched product
+(:func:`_scores_against`; elsewhere the plain product) and the table-or-identity choice as a
+loop of one pass or none (:func:`_identity_unless`; elsewhere a conditional).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from posenc_jax.functional.core.relative import (
     by_query_blocks,
     take_along_last_axis,
 )
+from posenc_jax.functional.kernels import backend
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = ["shift_ladder_scores", "transformer_xl_terms"]
@@ -183,9 +184,12 @@ def _identity_unless(position_scores, key_sinusoids, use_identity, by_table, ope
     selection between the two (below), so ``jax.grad`` and ``jax.jvp`` work as they would
     through a conditional.
 
-    Kept on every backend: the conditional, the generic form, was not timed on a GPU or TPU
-    against this loop.
+    On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`); on the other
+    backends, the conditional.
     """
+    if not backend.cpu_forms():
+        identity = lambda: _identity_at(position_scores, key_sinusoids, 0, *operands)
+        return jax.lax.cond(use_identity, identity, lambda: by_table)
     body = lambda i, current: _identity_at(position_scores, key_sinusoids, i, *operands)
     return jax.lax.fori_loop(0, use_identity.astype(jnp.int32), body, by_table)
 
@@ -210,8 +214,11 @@ def _scores_against(shifted_q, projected) -> jax.Array:
     Written as the content score's product, with ``projected`` broadcast over the batch (a copy
     of B·L·N·H values, as many as the keys): XLA:CPU computes ``'BTNH,LNH->BNTL'`` (or its
     heads-first form) as ``[N, L, T]`` and then transposes the whole product, ~1.7× its time
-    at T = L = 1024. Kept on every backend (not timed on a GPU or TPU against the plain product).
+    at T = L = 1024. On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`);
+    on the other backends, the plain product.
     """
+    if not backend.cpu_forms():
+        return jnp.einsum("BTNH,LNH->BNTL", shifted_q, projected, preferred_element_type=jnp.float32)
     keys = jnp.broadcast_to(projected[None], (shifted_q.shape[0], *projected.shape))
     return jnp.einsum("BTNH,BLNH->BNTL", shifted_q, keys, preferred_element_type=jnp.float32)
 
