@@ -234,11 +234,12 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
     assert checked > 0
 
 
-@pytest.mark.parametrize("name", ["transformer-xl", "cope"])
+@pytest.mark.parametrize("name", ["transformer-xl", "cope", "shaw", "deberta"])
 def test_plain_forms_of_the_other_backends_equal_the_cpu_forms(rng, name, monkeypatch):
     """The kernels shaped on XLA:CPU run on the CPU only (``kernels.backend.cpu_forms``); the plain forms
     the other backends run give the same values and gradients: Transformer-XL's ladder scores and its
-    table-or-identity choice in decoding steps, CoPE's counts and pair reads."""
+    table-or-identity choice in decoding steps, CoPE's counts and pair reads, Shaw's and DeBERTa's
+    gathers by distance in the gradient."""
     hook = jax.tree.map(lambda p: p + 0.3 * _normal(rng, p.shape), _built(name))
     q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
 
