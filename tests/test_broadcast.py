@@ -16,6 +16,7 @@ from posenc_jax.functional import dot_product_attention, t5_bias
 from posenc_jax.functional.core.attention import SharedBias
 from posenc_jax.functional.core.hooks import AttentionContext
 from posenc_jax.functional.core.normalizers import URPE
+from posenc_jax.functional.kernels import backend
 from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
 
 
@@ -30,18 +31,22 @@ from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
         ((2, 3), (2, 3)),  # nothing broadcast
     ],
 )
-def test_sum_to_shape_is_the_sum_over_the_broadcast_axes(full, shape, rng):
+@pytest.mark.parametrize("cpu_forms", [True, False], ids=["cpu-form", "plain-form"])
+def test_sum_to_shape_is_the_sum_over_the_broadcast_axes(full, shape, rng, cpu_forms, monkeypatch):
+    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)  # the form another backend runs, on the CPU
     x = jnp.asarray(rng.normal(size=full), jnp.float32)
     padded = (1,) * (len(full) - len(shape)) + shape
     axes = tuple(i for i, (d, t) in enumerate(zip(padded, full, strict=True)) if d == 1 and t != 1)
     expected = np.asarray(x, np.float64).sum(axis=axes, keepdims=True).reshape(shape)
-    got = jax.jit(sum_to_shape, static_argnums=1)(x, shape)
+    got = jax.jit(lambda x: sum_to_shape(x, shape))(x)  # a new function: traced with this form
     assert got.shape == shape and got.dtype == x.dtype
     np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("shape", "full"), [((1, 4, 5, 6), (8, 4, 5, 6)), ((5, 6), (3, 4, 5, 6)), ((3, 1), (3, 7))])
-def test_broadcast_to_has_the_values_and_gradient_of_plain_broadcasting(shape, full, rng):
+@pytest.mark.parametrize("cpu_forms", [True, False], ids=["cpu-form", "plain-form"])
+def test_broadcast_to_has_the_values_and_gradient_of_plain_broadcasting(shape, full, rng, cpu_forms, monkeypatch):
+    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)
     x = jnp.asarray(rng.normal(size=shape), jnp.float32)
     weights = jnp.asarray(rng.normal(size=full), jnp.float32)
     np.testing.assert_array_equal(broadcast_to(x, full), jnp.broadcast_to(x, full))

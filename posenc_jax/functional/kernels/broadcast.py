@@ -7,7 +7,9 @@ batch. Autodiff writes that sum as one reduction over a non-minor axis, which XL
 with a stride: at B = 8, N = 4, T = S = 512 it took 70 ms, five times a copy of the array,
 and made a training step with a learned bias 1.2-1.5x one without. Summed as the
 elementwise sum of its slices, the same reduction is one fused pass (1.2 ms there).
-:func:`broadcast_to` is ``jnp.broadcast_to`` with that transpose.
+:func:`broadcast_to` is ``jnp.broadcast_to`` with that transpose. Both are forms shaped on
+XLA:CPU, used on the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`); on
+the other backends they are the plain broadcast and the plain sum.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+
+from posenc_jax.functional.kernels import backend
 
 __all__ = ["broadcast_to", "sum_to_shape"]
 
@@ -50,6 +54,8 @@ def sum_to_shape(x: jax.Array, shape: tuple) -> jax.Array:
       [[6.0, 9.0]]
     """
     shape = tuple(shape)
+    if not backend.cpu_forms():
+        return x.sum(axis=_broadcast_axes(shape, x.shape), keepdims=True).reshape(shape)
     for axis in _broadcast_axes(shape, x.shape):
         size = x.shape[axis]
         if size <= _SLICE_SUM_LIMIT:
@@ -78,7 +84,7 @@ def broadcast_to(x: jax.Array, shape: tuple) -> jax.Array:
     if tuple(x.shape) == shape:
         return x
     _broadcast_axes(x.shape, shape)  # checked here, before any derivative is traced
-    return _broadcast(x, shape)
+    return _broadcast(x, shape) if backend.cpu_forms() else jnp.broadcast_to(x, shape)
 
 
 def _copies(x: jax.Array, shape: tuple) -> jax.Array:
