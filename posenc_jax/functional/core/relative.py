@@ -108,7 +108,8 @@ def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: boo
     fuses it into its consumer and writes the output in the consumer's layout.
     ``take_along_axis`` with a broadcast index is a gather with batch dimensions that
     XLA:CPU lays out index first (``[T·S, B, N]``) and then transposes: a strided pass over
-    the whole output.
+    the whole output. On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`);
+    on the other backends, ``take_along_axis``.
 
     Example:
       >>> take_along_last_axis(jnp.arange(6.0).reshape(2, 3), jnp.array([[2, 0]]))
@@ -133,8 +134,10 @@ def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: boo
             + (" (transposed: values [..., S, L] for index [..., T, S])" if transposed else "")
         )
     out_shape = out_lead + tuple(index.shape[-1:])
-    if values.size >= 2**31 or length == 0:  # flat offsets past int32 (or nothing to read)
-        index = jnp.broadcast_to(index, out_shape)
+    # take_along_axis: past int32 flat offsets, with nothing to read, or off the CPU (a flat layout may be a copy)
+    if values.size >= 2**31 or length == 0 or not backend.cpu_forms():
+        # Clipped first: take_along_axis would read a negative slot from the end, not slot 0.
+        index = jnp.broadcast_to(jnp.clip(index, 0, max(length - 1, 0)), out_shape)
         if transposed:
             return jnp.take_along_axis(jnp.swapaxes(values, -1, -2), index, axis=-2, mode="clip")
         return jnp.take_along_axis(values, index, axis=-1, mode="clip")
