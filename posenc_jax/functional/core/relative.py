@@ -659,12 +659,11 @@ def _slot_map(sign, offset, slots, key_side, block_elements=_SCATTER_BLOCK) -> d
 
 
 def _gathered(per_distance, q, k, *mask, sign, offset, slots, key_side, block_elements):
-    """The gather by slot (on the CPU the flat gather: in a program with the gradient, XLA:CPU does not
-    fuse the gather into the scores and stores it, and take_along_axis's index-first layout then costs
-    a transposing pass: DeBERTa's attention with gradient, B=8, 2.8x plain's time against 1.7x; on the
-    other backends, where a flat layout may cost a relayout copy, take_along_axis:
-    :func:`~posenc_jax.functional.kernels.backend.cpu_forms`); entries the mask hides are zero."""
-    out = _gather_plain(per_distance, q, k, sign, offset, key_side, flat=backend.cpu_forms())
+    """The gather by slot (:func:`take_along_last_axis`, on the CPU the flat gather: in a program with the
+    gradient, XLA:CPU does not fuse the gather into the scores and stores it, and take_along_axis's
+    index-first layout then costs a transposing pass: DeBERTa's attention with gradient, B=8, 2.8x
+    plain's time against 1.7x); entries the mask hides are zero."""
+    out = _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True)
     return jnp.where(mask[0], out, jnp.zeros((), out.dtype)) if mask else out
 
 
