@@ -72,7 +72,6 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     MaterializeOnly,
-    PerCallRotation,
     Rotate,
     ScoreFeatures,
     TiledLogits,
@@ -80,6 +79,7 @@ from posenc_jax.functional.core.hooks import (
     TiledValues,
     Values,
     rotates_each_token,
+    with_per_call_rotations_fixed,
 )
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
 from posenc_jax.functional.core.relative import toeplitz_where_runs
@@ -194,10 +194,7 @@ def blockwise_attention(
     # A rotation by each token's own position is applied per tile (a query block once, a key tile at each
     # step), so no rotated copy of q and k is stored; one that depends on the whole call through one value
     # is fixed at this call's first; any other rotation runs once on the whole q and k.
-    hooks = [
-        hook.per_token_for(context) if isinstance(hook, PerCallRotation) and not rotates_each_token(hook) else hook
-        for hook in hooks
-    ]
+    hooks = with_per_call_rotations_fixed(hooks, context)
     per_token = [rotates_each_token(h) for h in hooks]
     for hook, tiled in zip(hooks, per_token, strict=True):
         if isinstance(hook, Rotate) and not tiled:

@@ -83,6 +83,7 @@ __all__ = [
     "pytree_dataclass",
     "rotates_each_token",
     "rotation_context",
+    "with_per_call_rotations_fixed",
 ]
 
 Placement = Literal["embeddings", "positions", "attention", "shared_bias", "normalizer"]
@@ -478,6 +479,15 @@ class PerCallRotation(Protocol):
     """
 
     def per_token_for(self, context: AttentionContext) -> Rotate: ...
+
+
+def with_per_call_rotations_fixed(hooks: Sequence, context: AttentionContext) -> list:
+    """``hooks`` with each :class:`PerCallRotation` that does not yet rotate each token by its own position
+    replaced by its per-token form for the call of ``context`` (:meth:`PerCallRotation.per_token_for`)."""
+    return [
+        hook.per_token_for(context) if isinstance(hook, PerCallRotation) and not rotates_each_token(hook) else hook
+        for hook in hooks
+    ]
 
 
 @runtime_checkable

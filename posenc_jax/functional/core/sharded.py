@@ -11,11 +11,13 @@ statistics) divide by the number of devices; the keys, the values and the
 Every encoding sees its true positions. A device's queries keep their positions (the slice
 of ``query_positions``), so causal masking, segment ids, biases from positions (T5, ALiBi,
 Kerple, FIRE, ...), terms from positions and q or k (Shaw, DeBERTa, Transformer-XL, CoPE)
-are computed for each tile exactly as on one device. Rotations by each token's own position
-(RoPE, its fixed scalings, axial RoPE) go to the devices, which apply them per tile as one
-device does; the other rotations are applied once to the whole q and k before the split:
-they read the whole call (dynamic NTK and LongRoPE the length ``max(query_positions) + 1``,
-xPos the queries' midpoint), which one device's slice would change.
+are computed for each tile exactly as on one device. Rotations go to the devices, which apply
+them per tile as one device does: those by each token's own position (RoPE, its fixed
+scalings, axial RoPE) as they are, and those that read one value of the whole call (dynamic
+NTK and LongRoPE the length ``max(query_positions) + 1``, xPos the queries' midpoint, which
+one device's slice would change) with that value fixed from the whole call before the split
+(:class:`~posenc_jax.functional.core.hooks.PerCallRotation`). Any other rotation is applied
+once to the whole q and k before the split.
 
 Each query row goes through the same arithmetic as on one device (its tiles of keys, in the
 same order). On XLA:CPU the outputs equal one device's bit for bit, for every encoding, with T
@@ -46,11 +48,11 @@ from posenc_jax.functional.core.hooks import (
     KeyFeatures,
     Logits,
     Normalize,
-    PerCallRotation,
     Rotate,
     Values,
     one_or_more,
     rotates_each_token,
+    with_per_call_rotations_fixed,
 )
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
 from posenc_jax.functional.core.registry import resolve_encoding
@@ -242,10 +244,7 @@ def sequence_parallel_attention(
             head_dim=head_dim,
             num_heads=num_heads,
         )
-        hooks = [
-            h.per_token_for(context) if isinstance(h, PerCallRotation) and not rotates_each_token(h) else h
-            for h in hooks
-        ]
+        hooks = with_per_call_rotations_fixed(hooks, context)
         whole_call = [h for h in hooks if isinstance(h, Rotate) and not rotates_each_token(h)]
         for hook in whole_call:
             query, key = hook.rotate(query, key, context)

@@ -401,7 +401,7 @@ class RoPE(ParameterFree):
         """
         return not self.length_dependent
 
-    def _angles(self, head_dim: int, query_positions: jax.Array | None, length: jax.Array | None = None):
+    def _angles(self, head_dim: int, query_positions: jax.Array, length: jax.Array | None = None):
         """``(angles_of, attention_factor)``: ``angles_of(positions)`` gives ``[..., T, R/2]`` float32 angles
         (a length-dependent scaling's at ``length``, by default the current length of ``query_positions``)."""
         if not self.length_dependent:
@@ -438,11 +438,15 @@ class RoPE(ParameterFree):
           >>> bool(jnp.allclose(q_last, q_rot[:, -1:]))
           True
         """
+        return self._rotate_at(q, k, context, None, "RoPE.rotate")
+
+    def _rotate_at(self, q, k, context, length: jax.Array | None, caller: str) -> tuple[jax.Array, jax.Array]:
+        """:meth:`rotate`, a length-dependent scaling's frequencies at ``length`` (None: the current length)."""
         # Positions given as arrays are checked by rotation_context; a context's were checked where it was made.
-        context = rotation_context(context, "RoPE.rotate")
+        context = rotation_context(context, caller)
         _check_qk_heads(q, k, self.rotary_dim)
         _check_qk_fit(q, k, context.query_positions, context.key_positions)
-        angles_of, factor = self._angles(q.shape[-1], context.query_positions)
+        angles_of, factor = self._angles(q.shape[-1], context.query_positions, length)
         return _rotate_qk(q, k, context.query_positions, context.key_positions, angles_of, self.layout, factor)
 
     def per_token_for(self, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]) -> RoPE | RoPEAtLength:
@@ -524,11 +528,7 @@ class RoPEAtLength:
         self, q: jax.Array, k: jax.Array, context: AttentionContext | jax.Array | tuple[jax.Array, jax.Array]
     ) -> tuple[jax.Array, jax.Array]:
         """As :meth:`RoPE.rotate`, with the scaling's frequencies at :attr:`length`."""
-        context = rotation_context(context, "RoPEAtLength.rotate")
-        _check_qk_heads(q, k, self.rope.rotary_dim)
-        _check_qk_fit(q, k, context.query_positions, context.key_positions)
-        angles_of, factor = self.rope._angles(q.shape[-1], None, self.length)
-        return _rotate_qk(q, k, context.query_positions, context.key_positions, angles_of, self.rope.layout, factor)
+        return self.rope._rotate_at(q, k, context, self.length, "RoPEAtLength.rotate")
 
 
 @pytree_dataclass
