@@ -34,6 +34,14 @@ encoding's parameters), each as a ratio to NoPE's. Each encoding is timed in rou
 take turns with NoPE's; a time ratio is the median over ``--rounds`` rounds of the
 encoding's run over the NoPE run just before it, so a change in the machine's load falls on
 both sides of each ratio; lengths above ``--time-up-to`` are compiled (memory) but not timed.
+
+``--arithmetic`` prints, for every encoding that fills an attention hook, the arithmetic of
+one tile of its blockwise causal attention (forward, and forward and backward) as a ratio to
+plain blockwise attention's, read from the compiled programs (``cost_analysis()["flops"]``).
+XLA counts a loop's body once and a conditional's costliest branch, so a program's count is
+one tile of the costliest kind plus the work done once per call; compiling at T and 2T
+separates the two (the tile's share is the same at both, the per-call share doubles), and
+the table gives both. Being a count, not a timing, it does not depend on the machine's load.
 """
 
 from __future__ import annotations
@@ -325,6 +333,40 @@ def versus_plain(args) -> None:
             del programs
 
 
+def _flops(name: str, length: int) -> list[float]:
+    """The XLA cost analysis' flops of ``name``'s blockwise forward and forward and backward at ``length``."""
+    programs, _ = _versus_programs(name, length)
+    return [float(c.cost_analysis().get("flops", 0.0)) for c in programs]
+
+
+def arithmetic(args) -> None:
+    """The ``--arithmetic`` table (see the module's docstring)."""
+    length = args.lengths[0]
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}; blockwise causal attention, B={B}, N={N}, H={H}, "
+        f"float32, tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; flops from the compiled programs at T={length:,} and "
+        f"{2 * length:,}: one tile (the costliest kind) and the work once per call, as ratios to one plain tile"
+    )
+    print("| encoding | tile fwd | tile fwd+bwd | per call fwd (tiles) | per call fwd+bwd (tiles) |")
+    print("|---|---:|---:|---:|---:|")
+
+    def split(name):
+        once, twice = _flops(name, length), _flops(name, 2 * length)
+        return [(2 * a - b, b - a) for a, b in zip(once, twice, strict=True)]  # (tile, per call at T)
+
+    plain = split("nope")
+    print(f"| nope | {plain[0][0] / 1e6:,.0f} MFLOP | {plain[1][0] / 1e6:,.0f} MFLOP | – | – |", flush=True)
+    for name in args.encodings:
+        if name == "nope" or _no_hook(name) is not None:
+            continue
+        (tile_f, call_f), (tile_b, call_b) = split(name)
+        print(
+            f"| {name} | {tile_f / plain[0][0]:.2f}× | {tile_b / plain[1][0]:.2f}× | "
+            f"{call_f / plain[0][0]:.2f} | {call_b / plain[1][0]:.2f} |",
+            flush=True,
+        )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", type=int, nargs="+", help=f"default {' '.join(map(str, LENGTHS))}")
@@ -343,7 +385,13 @@ def main(argv=None) -> None:
     parser.add_argument("--versus-plain", action="store_true", help="every encoding against NoPE, blockwise")
     parser.add_argument("--quick", action="store_true", help="--versus-plain at 1,024 and 2,048 tokens")
     parser.add_argument("--time-up-to", type=int, default=16384, help="--versus-plain: time up to this length")
+    parser.add_argument("--arithmetic", action="store_true", help="one tile's flops, every encoding against NoPE")
     args = parser.parse_args(argv)
+    if args.arithmetic:
+        args.lengths = args.lengths or [4096]
+        args.encodings = args.encodings or encoding_names()
+        arithmetic(args)
+        return
     if args.versus_plain:
         args.lengths = args.lengths or ([1024, 2048] if args.quick else list(VERSUS_LENGTHS))
         args.encodings = args.encodings or encoding_names()
