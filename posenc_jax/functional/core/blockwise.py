@@ -56,8 +56,10 @@ same distribution as the materialising path's, not the same mask.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import einops
 import jax
@@ -85,10 +87,37 @@ from posenc_jax.functional.core.products import content_scores, masked_value_pro
 from posenc_jax.functional.core.relative import toeplitz_where_runs
 from posenc_jax.functional.kernels.broadcast import broadcast_to
 
-__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "blockwise_attention", "check_blockwise"]
+__all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "KeyRing", "blockwise_attention", "check_blockwise"]
 
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_K = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyRing:
+    """Keys passed round a ring of devices (ring attention, Liu et al. 2023, arXiv:2310.01889).
+
+    Inside ``shard_map`` over the mesh axis ``axis`` of ``size`` devices, device ``d`` holds
+    shard ``d`` of the keys and values (``S / size`` consecutive keys). The blockwise
+    attention visits its own shard with all its query blocks, hands the shard to device
+    ``d + 1`` (``lax.ppermute``) and takes device ``d - 1``'s, ``size`` times; its running
+    statistics stay where its queries are. No device ever holds more than one shard.
+    """
+
+    axis: str
+    size: int
+
+
+class _Keys(NamedTuple):
+    """The keys one pass of the blockwise attention visits, padded to whole tiles."""
+
+    key: jax.Array
+    value: jax.Array
+    valid: jax.Array | None
+    positions: jax.Array
+    segments: jax.Array | None
+    mask_columns: jax.Array | None
+    hooks: list
 
 
 def check_blockwise(hooks: Sequence, normalizer) -> None:
@@ -172,12 +201,18 @@ def blockwise_attention(
     block_k: int = DEFAULT_BLOCK_K,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    ring: KeyRing | None = None,
 ) -> jax.Array:
     """Attention over tiles; the inputs as checked by ``dot_product_attention``'s first stage.
 
     Use it through ``dot_product_attention(..., implementation="blockwise")``, which checks
     the arguments and builds ``context`` (whose ``mask`` is None here: the mask is built per
     tile from the positions, ``key_mask``, the segment ids and ``mask``).
+
+    With ``ring`` (inside ``shard_map``, see :class:`KeyRing`), ``key`` and ``value`` are
+    this device's shard of the keys, and everything else about the keys (``context``'s key
+    positions, ``key_mask``, ``key_segment_ids``, the columns of ``mask``, per-key arrays of
+    hooks) is the whole call's.
 
     Returns:
       ``[B, T, N, H]`` float32.
@@ -204,44 +239,28 @@ def blockwise_attention(
     num_q_blocks, num_k_blocks = math.ceil(q_len / block_q), math.ceil(k_len / block_k)
     q_pad, k_pad = num_q_blocks * block_q, num_k_blocks * block_k
 
-    # Keys that no query may see by key_mask are zeroed (their NaNs reach nothing).
-    key_valid = None if key_mask is None else jnp.asarray(key_mask)
-    key_valid = None if key_valid is None else (key_valid if key_valid.ndim == 2 else key_valid[None])
-    if key_valid is not None:
-        key = jnp.where(key_valid[:, :, None, None], key, jnp.zeros((), key.dtype))
-        value = jnp.where(key_valid[:, :, None, None], value, jnp.zeros((), value.dtype))
     # relu²/n's n per query, as stage 1 counted it (None: all S keys); padded queries repeat the last.
     counts = context.sequence_lengths
     counts = None if counts is None else _pad_to(counts, q_pad, 1, edge=True)
-
-    # Padded keys are invalid; padded queries are computed and dropped.
-    if k_pad != k_len:
-        real = jnp.arange(k_pad) < k_len
-        key_valid = real[None] if key_valid is None else _pad_to(key_valid, k_pad, 1) & real[None]
+    # Padded queries are computed and dropped.
     query = _pad_to(query, q_pad, 1)
-    key, value = _pad_to(key, k_pad, 1), _pad_to(value, k_pad, 1)
     # Without positions (no mask or hook reads them) the tiles still need some: the indices.
+    whole_k_len = k_len if ring is None else k_len * ring.size
     qpos = jnp.arange(q_len) if context.query_positions is None else context.query_positions
-    kpos = jnp.arange(k_len) if context.key_positions is None else context.key_positions
     qpos = _pad_to(jnp.atleast_2d(qpos), q_pad, 1, edge=True)
-    kpos = _pad_to(jnp.atleast_2d(kpos), k_pad, 1, edge=True)
-    qseg = kseg = None
+    all_kpos = jnp.atleast_2d(jnp.arange(whole_k_len) if context.key_positions is None else context.key_positions)
+    all_valid = None if key_mask is None else jnp.asarray(key_mask)
+    all_valid = None if all_valid is None else (all_valid if all_valid.ndim == 2 else all_valid[None])
+    qseg = all_kseg = None
     if query_segment_ids is not None:
         qseg = _pad_to(jnp.atleast_2d(jnp.asarray(query_segment_ids)), q_pad, 1, edge=True)
-        kseg = _pad_to(jnp.atleast_2d(jnp.asarray(key_segment_ids)), k_pad, 1, edge=True)
+        all_kseg = jnp.atleast_2d(jnp.asarray(key_segment_ids))
     extra = None
     if mask is not None:
         extra = jnp.asarray(mask)
         extra = extra.reshape((1,) * (4 - extra.ndim) + extra.shape)
         extra = _pad_to(extra, q_pad, 2) if extra.shape[2] != 1 else extra
-        extra = _pad_to(extra, k_pad, 3) if extra.shape[3] != 1 else extra
 
-    # Hooks that read per-key arrays stored earlier (a KV cache's: DeBERTa's key projections, Transformer-XL's
-    # u·k, the functional encoding's key sinusoids) read each key tile's, padded as the keys are.
-    hooks = [
-        hook.map_key_features(lambda x: _pad_to(x, k_pad, 1)) if isinstance(hook, KeyFeatures) else hook
-        for hook in hooks
-    ]
     carried = [hook for hook in hooks if isinstance(hook, CarriedLogits)]
     # Terms that split into per-query and per-key features join the tile's content product (as in the
     # materialising path): one contraction, and no [B, N, bq, bk] term of their own to add.
@@ -250,38 +269,83 @@ def blockwise_attention(
     values_hooks = [hook for hook in hooks if isinstance(hook, Values)]
     key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
     causal = context.causal
+    if ring is not None and carried and not causal:
+        raise ValueError(
+            f"{type(carried[0]).__name__} carries its sums from the last key to the first, which a ring of key "
+            f"shards visits in that order only for causal attention; pass causal=True, or gather the keys (ring=False)"
+        )
 
-    def query_block(qi):
+    def key_side(key, value, shard):
+        """The keys one pass visits: ``key`` and ``value`` (all of them, or shard ``shard`` of the ring's),
+        with the whole call's per-key arrays cut to the same keys, invalid keys zeroed (their NaNs reach
+        nothing) and all padded to whole tiles (padded keys invalid)."""
+        cut = (lambda x, axis: x) if shard is None else (lambda x, axis: _tile(x, shard, k_len, axis))
+        key_valid = None if all_valid is None else cut(all_valid, 1)
+        if key_valid is not None:
+            key = jnp.where(key_valid[:, :, None, None], key, jnp.zeros((), key.dtype))
+            value = jnp.where(key_valid[:, :, None, None], value, jnp.zeros((), value.dtype))
+        if k_pad != k_len:
+            real = jnp.arange(k_pad) < k_len
+            key_valid = real[None] if key_valid is None else _pad_to(key_valid, k_pad, 1) & real[None]
+        columns = None
+        if extra is not None:
+            columns = _pad_to(cut(extra, 3), k_pad, 3) if extra.shape[3] != 1 else extra
+        return _Keys(
+            key=_pad_to(key, k_pad, 1),
+            value=_pad_to(value, k_pad, 1),
+            valid=key_valid,
+            positions=_pad_to(cut(all_kpos, 1), k_pad, 1, edge=True),
+            segments=None if all_kseg is None else _pad_to(cut(all_kseg, 1), k_pad, 1, edge=True),
+            mask_columns=columns,
+            # Per-key arrays a hook read from a KV cache (DeBERTa's key projections, Transformer-XL's u·k, the
+            # functional encoding's key sinusoids): the same keys', padded as the keys are.
+            hooks=[
+                hook.map_key_features(lambda x: _pad_to(cut(x, 1), k_pad, 1)) if isinstance(hook, KeyFeatures) else hook
+                for hook in hooks
+            ],
+        )
+
+    def query_side(qi):
         q = _tile(query, qi, block_q, 1)
         q_positions = _tile(qpos, qi, block_q, 1)
-        q_segments = _tile(qseg, qi, block_q, 1)
-        q_extra = _tile(extra, qi, block_q, 2)
         q_context = context.tile(q_positions, q_positions, sequence_lengths=_tile(counts, qi, block_q, 1))
         for hook in rotations:  # the queries' half of the rotation (the keys' half, of q itself, is dropped)
             q = hook.rotate(q, q, q_context)[0]
-        rows = (batch, num_heads, block_q)
-        carry = (
-            normalizer.tile_init(rows),  # the normaliser's running statistics
-            jnp.zeros((batch, block_q, num_heads, head_dim), jnp.float32),  # running output
+        return q, q_positions, q_context
+
+    def start(query_block):
+        """A query block's carry before any key: the normaliser's running statistics, the running output,
+        the running value terms, the carried hooks' sums."""
+        q, _, q_context = query_block
+        return (
+            normalizer.tile_init((batch, num_heads, block_q)),
+            jnp.zeros((batch, block_q, num_heads, head_dim), jnp.float32),
             tuple(jnp.zeros((batch, block_q, num_heads, head_dim), jnp.float32) for _ in values_hooks),
             tuple(hook.init_carry(q, q_context) for hook in carried),
         )
 
+    def visit(qi, query_block, carry, keys: _Keys, first_tile):
+        """``carry`` after query block ``qi`` has seen the key tiles of ``keys`` (numbered from ``first_tile``)."""
+        q, q_positions, q_context = query_block
+        values_hooks = [hook for hook in keys.hooks if isinstance(hook, Values)]
+        q_segments = _tile(qseg, qi, block_q, 1)
+        q_extra = _tile(keys.mask_columns, qi, block_q, 2)
+
         def step(carry, kj):
             state, acc, vacc, hook_carry = carry
-            k = _tile(key, kj, block_k, 1)
-            v = _tile(value, kj, block_k, 1)
-            k_positions = _tile(kpos, kj, block_k, 1)
+            k = _tile(keys.key, kj, block_k, 1)
+            v = _tile(keys.value, kj, block_k, 1)
+            k_positions = _tile(keys.positions, kj, block_k, 1)
             for hook in rotations:  # the keys' half (the queries' half, of k itself, is dropped)
                 k = hook.rotate(k, k, context.tile(k_positions, k_positions))[1]
             tile_mask = None
             parts = []
             if causal:
                 parts.append(k_positions[:, None, None, :] <= q_positions[:, None, :, None])
-            if key_valid is not None:
-                parts.append(_tile(key_valid, kj, block_k, 1)[:, None, None, :])
+            if keys.valid is not None:
+                parts.append(_tile(keys.valid, kj, block_k, 1)[:, None, None, :])
             if q_segments is not None:
-                parts.append(q_segments[:, None, :, None] == _tile(kseg, kj, block_k, 1)[:, None, None, :])
+                parts.append(q_segments[:, None, :, None] == _tile(keys.segments, kj, block_k, 1)[:, None, None, :])
             if q_extra is not None:
                 parts.append(_tile(q_extra, kj, block_k, 3))
             for part in parts:
@@ -290,7 +354,7 @@ def blockwise_attention(
 
             tile_hooks = [
                 hook.map_key_features(lambda x: _tile(x, kj, block_k, 1)) if isinstance(hook, KeyFeatures) else hook
-                for hook in hooks
+                for hook in keys.hooks
             ]
             s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
             new_hook_carry = []
@@ -319,7 +383,7 @@ def blockwise_attention(
 
             p, state, correction = normalizer.tile_weights(s, visible, state, tile_context)
             if dropout_rate > 0.0:
-                rng = jax.random.fold_in(jax.random.fold_in(dropout_rng, qi), kj)
+                rng = jax.random.fold_in(jax.random.fold_in(dropout_rng, qi), first_tile + kj)
                 keep = jax.random.bernoulli(rng, 1.0 - dropout_rate, p.shape)
                 p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
             out = _tile_product(p, v, tile_mask)
@@ -342,19 +406,51 @@ def blockwise_attention(
                 return step(carry, kj)
             # Every query of the block is before every key of the key block: nothing to see, and a
             # carried hook's sums pass through unchanged (the tile's gates are all masked).
-            hidden = jnp.all(_tile(kpos, kj, block_k, 1).min(-1) > q_positions.max(-1))
+            hidden = jnp.all(_tile(keys.positions, kj, block_k, 1).min(-1) > q_positions.max(-1))
             return jax.lax.cond(hidden, lambda c, _: c, step, carry, kj)
 
         # The checkpoint holds the cond too: a differentiated cond would keep its branch's residuals
         # for every key block, and the backward pass's memory would grow with T x S.
         maybe_step = jax.checkpoint(maybe_step)
+        carry, _ = jax.lax.scan(lambda c, kj: (maybe_step(c, kj), None), carry, key_order)
+        return carry
 
-        (state, acc, vacc, _), _ = jax.lax.scan(lambda c, kj: (maybe_step(c, kj), None), carry, key_order)
+    def finish(query_block, carry):
+        """A query block's outputs ``[B, bq, N, H]`` from its carry after every key."""
+        _, _, q_context = query_block
+        state, acc, vacc, _ = carry
         acc = acc + sum(vacc) if vacc else acc
-        denominator = jnp.broadcast_to(normalizer.tile_denominator(state, q_context), rows)
+        denominator = jnp.broadcast_to(normalizer.tile_denominator(state, q_context), (batch, num_heads, block_q))
         denominator = jnp.where(denominator > 0, denominator, 1.0)
         return acc / einops.rearrange(denominator, "B N T -> B T N 1")
 
-    blocks = jax.lax.map(jax.checkpoint(query_block), jnp.arange(num_q_blocks))  # [nq, B, bq, N, H]
-    out = einops.rearrange(blocks, "Q B T N H -> B (Q T) N H")
+    q_blocks = jnp.arange(num_q_blocks)
+    if ring is None:
+        keys = key_side(key, value, None)
+
+        def attend(qi):
+            block = query_side(qi)
+            return finish(block, visit(qi, block, start(block), keys, 0))
+
+        blocks = jax.lax.map(jax.checkpoint(attend), q_blocks)
+    else:
+        # Pass p: this device holds shard (d - p) mod P (its own first), visits its tiles with every query
+        # block, then hands it to the next device. Visiting d, d - 1, ..., 0 keeps a carried hook's order for
+        # the keys a causal query sees; the shards after d, visited last, are hidden from every query here.
+        device = jax.lax.axis_index(ring.axis)
+        to_next = [(i, (i + 1) % ring.size) for i in range(ring.size)]
+
+        def one_pass(passing, p):
+            carries, key, value = passing
+            shard = (device - p) % ring.size
+            keys = key_side(key, value, shard)
+            visit_all = jax.checkpoint(lambda qi, c: visit(qi, query_side(qi), c, keys, shard * num_k_blocks))
+            carries = jax.lax.map(lambda a: visit_all(*a), (q_blocks, carries))
+            key, value = jax.lax.ppermute((key, value), ring.axis, to_next)
+            return (carries, key, value), None
+
+        carries = jax.lax.map(lambda qi: start(query_side(qi)), q_blocks)
+        (carries, _, _), _ = jax.lax.scan(one_pass, (carries, key, value), jnp.arange(ring.size))
+        blocks = jax.lax.map(lambda a: finish(query_side(a[0]), a[1]), (q_blocks, carries))
+    out = einops.rearrange(blocks, "Q B T N H -> B (Q T) N H")  # [nq, B, bq, N, H] -> [B, T, N, H]
     return out[:, :q_len]

@@ -6,7 +6,10 @@ cut into one contiguous slice per device of a mesh axis. Each device runs the bl
 attention of its slice of queries against every key (keys and values are gathered whole on
 every device), so the work and the query-side memory (queries, outputs, the running
 statistics) divide by the number of devices; the keys, the values and the
-``[B, N, block_q, block_k]`` tile workspace do not.
+``[B, N, block_q, block_k]`` tile workspace do not. With ``ring=True`` the keys and values
+are split too, and each device's shard is passed round the devices, one pass per device
+(:class:`~posenc_jax.functional.core.blockwise.KeyRing`): a device then holds one shard of
+them at a time.
 
 Every encoding sees its true positions. A device's queries keep their positions (the slice
 of ``query_positions``), so causal masking, segment ids, biases from positions (T5, ALiBi,
@@ -40,8 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from posenc_jax.functional.core.attention import _score_scale, dot_product_attention
-from posenc_jax.functional.core.blockwise import _pad_to
+from posenc_jax.functional.core.attention import (
+    _attention_hooks,
+    _call,
+    _checked_positions,
+    _score_scale,
+    dot_product_attention,
+)
+from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, KeyRing, _pad_to, blockwise_attention
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CarriedLogits,
@@ -151,6 +160,7 @@ def sequence_parallel_attention(
     dropout_rng: jax.Array | None = None,
     block_q: int | None = None,
     block_k: int | None = None,
+    ring: bool = False,
 ) -> jax.Array:
     """Blockwise attention with the queries split over the devices of ``mesh``'s ``axis_name``.
 
@@ -161,8 +171,8 @@ def sequence_parallel_attention(
     Queries, their positions, segment ids, the rows of ``mask`` and the output are split
     along T; keys, values, their positions, ``key_mask`` and the encodings' parameters are
     replicated. A T that the devices do not divide is padded (the last query repeated)
-    and the padding dropped. Rotations (RoPE, xPos, ...) are applied to the whole q and k
-    before the split, since some read the whole call (see the module docstring).
+    and the padding dropped. Rotations go to the devices, which apply them per tile (see the
+    module docstring).
 
     The arguments after ``axis_name`` (``query_positions`` … ``block_k``) mean what they
     mean in :func:`~posenc_jax.functional.core.attention.dot_product_attention`.
@@ -176,6 +186,12 @@ def sequence_parallel_attention(
       mesh: a :class:`jax.sharding.Mesh`; e.g. ``Mesh(np.asarray(jax.devices()), ("sequence",))``.
       axis_name: the mesh axis that splits the queries (default: the mesh's only axis).
         Along the mesh's other axes, if any, the computation is repeated.
+      ring: split the keys and values too, and pass each device's shard round the devices
+        (:class:`~posenc_jax.functional.core.blockwise.KeyRing`) instead of gathering them
+        whole on every device: a device then holds ``1/P`` of the keys and values, and the
+        attention takes ``P`` passes, each visiting one shard. Causal attention with a
+        carried hook (CoPE) only. The outputs equal the gathered form's to float32 rounding
+        (each row's keys are visited in another order).
 
     Returns:
       ``[B, T, N, H]`` in ``query``'s dtype, split along T over ``axis_name``.
@@ -268,6 +284,26 @@ def sequence_parallel_attention(
         if mask.shape[2] != 1:
             mask = _pad_rows(mask, padded, 2)
             mask_spec = PartitionSpec(None, None, axis, None)
+    if ring:
+        return _ring_attention(
+            query,
+            key,
+            value,
+            hooks,
+            mesh=mesh,
+            axis=axis,
+            q_len=q_len,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            key_mask=key_mask,
+            query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids,
+            mask=mask,
+            mask_spec=mask_spec,
+            dropout_rng=dropout_rng,
+            unbatched=unbatched,
+            **settings,
+        )
     parameters, rebuild = _split_arrays((hooks, settings["normalizer"]))
 
     def local(q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters):
@@ -296,6 +332,121 @@ def sequence_parallel_attention(
     gather_keys = key.shape[1] % devices == 0
     keys = rows if gather_keys else whole
     in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
+    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(
+        query,
+        key,
+        value,
+        query_positions,
+        key_positions,
+        key_mask,
+        query_segment_ids,
+        key_segment_ids,
+        mask,
+        dropout_rng,
+        parameters,
+    )
+    out = out[:, :q_len]
+    return out[0] if unbatched else out
+
+
+def _ring_attention(
+    query,
+    key,
+    value,
+    hooks,
+    *,
+    mesh,
+    axis,
+    q_len,
+    query_positions,
+    key_positions,
+    key_mask,
+    query_segment_ids,
+    key_segment_ids,
+    mask,
+    mask_spec,
+    dropout_rng,
+    unbatched,
+    normalizer,
+    causal,
+    scale,
+    dropout_rate,
+    block_q,
+    block_k,
+):
+    """:func:`sequence_parallel_attention` with ``ring=True``: queries and keys split, key shards passed round.
+
+    The whole call's per-key arrays (positions, ``key_mask``, segment ids, the mask's columns,
+    per-key arrays of hooks) are small and stay whole on every device; each pass cuts them to
+    the shard it visits. S is padded to a multiple of the devices with invalid keys.
+    """
+    devices = mesh.shape[axis]
+    batch, k_len = key.shape[:2]
+    k_padded = devices * math.ceil(k_len / devices)
+    if k_padded != k_len:
+        real = jnp.arange(k_padded) < k_len
+        key_mask = real[None] if key_mask is None else _pad_to(jnp.asarray(key_mask), k_padded, 1) & real[None]
+        key, value = _pad_to(key, k_padded, 1), _pad_to(value, k_padded, 1)
+        if key_positions is not None:
+            key_positions = _pad_rows(key_positions, k_padded, 1)
+        if key_segment_ids is not None:
+            key_segment_ids = _pad_rows(jnp.asarray(key_segment_ids), k_padded, 1)
+        if mask is not None and mask.shape[3] != 1:
+            mask = _pad_to(mask, k_padded, 3)
+        hooks = [
+            hook.map_key_features(lambda x: _pad_to(x, k_padded, 1)) if isinstance(hook, KeyFeatures) else hook
+            for hook in hooks
+        ]
+    parameters, rebuild = _split_arrays((hooks, normalizer))
+    whole_key = jax.ShapeDtypeStruct((batch, k_padded, *key.shape[2:]), key.dtype)
+    ring = KeyRing(axis, devices)
+
+    def local(q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters):
+        local_hooks, local_normalizer = rebuild(parameters)
+        if rng is not None:
+            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+        attention_hooks = _attention_hooks(local_hooks, causal=bool(causal))
+        qpos, kpos = _checked_positions(
+            qpos, kpos, needed=bool(causal) or bool(attention_hooks), q_len=q.shape[1], k_len=k_padded, batch=batch
+        )
+        # The context of this device's queries against every key (the devices hold one shard of them).
+        call = _call(
+            q,
+            whole_key,
+            whole_key,
+            attention_hooks,
+            query_positions=qpos,
+            key_positions=kpos,
+            causal=causal,
+            key_mask=kmask,
+            query_segment_ids=qseg,
+            key_segment_ids=kseg,
+            mask=extra,
+            scale=scale,
+            build_mask=False,
+        )
+        out = blockwise_attention(
+            q,
+            k,
+            v,
+            hooks=call.hooks,
+            normalizer=local_normalizer,
+            context=call.context,
+            key_mask=kmask,
+            query_segment_ids=qseg,
+            key_segment_ids=kseg,
+            mask=extra,
+            block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
+            block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
+            dropout_rate=dropout_rate,
+            dropout_rng=rng,
+            ring=ring,
+        )
+        return out.astype(q.dtype)
+
+    rows = PartitionSpec(None, axis)
+    whole = PartitionSpec()
+    in_specs = (rows, rows, rows, rows, whole, whole, rows, whole, mask_spec, whole, whole)
     out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(
         query,
         key,
