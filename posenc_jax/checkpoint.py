@@ -173,12 +173,21 @@ class Checkpointer:
       posenc_jax.checkpoint.CheckpointError: step 10 in ... another model: encodings=[...] there, ['ALiBi...] here; ...
     """
 
-    def __init__(self, directory, *, max_to_keep: int = 3):
+    def __init__(self, directory, *, max_to_keep: int = 3, process_local: bool = False):
+        """``process_local``: in a job of several JAX processes (``jax.distributed``), this
+        process saves and restores its own arrays alone, without the others (each host of a
+        benchmark run trains its own models); by default every process takes part in each
+        save, as orbax does for arrays sharded over all the processes' devices."""
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = pathlib.Path(directory).absolute()
+        extra = {}
+        if process_local:
+            me = jax.process_index()
+            only_me = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+            extra["multiprocessing_options"] = only_me
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True)
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, **extra)
         )
 
     @staticmethod

@@ -31,6 +31,7 @@ def run(
     plots: bool = True,
     keep_checkpoints: bool = False,
     log=print,
+    host: tuple[int, int] | None = None,
     **settings,
 ) -> pathlib.Path:
     """Runs (or resumes) the length-extrapolation benchmark and writes its report; what
@@ -47,6 +48,9 @@ def run(
         default they are deleted once the cell's rows are written (an unfinished cell's stay,
         to resume from).
       log: where each finished cell's line goes (None: nowhere).
+      host: ``(i, H)``: run host i's share of the cells (of a run over H hosts) into
+        ``<out>/host-i-of-H``, and return that folder; :func:`posenc_jax.bench.hosts.merge`
+        joins the hosts' folders (:mod:`posenc_jax.bench.hosts`).
       **settings: preset fields to change, e.g. ``encodings=("rope", "alibi")``, ``seeds=(0, 1)``.
 
     Returns:
@@ -68,6 +72,10 @@ def run(
         raise ValueError(f"unknown preset settings {unknown}; see posenc_jax.bench.presets.Preset for the fields")
     preset = dataclasses.replace(preset, **settings)
     out = pathlib.Path(out or f"results/extrapolation/{preset.name}")
+    if host is not None:
+        from posenc_jax.bench.hosts import host_folder
+
+        out = host_folder(out, host)
     preset.validate()
     check_writable(out)
     with FolderLock(out):  # held until the report and plots are written too
@@ -79,6 +87,7 @@ def run(
             keep_checkpoints=keep_checkpoints,
             log=log or (lambda line: None),
             lock=False,
+            host=host,
         )
         if report:
             reporting.write_report(out, plots=plots)

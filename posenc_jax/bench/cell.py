@@ -521,7 +521,11 @@ def train_and_evaluate(
         checkpointers = {
             seed: stack.enter_context(
                 contextlib.closing(
-                    Checkpointer(checkpoint_dir(out, settings, cell.task_name, cell.label, seed), max_to_keep=2)
+                    Checkpointer(
+                        checkpoint_dir(out, settings, cell.task_name, cell.label, seed),
+                        max_to_keep=2,
+                        process_local=jax.process_count() > 1,  # each host of a several-host run its own
+                    )
                 )
             )
             for seed in seeds

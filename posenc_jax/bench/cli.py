@@ -145,6 +145,19 @@ def _extrapolate(args) -> int:
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
     out = pathlib.Path(args.out or f"results/extrapolation/{preset.name}")
+    host = None
+    try:
+        if args.distributed:
+            import jax
+
+            jax.distributed.initialize()
+            host = (jax.process_index(), jax.process_count())
+        elif args.host is not None:
+            from posenc_jax.bench.hosts import parse_host
+
+            host = parse_host(args.host)
+    except ValueError as error:
+        raise SystemExit(f"posenc-bench extrapolate: {error}") from None
     began = time.perf_counter()
     print(
         f"posenc-bench extrapolate: preset {preset.name}, {len(preset.encodings)} encodings x "
@@ -159,12 +172,35 @@ def _extrapolate(args) -> int:
             progress=_bars_wanted(args.no_progress),
             plots=not args.no_plots,
             keep_checkpoints=args.keep_checkpoints,
+            host=host,
         )
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
+    if host is not None:
+        from posenc_jax.bench.hosts import host_folder
+
+        out = host_folder(out, host)
     print((out / "report.md").read_text())
     wrote = "results.jsonl, run.json, report.md" + ("" if args.no_plots else " and plots")
     print(f"wrote {out}/{wrote} in {time.perf_counter() - began:.0f}s")
+    return 0
+
+
+def _merge(args) -> int:
+    _require_bench_extra(progress=False, plots=not args.no_plots, command="merge")
+    from posenc_jax.bench import report as reporting
+    from posenc_jax.bench.hosts import merge
+
+    out = pathlib.Path(args.out)
+    try:
+        merge(out)
+        reporting.write_report(out, plots=not args.no_plots)
+        if not args.no_plots:
+            reporting.plot(out)
+    except ValueError as error:
+        raise SystemExit(f"posenc-bench merge: {error}") from None
+    print((out / "report.md").read_text())
+    print(f"merged {', '.join(p.name for p in sorted(out.glob('host-*-of-*')))} into {out}")
     return 0
 
 
@@ -276,7 +312,25 @@ def main(argv=None) -> int:
         help="keep each finished cell's trained models (orbax checkpoints); by default they are deleted once its "
         "rows are written, and only an unfinished cell's stay, to resume from",
     )
+    ex.add_argument(
+        "--host",
+        help="INDEX/COUNT: this host's share of a run over COUNT hosts (every COUNT-th cell, from the INDEX-th), "
+        "written to <out>/host-INDEX-of-COUNT; then `posenc-bench merge <out>`",
+    )
+    ex.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (a TPU pod slice, a GPU cluster) and take --host from its "
+        "process index and count",
+    )
     ex.set_defaults(handler=_extrapolate)
+    mg = sub.add_parser(
+        "merge",
+        help="join the host folders of a run over several hosts (--host) into one, and write its report",
+    )
+    mg.add_argument("out", help="the run's --out folder, holding host-INDEX-of-COUNT folders")
+    mg.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
+    mg.set_defaults(handler=_merge)
     pr = sub.add_parser(
         "probe", help="the blind-spot probe (Su 2022; Luo et al.): n identical tokens, per encoding x normaliser"
     )

@@ -25,6 +25,7 @@ import jax
 
 from posenc_jax.bench.baselines import algorithmic_baselines, text_baselines
 from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, row_label, train_and_evaluate
+from posenc_jax.bench.hosts import runs_here
 from posenc_jax.bench.ledger import (
     FolderLock,
     Ledger,
@@ -66,10 +67,13 @@ def _tasks(preset: Preset, corpus: str | None) -> dict:
     return tasks
 
 
-def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print) -> list[tuple[Cell, dict]]:
+def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print, host=None) -> list[tuple[Cell, dict]]:
     """Every cell of ``preset`` that has rows left to measure, with each seed's ``(variant, length)``
-    still to do (variant None for the trained encoding itself)."""
+    still to do (variant None for the trained encoding itself). With ``host=(i, H)``, only the
+    cells this host trains: every H-th of the preset's cells in their fixed order, from the
+    i-th (:mod:`posenc_jax.bench.hosts`)."""
     cells = []
+    position = -1
     for task_name, task in tasks.items():
         lengths = preset.for_task(task_name).lengths(task)
         for encoding in preset.encodings:
@@ -78,6 +82,9 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print) -> list[tuple[C
                 log(f"{encoding} {why}: not run on the encoder task {task_name}")
                 continue
             for normalizer in preset.normalizers:
+                position += 1
+                if not runs_here(position, host):
+                    continue
                 cell = Cell(task_name, task, encoding, normalizer, lengths)
                 variants = (None, *preset.for_task(task_name).eval_variants(task_name, encoding, normalizer))
                 todo = {
@@ -229,6 +236,7 @@ def run(
     keep_checkpoints: bool = False,
     log=print,
     lock: bool = True,
+    host: tuple[int, int] | None = None,
 ) -> dict:
     """Runs (or resumes) every cell of ``preset``, writing into ``out``.
 
@@ -247,6 +255,8 @@ def run(
       log: called with one line per finished cell.
       lock: take the folder's lock (False: the caller holds it, as :func:`posenc_jax.bench.run`
         does until the report is written).
+      host: ``(i, H)``: train only host i's share of the cells (:mod:`posenc_jax.bench.hosts`);
+        ``out`` is then that host's own folder.
 
     Returns:
       The run record written to ``run.json``.
@@ -255,14 +265,18 @@ def run(
     out = pathlib.Path(out)
     check_writable(out)
     with FolderLock(out) if lock else contextlib.nullcontext():
-        return _run_locked(preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log)
+        return _run_locked(
+            preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log, host=host
+        )
 
 
-def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log) -> dict:
+def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log, host=None) -> dict:
     tasks = _tasks(preset, corpus)
     settings = fingerprint(preset, data=tasks["text"].digest if "text" in tasks else None)
     ledger = Ledger(out, settings)
     record = ledger.start_record(preset, corpus=corpus, asked=asked(preset, tasks))
+    if host is not None:
+        record["host"] = list(host)
     for task in tasks.values():
         description = getattr(task, "corpus_description", None)
         if description:
@@ -274,7 +288,7 @@ def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_che
     known = baselines(preset, tasks, out)
     criteria = {name: criterion(preset.for_task(name), task, known[name]) for name, task in tasks.items()}
     stamp = git_state()
-    cells = plan(preset, tasks, ledger, log)
+    cells = plan(preset, tasks, ledger, log, host=host)
     mesh = None
     if jax.local_device_count() > 1 and preset.batch_size % jax.local_device_count() == 0:
         mesh = data_parallel_mesh()

@@ -1,0 +1,122 @@
+"""One benchmark run over several hosts: each cell trained by exactly one host, the rows merged.
+
+A run over H hosts (a TPU pod slice, a cluster of GPU machines) gives every host the same
+command with ``--host i/H`` (or ``--distributed``, which reads i and H from
+``jax.distributed``). The cells of the preset, in their fixed order (tasks, then encodings,
+then normalisers), are dealt round the hosts: host i trains cells i, i + H, i + 2H, ... on
+its own devices, into its own folder ``<out>/host-i-of-H`` (an ordinary results folder: its
+own lock, ledger and checkpoints, so each host resumes on its own). No cell has two
+writers. :func:`merge` then joins the hosts' folders into ``<out>`` (rows, run records,
+baselines) and the report is written from all of them.
+
+Usage on a pod slice (the same command on every host; ``<out>`` on storage they share):
+
+    posenc-bench extrapolate --preset colab-tpu --distributed --out /shared/colab-tpu
+    posenc-bench merge /shared/colab-tpu
+
+On machines without ``jax.distributed`` (independent hosts), ``--host 0/2`` on one and
+``--host 1/2`` on the other do the same.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+from posenc_jax.bench.ledger import FolderLock, read_json, read_rows, write_json
+
+__all__ = ["host_folder", "merge", "parse_host", "runs_here"]
+
+_FOLDER = re.compile(r"host-(\d+)-of-(\d+)$")
+
+
+def parse_host(text: str) -> tuple[int, int]:
+    """``"i/H"`` as ``(i, H)``, checked: ``0 <= i < H``."""
+    match = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not match:
+        raise ValueError(f"--host takes INDEX/COUNT, e.g. 0/4 for the first of 4 hosts; got {text!r}")
+    index, count = int(match.group(1)), int(match.group(2))
+    if count < 1 or not 0 <= index < count:
+        raise ValueError(f"--host {text}: the index must be in 0 .. COUNT - 1 and COUNT at least 1")
+    return index, count
+
+
+def runs_here(position: int, host: tuple[int, int] | None) -> bool:
+    """Whether the cell at ``position`` (in the preset's fixed order) is this host's to train."""
+    return host is None or position % host[1] == host[0]
+
+
+def host_folder(out: pathlib.Path, host: tuple[int, int]) -> pathlib.Path:
+    """Where host ``(i, H)`` writes: ``<out>/host-i-of-H``."""
+    return pathlib.Path(out) / f"host-{host[0]}-of-{host[1]}"
+
+
+def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
+    """Joins the hosts' folders (default: every ``<out>/host-i-of-H``) into ``out``.
+
+    Rows must share one settings fingerprint, and no cell's row may come from two folders
+    (a ValueError names both). ``out`` gets ``results.jsonl`` (the rows of every folder, in
+    folder order), ``run.json`` (the first folder's record with the cells, asked labels and
+    commits of all), ``baselines.json`` (the first folder's; they depend on the settings
+    alone) and a ``hosts`` entry naming the folders. Existing results in ``out`` itself are
+    refused: it is the merge's, not a run's.
+    """
+    out = pathlib.Path(out)
+    if folders is None:
+        folders = sorted(
+            (p for p in out.glob("host-*-of-*") if p.is_dir() and _FOLDER.search(p.name)),
+            key=lambda p: tuple(int(g) for g in _FOLDER.search(p.name).groups()[::-1]),
+        )
+    folders = [pathlib.Path(f) for f in folders]
+    if not folders:
+        raise ValueError(f"no host folders (host-i-of-H) in {out}; run each host with --host i/H first")
+    counts = {int(_FOLDER.search(f.name).group(2)) for f in folders if _FOLDER.search(f.name)}
+    if len(counts) > 1:
+        raise ValueError(
+            f"{out} holds folders of runs over different numbers of hosts ({sorted(counts)}); a cell may then "
+            f"have been trained twice: merge the folders of one run, passing them explicitly"
+        )
+    with FolderLock(out):
+        if (out / "results.jsonl").exists() and not (out / "run.json").exists():
+            raise ValueError(f"{out}/results.jsonl exists without run.json; move it away before merging into {out}")
+        if (out / "run.json").exists() and "hosts" not in read_json(out / "run.json", "run record"):
+            raise ValueError(f"{out} holds a run's own results; merge the host folders into an empty folder")
+        rows, seen, settings = [], {}, set()
+        records = []
+        for folder in folders:
+            path = folder / "results.jsonl"
+            if not path.exists():
+                raise ValueError(f"{path} does not exist: that host has written no rows yet")
+            for _, row in read_rows(path):
+                cell = (row["task"], row["encoding"], row["seed"], row["length"])
+                if cell in seen:
+                    raise ValueError(f"the row {cell} is in both {seen[cell]} and {folder}; each cell has one host")
+                seen[cell] = folder
+                settings.add(row.get("settings"))
+                rows.append(row)
+            records.append(read_json(folder / "run.json", "run record"))
+        if len(settings) > 1:
+            raise ValueError(f"the host folders hold rows of different settings {sorted(map(str, settings))}")
+        record = dict(records[0])
+        record["cells"] = [cell for r in records for cell in r.get("cells", [])]
+        asked = {}
+        for r in records:
+            for task, labels in (r.get("asked") or {}).items():
+                asked.setdefault(task, set()).update(labels)
+        record["asked"] = {task: sorted(labels) for task, labels in asked.items()}
+        commits = {}
+        for r in records:
+            for c in r.get("commits", []):
+                key = (c["commit"], c["dirty"])
+                commits[key] = commits.get(key, 0) + c["rows"]
+        record["commits"] = [
+            {"commit": commit, "dirty": dirty, "rows": n} for (commit, dirty), n in sorted(commits.items(), key=str)
+        ]
+        record["hosts"] = [str(f) for f in folders]
+        (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_json(out / "run.json", record)
+        baselines = folders[0] / "baselines.json"
+        if baselines.exists():
+            write_json(out / "baselines.json", read_json(baselines, "baselines"))
+    return out

@@ -1,0 +1,64 @@
+"""A benchmark run over several hosts: the cells dealt round them once each, the folders merged."""
+
+import json
+
+import pytest
+
+from posenc_jax import bench
+from posenc_jax.bench import cli, hosts
+from posenc_jax.bench.extrapolate import _tasks, plan
+from posenc_jax.bench.ledger import Ledger, fingerprint, read_rows
+from posenc_jax.bench.presets import PRESETS
+
+
+def test_host_argument_is_checked():
+    assert hosts.parse_host("0/4") == (0, 4)
+    assert hosts.parse_host(" 3 / 4 ") == (3, 4)
+    for bad in ("4/4", "1", "a/b", "0/0", "-1/2"):
+        with pytest.raises(ValueError, match="--host"):
+            hosts.parse_host(bad)
+
+
+def test_every_cell_is_dealt_to_exactly_one_host(tmp_path):
+    preset = PRESETS["cpu-full"]
+    tasks = _tasks(preset, None)
+    ledger = Ledger(tmp_path, fingerprint(preset))
+    every = [(c.task_name, c.label) for c, _ in plan(preset, tasks, ledger, log=lambda line: None)]
+    for count in (1, 3, 8):
+        dealt = [
+            [(c.task_name, c.label) for c, _ in plan(preset, tasks, ledger, log=lambda line: None, host=(i, count))]
+            for i in range(count)
+        ]
+        assert sorted(sum(dealt, [])) == sorted(every)  # each cell once, on one host
+        assert max(map(len, dealt)) - min(map(len, dealt)) <= 1  # dealt round, not in blocks
+    assert len(every) > 100
+
+
+def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
+    settings = dict(encodings=("nope", "alibi"), tasks=("counting_copy", "copy"), steps=2, seeds=(0,))
+    folders = [
+        bench.run("smoke", tmp_path, host=(i, 2), report=False, plots=False, log=None, **settings) for i in range(2)
+    ]
+    assert [f.name for f in folders] == ["host-0-of-2", "host-1-of-2"]
+    cells = [{(row["task"], row["encoding"]) for _, row in read_rows(f / "results.jsonl")} for f in folders]
+    # Cells in the preset's order (tasks, then encodings): host 0 has the 1st and 3rd, host 1 the 2nd and 4th.
+    assert cells == [{("counting_copy", "nope"), ("copy", "nope")}, {("counting_copy", "alibi"), ("copy", "alibi")}]
+
+    assert cli.main(["merge", str(tmp_path), "--no-plots"]) == 0
+    merged = read_rows(tmp_path / "results.jsonl")
+    assert len(merged) == sum(len(read_rows(f / "results.jsonl")) for f in folders)
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["hosts"] == [str(f) for f in folders]
+    assert len(record["cells"]) == 4 and sum(c["rows"] for c in record["commits"]) == len(merged)
+    report = (tmp_path / "report.md").read_text()
+    assert "alibi" in report and "nope" in report
+
+    # A cell's rows in two folders (a host run again with another count, say) are refused, naming both.
+    first = (folders[0] / "results.jsonl").read_text().splitlines()[0]
+    with open(folders[1] / "results.jsonl", "a") as f:
+        f.write(first + "\n")
+    with pytest.raises(ValueError, match="is in both .*host-0-of-2.* and .*host-1-of-2"):
+        hosts.merge(tmp_path)
+    # The merged folder is the merge's: a folder holding a run's own results is not merged into.
+    with pytest.raises(ValueError, match="no host folders"):
+        hosts.merge(folders[0])
