@@ -35,6 +35,7 @@ from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -181,13 +182,15 @@ class Checkpointer:
         if max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
         self.directory = pathlib.Path(directory).absolute()
-        extra = {}
+        self.process_local = bool(process_local)
+        extra = {"create": True}
         if process_local:
             me = jax.process_index()
             only_me = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-            extra["multiprocessing_options"] = only_me
+            extra = {"multiprocessing_options": only_me, "create": False}
+            self.directory.mkdir(parents=True, exist_ok=True)  # orbax creates it only for all processes together
         self.manager = ocp.CheckpointManager(
-            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True, **extra)
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **extra)
         )
 
     @staticmethod
@@ -219,6 +222,8 @@ class Checkpointer:
             "config": None if config is None else _as_json(dict(config), "config"),
         }
         state = self._state(model, optimizer)
+        if self.process_local:  # orbax writes host-local device arrays only as a part of global ones
+            state = jax.device_get(state)
         meta["arrays"] = {item: _manifest(tree) for item, tree in state.items()}
         for stale in [s for s in self.all_steps() if s >= step]:
             self.manager.delete(stale)
@@ -350,6 +355,8 @@ class Checkpointer:
 
     def _read_arrays(self, step: int, target: dict, recorded: dict) -> dict:
         """The step's arrays for the items of ``target``, each checked against its recorded sha256."""
+        if self.process_local:  # read into host arrays (see save), placed on this process's device below
+            target = jax.device_get(target)
         args = {item: ocp.args.StandardRestore(tree) for item, tree in target.items()}
         try:
             with _quiet_orbax():
@@ -364,6 +371,8 @@ class Checkpointer:
             if bad:
                 reason = f"{len(bad)} {item} array(s) differ from the sha256 saved with them: {_listed(bad)}"
                 raise DamagedCheckpointError(self._where(step), reason)
+        if self.process_local:
+            restored = {item: jax.tree.map(jnp.asarray, restored[item]) for item in target}
         return restored
 
 

@@ -212,3 +212,16 @@ def test_transformer_describes_its_settings_as_json():
     assert description["num_layers"] == 2 and description["dropout_rate"] == 0.1
     assert description["encodings"][1].startswith("T5Config(")
     assert description["normalizer"] == "softmax"
+
+
+def test_a_process_local_checkpoint_restores_the_same_model(tmp_path):
+    # Each host of a benchmark run over several hosts saves alone (host arrays, no other process taking part).
+    ckpt = Checkpointer(tmp_path / "ckpt", process_local=True)
+    model = _model(dropout_rate=0.1)  # RNG keys among the arrays
+    ckpt.save(3, model, make_optimizer(model, optax.adam(1e-3)))
+    restored = _model(seed=1, dropout_rate=0.1)
+    assert ckpt.restore(restored, make_optimizer(restored, optax.adam(1e-3))) == 3
+    np.testing.assert_array_equal(_outputs(restored), _outputs(model))
+    key = lambda m: np.asarray(jax.random.key_data(m.dropout.rngs.key[...]))
+    np.testing.assert_array_equal(key(restored), key(model))
+    assert isinstance(restored.embed.embedding[...], jax.Array)

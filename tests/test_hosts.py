@@ -1,14 +1,20 @@
 """A benchmark run over several hosts: the cells dealt round them once each, the folders merged."""
 
 import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
 
 import pytest
 
-from posenc_jax import bench
 from posenc_jax.bench import cli, hosts
 from posenc_jax.bench.extrapolate import _tasks, plan
 from posenc_jax.bench.ledger import Ledger, fingerprint, read_rows
 from posenc_jax.bench.presets import PRESETS
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_host_argument_is_checked():
@@ -34,12 +40,36 @@ def test_every_cell_is_dealt_to_exactly_one_host(tmp_path):
     assert len(every) > 100
 
 
+HOST = """
+import sys, jax
+jax.distributed.initialize(coordinator_address=sys.argv[1], num_processes=2, process_id=int(sys.argv[2]))
+from posenc_jax.bench import cli
+sys.exit(cli.main(["extrapolate", "--preset", "smoke", "--encodings", "nope,alibi", "--tasks", "counting_copy,copy",
+                   "--steps", "2", "--seeds", "0", "--out", sys.argv[3], "--distributed", "--no-plots",
+                   "--no-progress"]))
+"""
+
+
 def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
-    settings = dict(encodings=("nope", "alibi"), tasks=("counting_copy", "copy"), steps=2, seeds=(0,))
-    folders = [
-        bench.run("smoke", tmp_path, host=(i, 2), report=False, plots=False, log=None, **settings) for i in range(2)
+    # Two JAX processes of one jax.distributed job on this machine, as two hosts of a pod would be: each
+    # trains its share of the cells on its own device and saves its own checkpoints (process-local).
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    hosts_run = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOST, f"localhost:{port}", str(i), str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
     ]
-    assert [f.name for f in folders] == ["host-0-of-2", "host-1-of-2"]
+    logs = [p.communicate(timeout=600)[0] for p in hosts_run]
+    assert [p.returncode for p in hosts_run] == [0, 0], [log[-3000:] for log in logs]
+    folders = [tmp_path / "host-0-of-2", tmp_path / "host-1-of-2"]
     cells = [{(row["task"], row["encoding"]) for _, row in read_rows(f / "results.jsonl")} for f in folders]
     # Cells in the preset's order (tasks, then encodings): host 0 has the 1st and 3rd, host 1 the 2nd and 4th.
     assert cells == [{("counting_copy", "nope"), ("copy", "nope")}, {("counting_copy", "alibi"), ("copy", "alibi")}]

@@ -150,7 +150,8 @@ def _extrapolate(args) -> int:
         if args.distributed:
             import jax
 
-            jax.distributed.initialize()
+            if not jax.distributed.is_initialized():  # a caller may have, with its own coordinator
+                jax.distributed.initialize()
             host = (jax.process_index(), jax.process_count())
         elif args.host is not None:
             from posenc_jax.bench.hosts import parse_host
