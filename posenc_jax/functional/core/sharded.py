@@ -332,20 +332,9 @@ def sequence_parallel_attention(
     gather_keys = key.shape[1] % devices == 0
     keys = rows if gather_keys else whole
     in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
-    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(
-        query,
-        key,
-        value,
-        query_positions,
-        key_positions,
-        key_mask,
-        query_segment_ids,
-        key_segment_ids,
-        mask,
-        dropout_rng,
-        parameters,
-    )
-    out = out[:, :q_len]
+    arguments = (query, key, value, query_positions, key_positions, key_mask)
+    arguments += (query_segment_ids, key_segment_ids, mask, dropout_rng, parameters)
+    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(*arguments)[:, :q_len]
     return out[0] if unbatched else out
 
 
@@ -447,18 +436,7 @@ def _ring_attention(
     rows = PartitionSpec(None, axis)
     whole = PartitionSpec()
     in_specs = (rows, rows, rows, rows, whole, whole, rows, whole, mask_spec, whole, whole)
-    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(
-        query,
-        key,
-        value,
-        query_positions,
-        key_positions,
-        key_mask,
-        query_segment_ids,
-        key_segment_ids,
-        mask,
-        dropout_rng,
-        parameters,
-    )
-    out = out[:, :q_len]
+    arguments = (query, key, value, query_positions, key_positions, key_mask)
+    arguments += (query_segment_ids, key_segment_ids, mask, dropout_rng, parameters)
+    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(*arguments)[:, :q_len]
     return out[0] if unbatched else out
