@@ -78,7 +78,7 @@ def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
     merged = read_rows(tmp_path / "results.jsonl")
     assert len(merged) == sum(len(read_rows(f / "results.jsonl")) for f in folders)
     record = json.loads((tmp_path / "run.json").read_text())
-    assert record["hosts"] == [str(f) for f in folders]
+    assert record["hosts"] == [str(f) for f in folders] and "host" not in record
     assert len(record["cells"]) == 4 and sum(c["rows"] for c in record["commits"]) == len(merged)
     report = (tmp_path / "report.md").read_text()
     assert "alibi" in report and "nope" in report

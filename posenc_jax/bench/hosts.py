@@ -98,7 +98,7 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
             records.append(read_json(folder / "run.json", "run record"))
         if len(settings) > 1:
             raise ValueError(f"the host folders hold rows of different settings {sorted(map(str, settings))}")
-        record = dict(records[0])
+        record = {key: value for key, value in records[0].items() if key != "host"}  # the merge's, not host 0's
         record["cells"] = [cell for r in records for cell in r.get("cells", [])]
         asked = {}
         for r in records:
