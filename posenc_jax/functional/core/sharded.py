@@ -284,95 +284,12 @@ def sequence_parallel_attention(
         if mask.shape[2] != 1:
             mask = _pad_rows(mask, padded, 2)
             mask_spec = PartitionSpec(None, None, axis, None)
-    if ring:
-        return _ring_attention(
-            query,
-            key,
-            value,
-            hooks,
-            mesh=mesh,
-            axis=axis,
-            q_len=q_len,
-            query_positions=query_positions,
-            key_positions=key_positions,
-            key_mask=key_mask,
-            query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids,
-            mask=mask,
-            mask_spec=mask_spec,
-            dropout_rng=dropout_rng,
-            unbatched=unbatched,
-            **settings,
-        )
-    parameters, rebuild = _split_arrays((hooks, settings["normalizer"]))
-
-    def local(q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters):
-        local_hooks, local_normalizer = rebuild(parameters)
-        if gather_keys:
-            k, v = _gathered(k, axis), _gathered(v, axis)
-        if rng is not None:
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        return dot_product_attention(
-            q,
-            k,
-            v,
-            query_positions=qpos,
-            key_positions=kpos,
-            encodings=local_hooks,
-            key_mask=kmask,
-            query_segment_ids=qseg,
-            key_segment_ids=kseg,
-            mask=extra,
-            dropout_rng=rng,
-            implementation="blockwise",
-            **{**settings, "normalizer": local_normalizer},
-        )
-
-    # Keys and values enter split and are gathered inside (see _gathered) when the devices divide S.
-    gather_keys = key.shape[1] % devices == 0
-    keys = rows if gather_keys else whole
-    in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
-    arguments = (query, key, value, query_positions, key_positions, key_mask)
-    arguments += (query_segment_ids, key_segment_ids, mask, dropout_rng, parameters)
-    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(*arguments)[:, :q_len]
-    return out[0] if unbatched else out
-
-
-def _ring_attention(
-    query,
-    key,
-    value,
-    hooks,
-    *,
-    mesh,
-    axis,
-    q_len,
-    query_positions,
-    key_positions,
-    key_mask,
-    query_segment_ids,
-    key_segment_ids,
-    mask,
-    mask_spec,
-    dropout_rng,
-    unbatched,
-    normalizer,
-    causal,
-    scale,
-    dropout_rate,
-    block_q,
-    block_k,
-):
-    """:func:`sequence_parallel_attention` with ``ring=True``: queries and keys split, key shards passed round.
-
-    The whole call's per-key arrays (positions, ``key_mask``, segment ids, the mask's columns,
-    per-key arrays of hooks) are small and stay whole on every device; each pass cuts them to
-    the shard it visits. S is padded to a multiple of the devices with invalid keys.
-    """
-    devices = mesh.shape[axis]
-    batch, k_len = key.shape[:2]
-    k_padded = devices * math.ceil(k_len / devices)
-    if k_padded != k_len:
+    # Keys and values enter split along S when the devices divide it (in a ring, after padding S to a multiple
+    # of the devices with invalid keys) and are then gathered whole on each device (see _gathered) or passed
+    # round (KeyRing); otherwise they enter whole. The other per-key arrays are small and enter whole.
+    k_len = key.shape[1]
+    if ring and k_len % devices:
+        k_padded = devices * math.ceil(k_len / devices)
         real = jnp.arange(k_padded) < k_len
         key_mask = real[None] if key_mask is None else _pad_to(jnp.asarray(key_mask), k_padded, 1) & real[None]
         key, value = _pad_to(key, k_padded, 1), _pad_to(value, k_padded, 1)
@@ -386,24 +303,29 @@ def _ring_attention(
             hook.map_key_features(lambda x: _pad_to(x, k_padded, 1)) if isinstance(hook, KeyFeatures) else hook
             for hook in hooks
         ]
-    parameters, rebuild = _split_arrays((hooks, normalizer))
-    whole_key = jax.ShapeDtypeStruct((batch, k_padded, *key.shape[2:]), key.dtype)
-    ring = KeyRing(axis, devices)
+        k_len = k_padded
+    split_keys = k_len % devices == 0
+    key_ring = KeyRing(axis, devices) if ring else None
+    # What the devices' attention is told of the keys: all of them (a device holds one shard in a ring).
+    whole_key = jax.ShapeDtypeStruct((batch, k_len, *key.shape[2:]), key.dtype)
+    parameters, rebuild = _split_arrays((hooks, settings["normalizer"]))
 
     def local(q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters):
         local_hooks, local_normalizer = rebuild(parameters)
+        if split_keys and not ring:
+            k, v = _gathered(k, axis), _gathered(v, axis)
         if rng is not None:
             rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        attention_hooks = _attention_hooks(local_hooks, causal=bool(causal))
+        # dot_product_attention's blockwise path, with the context of this device's queries against every key.
+        local_hooks = _attention_hooks(local_hooks, causal=bool(causal))
         qpos, kpos = _checked_positions(
-            qpos, kpos, needed=bool(causal) or bool(attention_hooks), q_len=q.shape[1], k_len=k_padded, batch=batch
+            qpos, kpos, needed=bool(causal) or bool(local_hooks), q_len=q.shape[1], k_len=k_len, batch=batch
         )
-        # The context of this device's queries against every key (the devices hold one shard of them).
         call = _call(
             q,
             whole_key,
             whole_key,
-            attention_hooks,
+            local_hooks,
             query_positions=qpos,
             key_positions=kpos,
             causal=causal,
@@ -411,7 +333,7 @@ def _ring_attention(
             query_segment_ids=qseg,
             key_segment_ids=kseg,
             mask=extra,
-            scale=scale,
+            scale=settings["scale"],
             build_mask=False,
         )
         out = blockwise_attention(
@@ -429,13 +351,12 @@ def _ring_attention(
             block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
             dropout_rate=dropout_rate,
             dropout_rng=rng,
-            ring=ring,
+            ring=key_ring,
         )
         return out.astype(q.dtype)
 
-    rows = PartitionSpec(None, axis)
-    whole = PartitionSpec()
-    in_specs = (rows, rows, rows, rows, whole, whole, rows, whole, mask_spec, whole, whole)
+    keys = rows if split_keys else whole
+    in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
     arguments = (query, key, value, query_positions, key_positions, key_mask)
     arguments += (query_segment_ids, key_segment_ids, mask, dropout_rng, parameters)
     out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(*arguments)[:, :q_len]
