@@ -166,7 +166,7 @@ def _extrapolate(args) -> int:
         flush=True,
     )
     try:
-        bench.run(
+        out = bench.run(  # with --host, the host's own folder in out
             preset,
             out,
             corpus=args.corpus,
@@ -177,10 +177,6 @@ def _extrapolate(args) -> int:
         )
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
-    if host is not None:
-        from posenc_jax.bench.hosts import host_folder
-
-        out = host_folder(out, host)
     print((out / "report.md").read_text())
     wrote = "results.jsonl, run.json, report.md" + ("" if args.no_plots else " and plots")
     print(f"wrote {out}/{wrote} in {time.perf_counter() - began:.0f}s")

@@ -24,7 +24,7 @@ import json
 import pathlib
 import re
 
-from posenc_jax.bench.ledger import FolderLock, read_json, read_rows, write_json
+from posenc_jax.bench.ledger import FolderLock, read_json, read_rows, write_json, write_text
 
 __all__ = ["host_folder", "merge", "parse_host", "runs_here"]
 
@@ -114,7 +114,7 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
             {"commit": commit, "dirty": dirty, "rows": n} for (commit, dirty), n in sorted(commits.items(), key=str)
         ]
         record["hosts"] = [str(f) for f in folders]
-        (out / "results.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        write_text(out / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # whole or not at all
         write_json(out / "run.json", record)
         baselines = folders[0] / "baselines.json"
         if baselines.exists():
