@@ -1,13 +1,28 @@
-"""Test configuration: strict dtype and rank promotion, so silent broadcasting bugs fail loudly."""
+"""Test configuration: strict dtype and rank promotion, so silent broadcasting bugs fail loudly; and
+quicker compilation.
+
+Most of the suite's time is XLA compiling many small programs. The suite compiles them with
+``jax_disable_most_optimizations``, which turns off LLVM's optimisation of the generated machine code
+only: XLA's own passes (fusion, layout, buffer assignment) still run, so the compiled programs' form and
+their ``memory_analysis()``, which tests pin, are the ones users get, and float results do not depend on
+it beyond rounding. It is also set in the environment, so subprocesses (the notebooks' kernels, the
+benchmark's command line) inherit it; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest`` runs the
+suite fully optimised.
+"""
+
+import os
 
 import jax
 import numpy as np
 import pytest
 
+_quick_compile = os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1").lower() not in ("0", "false")
+
 # Data and fixture modules of the tests, not tests: p_rope.py registers an encoding when imported, which
 # test_contract.py does in a scratch registry only.
 collect_ignore = ["p_rope.py", "bad_inputs.py"]
 
+jax.config.update("jax_disable_most_optimizations", _quick_compile)
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
