@@ -1059,31 +1059,49 @@ def _reference_gather(x, one_hot, key_side):
     return jnp.einsum("BNSR,BTSR->BNTS" if key_side else "BNTR,BTSR->BNTS", x, one_hot)
 
 
+def _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch):
+    """``_slot_one_hot`` in float64 numpy, broadcast to ``batch`` rows: ``[batch, T, S, R]``."""
+    one_hot = np.asarray(_slot_one_hot(query_positions, key_positions, sign, offset, slots), np.float64)
+    return np.broadcast_to(one_hot, (batch, *one_hot.shape[1:]))
+
+
 @pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
 @pytest.mark.parametrize(("sign", "offset", "slots", "key_side"), _SLOT_MAPS, ids=_SLOT_MAP_IDS)
 def test_gather_by_distance_and_its_gradient_follow_the_definition(
     rng, query_positions, key_positions, sign, offset, slots, key_side
 ):
+    """Value, value beside its pullback, gradient, pullback and tangent, in one compiled program, against
+    the one-hot definition in float64."""
     qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
-    one_hot = _slot_one_hot(query_positions, key_positions, sign, offset, slots)
     batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+    one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
     rows = kp.shape[-1] if key_side else qp.shape[-1]
-    x = jnp.asarray(rng.normal(size=(batch, 2, rows, slots)), jnp.float32)
+    x, tangent = (np.asarray(rng.normal(size=(batch, 2, rows, slots)), np.float32) for _ in range(2))
+    cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32)
     gather = lambda x: gather_by_distance(x, qp, kp, sign=sign, offset=offset, key_side=key_side)
-    out = jax.jit(gather)(x)
-    np.testing.assert_allclose(out, _reference_gather(x, one_hot, key_side), rtol=1e-6, atol=1e-6)
-    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
+
+    @jax.jit
+    def everything(x, cotangent, tangent):
+        with_grad, pullback = jax.vjp(gather, x)
+        gradient = jax.grad(lambda x: (gather(x) * cotangent).sum())(x)
+        return gather(x), with_grad, gradient, pullback(cotangent)[0], jax.jvp(gather, (x,), (tangent,))[1]
+
+    out, with_grad, gradient, pulled, forward = everything(x, cotangent, tangent)
+    # out[b,n,t,s] = x[b,n,t (or s),slot(t,s)]; its gradient sums the cotangent into each pair's slot.
+    value_spec, gradient_spec = (
+        ("BNSR,BTSR->BNTS", "BNTS,BTSR->BNSR") if key_side else ("BNTR,BTSR->BNTS", "BNTS,BTSR->BNTR")
+    )
+    np.testing.assert_allclose(out, np.einsum(value_spec, x.astype(np.float64), one_hot), rtol=1e-6, atol=1e-6)
     # The value computed with the gradient comes from the forward rule (a flat gather): the same values.
-    with_grad, pullback = jax.vjp(gather, x)
     np.testing.assert_array_equal(with_grad, out)
-    ours = jax.jit(jax.grad(lambda x: (gather(x) * cotangent).sum()))(x)
-    plain = jax.grad(lambda x: (_reference_gather(x, one_hot, key_side) * cotangent).sum())(x)
-    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(pullback(cotangent)[0], plain, rtol=1e-5, atol=1e-5)
-    assert np.abs(np.asarray(plain)).max() > 0.1  # a gradient that can be wrong
-    tangent = jnp.asarray(rng.normal(size=x.shape), jnp.float32)  # forward mode: the gather of the tangent
-    forward = jax.jit(lambda x, t: jax.jvp(gather, (x,), (t,)))(x, tangent)
-    np.testing.assert_allclose(forward[1], _reference_gather(tangent, one_hot, key_side), rtol=1e-6, atol=1e-6)
+    plain = np.einsum(gradient_spec, cotangent.astype(np.float64), one_hot)
+    assert np.abs(plain).max() > 0.1  # a gradient that can be wrong
+    np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(pulled, plain, rtol=1e-5, atol=1e-5)
+    # Forward mode: the gather of the tangent.
+    np.testing.assert_allclose(
+        forward, np.einsum(value_spec, tangent.astype(np.float64), one_hot), rtol=1e-6, atol=1e-6
+    )
 
 
 @pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
@@ -1091,23 +1109,32 @@ def test_gather_by_distance_and_its_gradient_follow_the_definition(
 def test_sum_by_distance_and_its_gradient_follow_the_definition(
     rng, query_positions, key_positions, sign, offset, slots
 ):
+    """Value, gradient and tangent in one compiled program, against the one-hot definition in float64;
+    weights the mask hides are NaN and must reach no slot and no gradient."""
     qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
-    one_hot = _slot_one_hot(query_positions, key_positions, sign, offset, slots)
     batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
-    weights = jnp.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), jnp.float32)
-    mask = jnp.asarray(rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7)
-    hidden = jnp.where(mask, weights, jnp.nan)  # hidden weights must reach no slot and no gradient
-    summed = lambda w: sum_by_distance(w, qp, kp, sign=sign, offset=offset, slots=slots, mask=mask)
-    reference = lambda w: jnp.einsum("BNTS,BTSR->BNTR", jnp.where(mask, w, 0.0), one_hot)
-    out = jax.jit(summed)(hidden)
+    one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
+    weights, tangent = (
+        np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32) for _ in range(2)
+    )
+    mask = rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7
+    hidden = np.where(mask, weights, np.nan).astype(np.float32)
+    cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], slots)), np.float32)
+    summed = lambda w: sum_by_distance(w, qp, kp, sign=sign, offset=offset, slots=slots, mask=jnp.asarray(mask))
+
+    @jax.jit
+    def everything(w, cotangent, tangent):
+        gradient = jax.grad(lambda w: (summed(w) * cotangent).sum())(w)
+        return summed(w), gradient, jax.jvp(summed, (w,), (tangent,))[1]
+
+    out, gradient, forward = everything(hidden, cotangent, tangent)
+    reference = lambda w: np.einsum("BNTS,BTSR->BNTR", np.where(mask, w.astype(np.float64), 0.0), one_hot)
     np.testing.assert_allclose(out, reference(weights), rtol=1e-5, atol=1e-5)
-    cotangent = jnp.asarray(rng.normal(size=out.shape), jnp.float32)
-    ours = jax.jit(jax.grad(lambda w: (summed(w) * cotangent).sum()))(hidden)
-    plain = jax.grad(lambda w: (reference(w) * cotangent).sum())(weights)
-    np.testing.assert_allclose(ours, plain, rtol=1e-5, atol=1e-5)
-    assert np.abs(np.asarray(plain)).max() > 0.1
-    tangent = jnp.asarray(rng.normal(size=weights.shape), jnp.float32)  # forward mode: the sums of the tangent
-    np.testing.assert_allclose(jax.jvp(summed, (hidden,), (tangent,))[1], reference(tangent), rtol=1e-5, atol=1e-5)
+    plain = np.where(mask, np.einsum("BNTR,BTSR->BNTS", cotangent.astype(np.float64), one_hot), 0.0)
+    assert np.abs(plain).max() > 0.1
+    np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5)
+    # Forward mode: the sums of the tangent.
+    np.testing.assert_allclose(forward, reference(tangent), rtol=1e-5, atol=1e-5)
 
 
 def test_distance_maps_differentiate_to_second_order_and_under_vmap(rng):
