@@ -151,14 +151,20 @@ def test_packed_rows_equal_separate_sequences(rng, name):
     model = _model(_config(name))
     lengths = (4, 7, 3)
     seqs = [_tokens(rng, 1, n) for n in lengths]
-    packed = model(
-        jnp.concatenate(seqs, axis=1),
-        jnp.asarray(np.concatenate([np.arange(n) for n in lengths]))[None],
-        segment_ids=jnp.asarray(np.repeat(np.arange(1, 4), lengths))[None],
-    )
+
+    @nnx.jit
+    def packed_and_separate(model, seqs):  # one program for the four forwards
+        packed = model(
+            jnp.concatenate(seqs, axis=1),
+            jnp.asarray(np.concatenate([np.arange(n) for n in lengths]))[None],
+            segment_ids=jnp.asarray(np.repeat(np.arange(1, 4), lengths))[None],
+        )
+        return packed, [model(seq, jnp.arange(n)) for seq, n in zip(seqs, lengths, strict=True)]
+
+    packed, separate = packed_and_separate(model, seqs)
     start = 0
-    for seq, n in zip(seqs, lengths, strict=True):
-        np.testing.assert_allclose(packed[:, start : start + n], model(seq, jnp.arange(n)), atol=2e-5)
+    for alone, n in zip(separate, lengths, strict=True):
+        np.testing.assert_allclose(packed[:, start : start + n], alone, atol=2e-5)
         start += n
 
 
