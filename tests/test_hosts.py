@@ -82,6 +82,23 @@ def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
     assert len(record["cells"]) == 4 and sum(c["rows"] for c in record["commits"]) == len(merged)
     report = (tmp_path / "report.md").read_text()
     assert "alibi" in report and "nope" in report
+    assert "Device: cpu x 1" in report  # one kind of device: one line
+
+    # Folders named explicitly merge into any folder; one made on another device (here its record says
+    # so) puts a line per device in the report, naming the cells each ran.
+    record_1 = json.loads((folders[1] / "run.json").read_text())
+    record_1["device"] = {"platform": "gpu", "kind": "NVIDIA H200", "count": 1}
+    (folders[1] / "run.json").write_text(json.dumps(record_1))
+    named = tmp_path / "named"
+    assert cli.main(["merge", str(named), str(folders[1]), str(folders[0]), "--no-plots"]) == 0
+    assert len(read_rows(named / "results.jsonl")) == len(merged)
+    assert {c["device"].split(",")[0] for c in json.loads((named / "run.json").read_text())["cells"]} == {
+        "cpu x 1",
+        "NVIDIA H200 x 1",
+    }
+    devices = next(line for line in (named / "report.md").read_text().splitlines() if line.startswith("Devices"))
+    assert "NVIDIA H200 x 1, jax " in devices and "counting_copy (alibi), copy (alibi)" in devices
+    assert devices.index("counting_copy (nope), copy (nope)") > devices.index("cpu x 1")
 
     # A cell's rows in two folders (a host run again with another count, say) are refused, naming both.
     first = (folders[0] / "results.jsonl").read_text().splitlines()[0]

@@ -190,14 +190,15 @@ def _merge(args) -> int:
 
     out = pathlib.Path(args.out)
     try:
-        merge(out)
+        merge(out, folders=args.folders or None)
         reporting.write_report(out, plots=not args.no_plots)
         if not args.no_plots:
             reporting.plot(out)
     except ValueError as error:
         raise SystemExit(f"posenc-bench merge: {error}") from None
     print((out / "report.md").read_text())
-    print(f"merged {', '.join(p.name for p in sorted(out.glob('host-*-of-*')))} into {out}")
+    named = args.folders or sorted(out.glob("host-*-of-*"))
+    print(f"merged {', '.join(str(p) for p in named)} into {out}")
     return 0
 
 
@@ -323,9 +324,16 @@ def main(argv=None) -> int:
     ex.set_defaults(handler=_extrapolate)
     mg = sub.add_parser(
         "merge",
-        help="join the host folders of a run over several hosts (--host) into one, and write its report",
+        help="join the host folders of a run over several hosts (--host), or any results folders of one "
+        "preset's settings, into one, and write its report",
     )
     mg.add_argument("out", help="the run's --out folder, holding host-INDEX-of-COUNT folders")
+    mg.add_argument(
+        "folders",
+        nargs="*",
+        help="results folders of one preset's settings to join instead (default: every host-INDEX-of-COUNT "
+        "folder in out); no cell may be in two",
+    )
     mg.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
     mg.set_defaults(handler=_merge)
     pr = sub.add_parser(

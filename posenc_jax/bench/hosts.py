@@ -15,7 +15,10 @@ Usage on a pod slice (the same command on every host; ``<out>`` on storage they 
     posenc-bench merge /shared/colab-tpu
 
 On machines without ``jax.distributed`` (independent hosts), ``--host 0/2`` on one and
-``--host 1/2`` on the other do the same.
+``--host 1/2`` on the other do the same. Folders of one preset's settings made any other way
+(one process per cell on a shared accelerator, say) merge too when named:
+``posenc-bench merge <out> <folder> <folder> ...``. Each cell of the merged record keeps the
+device it ran on, and a report over several kinds of device says which cells ran where.
 """
 
 from __future__ import annotations
@@ -52,6 +55,12 @@ def host_folder(out: pathlib.Path, host: tuple[int, int]) -> pathlib.Path:
     return pathlib.Path(out) / f"host-{host[0]}-of-{host[1]}"
 
 
+def _device_label(record) -> str:
+    """``"NVIDIA H200 x 1, jax 0.11.2"``: the device and jax of one run record."""
+    device, versions = record.get("device") or {}, record.get("versions") or {}
+    return f"{device.get('kind', 'unknown')} x {device.get('count', '?')}, jax {versions.get('jax', '?')}"
+
+
 def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
     """Joins the hosts' folders (default: every ``<out>/host-i-of-H``) into ``out``.
 
@@ -77,6 +86,7 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
             f"{out} holds folders of runs over different numbers of hosts ({sorted(counts)}); a cell may then "
             f"have been trained twice: merge the folders of one run, passing them explicitly"
         )
+    out.mkdir(parents=True, exist_ok=True)
     with FolderLock(out):
         if (out / "results.jsonl").exists() and not (out / "run.json").exists():
             raise ValueError(f"{out}/results.jsonl exists without run.json; move it away before merging into {out}")
@@ -95,7 +105,11 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
                 seen[cell] = folder
                 settings.add(row.get("settings"))
                 rows.append(row)
-            records.append(read_json(folder / "run.json", "run record"))
+            record = read_json(folder / "run.json", "run record")
+            device = _device_label(record)
+            for cell in record.get("cells", []):
+                cell.setdefault("device", device)
+            records.append(record)
         if len(settings) > 1:
             raise ValueError(f"the host folders hold rows of different settings {sorted(map(str, settings))}")
         record = {key: value for key, value in records[0].items() if key != "host"}  # the merge's, not host 0's
