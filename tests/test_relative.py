@@ -41,6 +41,7 @@ from posenc_jax.functional.core.relative import (
     toeplitz_where_runs,
 )
 from posenc_jax.functional.encodings.transformer_xl import project_distances
+from posenc_jax.functional.kernels import backend
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -801,16 +802,22 @@ def test_transformer_xl_decoding_choice_differentiates_under_vmap(rng):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
-def test_transformer_xl_decoding_choice_is_a_loop_not_a_conditional(rng):
-    """The table-or-identity choice of a decoding step is a loop of one pass or none: no ``cond`` in its
-    program (XLA:CPU ran one beside the whole-cache copies and slowed them, README)."""
+@pytest.mark.parametrize("cpu_forms", [True, False], ids=["cpu-form", "plain-form"])
+def test_transformer_xl_decoding_choice_is_a_loop_on_the_cpu_and_a_conditional_elsewhere(rng, cpu_forms, monkeypatch):
+    """The table-or-identity choice of a decoding step: on the CPU a loop of one pass or none, no ``cond`` in
+    its program (XLA:CPU ran one beside the whole-cache copies and slowed them); on the other backends the
+    plain conditional."""
+    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)
     q, k = _normal(rng, (2, 1, N, H)), _normal(rng, (2, 9, N, H))
     w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
     kw = dict(position_projection=w_r, content_bias=u, position_bias=v, causal=True)
     features = TransformerXL(w_r, u, v).key_features(k, None)  # as a cache stores them
     step = lambda qp, kp, table: transformer_xl_logits(q, k, qp, kp, key_features=features, distance_table=table, **kw)
     jaxpr = str(jax.make_jaxpr(step)(jnp.full((2, 1), 8), jnp.arange(9), project_distances(jnp.arange(16), w_r)))
-    assert "cond[" not in jaxpr and "while[" in jaxpr
+    if cpu_forms:
+        assert "cond[" not in jaxpr and "while[" in jaxpr
+    else:
+        assert "cond[" in jaxpr and "while[" not in jaxpr
 
 
 def test_transformer_xl_distance_table_refuses_a_wrong_shape(rng):
@@ -1221,7 +1228,6 @@ def test_take_along_last_axis_matches_take_along_axis(transposed, cpu_forms, mon
     batch dimensions, which XLA:CPU lays out index first and transposes) on the CPU; the plain form the
     other backends run gives the same."""
     from posenc_jax.functional.core.relative import take_along_last_axis
-    from posenc_jax.functional.kernels import backend
 
     monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)
 
