@@ -9,6 +9,7 @@ jitted program that checks traced positions has one (``check_values``' ``jax.deb
 the models' training and evaluation steps compile afresh in each process; what the cache saves is
 the small programs (eager operations, initialisers): about a tenth of the benchmark tests' CPU time.
 Doctest namespace: docstring examples may use ``jnp`` and ``np`` without importing them.
+Order: tests marked ``long`` run first, so that the workers share them and finish on short ones.
 """
 
 import os
@@ -23,6 +24,10 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the controller; xdist worke
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)  # stable: otherwise as collected
 
 
 def pytest_unconfigure(config):

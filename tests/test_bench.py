@@ -46,6 +46,7 @@ def standard_promotion():
         yield
 
 
+@pytest.mark.long
 def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
     args = ["extrapolate", "--preset", "smoke", "--encodings", "nope,rope", "--text-lengths", "16,32"]
     args += ["--out", str(tmp_path), "--no-progress"]
@@ -83,6 +84,7 @@ def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
     assert len(json.loads((tmp_path / "run.json").read_text())["cells"]) == len(record["cells"])
 
 
+@pytest.mark.long
 def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
     preset = dataclasses.replace(
         presets.PRESETS["smoke"], encodings=("rope",), tasks=("counting_copy",), steps=400, checkpoint_every=10

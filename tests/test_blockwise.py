@@ -422,6 +422,7 @@ def test_blockwise_temp_memory_grows_linearly(gradient):
     assert materialized > 10 * large, (materialized, large)
 
 
+@pytest.mark.long
 def test_transformer_and_attention_module_pass_the_choice_down():
     from flax import nnx
 

@@ -88,6 +88,7 @@ def test_prefill_then_decode_equals_full_forward(rng, name):
     np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("name", LENGTH_DEPENDENT)
 def test_length_dependent_scalings_decode_one_layer_as_the_forward_of_each_prefix(rng, name):
     # The small settings have original_context=4: the steps cross from plain to scaled frequencies.

@@ -169,6 +169,7 @@ def test_notebook_is_saved_from_one_real_run(stem):
         assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("stem", STEMS)
 def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(stem, monkeypatch):
     # A fresh environment and kernel whose install cell installs POSENC_JAX_SOURCE (this checkout unless

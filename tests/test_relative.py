@@ -781,6 +781,7 @@ def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions,
     np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.long
 def test_transformer_xl_decoding_choice_differentiates_under_vmap(rng):
     """The gradient of a batch of decoding steps (``vmap``), one inside the table and one outside it (a
     batched choice): as the identity's. (A conditional in the choice's derivative rule could not be

@@ -125,6 +125,7 @@ def test_schedule_warms_up_then_decays():
         warmup_cosine_adamw(learning_rate=1e-3, total_steps=10, warmup_steps=10)
 
 
+@pytest.mark.long
 def test_checkpoint_round_trip_and_exact_resume(tmp_path):
     def fresh():
         model = Transformer(encoding=["rope", "t5"], dropout_rate=0.1, rngs=nnx.Rngs(0), **KW)
