@@ -397,6 +397,10 @@ class Preset:
 
 _CPU_ENCODINGS = ("nope", "sinusoidal", "learned", "rope", "t5", "alibi")
 _TEXT_CLAIM_ENCODINGS = ("nope", "sinusoidal", "learned", "rope", "t5", "alibi", "kerple-log", "sandwich", "fire")
+_LONG_TEXT_ENCODINGS = (
+    *("nope", "sinusoidal", "rope", "t5", "alibi", "kerple-log", "kerple-power", "sandwich", "fire"),
+    *("transformer-xl", "xpos"),
+)
 _DECODER_TASKS = ("counting_copy", "copy", "duplicate", "reverse")
 _ENCODER_TASKS = ("reverse_string", "missing_duplicate", "parity", "bucket_sort")
 _ALL_TASKS = (*_DECODER_TASKS, *_ENCODER_TASKS, "probe", "probe_boundary", "text")
@@ -506,6 +510,32 @@ PRESETS = {
         checkpoint_every=1000,
         check_every=200,
         description="text on one GPU: 9 encodings and RoPE's scalings, 4 x 256 trained at 128 characters, to 32x",
+        target="accelerator",
+    ),
+    # The text claims far past the training length: gpu-text's model trained at 256 characters
+    # and tested to 32,768 (128x), blockwise from 2,048 tokens, with every encoding a published
+    # text claim names (Kerple-power, Transformer-XL and xPos beside gpu-text's). 3 seeds; one
+    # 32,768-character test text, which each length scores whole.
+    "gpu-long": Preset(
+        name="gpu-long",
+        encodings=_LONG_TEXT_ENCODINGS,
+        tasks=("text",),
+        seeds=(0, 1, 2),
+        model_dim=256,
+        num_layers=4,
+        num_heads=8,
+        mlp_dim=1024,
+        steps=4000,
+        batch_size=32,
+        text_context=256,
+        text_multiples=(1, 2, 4, 8, 16, 32, 64, 128),
+        text_eval_characters=32_768,
+        eval_implementation="blockwise",
+        blockwise_from=2048,
+        checkpoint_every=1000,
+        check_every=200,
+        description="text on one GPU: the text claims' 11 encodings and RoPE's scalings, 4 x 256 trained at 256 "
+        "characters, to 128x",
         target="accelerator",
     ),
     # Ruoss et al. 2023: randomized positions against the same encoding without them, on their
