@@ -128,18 +128,25 @@ def test_built_hooks_pass_through_jit_vmap_and_grad(rng, name):
         return _run_hook(hook, acts_on, x, q, k, v, positions)
 
     eager = f(hook, x, q)
-    np.testing.assert_allclose(jax.jit(f)(hook, x, q), eager, atol=1e-5, rtol=1e-5)
 
-    # vmap over two copies of the hook whose parameters differ (the second scaled by 0.5).
-    leaves = jax.tree.leaves(hook)
-    stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), hook)
-    halved = jax.tree.map(lambda a: a * 0.5, hook)
-    both = jax.vmap(f, in_axes=(0, None, 0))(stacked, x, jnp.stack([q, q]))  # q mapped too: some hooks have no leaves
+    # Under jit, in one program (each eager transformation would compile every operation on its own): the
+    # function; vmap over two copies of the hook whose parameters differ (the second scaled by 0.5), q mapped
+    # too (some hooks have no leaves); the second copy alone; grad with respect to the hook.
+    @jax.jit
+    def transformed(hook, x, q):
+        stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), hook)
+        halved = jax.tree.map(lambda a: a * 0.5, hook)
+        both = jax.vmap(f, in_axes=(0, None, 0))(stacked, x, jnp.stack([q, q]))
+        grads = jax.grad(lambda h: jnp.sum(jnp.sin(f(h, x, q))))(hook)
+        return f(hook, x, q), both, f(halved, x, q), grads
+
+    jitted, both, halved, grads = transformed(hook, x, q)
+    np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(both[0], eager, atol=1e-5, rtol=1e-5)
-    np.testing.assert_allclose(both[1], f(halved, x, q), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(both[1], halved, atol=1e-5, rtol=1e-5)
 
-    # grad with respect to the hook: a hook-shaped tree of finite gradients, not all zero when learned.
-    grads = jax.grad(lambda h: jnp.sum(jnp.sin(f(h, x, q))))(hook)
+    # The gradient: a hook-shaped tree of finite values, not all zero when learned.
+    leaves = jax.tree.leaves(hook)
     assert jax.tree.structure(grads) == jax.tree.structure(hook)
     grad_leaves = jax.tree.leaves(grads)
     assert all(bool(jnp.isfinite(g).all()) for g in grad_leaves)
@@ -161,13 +168,19 @@ def test_forward_mode_is_the_transpose_of_reverse_mode(rng, name):
 
     primals = (hook, x, q, k)
     tangents = jax.tree.map(lambda a: _normal(rng, a.shape), primals)
-    out, forward = jax.jvp(f, primals, tangents)
-    reverse_out, pullback = jax.vjp(f, *primals)
+    u = _normal(rng, jax.eval_shape(f, *primals).shape)
+
+    @jax.jit  # both modes in one program
+    def both_modes(primals, tangents, u):
+        out, forward = jax.jvp(f, primals, tangents)
+        reverse_out, pullback = jax.vjp(f, *primals)
+        return out, forward, reverse_out, pullback(u)
+
+    out, forward, reverse_out, cotangents = both_modes(primals, tangents, u)
     np.testing.assert_allclose(out, reverse_out, atol=1e-6, rtol=1e-6)
-    u = _normal(rng, out.shape)
     lhs = float(jnp.vdot(u, forward))
     rhs = sum(
-        float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(pullback(u)), jax.tree.leaves(tangents), strict=True)
+        float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(cotangents), jax.tree.leaves(tangents), strict=True)
     )
     assert abs(lhs) > 1e-3  # the function depends on what is varied
     np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
