@@ -1,0 +1,116 @@
+"""The results the README and the reproductions page show are those of the committed rows.
+
+Each table of scores beyond the training length is recomputed from its folder under `docs/` with the
+benchmark's own summaries (mean and 95% interval over the learned seeds, or "not learned (k/n)"), so a
+number edited by hand, or left behind when a run is replaced, fails here.
+"""
+
+import functools
+import pathlib
+import re
+
+import pytest
+
+from posenc_jax.bench.results import cells, read
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+LABELS = {
+    "NoPE": "nope",
+    "T5": "t5",
+    "ALiBi": "alibi",
+    "RoPE": "rope",
+    "CoPE": "cope",
+    "sinusoidal": "sinusoidal",
+    "RoPE + randomized": "rope+randomized",
+    "sinusoidal + randomized": "sinusoidal+randomized",
+    "counting copy": "counting_copy",
+    "copy": "copy",
+    "duplicate": "duplicate",
+    "reverse": "reverse",
+    "reverse string": "reverse_string",
+    "missing duplicate": "missing_duplicate",
+    "parity": "parity",
+    "bucket sort": "bucket_sort",
+}
+
+
+def _table(page: str, header: str) -> list[dict[str, str]]:
+    """The rows of the table on ``page`` whose header line starts with ``header``, as {column: cell}."""
+    lines = (ROOT / page).read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    columns = [cell.strip() for cell in lines[start].strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(columns, (cell.strip() for cell in line.strip("|").split("|")), strict=True)))
+    return rows
+
+
+@functools.cache
+def _summaries(folder: str):
+    return {(c.task, c.encoding): c for c in cells(read(ROOT / "docs" / folder))}
+
+
+def _shown(cell: str) -> str:
+    """A table cell without its annotations: bold, a published figure or a note in parentheses."""
+    cell = cell.replace("**", "").replace("−", "-")
+    if cell.startswith("not learned"):
+        return re.match(r"not learned \(\d+/\d+", cell).group(0) + ")"
+    return re.sub(r"\s*\([^)]*\)$", "", cell)
+
+
+def _assert_shows(shown: str, summary, where) -> None:
+    want = summary.text("extrapolation")
+    interval = summary.extrapolation
+    if re.fullmatch(r"-?\d+\.\d{3}", shown):  # an interval of no width, shown as its mean alone
+        assert interval is not None and f"{interval.low:.3f}" == f"{interval.high:.3f}" == shown, (where, want)
+    else:
+        assert shown == want, (where, shown, want)
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/site/reproductions.md"])
+def test_decoder_tasks_table_is_its_committed_rows(page):
+    summaries = _summaries("extrapolation-kazemnejad")
+    rows = _table(page, "| task | NoPE | T5 | ALiBi | RoPE | sinusoidal |")
+    assert len(rows) == 4
+    for row in rows:
+        for column in ("NoPE", "T5", "ALiBi", "RoPE", "sinusoidal"):
+            summary = summaries[LABELS[row["task"]], LABELS[column]]
+            assert summary.learned
+            _assert_shows(_shown(row[column]), summary, (page, row["task"], column))
+
+
+@pytest.mark.parametrize(
+    ("header", "folder", "columns"),
+    [
+        ("| task | RoPE | RoPE + randomized |", "extrapolation-ruoss", 4),
+        ("| task | RoPE + randomized | sinusoidal + randomized |", "extrapolation-ruoss-long", 2),
+    ],
+)
+def test_randomized_positions_tables_are_their_committed_rows(header, folder, columns):
+    summaries = _summaries(folder)
+    rows = _table("docs/site/reproductions.md", header)
+    assert len(rows) == 4
+    for row in rows:
+        for column in list(row)[1 : 1 + columns]:
+            _assert_shows(_shown(row[column]), summaries[LABELS[row["task"]], LABELS[column]], (row["task"], column))
+
+
+@pytest.mark.parametrize(
+    ("header", "task"),
+    [
+        ("| encoding | seeds learned | at 16 pairs |", "flip_flop"),
+        ("| encoding | seeds learned | at 16 statements |", "cope_count"),
+    ],
+)
+def test_cope_tasks_tables_are_their_committed_rows(header, task):
+    summaries = _summaries("extrapolation-cope-tasks")
+    rows = [row for row in _table("docs/site/reproductions.md", header) if row["encoding"] in LABELS]
+    assert len(rows) == 4
+    for row in rows:
+        summary = summaries[task, LABELS[row["encoding"]]]
+        at_training, beyond = list(row.values())[2:4]
+        assert row["seeds learned"] == f"{len(summary.learned_seeds)}/{summary.seeds}", row
+        assert at_training == summary.text("at_training"), (row, summary.text("at_training"))
+        _assert_shows(_shown(beyond), summary, (task, row["encoding"]))
