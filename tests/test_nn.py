@@ -505,3 +505,13 @@ def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
         layer(x, positions, causal=True, implementation="materialize", mesh=mesh)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh .*got str"):
         _model("alibi")(jnp.zeros((1, 6), jnp.int32), positions, mesh="sequence")
+    # ring= passes the keys round a mesh's devices: one device's ring is the call itself; no mesh, no ring.
+    np.testing.assert_allclose(
+        layer(x, positions, causal=True, mesh=mesh, ring=True),
+        layer(x, positions, causal=True, implementation="blockwise"),
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="ring=True passes the keys round the devices of a mesh: pass mesh= too"):
+        _model("alibi")(jnp.zeros((1, 6), jnp.int32), positions, ring=True)
+    with pytest.raises(TypeError, match="ring must be True or False, got 'yes'"):
+        layer(x, positions, causal=True, mesh=mesh, ring="yes")

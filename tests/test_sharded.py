@@ -157,11 +157,17 @@ SCRIPT = textwrap.dedent(
             alone = model(tokens, positions, implementation="blockwise")
             shared = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh))(model, tokens, positions)
             found["model"]["+".join(np.atleast_1d(encoding))] = difference(alone, shared)
+            if encoding in (["rope", "t5"], "cope", "xpos"):  # and with the keys passed round a ring
+                ringed = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh, ring=True))(
+                    model, tokens, positions)
+                found.setdefault("model_ring", {})["+".join(np.atleast_1d(encoding))] = difference(alone, ringed)
         evaluation = sequence_mesh("blockwise")
         found["sequence_mesh"] = [len(evaluation.devices.flat), sequence_mesh("materialize")]
         batch = {"inputs": tokens, "targets": tokens, "positions": positions}
         outputs = [predict(model, batch, implementation="blockwise", mesh=m) for m in (None, evaluation)]
         found["predict"] = difference(outputs[0]["target_log_probs"], outputs[1]["target_log_probs"])
+        ringed = predict(model, batch, implementation="blockwise", mesh=evaluation, ring=True)
+        found["predict_ring"] = difference(outputs[0]["target_log_probs"], ringed["target_log_probs"])
         # 7. Keys passed round a ring (ring=True): keys and values split too, each device's shard visiting the
         # others. Against one device, to float32 rounding (a row's key tiles come in another order); then the
         # padded cross-attention case (S = 70, padded to 72) with its gradients, and the long evaluation's memory.
@@ -258,6 +264,11 @@ def test_long_evaluation_memory_model_and_ring_on_8_simulated_devices():
         assert d["finite"] and d["relative"] < 1e-5, (encoding, d)
     assert found["sequence_mesh"] == [8, None]
     assert found["predict"]["finite"] and found["predict"]["relative"] < 1e-5, found["predict"]
+    # The same with the keys and values passed round a ring (ring=True).
+    assert set(found["model_ring"]) == {"rope+t5", "cope", "xpos"}
+    for encoding, d in found["model_ring"].items():
+        assert d["finite"] and d["relative"] < 1e-5, (encoding, d)
+    assert found["predict_ring"]["finite"] and found["predict_ring"]["relative"] < 1e-5, found["predict_ring"]
 
     # Keys passed round a ring: every encoding and form to float32 rounding (CoPE, whose tiles the ring visits
     # in one device's order, bit for bit), padding and masks too, gradients included.

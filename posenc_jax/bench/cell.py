@@ -184,28 +184,28 @@ def position_buckets(train_length: int, length: int) -> list[tuple[str, int, int
     return buckets
 
 
-@functools.partial(nnx.jit, static_argnames=("implementation", "mesh"))
-def _predict(model, batch, implementation, mesh):
-    logits = model(
-        batch["inputs"], batch["positions"], key_mask=batch.get("key_mask"), implementation=implementation, mesh=mesh
-    )
+@functools.partial(nnx.jit, static_argnames=("implementation", "mesh", "ring"))
+def _predict(model, batch, implementation, mesh, ring):
+    inputs, positions, key_mask = batch["inputs"], batch["positions"], batch.get("key_mask")
+    logits = model(inputs, positions, key_mask=key_mask, implementation=implementation, mesh=mesh, ring=ring)
     log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     target_log_probs = jnp.take_along_axis(log_probs, batch["targets"][..., None], axis=-1)[..., 0]
     return {"predictions": logits.argmax(-1), "target_log_probs": target_log_probs}
 
 
-def predict(model, batch: dict, *, implementation: str = "materialize", mesh=None) -> dict:
+def predict(model, batch: dict, *, implementation: str = "materialize", mesh=None, ring: bool = False) -> dict:
     """The argmax predictions and the targets' log-probabilities of ``batch``.
 
     ``mesh``: with ``implementation="blockwise"``, a :class:`jax.sharding.Mesh` whose devices
-    share each sequence's queries (the model's ``mesh=``), or None for one device.
+    share each sequence's queries (the model's ``mesh=``), or None for one device. ``ring``:
+    the keys and values split over the mesh's devices too, passed round them (the model's ``ring=``).
     """
     if implementation not in SUPPORTED_IMPLEMENTATIONS:
         raise ValueError(
             f"evaluation with implementation={implementation!r} is not one the model runs; "
             f"supported: {SUPPORTED_IMPLEMENTATIONS}"
         )
-    return _predict(model, batch, implementation, mesh)
+    return _predict(model, batch, implementation, mesh, bool(ring))
 
 
 def sequence_mesh(implementation: str):

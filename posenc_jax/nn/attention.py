@@ -86,9 +86,13 @@ class _OwnTokens:
         return self.table.rotate_prepared(q, k)
 
 
-def _check_mesh(mesh, cache, implementation: str) -> None:
+def _check_mesh(mesh, cache, implementation: str, ring: bool = False) -> None:
     """A sequence-parallel call's static facts: a mesh, no cache, an implementation that tiles."""
+    if not isinstance(ring, (bool, np.bool_)):
+        raise TypeError(f"ring must be True or False, got {ring!r}")
     if mesh is None:
+        if ring:
+            raise ValueError("ring=True passes the keys round the devices of a mesh: pass mesh= too")
         return
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"mesh must be a jax.sharding.Mesh (or None), got {type(mesh).__name__}")
@@ -215,6 +219,7 @@ class MultiHeadAttention(nnx.Module):
         deterministic: bool = True,
         implementation: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        ring: bool = False,
     ):
         """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -234,6 +239,9 @@ class MultiHeadAttention(nnx.Module):
             against all the keys (:func:`~posenc_jax.functional.core.sharded.sequence_parallel_attention`),
             so one long sequence uses every device. Equal to one device's result to float32
             rounding. Not with a cache, and not with ``implementation="materialize"``.
+          ring: with ``mesh``, split the keys and values over its devices too and pass each
+            device's shard round them, instead of gathering them whole on every device: each
+            device then holds ``1/P`` of them (``sequence_parallel_attention``'s ``ring``).
 
         Returns:
           ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
@@ -265,6 +273,7 @@ class MultiHeadAttention(nnx.Module):
             deterministic=deterministic,
             implementation=implementation,
             mesh=mesh,
+            ring=ring,
         )
 
     def _forward_terms(self, positions, key_positions, *, biases: Sequence, causal: bool, batch: int, implementation):
@@ -301,6 +310,7 @@ class MultiHeadAttention(nnx.Module):
         implementation: str | None = None,
         prepared: Sequence | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        ring: bool = False,
     ):
         """:meth:`__call__` for ``x`` and ``positions`` already checked: a model's layers (the model checked them once).
 
@@ -313,7 +323,7 @@ class MultiHeadAttention(nnx.Module):
         step (a rotation that follows the sequence length) uses the layer's own hooks.
         """
         implementation = self.implementation if implementation is None else implementation
-        _check_mesh(mesh, cache, implementation)
+        _check_mesh(mesh, cache, implementation, ring)
         batch, length, _ = x.shape
         q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
         k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
@@ -377,7 +387,7 @@ class MultiHeadAttention(nnx.Module):
         if mesh is None:
             out = attend(q, k, v, implementation=implementation, **arguments)
         else:
-            out = sequence_parallel_attention(q, k, v, mesh=mesh, **arguments)
+            out = sequence_parallel_attention(q, k, v, mesh=mesh, ring=bool(ring), **arguments)
         out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
         return out if cache is None else (out, new_cache)
 

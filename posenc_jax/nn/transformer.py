@@ -116,6 +116,7 @@ class Block(nnx.Module):
         implementation=None,
         prepared=None,
         mesh=None,
+        ring=False,
     ):
         attended = self.attention._attend(
             self.attention_norm(x),
@@ -129,6 +130,7 @@ class Block(nnx.Module):
             implementation=implementation,
             prepared=prepared,
             mesh=mesh,
+            ring=ring,
         )
         if cache is not None:
             attended, cache = attended
@@ -305,6 +307,7 @@ class Transformer(nnx.Module):
         key_positions,
         implementation=None,
         mesh=None,
+        ring=False,
     ):
         """The forward pass at positions :meth:`__call__` or :meth:`decode` checked: nothing below checks them again."""
         for module in self.position_samplers:
@@ -338,6 +341,7 @@ class Transformer(nnx.Module):
                 implementation=implementation,
                 prepared=prepared,
                 mesh=mesh,
+                ring=ring,
             )
             new_caches.append(cache)
         logits = self.head(self.final_norm(x))
@@ -353,6 +357,7 @@ class Transformer(nnx.Module):
         deterministic: bool = True,
         implementation: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
+        ring: bool = False,
     ):
         """Logits ``[B, T, vocab]`` for ``tokens`` ``[B, T]`` at ``positions`` ``[T]`` or ``[B, T]``.
 
@@ -363,7 +368,8 @@ class Transformer(nnx.Module):
         ``implementation`` overrides the model's attention implementation for this call
         (e.g. ``"blockwise"`` to evaluate at 64k tokens a model trained on 256). ``mesh`` (a
         :class:`jax.sharding.Mesh`) splits every layer's queries over the mesh's devices, so
-        one long sequence uses all of them (see :meth:`MultiHeadAttention.__call__`).
+        one long sequence uses all of them (see :meth:`MultiHeadAttention.__call__`); with
+        ``ring=True`` the keys and values are split too and passed round the devices.
         """
         positions = check_positions(positions)
         self._check_tokens(tokens, positions)
@@ -377,6 +383,7 @@ class Transformer(nnx.Module):
             key_positions=positions,
             implementation=implementation,
             mesh=mesh,
+            ring=ring,
         )
         return logits
 
