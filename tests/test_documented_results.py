@@ -6,6 +6,7 @@ number edited by hand, or left behind when a run is replaced, fails here.
 """
 
 import functools
+import importlib.util
 import pathlib
 import re
 
@@ -114,3 +115,21 @@ def test_cope_tasks_tables_are_their_committed_rows(header, task):
         assert row["seeds learned"] == f"{len(summary.learned_seeds)}/{summary.seeds}", row
         assert at_training == summary.text("at_training"), (row, summary.text("at_training"))
         _assert_shows(_shown(beyond), summary, (task, row["encoding"]))
+
+
+def test_headline_figures_are_drawn_from_the_committed_rows(tmp_path):
+    spec = importlib.util.spec_from_file_location("headline_figures", ROOT / "benchmarks" / "headline_figures.py")
+    figures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figures)
+    written = figures.draw(tmp_path)
+    assert [p.name for p in written] == ["decoder-tasks.png", "randomized.png"]
+    assert all(p.stat().st_size > 10_000 for p in written)
+    # What the bars show: the reports' intervals, and no bar where a cell did not learn its task.
+    values = figures.bars()
+    assert len(values["decoder-tasks"]) == 20 and None not in values["decoder-tasks"].values()
+    nope = _summaries("extrapolation-kazemnejad")["copy", "nope"].extrapolation
+    assert values["decoder-tasks"]["copy", "nope"] == (nope.mean, nope.low, nope.high)
+    randomized = values["randomized"]
+    assert round(randomized["bucket_sort", "RoPE + randomized"][0], 3) == 0.929
+    assert randomized["reverse_string", "RoPE + randomized"] is None
+    assert randomized["bucket_sort", "sinusoidal + randomized"] is None
