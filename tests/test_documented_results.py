@@ -1,8 +1,9 @@
 """The results the README and the reproductions page show are those of the committed rows.
 
-Each table of scores beyond the training length is recomputed from its folder under `docs/` with the
-benchmark's own summaries (mean and 95% interval over the learned seeds, or "not learned (k/n)"), so a
-number edited by hand, or left behind when a run is replaced, fails here.
+Each table of scores is recomputed from its folder under `docs/` with the benchmark's own summaries
+(mean and 95% interval over the learned seeds, or "not learned (k/n)"; for text, bits per character by
+position), and the headline figures are drawn from the same summaries, so a number edited by hand, or
+left behind when a run is replaced, fails here.
 """
 
 import functools
@@ -10,6 +11,7 @@ import importlib.util
 import pathlib
 import re
 
+import numpy as np
 import pytest
 
 from posenc_jax.bench.results import cells, read
@@ -133,3 +135,28 @@ def test_headline_figures_are_drawn_from_the_committed_rows(tmp_path):
     assert round(randomized["bucket_sort", "RoPE + randomized"][0], 3) == 0.929
     assert randomized["reverse_string", "RoPE + randomized"] is None
     assert randomized["bucket_sort", "sinusoidal + randomized"] is None
+
+
+def test_text_table_is_its_committed_rows():
+    # README: bits per character at the training length (128) and by position within 4,096-character windows.
+    rows = _table("README.md", "| encoding | at 128 | 128–256 | 1k–2k | 2k–4k |")
+    labels = {"Kerple (log)": "kerple-log", "FIRE": "fire", "RoPE fine-tuned 100 steps at 512": "rope@ft"}
+    results = read(ROOT / "docs" / "extrapolation-gpu-text")
+    summaries = {c.encoding: c for c in cells(results)}
+    assert len(rows) == 7
+    for row in rows:
+        encoding = labels.get(row["encoding"]) or LABELS[row["encoding"]]
+        learned = summaries[encoding].learned_seeds
+        assert summaries[encoding].learned and len(learned) >= 4, encoding
+        windows = [
+            r for r in results.rows if r["encoding"] == encoding and r["length"] == 4096 and r["seed"] in learned
+        ]
+        assert len(windows) == len(learned), encoding
+        want = {
+            "at 128": summaries[encoding].at_training.mean,
+            "128–256": np.mean([r["buckets"]["1-2x"] for r in windows]),
+            "1k–2k": np.mean([r["buckets"]["8-16x"] for r in windows]),
+            "2k–4k": np.mean([r["buckets"]["16-32x"] for r in windows]),
+        }
+        for column, value in want.items():
+            assert row[column] == f"{value:.3f}", (encoding, column, row[column], value)
