@@ -742,43 +742,47 @@ def test_transformer_xl_distance_table_equals_the_identity(rng, query_positions,
     k = _normal(rng, (2, key_positions.shape[1], N, H))
     w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
     mask = (key_mask[:, None, :] & (key_positions[:, None, :] <= qp[:, :, None]))[:, None]  # [B, 1, 1, S]
-    kw = dict(position_projection=w_r, content_bias=u, position_bias=v, causal=True)
+    kw = dict(content_bias=u, position_bias=v, causal=True)
     table = project_distances(jnp.arange(table_length), w_r)
-    step = jax.jit(lambda table: transformer_xl_logits(q, k, qp, key_positions, distance_table=table, mask=mask, **kw))
-    want = transformer_xl_logits(q, k, qp, key_positions, **kw)
-    seen = np.broadcast_to(np.asarray(mask), want.shape)
-    np.testing.assert_allclose(np.asarray(step(table))[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5)
-    moved = np.abs(np.asarray(step(table + 1.0)) - np.asarray(want))[seen].max()
-    assert (moved > 0.1) == by_table
-    # Per-key features as a cache stores them (no sinusoids): the same.
+
+    def logits(q, w_r, **extra):
+        return transformer_xl_logits(q, k, qp, key_positions, position_projection=w_r, **kw, **extra)
+
+    shape = jax.eval_shape(lambda: logits(q, w_r)).shape
+    seen = np.broadcast_to(np.asarray(mask), shape)
+    weights = jnp.where(jnp.asarray(seen), _normal(rng, shape), 0.0)
+    tangent = _normal(rng, q.shape)
+    # Per-key features as a cache stores them (no sinusoids).
     features = TransformerXL(w_r, u, v).key_features(k, key_positions)
     assert set(features) == {"content"}
-    cached = transformer_xl_logits(
-        q, k, qp, key_positions, key_features=features, distance_table=table, mask=mask, **kw
-    )
-    np.testing.assert_allclose(np.asarray(cached)[seen], np.asarray(want)[seen], rtol=1e-5, atol=1e-5)
+
+    @jax.jit  # every comparison in one compiled program
+    def run(q, w_r, table):
+        loss = lambda q, w_r, table: (logits(q, w_r, distance_table=table, mask=mask) * weights).sum()
+        plain = lambda q, w_r: (logits(q, w_r) * weights).sum()
+        by_table = lambda q, w_r: loss(q, w_r, project_distances(jnp.arange(table_length), w_r))
+        return dict(
+            want=logits(q, w_r),
+            step=logits(q, w_r, distance_table=table, mask=mask),
+            corrupted=logits(q, w_r, distance_table=table + 1.0, mask=mask),
+            cached=logits(q, w_r, key_features=features, distance_table=table, mask=mask),
+            got_grads=jax.grad(by_table, argnums=(0, 1))(q, w_r),
+            want_grads=jax.grad(plain, argnums=(0, 1))(q, w_r),
+            got_tangent=jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))[1],  # forward mode
+            want_tangent=jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))[1],
+        )
+
+    out = {name: jax.tree.map(np.asarray, value) for name, value in run(q, w_r, table).items()}
+    want = out["want"]
+    np.testing.assert_allclose(out["step"][seen], want[seen], rtol=1e-5, atol=1e-5)
+    # Which way was taken shows by corrupting the table: only the table way moves.
+    assert (np.abs(out["corrupted"] - want)[seen].max() > 0.1) == by_table
+    np.testing.assert_allclose(out["cached"][seen], want[seen], rtol=1e-5, atol=1e-5)
     # Derivatives, reverse and forward mode, through whichever way was taken (the choice is a loop of one
     # pass or none, whose derivatives are the conditional's): as the identity's, on the keys seen.
-    weights = jnp.where(jnp.asarray(seen), _normal(rng, want.shape), 0.0)
-    loss = lambda q, w_r, table: (
-        transformer_xl_logits(
-            q, k, qp, key_positions, **(kw | dict(position_projection=w_r)), distance_table=table, mask=mask
-        )
-        * weights
-    ).sum()
-    plain = lambda q, w_r: (
-        transformer_xl_logits(q, k, qp, key_positions, **(kw | dict(position_projection=w_r))) * weights
-    ).sum()
-    got_q, got_w = jax.jit(
-        jax.grad(lambda q, w_r: loss(q, w_r, project_distances(jnp.arange(table_length), w_r)), argnums=(0, 1))
-    )(q, w_r)
-    want_q, want_w = jax.grad(plain, argnums=(0, 1))(q, w_r)
-    np.testing.assert_allclose(got_q, want_q, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(got_w, want_w, rtol=1e-4, atol=1e-4)
-    tangent = _normal(rng, q.shape)
-    _, got_t = jax.jvp(lambda q: loss(q, w_r, table), (q,), (tangent,))  # forward mode, no context manager
-    _, want_t = jax.jvp(lambda q: plain(q, w_r), (q,), (tangent,))
-    np.testing.assert_allclose(got_t, want_t, rtol=1e-4, atol=1e-4)
+    for got, expected in zip(out["got_grads"], out["want_grads"], strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out["got_tangent"], out["want_tangent"], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.long
