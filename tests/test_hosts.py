@@ -110,3 +110,20 @@ def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
     # The merged folder is the merge's: a folder holding a run's own results is not merged into.
     with pytest.raises(ValueError, match="no host folders"):
         hosts.merge(folders[0])
+
+
+def test_processes_train_their_share_of_the_cells_and_merge(tmp_path, capsys):
+    # --processes 2: the command as --host 0/2 and 1/2 in two child processes of this machine, then merged.
+    args = ["extrapolate", "--preset", "smoke", "--encodings", "nope,alibi", "--tasks", "counting_copy", "--steps", "2"]
+    args += ["--seeds", "0", "--out", str(tmp_path), "--no-progress", "--no-plots", "--processes", "2"]
+    assert cli.main(args) == 0
+    folders = [tmp_path / "host-0-of-2", tmp_path / "host-1-of-2"]
+    cells = [{row["encoding"] for _, row in read_rows(f / "results.jsonl")} for f in folders]
+    assert cells == [{"nope"}, {"alibi"}]
+    merged = read_rows(tmp_path / "results.jsonl")
+    assert len(merged) == sum(len(read_rows(f / "results.jsonl")) for f in folders)
+    assert "trained in 2 processes" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--processes must be at least 1, got 0"):
+        cli.main([*args[:-1], "0"])
+    with pytest.raises(SystemExit, match="does not combine with --host or --distributed"):
+        cli.main([*args, "--host", "0/2"])

@@ -6,7 +6,9 @@ import argparse
 import dataclasses
 import importlib.util
 import math
+import os
 import pathlib
+import subprocess
 import sys
 import textwrap
 import time
@@ -145,6 +147,8 @@ def _extrapolate(args) -> int:
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
     out = pathlib.Path(args.out or f"results/extrapolation/{preset.name}")
+    if args.processes != 1:
+        return _in_processes(args, out)
     host = None
     try:
         if args.distributed:
@@ -181,6 +185,52 @@ def _extrapolate(args) -> int:
     wrote = "results.jsonl, run.json, report.md" + ("" if args.no_plots else " and plots")
     print(f"wrote {out}/{wrote} in {time.perf_counter() - began:.0f}s")
     return 0
+
+
+def _without(argv: list[str], option: str) -> list[str]:
+    """``argv`` less ``option`` and its value (``--option N`` or ``--option=N``)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == option:
+            skip = True
+        elif not arg.startswith(option + "="):
+            out.append(arg)
+    return out
+
+
+def _in_processes(args, out: pathlib.Path) -> int:
+    """``--processes N``: the same command as ``--host i/N`` in N child processes, then their folders merged."""
+    count = args.processes
+    if count < 1:
+        raise SystemExit(f"posenc-bench extrapolate: --processes must be at least 1, got {count}")
+    if args.host is not None or args.distributed:
+        raise SystemExit(
+            "posenc-bench extrapolate: --processes deals the cells to processes of this machine; it does not combine "
+            "with --host or --distributed (run --processes on each host instead of either)"
+        )
+    own = [a for a in _without(_without(args.argv, "--processes"), "--out") if a != "--no-plots"]
+    child = [*own, "--out", str(out), "--no-plots"]  # the merge draws the plots, once
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # each process takes GPU memory as it needs it
+    program = "import sys; from posenc_jax.bench.cli import main; sys.exit(main(sys.argv[1:]))"
+    print(f"posenc-bench extrapolate: {count} processes, each training every {count}th cell", flush=True)
+    began = time.perf_counter()
+    workers = [
+        subprocess.Popen([sys.executable, "-c", program, *child, "--host", f"{i}/{count}"], env=env)
+        for i in range(count)
+    ]
+    codes = [worker.wait() for worker in workers]
+    if any(codes):
+        failed = ", ".join(f"{i}/{count} (exit {code})" for i, code in enumerate(codes) if code)
+        raise SystemExit(
+            f"posenc-bench extrapolate: process {failed} failed; the others' cells are kept: run the same command "
+            "again to resume"
+        )
+    merged = _merge(argparse.Namespace(out=str(out), folders=[], no_plots=args.no_plots))
+    print(f"trained in {count} processes in {time.perf_counter() - began:.0f}s")
+    return merged
 
 
 def _merge(args) -> int:
@@ -316,6 +366,13 @@ def main(argv=None) -> int:
         "written to <out>/host-INDEX-of-COUNT; then `posenc-bench merge <out>`",
     )
     ex.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="N: train N cells at a time, in N processes on this machine (sharing its devices: small models on one "
+        "GPU are bound by each process's host work), as --host i/N, then merge their folders into --out",
+    )
+    ex.add_argument(
         "--distributed",
         action="store_true",
         help="call jax.distributed.initialize() (a TPU pod slice, a GPU cluster) and take --host from its "
@@ -354,6 +411,7 @@ def main(argv=None) -> int:
     pr.add_argument("--no-progress", action="store_true")
     pr.set_defaults(handler=_probe)
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.handler(args)
 
 
