@@ -82,6 +82,13 @@ def _panel(ax, values, labels, published=None, chance=None):
     ax.set_ylim(0, 1.05)
 
 
+def _save(fig, path: pathlib.Path) -> pathlib.Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def draw(out: pathlib.Path, docs: pathlib.Path = ROOT / "docs") -> list[pathlib.Path]:
     """Writes the figures into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
@@ -104,10 +111,7 @@ def draw(out: pathlib.Path, docs: pathlib.Path = ROOT / "docs") -> list[pathlib.
         "◇ Kazemnejad et al. 2023 (12 x 768, tested at 21–40)",
         fontsize=9,
     )
-    fig.tight_layout()
-    written.append(out / "decoder-tasks.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, out / "decoder-tasks.png"))
 
     fig, axes = plt.subplots(1, 4, figsize=(12, 3.4), sharey=True)
     for ax, (task, title) in zip(axes, ENCODER_TASKS.items(), strict=True):
@@ -121,10 +125,7 @@ def draw(out: pathlib.Path, docs: pathlib.Path = ROOT / "docs") -> list[pathlib.
         "with its 95% interval (dotted: chance); randomized cells trained 16,000 steps, the others 4,000",
         fontsize=9,
     )
-    fig.tight_layout()
-    written.append(out / "randomized.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
+    written.append(_save(fig, out / "randomized.png"))
     return written
 
 
