@@ -8,6 +8,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import textwrap
@@ -215,13 +216,26 @@ def _in_processes(args, out: pathlib.Path) -> int:
     env = dict(os.environ)
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # each process takes GPU memory as it needs it
     program = "import sys; from posenc_jax.bench.cli import main; sys.exit(main(sys.argv[1:]))"
-    print(f"posenc-bench extrapolate: {count} processes, each training every {count}th cell", flush=True)
+    print(f"posenc-bench extrapolate: {count} processes, the cells dealt round them (--host i/{count})", flush=True)
     began = time.perf_counter()
+    # Each in a session of its own, so that an interrupt (Ctrl-C, `timeout -s INT`) reaches it once, from here.
     workers = [
-        subprocess.Popen([sys.executable, "-c", program, *child, "--host", f"{i}/{count}"], env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", program, *child, "--host", f"{i}/{count}"], env=env, start_new_session=True
+        )
         for i in range(count)
     ]
-    codes = [worker.wait() for worker in workers]
+    try:
+        codes = [worker.wait() for worker in workers]
+    except KeyboardInterrupt:
+        for worker in workers:
+            worker.send_signal(signal.SIGINT)
+        for worker in workers:
+            worker.wait()
+        raise SystemExit(
+            "posenc-bench extrapolate: interrupted; each process stopped, keeping its finished cells and "
+            "checkpoints: run the same command again to resume"
+        ) from None
     if any(codes):
         failed = ", ".join(f"{i}/{count} (exit {code})" for i, code in enumerate(codes) if code)
         raise SystemExit(
