@@ -203,8 +203,9 @@ def _ordering_lines(task: str, results: Results) -> list[str]:
 
 
 def _devices(cells) -> dict[str, str]:
-    """Which cells ran on which device, from a merged record's cells: ``{device: "copy (nope, t5);
-    reverse (all)"}``, one entry where every cell ran on the same device (or none says)."""
+    """Which cells ran on which device, from a merged record's cells: ``{device: "copy (nope, t5),
+    reverse (nope)"}``; one entry, with no cells named, where every cell ran on the same device
+    (or none says)."""
     by_device: dict[str, dict[str, list[str]]] = {}
     for cell in cells:
         by_device.setdefault(cell.get("device", ""), {}).setdefault(cell["task"], []).append(cell["encoding"])
