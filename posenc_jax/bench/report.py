@@ -202,19 +202,19 @@ def _ordering_lines(task: str, results: Results) -> list[str]:
     return [*lines, ""]
 
 
-def _devices(cells) -> dict[str, str]:
-    """Which cells ran on which device, from a merged record's cells: ``{device: "copy (nope, t5),
-    reverse (nope)"}``; one entry, with no cells named, where every cell ran on the same device
-    (or none says)."""
+def _devices(cells) -> str | None:
+    """Which cells ran on which device, from a merged record's cells (``"NVIDIA H200 x 1, jax
+    0.11.2: copy (nope, t5), reverse (nope); cpu x 1, ...: ..."``), or None where every cell ran
+    on the same device (or none says)."""
     by_device: dict[str, dict[str, list[str]]] = {}
     for cell in cells:
         by_device.setdefault(cell.get("device", ""), {}).setdefault(cell["task"], []).append(cell["encoding"])
     if len(by_device) < 2:
-        return {device: "" for device in by_device}
-    return {
-        device: ", ".join(f"{task} ({', '.join(encodings)})" for task, encodings in tasks.items())
+        return None
+    return "; ".join(
+        f"{device}: " + ", ".join(f"{task} ({', '.join(encodings)})" for task, encodings in tasks.items())
         for device, tasks in by_device.items()
-    }
+    )
 
 
 def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None = None, *, plots: bool = True) -> str:
@@ -240,22 +240,15 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
     if record.get("versions"):
         commits = record.get("commits") or []
         made = ", ".join(f"{c['commit'] and c['commit'][:10]}{' (dirty)' if c['dirty'] else ''}" for c in commits)
-        where = _devices(record.get("cells") or [])
-        if len(where) > 1:  # a merge of folders run on different devices
-            ran = "; ".join(f"{device}: {cells}" for device, cells in where.items())
-            lines += [
-                f"Devices (the cells' training and evaluation ran on one each): {ran}. posenc_jax "
-                f"{record['versions'].get('posenc_jax')}; rows made by commit{'s' if len(commits) > 1 else ''} "
-                f"{made or 'unknown'}.",
-                "",
-            ]
+        package = f"posenc_jax {record['versions'].get('posenc_jax')}"
+        made_by = f"rows made by commit{'s' if len(commits) > 1 else ''} {made or 'unknown'}"
+        ran = _devices(record.get("cells") or [])
+        if ran:  # a merge of folders run on different devices
+            line = f"Devices (the cells' training and evaluation ran on one each): {ran}. {package}; {made_by}."
         else:
-            lines += [
-                f"Device: {record['device']['kind']} x {record['device']['count']}; posenc_jax "
-                f"{record['versions'].get('posenc_jax')}, jax {record['versions']['jax']}; rows made by commit"
-                f"{'s' if len(commits) > 1 else ''} {made or 'unknown'}.",
-                "",
-            ]
+            device, jax_version = record["device"], record["versions"]["jax"]
+            line = f"Device: {device['kind']} x {device['count']}; {package}, jax {jax_version}; {made_by}."
+        lines += [line, ""]
     summaries = cells(results)
     tasks = list(dict.fromkeys(c.task for c in summaries))
     if len(tasks) > 1 and not pipeline_check:
