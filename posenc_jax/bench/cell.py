@@ -205,7 +205,7 @@ def predict(model, batch: dict, *, implementation: str = "materialize", mesh=Non
             f"evaluation with implementation={implementation!r} is not one the model runs; "
             f"supported: {SUPPORTED_IMPLEMENTATIONS}"
         )
-    return _predict(model, batch, implementation, mesh, bool(ring))
+    return _predict(model, batch, implementation, mesh, ring)  # the model checks ring (a bool) by name
 
 
 def sequence_mesh(implementation: str):
