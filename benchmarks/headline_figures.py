@@ -82,7 +82,14 @@ def _panel(ax, values, labels, published=None, chance=None):
     ax.set_ylim(0, 1.05)
 
 
-def _save(fig, path: pathlib.Path) -> pathlib.Path:
+def _row(path: pathlib.Path, titles: dict, panels: dict, ylabel: str, title: str) -> pathlib.Path:
+    """One figure of panels side by side, one per task (``panels[task]``: ``_panel``'s arguments)."""
+    fig, axes = plt.subplots(1, len(titles), figsize=(12, 3.4), sharey=True)
+    for ax, (task, name) in zip(axes, titles.items(), strict=True):
+        _panel(ax, **panels[task])
+        ax.set_title(name, fontsize=10)
+    axes[0].set_ylabel(ylabel)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -93,40 +100,40 @@ def draw(out: pathlib.Path, docs: pathlib.Path = ROOT / "docs") -> list[pathlib.
     """Writes the figures into ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     values = bars(docs)
-    written = []
-
-    fig, axes = plt.subplots(1, 4, figsize=(12, 3.4), sharey=True)
-    for ax, (task, title) in zip(axes, DECODER_TASKS.items(), strict=True):
-        encodings = list(DECODER_ENCODINGS)
-        _panel(
-            ax,
-            [values["decoder-tasks"][task, e] for e in encodings],
-            list(DECODER_ENCODINGS.values()),
-            published=[PUBLISHED[task][e] for e in encodings],
+    decoder = {
+        task: dict(
+            values=[values["decoder-tasks"][task, e] for e in DECODER_ENCODINGS],
+            labels=list(DECODER_ENCODINGS.values()),
+            published=[PUBLISHED[task][e] for e in DECODER_ENCODINGS],
         )
-        ax.set_title(title, fontsize=10)
-    axes[0].set_ylabel("exact match beyond training")
-    fig.suptitle(
-        "Decoder tasks, trained on lengths ≤ 10, tested at 12–20: mean over 5 seeds with its 95% interval; "
-        "◇ Kazemnejad et al. 2023 (12 x 768, tested at 21–40)",
-        fontsize=9,
-    )
-    written.append(_save(fig, out / "decoder-tasks.png"))
-
-    fig, axes = plt.subplots(1, 4, figsize=(12, 3.4), sharey=True)
-    for ax, (task, title) in zip(axes, ENCODER_TASKS.items(), strict=True):
-        _panel(
-            ax, [values["randomized"][task, label] for label in RANDOMIZED], list(RANDOMIZED), chance=CHANCE.get(task)
+        for task in DECODER_TASKS
+    }
+    randomized = {
+        task: dict(
+            values=[values["randomized"][task, label] for label in RANDOMIZED],
+            labels=list(RANDOMIZED),
+            chance=CHANCE.get(task),
         )
-        ax.set_title(title, fontsize=10)
-    axes[0].set_ylabel("accuracy beyond training")
-    fig.suptitle(
-        "Encoder tasks, trained on lengths ≤ 10, tested to 100: mean over the seeds that learned (of 5) "
-        "with its 95% interval (dotted: chance); randomized cells trained 16,000 steps, the others 4,000",
-        fontsize=9,
-    )
-    written.append(_save(fig, out / "randomized.png"))
-    return written
+        for task in ENCODER_TASKS
+    }
+    return [
+        _row(
+            out / "decoder-tasks.png",
+            DECODER_TASKS,
+            decoder,
+            "exact match beyond training",
+            "Decoder tasks, trained on lengths ≤ 10, tested at 12–20: mean over 5 seeds with its 95% interval; "
+            "◇ Kazemnejad et al. 2023 (12 x 768, tested at 21–40)",
+        ),
+        _row(
+            out / "randomized.png",
+            ENCODER_TASKS,
+            randomized,
+            "accuracy beyond training",
+            "Encoder tasks, trained on lengths ≤ 10, tested to 100: mean over the seeds that learned (of 5) "
+            "with its 95% interval (dotted: chance); randomized cells trained 16,000 steps, the others 4,000",
+        ),
+    ]
 
 
 def main() -> None:
