@@ -280,12 +280,12 @@ def test_long_evaluation_memory_model_and_ring_on_8_simulated_devices():
     for what, d in found["ring_gradients"].items():
         assert d["finite"] and d["relative"] < 1e-5, (what, d)
     # A device holds one shard of the keys and values (arguments 1/8) and no gathered copy: its temporaries are
-    # one device's tile workspace, the running outputs of its query blocks (twice, while a pass updates them) and
-    # the key and value shards visited and arriving, and nothing else.
+    # one device's tile workspace, the running outputs of its query blocks (once: each block's are updated in
+    # place, and finished into the output there) and the key and value shards visited and arriving, and nothing else.
     ring_memory = found["ring_memory"]
     assert ring_memory["arguments"] * 8 == one["arguments"]
     shard_bytes = memory["key_bytes"] // 8
-    assert ring_memory["temp"] <= one["temp"] + 2 * ring_memory["output"] + 4 * shard_bytes + 2 * 2**20, memory
+    assert ring_memory["temp"] <= one["temp"] + ring_memory["output"] + 4 * shard_bytes + 2 * 2**20, memory
     total = sum(ring_memory.values()) / sum(one.values())
     assert total < sum(split.values()) / sum(one.values()), (total, ring_memory)
-    assert total < 0.40, (total, ring_memory)  # 0.38 measured at 32,768 tokens, 2 key/value heads
+    assert total < 0.31, (total, ring_memory)  # 0.29 measured at 32,768 tokens, 2 key/value heads

@@ -185,6 +185,18 @@ def _distance_tile(hook: DistanceBias, q, k, context: AttentionContext) -> jax.A
     )
 
 
+def _entry(stacked, index):
+    """Entry ``index`` of ``stacked``, a pytree of arrays stacked along axis 0."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, index, keepdims=False), stacked)
+
+
+def _update_at(stacked, index, fn):
+    """``stacked`` (a pytree of arrays stacked along axis 0) with entry ``index`` replaced by ``fn(index, entry)``,
+    in place inside a loop."""
+    entry = fn(index, _entry(stacked, index))
+    return jax.tree.map(lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y, index, 0), stacked, entry)
+
+
 def blockwise_attention(
     query: jax.Array,
     key: jax.Array,
@@ -444,13 +456,21 @@ def blockwise_attention(
             carries, key, value = passing
             shard = (device - p) % ring.size
             keys = key_side(key, value, shard)
-            visit_all = jax.checkpoint(lambda qi, c: visit(qi, query_side(qi), c, keys, shard * num_k_blocks))
-            carries = jax.lax.map(lambda a: visit_all(*a), (q_blocks, carries))
+            visit_one = jax.checkpoint(lambda qi, c: visit(qi, query_side(qi), c, keys, shard * num_k_blocks))
+            # Each query block's carry is updated where it lies (a loop over the blocks, not a map from the old
+            # carries to new ones), so the running outputs are held once, not twice, while a pass updates them.
+            carries = jax.lax.fori_loop(0, num_q_blocks, lambda qi, c: _update_at(c, qi, visit_one), carries)
             key, value = jax.lax.ppermute((key, value), ring.axis, to_next)
             return (carries, key, value), None
 
         carries = jax.lax.map(lambda qi: start(query_side(qi)), q_blocks)
         (carries, _, _), _ = jax.lax.scan(one_pass, (carries, key, value), jnp.arange(ring.size))
-        blocks = jax.lax.map(lambda a: finish(query_side(a[0]), a[1]), (q_blocks, carries))
+        # Each block's outputs are written over its running outputs, so no second [nq, B, bq, N, H] array is made.
+        state, acc, vacc, _ = carries
+
+        def finished(qi, acc):
+            return finish(query_side(qi), (_entry(state, qi), acc, _entry(vacc, qi), ()))
+
+        blocks = jax.lax.fori_loop(0, num_q_blocks, lambda qi, acc: _update_at(acc, qi, finished), acc)
     out = einops.rearrange(blocks, "Q B T N H -> B (Q T) N H")  # [nq, B, bq, N, H] -> [B, T, N, H]
     return out[:, :q_len]
