@@ -34,6 +34,8 @@ encoding's parameters), each as a ratio to NoPE's. Each encoding is timed in rou
 take turns with NoPE's; a time ratio is the median over ``--rounds`` rounds of the
 encoding's run over the NoPE run just before it, so a change in the machine's load falls on
 both sides of each ratio; lengths above ``--time-up-to`` are compiled (memory) but not timed.
+``--bidirectional`` measures the same without the causal mask (encodings that are causal only
+get a line saying so).
 
 ``--arithmetic`` prints, for every encoding that fills an attention hook, the arithmetic of
 one tile of its blockwise causal attention (forward, and forward and backward) as a ratio to
@@ -58,6 +60,7 @@ import numpy as np
 
 from posenc_jax.functional import dot_product_attention, encoding_config, encoding_info, encoding_names
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
+from posenc_jax.functional.core.hooks import CausalOnly
 
 ENCODINGS = ("rope", "alibi", "t5", "shaw", "deberta", "nope")
 LENGTHS = (1024, 4096, 16384, 65536, 131072)
@@ -254,8 +257,8 @@ def longest(args) -> None:
         )
 
 
-def _versus_programs(name: str, length: int):
-    """``name``'s blockwise causal forward and its forward and backward, compiled, with their inputs."""
+def _versus_programs(name: str, length: int, causal: bool = True):
+    """``name``'s blockwise forward and its forward and backward, compiled, with their inputs."""
     hooks = _hooks(name, length)
     positions = jnp.arange(length)
 
@@ -267,7 +270,7 @@ def _versus_programs(name: str, length: int):
             query_positions=positions,
             key_positions=positions,
             encodings=hooks,
-            causal=True,
+            causal=causal,
             implementation="blockwise",
         )
 
@@ -290,7 +293,8 @@ def _run(compiled, inputs) -> float:
 def versus_plain(args) -> None:
     """The ``--versus-plain`` table (see the module's docstring)."""
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; blockwise causal attention, "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; blockwise "
+        f"{'bidirectional' if args.bidirectional else 'causal'} attention, "
         f"B={B}, N={N}, H={H}, float32, default tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; each a ratio to NoPE "
         f"(blockwise, same tiles); time: the median over {args.rounds} rounds of the run over NoPE's run just before it"
     )
@@ -298,7 +302,7 @@ def versus_plain(args) -> None:
     print("|---|---:|---:|---:|---:|---:|---:|")
     for length in args.lengths:
         timed = length <= args.time_up_to
-        plain, plain_hooks = _versus_programs("nope", length)
+        plain, plain_hooks = _versus_programs("nope", length, not args.bidirectional)
         q, k, v = (jax.random.normal(jax.random.key(i), (B, length, N, H)) for i in range(3))
 
         plain_temp = [c.memory_analysis().temp_size_in_bytes for c in plain]
@@ -308,7 +312,10 @@ def versus_plain(args) -> None:
         for name in args.encodings:
             if name == "nope" or _no_hook(name) is not None:
                 continue
-            programs, hooks = _versus_programs(name, length)
+            if args.bidirectional and any(isinstance(hook, CausalOnly) for hook in _hooks(name, length)):
+                print(f"| {name} | {length:,} | causal only | | | | |", flush=True)
+                continue
+            programs, hooks = _versus_programs(name, length, not args.bidirectional)
             temp = [c.memory_analysis().temp_size_in_bytes / p for c, p in zip(programs, plain_temp, strict=True)]
             cells = ["–", "–"]
             base = ""
@@ -385,6 +392,7 @@ def main(argv=None) -> None:
     parser.add_argument("--versus-plain", action="store_true", help="every encoding against NoPE, blockwise")
     parser.add_argument("--quick", action="store_true", help="--versus-plain at 1,024 and 2,048 tokens")
     parser.add_argument("--time-up-to", type=int, default=16384, help="--versus-plain: time up to this length")
+    parser.add_argument("--bidirectional", action="store_true", help="--versus-plain without the causal mask")
     parser.add_argument("--arithmetic", action="store_true", help="one tile's flops, every encoding against NoPE")
     args = parser.parse_args(argv)
     if args.arithmetic:
