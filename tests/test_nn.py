@@ -41,6 +41,15 @@ def _tokens(rng, batch, length):
     return jnp.asarray(rng.integers(0, VOCAB, (batch, length)), jnp.int32)
 
 
+# The reference forwards and the decoding calls a test compares, compiled: at each new length an eager model call
+# compiles every operation of the model afresh (about 3 s for a 2-layer RoPE model here), a jitted one the
+# whole program once (about 0.6 s). Tests of the eager path itself call the model directly.
+_forward = nnx.jit(lambda model, tokens, positions: model(tokens, positions))
+_decode = nnx.jit(
+    lambda model, tokens, positions, caches, key_mask=None: model.decode(tokens, positions, caches, key_mask=key_mask)
+)
+
+
 def test_attention_and_model_shapes_with_and_without_jit():
     mha = MultiHeadAttention(D, HEADS, num_kv_heads=2, encodings=["rope", "alibi"], rngs=nnx.Rngs(0))
     x = jnp.ones((2, 9, D))
@@ -73,7 +82,7 @@ def test_prefill_then_decode_equals_full_forward(rng, name):
     model = _model(_config(name))
     tokens = _tokens(rng, 2, 9)
     positions = jnp.broadcast_to(jnp.arange(9) + 3, (2, 9))  # offset positions
-    full = model(tokens, positions)
+    full = _forward(model, tokens, positions)
 
     @nnx.jit
     def step(model, tokens, positions, caches):
@@ -103,15 +112,15 @@ def test_length_dependent_scalings_decode_one_layer_as_the_forward_of_each_prefi
 
     caches = model.init_cache(2, 12)
     logits, caches = model.decode(tokens[:, :3], positions[:, :3], caches)
-    np.testing.assert_allclose(logits, model(tokens[:, :3], positions[:, :3]), atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(logits, _forward(model, tokens[:, :3], positions[:, :3]), atol=2e-4, rtol=1e-4)
     for t in range(3, 9):
         logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
-        prefix = model(tokens[:, : t + 1], positions[:, : t + 1])
+        prefix = _forward(model, tokens[:, : t + 1], positions[:, : t + 1])
         np.testing.assert_allclose(logits[:, 0], prefix[:, -1], atol=2e-4, rtol=1e-4)
     # The last step's frequencies are scaled: the same model without the scaling differs there.
     plain = _model("rope", num_layers=1)
     nnx.update(plain, nnx.state(model, nnx.Param))
-    assert np.abs(np.asarray(plain(tokens, positions)[:, -1] - prefix[:, -1])).max() > 1e-3
+    assert np.abs(np.asarray(_forward(plain, tokens, positions)[:, -1] - prefix[:, -1])).max() > 1e-3
 
 
 @pytest.mark.parametrize("name", LENGTH_DEPENDENT)
@@ -218,13 +227,17 @@ def test_left_padded_batch_decodes_like_each_row_alone(rng, name):
     tokens = jnp.concatenate([jnp.concatenate([jnp.zeros((1, 2), jnp.int32), short], 1), long])
     positions = jnp.asarray([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
     key_mask = jnp.asarray([[False, False, True, True, True], [True] * 5])
-    logits, caches = model.decode(tokens, positions, model.init_cache(2, 8), key_mask=key_mask)
-    np.testing.assert_allclose(logits[0, 2:], model(short, jnp.arange(3))[0], atol=2e-4)
-    np.testing.assert_allclose(logits[1], model(long, jnp.arange(5))[0], atol=2e-4)
+    logits, caches = _decode(model, tokens, positions, model.init_cache(2, 8), key_mask=key_mask)
     nxt = _tokens(rng, 2, 1)
-    step, _ = model.decode(nxt, jnp.asarray([[3], [5]]), caches)
-    np.testing.assert_allclose(step[0], model(jnp.concatenate([short, nxt[:1]], 1), jnp.arange(4))[0, -1:], atol=2e-4)
-    np.testing.assert_allclose(step[1], model(jnp.concatenate([long, nxt[1:]], 1), jnp.arange(6))[0, -1:], atol=2e-4)
+    step, _ = _decode(model, nxt, jnp.asarray([[3], [5]]), caches)
+    # Each row's reference: the forward of its real tokens and the next one (causal: the first ones' logits
+    # are those of the shorter sequence).
+    row0 = _forward(model, jnp.concatenate([short, nxt[:1]], 1), jnp.arange(4))[0]
+    row1 = _forward(model, jnp.concatenate([long, nxt[1:]], 1), jnp.arange(6))[0]
+    np.testing.assert_allclose(logits[0, 2:], row0[:3], atol=2e-4)
+    np.testing.assert_allclose(logits[1], row1[:5], atol=2e-4)
+    np.testing.assert_allclose(step[0], row0[3:], atol=2e-4)
+    np.testing.assert_allclose(step[1], row1[5:], atol=2e-4)
 
 
 def test_cache_overflow_is_an_error(rng):
@@ -280,7 +293,7 @@ def test_split_state_decode_step_equals_the_forward_and_compiles_once_per_shape(
     model = _model(_config(name))
     tokens = _tokens(rng, 2, 10)
     positions = jnp.broadcast_to(jnp.arange(10) + 2, (2, 10))
-    full = model(tokens, positions)
+    full = _forward(model, tokens, positions)
     traces = []
     step = decode_step(model, on_trace=lambda: traces.append(1))
     caches = model.init_cache(2, 12)
@@ -339,14 +352,14 @@ def test_caches_hold_per_key_terms_and_work_without_them(rng, name, shapes, tabl
     assert [leaf.shape for leaf in jax.tree.leaves(caches[0].tables)] == tables
     tokens = _tokens(rng, 2, 7)
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
-    full = model(tokens, positions)
+    full = _forward(model, tokens, positions)
     # A cache made without the per-key terms (KVCache.empty) decodes the same, recomputing them.
     plain = [KVCache.empty(2, 16, HEADS, D // HEADS) for _ in range(LAYERS)]
     for empty in (caches, plain):
-        logits, caches = model.decode(tokens[:, :5], positions[:, :5], empty)
+        logits, caches = _decode(model, tokens[:, :5], positions[:, :5], empty)
         outputs = [logits]
         for t in (5, 6):
-            logits, caches = model.decode(tokens[:, t : t + 1], positions[:, t : t + 1], caches)
+            logits, caches = _decode(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
             outputs.append(logits)
         np.testing.assert_allclose(jnp.concatenate(outputs, 1), full, atol=2e-4, rtol=1e-4)
         if tables and empty is not plain:  # the prefill's table, kept by every step after: W_R R_d, d = 0 .. 15
