@@ -327,9 +327,9 @@ def test_decoding_at_and_beyond_2_30_equals_the_forward(rng, name, start):
     )
     tokens = jnp.asarray(rng.integers(0, 16, (2, 6)), jnp.int32)
     positions = jnp.broadcast_to(start + jnp.arange(6), (2, 6))
-    full = model(tokens, positions)
+    full = nnx.jit(lambda model, tokens, positions: model(tokens, positions))(model, tokens, positions)
     step = nnx.jit(lambda model, tokens, positions, caches: model.decode(tokens, positions, caches))
-    logits, caches = model.decode(tokens[:, :3], positions[:, :3], model.init_cache(2, 8))
+    logits, caches = step(model, tokens[:, :3], positions[:, :3], model.init_cache(2, 8))
     outputs = [logits]
     for t in range(3, 6):
         logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
