@@ -60,7 +60,6 @@ import numpy as np
 
 from posenc_jax.functional import dot_product_attention, encoding_config, encoding_info, encoding_names
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q
-from posenc_jax.functional.core.hooks import CausalOnly
 
 ENCODINGS = ("rope", "alibi", "t5", "shaw", "deberta", "nope")
 LENGTHS = (1024, 4096, 16384, 65536, 131072)
@@ -312,7 +311,7 @@ def versus_plain(args) -> None:
         for name in args.encodings:
             if name == "nope" or _no_hook(name) is not None:
                 continue
-            if args.bidirectional and any(isinstance(hook, CausalOnly) for hook in _hooks(name, length)):
+            if args.bidirectional and "bidirectional" not in encoding_info(name).forms:
                 print(f"| {name} | {length:,} | causal only | | | | |", flush=True)
                 continue
             programs, hooks = _versus_programs(name, length, not args.bidirectional)
