@@ -21,6 +21,7 @@ SCRIPT = textwrap.dedent(
     """
     import os, sys, json
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["JAX_PLATFORMS"] = "cpu"  # the 8 simulated devices are CPU devices, also on a GPU machine
     sys.path.insert(0, TESTS)
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
