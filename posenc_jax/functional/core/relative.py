@@ -42,6 +42,7 @@ __all__ = [
     "toeplitz_where_runs",
     "distance_slots",
     "expand_relative_bias",
+    "clipped_at_distances",
     "gather_by_distance",
     "gather_relative",
     "gather_relative_transposed",
@@ -363,6 +364,23 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
     q = batched_positions(query_positions, "query_positions")
     kp = batched_positions(key_positions, "key_positions")
     return _expand(per_distance.astype(jnp.float32), q, kp, k)
+
+
+def clipped_at_distances(per_distance: jax.Array, distance: jax.Array, max_distance: int) -> jax.Array:
+    """``per_distance[n, clip(d, -k, k) + k]`` at float32 distances ``[B|1, D]``: ``[B|1, N, D]``.
+
+    The per-distance form of :func:`expand_relative_bias` (a :class:`~posenc_jax.functional.core.hooks.DistanceBias`
+    hook's ``distance_bias``): ``distance`` holds exact integer distances rounded once to float32, as blockwise
+    attention passes them; they are clipped before the cast, so any int32 distance reads the right slot
+    (exact while ``k < 2**24``).
+
+    Example:
+      >>> clipped_at_distances(jnp.arange(5.0)[None], jnp.array([[-9.0, -1.0, 0.0, 7.0]]), 2)
+      Array([[[0., 1., 2., 4.]]], dtype=float32)
+    """
+    k = check_max_distance(max_distance)
+    slot = jnp.clip(distance, -k, k).astype(jnp.int32) + k  # [B|1, D]
+    return jnp.moveaxis(jnp.take(per_distance.astype(jnp.float32), slot, axis=1, mode="clip"), 0, 1)
 
 
 def _expand_by_gather(per_distance, query_positions, key_positions, k: int) -> jax.Array:

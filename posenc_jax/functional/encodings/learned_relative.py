@@ -22,7 +22,7 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
 )
 from posenc_jax.functional.core.registry import register_encoding
-from posenc_jax.functional.core.relative import check_max_distance, expand_relative_bias
+from posenc_jax.functional.core.relative import check_max_distance, clipped_at_distances, expand_relative_bias
 from posenc_jax.functional.core.validation import check_init_std
 from posenc_jax.functional.encodings.shaw import SHAW
 
@@ -82,6 +82,10 @@ class ClippedRelativeBias(BiasHook):
         return clipped_relative_bias(
             self.table, context.query_positions, context.key_positions, max_distance=self.max_distance
         )
+
+    def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array:
+        """The bias at float32 distances ``[B|1, D]``, ``[B|1, N, D]``: a function of ``j - i`` alone."""
+        return clipped_at_distances(jnp.asarray(self.table).T, distance, self.max_distance)
 
 
 @register_encoding(

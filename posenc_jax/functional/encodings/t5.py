@@ -39,7 +39,7 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
 )
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.relative import expand_relative_bias
+from posenc_jax.functional.core.relative import clipped_at_distances, expand_relative_bias
 from posenc_jax.functional.core.validation import check_init_std
 
 __all__ = ["T5Bias", "T5Config", "t5_bias", "t5_relative_bucket"]
@@ -133,6 +133,12 @@ def t5_bias(
       >>> t5_bias(jnp.zeros((32, 4)), jnp.arange(6), jnp.arange(6)).shape
       (1, 4, 6, 6)
     """
+    per_distance = _per_distance(table, bidirectional=bidirectional, max_distance=max_distance)
+    return expand_relative_bias(per_distance, query_positions, key_positions, max_distance)
+
+
+def _per_distance(table, *, bidirectional: bool, max_distance: int) -> jax.Array:
+    """The bias at distances ``-M .. M`` (``M = max_distance``), ``[N, 2M+1]``: past ``±M`` it is constant."""
     if np.ndim(table) != 2:
         raise ValueError(f"table must have shape [num_buckets, N], got {np.shape(table)}")
     num_buckets = np.shape(table)[0]
@@ -142,8 +148,7 @@ def t5_bias(
         buckets = t5_relative_bucket(
             distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
         )
-    per_distance = jnp.take(jnp.asarray(table, jnp.float32), buckets, axis=0).T  # [N, 2M+1]
-    return expand_relative_bias(per_distance, query_positions, key_positions, max_distance)
+    return jnp.take(jnp.asarray(table, jnp.float32), buckets, axis=0).T
 
 
 @pytree_dataclass
@@ -179,6 +184,13 @@ class T5Bias(BiasHook):
             bidirectional=context.bidirectional(self.bidirectional),
             max_distance=self.max_distance,
         )
+
+    def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array:
+        """The bias at float32 distances ``[B|1, D]``, ``[B|1, N, D]``: a function of ``j - i`` alone."""
+        context.check_heads(np.shape(self.table)[1], f"the T5 table [num_buckets, N] {np.shape(self.table)}")
+        bidirectional = context.bidirectional(self.bidirectional)
+        per_distance = _per_distance(self.table, bidirectional=bidirectional, max_distance=self.max_distance)
+        return clipped_at_distances(per_distance, distance, self.max_distance)
 
 
 @register_encoding(
