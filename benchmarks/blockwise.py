@@ -35,7 +35,7 @@ take turns with NoPE's; a time ratio is the median over ``--rounds`` rounds of t
 encoding's run over the NoPE run just before it, so a change in the machine's load falls on
 both sides of each ratio; lengths above ``--time-up-to`` are compiled (memory) but not timed.
 ``--bidirectional`` measures the same without the causal mask (encodings that are causal only
-get a line saying so).
+get a line saying so); so does ``--arithmetic --bidirectional``.
 
 ``--arithmetic`` prints, for every encoding that fills an attention hook, the arithmetic of
 one tile of its blockwise causal attention (forward, and forward and backward) as a ratio to
@@ -339,9 +339,9 @@ def versus_plain(args) -> None:
             del programs
 
 
-def _flops(name: str, length: int) -> list[float]:
+def _flops(name: str, length: int, causal: bool = True) -> list[float]:
     """The XLA cost analysis' flops of ``name``'s blockwise forward and forward and backward at ``length``."""
-    programs, _ = _versus_programs(name, length)
+    programs, _ = _versus_programs(name, length, causal)
     return [float(c.cost_analysis().get("flops", 0.0)) for c in programs]
 
 
@@ -349,7 +349,8 @@ def arithmetic(args) -> None:
     """The ``--arithmetic`` table (see the module's docstring)."""
     length = args.lengths[0]
     print(
-        f"jax {jax.__version__}, {jax.devices()[0].platform}; blockwise causal attention, B={B}, N={N}, H={H}, "
+        f"jax {jax.__version__}, {jax.devices()[0].platform}; blockwise "
+        f"{'bidirectional' if args.bidirectional else 'causal'} attention, B={B}, N={N}, H={H}, "
         f"float32, tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; flops from the compiled programs at T={length:,} and "
         f"{2 * length:,}: one tile (the costliest kind) and the work once per call, as ratios to one plain tile"
     )
@@ -357,13 +358,16 @@ def arithmetic(args) -> None:
     print("|---|---:|---:|---:|---:|")
 
     def split(name):
-        once, twice = _flops(name, length), _flops(name, 2 * length)
+        once, twice = _flops(name, length, not args.bidirectional), _flops(name, 2 * length, not args.bidirectional)
         return [(2 * a - b, b - a) for a, b in zip(once, twice, strict=True)]  # (tile, per call at T)
 
     plain = split("nope")
     print(f"| nope | {plain[0][0] / 1e6:,.0f} MFLOP | {plain[1][0] / 1e6:,.0f} MFLOP | – | – |", flush=True)
     for name in args.encodings:
         if name == "nope" or _no_hook(name) is not None:
+            continue
+        if args.bidirectional and "bidirectional" not in encoding_info(name).forms:
+            print(f"| {name} | causal only | | | |", flush=True)
             continue
         (tile_f, call_f), (tile_b, call_b) = split(name)
         print(
@@ -391,7 +395,9 @@ def main(argv=None) -> None:
     parser.add_argument("--versus-plain", action="store_true", help="every encoding against NoPE, blockwise")
     parser.add_argument("--quick", action="store_true", help="--versus-plain at 1,024 and 2,048 tokens")
     parser.add_argument("--time-up-to", type=int, default=16384, help="--versus-plain: time up to this length")
-    parser.add_argument("--bidirectional", action="store_true", help="--versus-plain without the causal mask")
+    parser.add_argument(
+        "--bidirectional", action="store_true", help="--versus-plain, --arithmetic: without the causal mask"
+    )
     parser.add_argument("--arithmetic", action="store_true", help="one tile's flops, every encoding against NoPE")
     args = parser.parse_args(argv)
     if args.arithmetic:
