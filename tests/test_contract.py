@@ -37,6 +37,7 @@ from posenc_jax.functional.core.hooks import (
     Placement,
     RotatesAbout,
     TiledLogits,
+    TiledScores,
     TiledValues,
     rotates_each_token,
 )
@@ -187,7 +188,7 @@ def test_forward_mode_is_the_transpose_of_reverse_mode(rng, name):
 
 
 def _declares_tile_form(hook) -> bool:
-    tile_forms = (DistanceBias, TiledLogits, TiledValues, CarriedLogitsFromContent)
+    tile_forms = (DistanceBias, TiledLogits, TiledScores, TiledValues, CarriedLogitsFromContent)
     return isinstance(hook, tile_forms) or (isinstance(hook, PerCallRotation) and not rotates_each_token(hook))
 
 
@@ -199,7 +200,8 @@ _WITH_TILE_FORMS = [n for n in _HOOK_NAMES if n != "urpe" and _declares_tile_for
 def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
     """Every fast form a hook declares for blockwise tiles gives what its reference hook gives, on a tile
     of keys far before its queries, across them, and (bidirectional) far after: ``distance_bias`` at the
-    tile's distances is ``bias``, ``tile_logits`` is ``logits``, ``tile_values`` is ``values``,
+    tile's distances is ``bias``, ``tile_logits`` is ``logits``, ``tile_scores`` is the content plus
+    ``logits``, ``tile_values`` is ``values``,
     ``carried_logits_from_content`` is ``carried_logits``."""
     hook = _built(name)
     hook = jax.tree.map(lambda p: p + 0.3 * _normal(rng, p.shape), hook)  # parameters away from their init
@@ -220,6 +222,11 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
     if isinstance(hook, TiledLogits):
         want = hook.logits(q, k, context)
         np.testing.assert_allclose(hook.tile_logits(q, k, context), want, rtol=1e-5, atol=1e-5)
+        checked += 1
+    if isinstance(hook, TiledScores):
+        content = lambda q, k: jnp.einsum("BTNH,BSNH->BNTS", q, k) * context.scale
+        want = content(q, k) + hook.logits(q, k, context)
+        np.testing.assert_allclose(hook.tile_scores(q, k, context, content), want, rtol=1e-5, atol=1e-5)
         checked += 1
     if isinstance(hook, TiledValues):
         weights = jax.nn.softmax(_normal(rng, (B, N, 4, 6)), axis=-1)

@@ -27,6 +27,7 @@ from posenc_jax.functional import (
 )
 from posenc_jax.functional.core.hooks import AttentionContext
 from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.products import content_scores
 from posenc_jax.functional.core.relative import (
     bucket_relative,
     by_query_blocks,
@@ -144,6 +145,21 @@ def test_shaw_value_term_alone_and_key_term_alone(rng, qkv):
             ]
         )
         np.testing.assert_allclose(out, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("keys_at", [0, 97, 160], ids=["far-before", "across", "far-after"])
+def test_shaw_tile_scores_with_its_own_scale_per_head_tables_and_grouped_keys(rng, keys_at):
+    """Shaw's tile past the clip joins ``P_K[end]`` to the keys, rescaled to its own ``scale``; with a table
+    per head and grouped keys it cannot (one key serves several heads' rows) and adds the term instead."""
+    qpos, kpos = jnp.arange(100, 104), jnp.arange(keys_at, keys_at + 6)
+    context = AttentionContext.from_positions(qpos, kpos, causal=False, scale=0.125, num_heads=4)
+    q = _normal(rng, (1, 4, 4, 8))
+    content = lambda q, k: content_scores(q, k, 0.125)
+    for kv_heads, table in ((4, _normal(rng, (4, 7, 8))), (2, _normal(rng, (4, 7, 8))), (2, _normal(rng, (7, 8)))):
+        k = _normal(rng, (1, 6, kv_heads, 8))
+        shaw = Shaw(3, table, None, scale=0.3)
+        want = content(q, k) + shaw.logits(q, k, context)
+        np.testing.assert_allclose(shaw.tile_scores(q, k, context, content), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))

@@ -28,7 +28,8 @@ the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile'
   alone (:class:`~posenc_jax.functional.core.hooks.DistanceBias`, Kerple) from the tile's
   ``bq + bk - 1`` distances where its positions are runs, a clipped table (Shaw, DeBERTa:
   :class:`~posenc_jax.functional.core.hooks.TiledLogits`) from one row where the whole tile is past
-  the clip; per-key arrays a hook read from a KV cache are cut to the tile's
+  the clip, which Shaw joins to the tile's keys (:class:`~posenc_jax.functional.core.hooks.TiledScores`:
+  content and term one contraction); per-key arrays a hook read from a KV cache are cut to the tile's
   keys (``map_key_features``). A hook whose tile depends on key tiles after it (CoPE: its gate
   sums run over the keys up to the query) is a :class:`CarriedLogits`: key blocks are then
   visited last first and the hook carries its sums from tile to tile.
@@ -57,6 +58,7 @@ same distribution as the materialising path's, not the same mask.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -78,6 +80,7 @@ from posenc_jax.functional.core.hooks import (
     ScoreFeatures,
     TiledLogits,
     TiledNormalize,
+    TiledScores,
     TiledValues,
     Values,
     rotates_each_token,
@@ -368,11 +371,21 @@ def blockwise_attention(
                 hook.map_key_features(lambda x: _tile(x, kj, block_k, 1)) if isinstance(hook, KeyFeatures) else hook
                 for hook in keys.hooks
             ]
-            s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
+            # Hooks that form the scores with the content product (a term that is a shift of q or k on some
+            # tiles) are composed around it; the others' terms are added to what it gives.
+            scoring = [joinable and not any(joined) and isinstance(hook, TiledScores) for hook in tile_hooks]
+            content = functools.partial(content_scores, scale=tile_context.scale)
+            for hook, scores in zip(tile_hooks, scoring, strict=True):
+                if scores:
+                    content = functools.partial(hook.tile_scores, context=tile_context, content=content)
+            if any(scoring):
+                s = content(q, k)
+            else:
+                s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
             new_hook_carry = []
-            content_only = not any(joined)  # s is exactly scale · q·k until a term is added
-            for hook, is_joined in zip(tile_hooks, joined, strict=True):
-                if is_joined:
+            content_only = not any(joined) and not any(scoring)  # s is exactly scale · q·k until a term is added
+            for hook, is_joined, scores in zip(tile_hooks, joined, scoring, strict=True):
+                if is_joined or scores:
                     continue
                 if isinstance(hook, CarriedLogits):
                     hook_state = hook_carry[len(new_hook_carry)]

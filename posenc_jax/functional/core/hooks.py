@@ -73,6 +73,7 @@ __all__ = [
     "ScoreScale",
     "TiledLogits",
     "TiledNormalize",
+    "TiledScores",
     "TiledValues",
     "Values",
     "attention_context",
@@ -588,6 +589,19 @@ class TiledLogits(Protocol):
     DeBERTa's tiles wholly past their clip read one table row). ``logits`` stays the reference."""
 
     def tile_logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
+
+
+@runtime_checkable
+class TiledScores(Protocol):
+    """A ``logits`` hook that can form one blockwise tile's scores together with the content product:
+    ``tile_scores(q, k, context, content)`` equals ``content(q, k) + logits(q, k, context)``, where
+    ``content(q, k)`` gives the tile's float32 content scores ``[B, N, bq, bk]`` of whatever queries and
+    keys it is handed. A Shaw tile wholly past the clip adds its one table row ``P_K[end]`` to the keys,
+    so content and term are one contraction and the term is no tile of its own. Blockwise attention uses
+    it for float32 queries and keys when no term is joined to the content product (``ScoreFeatures``);
+    ``logits`` stays the reference."""
+
+    def tile_scores(self, q: jax.Array, k: jax.Array, context: AttentionContext, content) -> jax.Array: ...
 
 
 @runtime_checkable

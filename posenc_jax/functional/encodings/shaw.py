@@ -179,6 +179,25 @@ class Shaw:
         side = saturated_side(context.query_positions, context.key_positions, reach=self.max_distance)
         return by_saturation(side, plain, lambda: end(0), lambda: end(-1))
 
+    def tile_scores(self, q, k, context: AttentionContext, content):
+        """``content(q, k) + logits(q, k, context)`` for one blockwise tile: past the clip every key reads
+        ``P_K[end]``, so it joins the keys (``q · (k_s + P_K[end])``, rescaled when ``scale`` differs from the
+        content's) and the tile is one contraction."""
+        per_head = np.ndim(self.key_table) == 3 if self.key_table is not None else False
+        if self.key_table is None or (per_head and k.shape[2] != q.shape[2]):  # grouped keys: one key, many rows
+            term = self.tile_logits(q, k, context)
+            return content(q, k) if term is None else content(q, k) + term
+        ratio = 1.0 if self.scale is None else self.scale / context.scale
+
+        def shifted(row: int):
+            end = (self.key_table[..., row, :] * ratio).astype(k.dtype)  # [H] or [N, H]
+            return content(q, k + end.reshape(1, 1, -1, k.shape[-1]))
+
+        side = saturated_side(context.query_positions, context.key_positions, reach=self.max_distance)
+        return by_saturation(
+            side, lambda: content(q, k) + self.logits(q, k, context), lambda: shifted(0), lambda: shifted(-1)
+        )
+
     def tile_values(self, weights, context: AttentionContext):
         """:meth:`values` for one blockwise tile: each row's weights summed, times ``P_V[end]``, past the clip."""
         if self.value_table is None:
