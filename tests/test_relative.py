@@ -162,6 +162,23 @@ def test_shaw_tile_scores_with_its_own_scale_per_head_tables_and_grouped_keys(rn
         np.testing.assert_allclose(shaw.tile_scores(q, k, context, content), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("keys_at", [0, 97, 160], ids=["far-before", "across", "far-after"])
+def test_deberta_tile_scores_for_each_term_own_scale_and_grouped_keys(rng, keys_at):
+    """DeBERTa's tile past the slots' reach joins the slot's rows to the queries (p2c) and keys (c2p), less
+    their own product; with grouped keys c2p cannot join the keys and its term is added instead."""
+    qpos, kpos = jnp.arange(100, 104), jnp.arange(keys_at, keys_at + 6)
+    context = AttentionContext.from_positions(qpos, kpos, causal=False, scale=0.125, num_heads=4)
+    q = _normal(rng, (1, 4, 4, 8))
+    content = lambda q, k: content_scores(q, k, 0.125)
+    tables = dict(pos_query=_normal(rng, (8, 4, 8)), pos_key=_normal(rng, (8, 4, 8)))
+    for terms in (("c2p",), ("p2c",), ("c2p", "p2c")):
+        for kv_heads in (4, 2):
+            k = _normal(rng, (1, 6, kv_heads, 8))
+            deberta = DeBERTa(**tables, span=4, terms=terms, scale=0.2)
+            want = content(q, k) + deberta.logits(q, k, context)
+            np.testing.assert_allclose(deberta.tile_scores(q, k, context, content), want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("positions", POSITIONS, ids=list(POSITIONS))
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_functional_relative_matches_materialised_sinusoid(qkv, positions, causal):

@@ -28,7 +28,7 @@ the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile'
   alone (:class:`~posenc_jax.functional.core.hooks.DistanceBias`, Kerple) from the tile's
   ``bq + bk - 1`` distances where its positions are runs, a clipped table (Shaw, DeBERTa:
   :class:`~posenc_jax.functional.core.hooks.TiledLogits`) from one row where the whole tile is past
-  the clip, which Shaw joins to the tile's keys (:class:`~posenc_jax.functional.core.hooks.TiledScores`:
+  the clip, which they join to the tile's queries and keys (:class:`~posenc_jax.functional.core.hooks.TiledScores`:
   content and term one contraction); per-key arrays a hook read from a KV cache are cut to the tile's
   keys (``map_key_features``). A hook whose tile depends on key tiles after it (CoPE: its gate
   sums run over the keys up to the query) is a :class:`CarriedLogits`: key blocks are then

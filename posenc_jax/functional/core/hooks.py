@@ -599,7 +599,7 @@ class TiledScores(Protocol):
     keys it is handed. A Shaw tile wholly past the clip adds its one table row ``P_K[end]`` to the keys,
     so content and term are one contraction and the term is no tile of its own. Blockwise attention uses
     it for float32 queries and keys when no term is joined to the content product (``ScoreFeatures``);
-    ``logits`` stays the reference."""
+    DeBERTa's adds its slot's rows to both, less their own product. ``logits`` stays the reference."""
 
     def tile_scores(self, q: jax.Array, k: jax.Array, context: AttentionContext, content) -> jax.Array: ...
 

@@ -378,6 +378,31 @@ class DeBERTa:
         side = saturated_side(context.query_positions, context.key_positions, reach=reach)
         return by_saturation(side, plain, lambda: end(2 * self.span - 1), lambda: end(0))
 
+    def tile_scores(self, q, k, context: AttentionContext, content):
+        """``content(q, k) + logits(q, k, context)`` for one blockwise tile: where every pair reads one slot,
+        the slot's rows join the queries and keys, ``(q + a·Q_r[slot]) · (k + a·K_r[slot])`` less the
+        product of the two rows (``a`` the terms' scale over the content's), so the tile is one contraction."""
+        c2p, p2c = "c2p" in self.terms, "p2c" in self.terms
+        if c2p and k.shape[2] != q.shape[2]:  # grouped keys: one key serves several heads' rows of K_r
+            return content(q, k) + self.tile_logits(q, k, context)
+        ratio = (context.scale if self.scale is None else self.scale) / context.scale
+        num_heads, head_dim = q.shape[2:]
+
+        def end(slot: int):
+            q_row = (ratio * self.pos_query[slot]).reshape(1, 1, num_heads, head_dim) if p2c else None
+            k_row = (ratio * self.pos_key[slot]).reshape(1, 1, num_heads, head_dim) if c2p else None
+            scores = content(
+                q if q_row is None else q + q_row.astype(q.dtype), k if k_row is None else k + k_row.astype(k.dtype)
+            )
+            if c2p and p2c:  # the rows' own product, one value per head
+                scores = scores - content(q_row.astype(q.dtype), k_row.astype(k.dtype))
+            return scores
+
+        plain = lambda: content(q, k) + self.logits(q, k, context)
+        reach = _saturation_distance(self.span, self.position_buckets, self.max_relative_positions)
+        side = saturated_side(context.query_positions, context.key_positions, reach=reach)
+        return by_saturation(side, plain, lambda: end(2 * self.span - 1), lambda: end(0))
+
 
 @register_encoding(
     "deberta",
