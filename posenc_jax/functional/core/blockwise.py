@@ -374,14 +374,14 @@ def blockwise_attention(
             # Hooks that form the scores with the content product (a term that is a shift of q or k on some
             # tiles) are composed around it; the others' terms are added to what it gives.
             scoring = [joinable and not any(joined) and isinstance(hook, TiledScores) for hook in tile_hooks]
-            content = functools.partial(content_scores, scale=tile_context.scale)
-            for hook, scores in zip(tile_hooks, scoring, strict=True):
-                if scores:
-                    content = functools.partial(hook.tile_scores, context=tile_context, content=content)
-            if any(scoring):
-                s = content(q, k)
-            else:
+            if any(joined):
                 s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
+            else:
+                content = functools.partial(content_scores, scale=tile_context.scale)
+                for hook, scores in zip(tile_hooks, scoring, strict=True):
+                    if scores:
+                        content = functools.partial(hook.tile_scores, context=tile_context, content=content)
+                s = content(q, k)
             new_hook_carry = []
             content_only = not any(joined) and not any(scoring)  # s is exactly scale · q·k until a term is added
             for hook, is_joined, scores in zip(tile_hooks, joined, scoring, strict=True):

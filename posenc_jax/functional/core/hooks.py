@@ -597,9 +597,10 @@ class TiledScores(Protocol):
     ``tile_scores(q, k, context, content)`` equals ``content(q, k) + logits(q, k, context)``, where
     ``content(q, k)`` gives the tile's float32 content scores ``[B, N, bq, bk]`` of whatever queries and
     keys it is handed. A Shaw tile wholly past the clip adds its one table row ``P_K[end]`` to the keys,
-    so content and term are one contraction and the term is no tile of its own. Blockwise attention uses
-    it for float32 queries and keys when no term is joined to the content product (``ScoreFeatures``);
-    DeBERTa's adds its slot's rows to both, less their own product. ``logits`` stays the reference."""
+    so content and term are one contraction and the term is no tile of its own; DeBERTa's adds its slot's
+    rows to the queries and keys, less their own product. Blockwise attention uses it for float32 queries
+    and keys when no term is joined to the content product (``ScoreFeatures``). ``logits`` stays the
+    reference."""
 
     def tile_scores(self, q: jax.Array, k: jax.Array, context: AttentionContext, content) -> jax.Array: ...
 

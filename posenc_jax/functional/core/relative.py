@@ -35,6 +35,7 @@ __all__ = [
     "by_causal_prefixes_where",
     "by_query_blocks",
     "check_max_distance",
+    "clipped_at_distances",
     "clipped_relative_index",
     "consecutive_rows",
     "diagonal_sums",
@@ -42,7 +43,6 @@ __all__ = [
     "toeplitz_where_runs",
     "distance_slots",
     "expand_relative_bias",
-    "clipped_at_distances",
     "gather_by_distance",
     "gather_relative",
     "gather_relative_transposed",
@@ -367,12 +367,12 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
 
 
 def clipped_at_distances(per_distance: jax.Array, distance: jax.Array, max_distance: int) -> jax.Array:
-    """``per_distance[n, clip(d, -k, k) + k]`` at float32 distances ``[B|1, D]``: ``[B|1, N, D]``.
+    """``per_distance[n, clip(d, -k, k) + k]`` at distances ``[B|1, D]``: ``[B|1, N, D]`` float32.
 
     The per-distance form of :func:`expand_relative_bias` (a :class:`~posenc_jax.functional.core.hooks.DistanceBias`
-    hook's ``distance_bias``): ``distance`` holds exact integer distances rounded once to float32, as blockwise
-    attention passes them; they are clipped before the cast, so any int32 distance reads the right slot
-    (exact while ``k < 2**24``).
+    hook's ``distance_bias``, and the diagonals of its Toeplitz form). ``distance`` is int32, or exact integer
+    distances rounded once to float32 as blockwise attention passes them; they are clipped before the cast,
+    so any int32 distance reads the right slot (exact while ``k < 2**24``).
 
     Example:
       >>> clipped_at_distances(jnp.arange(5.0)[None], jnp.array([[-9.0, -1.0, 0.0, 7.0]]), 2)
@@ -403,8 +403,7 @@ def _expand_by_diagonals(per_distance, query_positions, key_positions, k: int) -
     reach = k + q_len + k_len
     offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)
     distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
-    per_diagonal = jnp.take(per_distance, jnp.clip(distance, -k, k) + k, axis=1, mode="clip")  # [N, B|1, T + S - 1]
-    return toeplitz(jnp.moveaxis(per_diagonal, 0, 1), q_len, k_len)
+    return toeplitz(clipped_at_distances(per_distance, distance, k), q_len, k_len)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

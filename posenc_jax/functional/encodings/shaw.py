@@ -183,10 +183,10 @@ class Shaw:
         """``content(q, k) + logits(q, k, context)`` for one blockwise tile: past the clip every key reads
         ``P_K[end]``, so it joins the keys (``q · (k_s + P_K[end])``, rescaled when ``scale`` differs from the
         content's) and the tile is one contraction."""
-        per_head = np.ndim(self.key_table) == 3 if self.key_table is not None else False
-        if self.key_table is None or (per_head and k.shape[2] != q.shape[2]):  # grouped keys: one key, many rows
-            term = self.tile_logits(q, k, context)
-            return content(q, k) if term is None else content(q, k) + term
+        if self.key_table is None:
+            return content(q, k)
+        if np.ndim(self.key_table) == 3 and k.shape[2] != q.shape[2]:  # grouped keys: one key, many heads' rows
+            return content(q, k) + self.tile_logits(q, k, context)
         ratio = 1.0 if self.scale is None else self.scale / context.scale
 
         def shifted(row: int):
