@@ -5,18 +5,41 @@ Most of the suite's time is XLA compiling many small programs. The suite compile
 ``jax_disable_most_optimizations``, which turns off LLVM's optimisation of the generated machine code
 only: XLA's own passes (fusion, layout, buffer assignment) still run, so the compiled programs' form and
 their ``memory_analysis()``, which tests pin, are the ones users get, and float results do not depend on
-it beyond rounding. It is also set in the environment, so subprocesses (the notebooks' kernels, the
-benchmark's command line) inherit it; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest`` runs the
-suite fully optimised.
+it beyond rounding. Where the installed XLA has them, the suite also compiles with XLA:CPU's legacy fusion
+emitters (``--xla_cpu_use_fusion_emitters=false``), which halves its compile time; their pipeline is not
+quite the users' (scatters become loops, products round differently), so a test that reads a compiled
+program's form or memory, or wants bitwise equality, compiles with the users' emitters (``compiled.py``).
+Both are set in the environment, so subprocesses (the notebooks' kernels, the benchmark's command line)
+inherit them; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest`` runs the suite fully optimised with
+the default emitters.
 """
 
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
 import pytest
 
 _quick_compile = os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1").lower() not in ("0", "false")
+_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
+
+
+def _xla_knows(flag):
+    """Whether this XLA starts with ``flag`` (an unknown flag aborts the process, so ask a child)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
+    return subprocess.run(probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True).returncode == 0
+
+
+# Decided once, by the first process (pytest-xdist's workers inherit the environment); before jax starts its
+# backend, which reads XLA_FLAGS.
+if _quick_compile and "POSENC_JAX_TEST_EMITTERS" not in os.environ:
+    legacy = _xla_knows(_LEGACY_EMITTERS)
+    os.environ["POSENC_JAX_TEST_EMITTERS"] = "legacy" if legacy else "default"
+    if legacy:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEGACY_EMITTERS}".strip()
 
 # Data and fixture modules of the tests, not tests: p_rope.py registers an encoding when imported, which
 # test_contract.py does in a scratch registry only.

@@ -5,6 +5,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from compiled import compiled
 
 from posenc_jax.functional import dot_product_attention
 
@@ -38,4 +39,4 @@ def causal_attention_temp(make_hooks, length: int) -> int:
         hooks = make_hooks()
         return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)
 
-    return jax.jit(attend).lower(spec, spec, spec, positions).compile().memory_analysis().temp_size_in_bytes
+    return compiled(jax.jit(attend).lower(spec, spec, spec, positions)).memory_analysis().temp_size_in_bytes

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import compiled
 
 from posenc_jax.functional import dot_product_attention
 from posenc_jax.functional.core.control import cond_over_batch
@@ -137,10 +138,10 @@ def test_cond_over_batch_stays_a_conditional_and_agrees_per_example(rng):
     np.testing.assert_array_equal(batched(x, y), per_example(x))
     poisoned = x.at[2, 1].set(jnp.inf)  # one example sends the batch through false_fn
     np.testing.assert_array_equal(batched(poisoned, y), per_example(poisoned))
-    assert "conditional(" in batched.lower(x, y).compile().as_text()
+    assert "conditional(" in compiled(batched.lower(x, y)).as_text()
     nested = jax.jit(jax.vmap(jax.vmap(run, in_axes=(0, None)), in_axes=(0, None)))
     np.testing.assert_array_equal(nested(poisoned.reshape(2, 2, 5), y).reshape(4, 5), per_example(poisoned))
-    assert "conditional(" in nested.lower(x.reshape(2, 2, 5), y).compile().as_text()
+    assert "conditional(" in compiled(nested.lower(x.reshape(2, 2, 5), y)).as_text()
     # Only the predicate batched: the unbatched operands give every example the same result.
     only_pred = jax.vmap(lambda p: cond_over_batch(p, true_fn, false_fn, x[0], y))(jnp.array([True, False]))
     np.testing.assert_array_equal(only_pred, np.stack([true_fn(x[0], y)] * 2))
@@ -271,7 +272,7 @@ def test_vmapped_attention_agrees_per_example_with_no_conditional(rng):
     for b in range(3):
         np.testing.assert_array_equal(out[b], _attend(q[b], k[b], v[b]))
     assert np.isfinite(out[[0, 2]]).all() and np.isfinite(out[1, :5]).all() and np.isnan(out[1, 5:, 0, 2]).all()
-    assert "conditional(" not in batched.lower(q, k, v).compile().as_text()
+    assert "conditional(" not in compiled(batched.lower(q, k, v)).as_text()
 
     loss = lambda q, k, v: (_attend(q, k, v) ** 2).sum()
     v = v.at[1, 5, 0, 2].set(1.0)
@@ -279,7 +280,7 @@ def test_vmapped_attention_agrees_per_example_with_no_conditional(rng):
     for b in range(3):
         for got, want in zip(grads(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q[b], k[b], v[b]), strict=True):
             np.testing.assert_allclose(got[b], want, rtol=1e-5, atol=1e-6)
-    assert "conditional(" not in grads.lower(q, k, v).compile().as_text()
+    assert "conditional(" not in compiled(grads.lower(q, k, v)).as_text()
 
 
 def test_jvp_through_causal_attention(rng):
@@ -312,7 +313,7 @@ def test_compiled_causal_attention_stores_no_mask():
     attend = jax.jit(
         lambda q, k, v, pos: dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True)
     )
-    entry = _entry(attend.lower(q, k, v, pos).compile().as_text())
+    entry = _entry(compiled(attend.lower(q, k, v, pos)).as_text())
     stored = re.findall(rf"= pred\[[0-9,]*{length},{length}\]", entry)
     assert not stored, stored
     assert "conditional(" not in entry  # the non-finite values term is the same program for every input

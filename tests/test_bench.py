@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
+from compiled import LEGACY_EMITTERS, USER_XLA_FLAGS
 from flax import nnx
 
 from posenc_jax.bench import cell as bench_cell
@@ -132,10 +133,7 @@ def _leaves(model):
     return [np.asarray(keys(x)) for x in jax.tree.leaves(nnx.state(model))]
 
 
-def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotion):
-    """Dropout and randomized positions included (both draw from the model's RNG streams).
-    ``lax.map`` runs each seed's unbatched step: bitwise equal. ``vmap`` batches the seeds'
-    products, which XLA rounds differently: equal to float32 rounding (a few ulps after 4 steps)."""
+def _seeds_together_against_one_by_one(batched):
     preset, cell, configs = _tiny_cell()
     seeds, steps = (0, 1, 2), 4
     reference = {}
@@ -146,25 +144,44 @@ def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotio
         reference[seed] = (np.array(losses, np.float32), _leaves(model))
     # Not vacuous: the seeds' models differ from one another.
     assert not all(np.array_equal(a, b) for a, b in zip(reference[0][1], reference[1][1], strict=True))
-    for batched in (False, True):
-        pairs = [bench_cell.build(cell, preset, configs, seed) for seed in seeds]
-        group = bench_cell.SeedGroup([m for m, _ in pairs], [o for _, o in pairs], batched=batched)
-        together = []
-        for k in range(steps):
-            per_seed = [bench_cell.train_batch(cell.task, preset, seed, k, cell.lengths) for seed in seeds]
-            together.append(np.asarray(group.step({n: np.stack([b[n] for b in per_seed]) for n in per_seed[0]})))
-        together = np.array(together)
-        for i, seed in enumerate(seeds):
-            losses, leaves = reference[seed]
-            trained = _leaves(group.seed(i)[0])
-            if batched:
-                np.testing.assert_allclose(together[:, i], losses, rtol=2e-6, atol=1e-6)
-                for a, b in zip(trained, leaves, strict=True):
-                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-            else:
-                np.testing.assert_array_equal(together[:, i], losses)
-                for a, b in zip(trained, leaves, strict=True):
-                    np.testing.assert_array_equal(a, b)
+    pairs = [bench_cell.build(cell, preset, configs, seed) for seed in seeds]
+    group = bench_cell.SeedGroup([m for m, _ in pairs], [o for _, o in pairs], batched=batched)
+    together = []
+    for k in range(steps):
+        per_seed = [bench_cell.train_batch(cell.task, preset, seed, k, cell.lengths) for seed in seeds]
+        together.append(np.asarray(group.step({n: np.stack([b[n] for b in per_seed]) for n in per_seed[0]})))
+    together = np.array(together)
+    for i, seed in enumerate(seeds):
+        losses, leaves = reference[seed]
+        trained = _leaves(group.seed(i)[0])
+        if batched:
+            np.testing.assert_allclose(together[:, i], losses, rtol=2e-6, atol=1e-6)
+            for a, b in zip(trained, leaves, strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(together[:, i], losses)
+            for a, b in zip(trained, leaves, strict=True):
+                np.testing.assert_array_equal(a, b)
+
+
+def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotion):
+    """Dropout and randomized positions included (both draw from the model's RNG streams).
+    ``lax.map`` runs each seed's unbatched step: bitwise equal. ``vmap`` batches the seeds'
+    products, which XLA rounds differently: equal to float32 rounding (a few ulps after 4 steps)."""
+    _seeds_together_against_one_by_one(batched=True)
+    if not LEGACY_EMITTERS:
+        _seeds_together_against_one_by_one(batched=False)
+        return
+    # Bitwise equality is a property of the compiled programs users get: checked in a child compiling with
+    # XLA:CPU's default emitters (the suite's legacy ones round a loop body's products differently).
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = (
+        f"import sys; sys.path.insert(0, {tests!r}); import jax; jax.config.update('jax_numpy_rank_promotion', "
+        "'raise'); import test_bench; test_bench._seeds_together_against_one_by_one(batched=False); print('equal')"
+    )
+    env = {**os.environ, "XLA_FLAGS": USER_XLA_FLAGS}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "equal", result.stderr[-3000:]
 
 
 def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_promotion):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import compiled
 from flax import nnx
 
 from posenc_jax.functional import RoPE, T5Config, dot_product_attention, encoding_info, encoding_names
@@ -307,7 +308,7 @@ def test_split_state_decode_step_equals_the_forward_and_compiles_once_per_shape(
 
 
 def _trig_sizes(fn, *args):
-    text = jax.jit(fn).lower(*args).compile().as_text()
+    text = compiled(jax.jit(fn).lower(*args)).as_text()
     sizes = []
     for computation in text.split("\n\n"):
         if " sine(" in computation or " cosine(" in computation:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from compiled import compiled
 
 from posenc_jax.functional import RoPE, RotaryTable, apply_rope, apply_rope_qk
 from posenc_jax.functional.core.hooks import AttentionContext
@@ -248,7 +249,7 @@ def test_bad_input_names_the_value():
 
 def _trig_output_sizes(fn, *args) -> list[int]:
     """The output sizes (elements) of the compiled computations of ``fn`` that evaluate sin or cos."""
-    text = jax.jit(fn).lower(*args).compile().as_text()
+    text = compiled(jax.jit(fn).lower(*args)).as_text()
     sizes = []
     for computation in text.split("\n\n"):
         if re.search(r"\b(sine|cosine)\(", computation):

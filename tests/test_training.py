@@ -156,7 +156,7 @@ def test_sharded_training_equals_single_device_on_8_simulated_devices():
     script = textwrap.dedent(
         """
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
         os.environ["JAX_PLATFORMS"] = "cpu"  # simulated CPU devices, also on a GPU machine
         import jax, numpy as np, jax.numpy as jnp
         from flax import nnx

@@ -1,0 +1,20 @@
+"""Compiling as a user's program is compiled.
+
+The suite runs XLA:CPU with its legacy fusion emitters (``conftest.py``): they compile in about half the
+time, but their pipeline differs from the one users get (scatters expanded into loops, other rounding). A
+test that reads a compiled program's form or its memory compiles through ``compiled``, which asks for the
+users' emitters for that one compilation; ``USER_PIPELINE`` is the same request for ``jax.jit``'s
+``compiler_options`` and ``USER_XLA_FLAGS`` for a subprocess's environment.
+"""
+
+import os
+
+_LEGACY = "--xla_cpu_use_fusion_emitters=false"
+LEGACY_EMITTERS = _LEGACY in os.environ.get("XLA_FLAGS", "").split()
+USER_PIPELINE = {"xla_cpu_use_fusion_emitters": True} if LEGACY_EMITTERS else {}
+USER_XLA_FLAGS = " ".join(flag for flag in os.environ.get("XLA_FLAGS", "").split() if flag != _LEGACY)
+
+
+def compiled(lowered):
+    """``lowered.compile()`` with the emitters users get."""
+    return lowered.compile(compiler_options=USER_PIPELINE)
