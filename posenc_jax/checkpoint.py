@@ -187,7 +187,9 @@ class Checkpointer:
         if process_local:
             me = jax.process_index()
             only_me = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-            extra = {"multiprocessing_options": only_me, "create": False}
+            # Saved synchronously: orbax's asynchronous save waits on keys of the job's coordination service
+            # named by a per-process count of saves, which processes saving apart from one another share.
+            extra = {"multiprocessing_options": only_me, "create": False, "enable_async_checkpointing": False}
             self.directory.mkdir(parents=True, exist_ok=True)  # orbax creates it only for all processes together
         self.manager = ocp.CheckpointManager(
             self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, **extra)
