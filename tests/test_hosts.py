@@ -101,6 +101,22 @@ def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
     assert "NVIDIA H200 x 1, jax " in devices and "counting_copy (alibi), copy (alibi)" in devices
     assert devices.index("counting_copy (nope), copy (nope)") > devices.index("cpu x 1")
 
+    # A folder that finished no cell (an interrupted run's) is refused, or with --partial left out and named.
+    empty = tmp_path / "host-2-of-2-interrupted"
+    (empty / "checkpoints").mkdir(parents=True)
+    with pytest.raises(ValueError, match="host-2-of-2-interrupted has no finished cell yet.*--partial"):
+        hosts.merge(tmp_path / "partial", [folders[0], empty])
+    assert cli.main(["merge", str(tmp_path / "partial"), str(folders[0]), str(empty), "--partial", "--no-plots"]) == 0
+    record = json.loads((tmp_path / "partial" / "run.json").read_text())
+    assert record["unfinished"] == [str(empty)] and record["hosts"] == [str(folders[0])]
+    assert len(read_rows(tmp_path / "partial" / "results.jsonl")) == len(read_rows(folders[0] / "results.jsonl"))
+    assert (
+        f"**Partial.** Merged without 1 folder(s) that had finished no cell: {empty}"
+        in (tmp_path / "partial" / "report.md").read_text()
+    )
+    with pytest.raises(ValueError, match="none of the folders .* has a finished cell yet"):
+        hosts.merge(tmp_path / "none", [empty], partial=True)
+
     # A cell's rows in two folders (a host run again with another count, say) are refused, naming both.
     first = (folders[0] / "results.jsonl").read_text().splitlines()[0]
     with open(folders[1] / "results.jsonl", "a") as f:

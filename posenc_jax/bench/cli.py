@@ -234,7 +234,8 @@ def _in_processes(args, out: pathlib.Path) -> int:
             worker.wait()
         raise SystemExit(
             "posenc-bench extrapolate: interrupted; each process stopped, keeping its finished cells and "
-            "checkpoints: run the same command again to resume"
+            f"checkpoints: run the same command again to resume, or `posenc-bench merge {out} --partial` to report "
+            "the finished cells now"
         ) from None
     if any(codes):
         failed = ", ".join(f"{i}/{count} (exit {code})" for i, code in enumerate(codes) if code)
@@ -254,7 +255,7 @@ def _merge(args) -> int:
 
     out = pathlib.Path(args.out)
     try:
-        merge(out, folders=args.folders or None)
+        merge(out, folders=args.folders or None, partial=getattr(args, "partial", False))
         reporting.write_report(out, plots=not args.no_plots)
         if not args.no_plots:
             reporting.plot(out)
@@ -406,6 +407,12 @@ def main(argv=None) -> int:
         "folder in out); no cell may be in two",
     )
     mg.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
+    mg.add_argument(
+        "--partial",
+        action="store_true",
+        help="leave out folders with no finished cell yet (an interrupted run's), naming them in run.json and the "
+        "report, instead of refusing them",
+    )
     mg.set_defaults(handler=_merge)
     pr = sub.add_parser(
         "probe", help="the blind-spot probe (Su 2022; Luo et al.): n identical tokens, per encoding x normaliser"

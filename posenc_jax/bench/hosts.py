@@ -61,7 +61,7 @@ def _device_label(record) -> str:
     return f"{device.get('kind', 'unknown')} x {device.get('count', '?')}, jax {versions.get('jax', '?')}"
 
 
-def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
+def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.Path:
     """Joins the hosts' folders (default: every ``<out>/host-i-of-H``) into ``out``.
 
     Rows must share one settings fingerprint, and no cell's row may come from two folders
@@ -69,7 +69,9 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
     folder order), ``run.json`` (the first folder's record with the cells, asked labels and
     commits of all), ``baselines.json`` (the first folder's; they depend on the settings
     alone) and a ``hosts`` entry naming the folders. Existing results in ``out`` itself are
-    refused: it is the merge's, not a run's.
+    refused: it is the merge's, not a run's. ``partial``: a folder with no finished cell yet
+    (an interrupted run's) is left out and named in the record's ``unfinished`` entry, which
+    the report states, instead of refused.
     """
     out = pathlib.Path(out)
     if folders is None:
@@ -93,11 +95,17 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
         if (out / "run.json").exists() and "hosts" not in read_json(out / "run.json", "run record"):
             raise ValueError(f"{out} holds a run's own results; merge the host folders into an empty folder")
         rows, seen, settings = [], {}, set()
-        records = []
+        records, unfinished = [], []
         for folder in folders:
             path = folder / "results.jsonl"
-            if not path.exists():
-                raise ValueError(f"{path} does not exist: that host has written no rows yet")
+            if not path.exists() or not (folder / "run.json").exists():
+                if partial:
+                    unfinished.append(str(folder))
+                    continue
+                raise ValueError(
+                    f"{folder} has no finished cell yet (no results.jsonl and run.json): that host has written no "
+                    f"rows; pass partial=True (posenc-bench merge --partial) to merge the others"
+                )
             for _, row in read_rows(path):
                 cell = (row["task"], row["encoding"], row["seed"], row["length"])
                 if cell in seen:
@@ -110,6 +118,8 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
             for cell in record.get("cells", []):
                 cell.setdefault("device", device)
             records.append(record)
+        if not records:
+            raise ValueError(f"none of the folders {[str(f) for f in folders]} has a finished cell yet")
         if len(settings) > 1:
             raise ValueError(f"the host folders hold rows of different settings {sorted(map(str, settings))}")
         record = {key: value for key, value in records[0].items() if key != "host"}  # the merge's, not host 0's
@@ -127,7 +137,9 @@ def merge(out: pathlib.Path, folders=None) -> pathlib.Path:
         record["commits"] = [
             {"commit": commit, "dirty": dirty, "rows": n} for (commit, dirty), n in sorted(commits.items(), key=str)
         ]
-        record["hosts"] = [str(f) for f in folders]
+        record["hosts"] = [str(f) for f in folders if str(f) not in unfinished]
+        if unfinished:
+            record["unfinished"] = unfinished
         write_text(out / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # whole or not at all
         write_json(out / "run.json", record)
         baselines = folders[0] / "baselines.json"

@@ -249,6 +249,12 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
             device, jax_version = record["device"], record["versions"]["jax"]
             line = f"Device: {device['kind']} x {device['count']}; {package}, jax {jax_version}; {made_by}."
         lines += [line, ""]
+    if record.get("unfinished"):
+        lines += [
+            f"**Partial.** Merged without {len(record['unfinished'])} folder(s) that had finished no cell: "
+            f"{', '.join(record['unfinished'])}. Their cells are missing from every table.",
+            "",
+        ]
     summaries = cells(results)
     tasks = list(dict.fromkeys(c.task for c in summaries))
     if len(tasks) > 1 and not pipeline_check:
