@@ -8,7 +8,8 @@ their ``memory_analysis()``, which tests pin, are the ones users get, and float 
 it beyond rounding. Where the installed XLA has them, the suite also compiles with XLA:CPU's legacy fusion
 emitters (``--xla_cpu_use_fusion_emitters=false``), which halves its compile time; their pipeline is not
 quite the users' (scatters become loops, products round differently), so a test that reads a compiled
-program's form or memory, or wants bitwise equality, compiles with the users' emitters (``compiled.py``).
+program's form or memory compiles with the users' emitters, and so do the children checking the library's
+bitwise claims (``compiled.py``).
 Both are set in the environment, so subprocesses (the notebooks' kernels, the benchmark's command line)
 inherit them; ``JAX_DISABLE_MOST_OPTIMIZATIONS=0 python -m pytest`` runs the suite fully optimised with
 the default emitters.
@@ -29,13 +30,18 @@ _LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 def _xla_knows(flag):
     """Whether this XLA starts with ``flag`` (an unknown flag aborts the process, so ask a child)."""
     flags = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    probe = [sys.executable, "-c", "import jax; jax.devices('cpu')"]
-    return subprocess.run(probe, env={**os.environ, "XLA_FLAGS": flags}, capture_output=True).returncode == 0
+    probe = [sys.executable, "-c", "import jax; jax.devices()"]
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # no accelerator started for the question
+    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
 
 
 # Decided once, by the first process (pytest-xdist's workers inherit the environment); before jax starts its
 # backend, which reads XLA_FLAGS.
-if _quick_compile and "POSENC_JAX_TEST_EMITTERS" not in os.environ:
+if (
+    _quick_compile
+    and "POSENC_JAX_TEST_EMITTERS" not in os.environ
+    and "fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
+):
     legacy = _xla_knows(_LEGACY_EMITTERS)
     os.environ["POSENC_JAX_TEST_EMITTERS"] = "legacy" if legacy else "default"
     if legacy:

@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+from compiled import USER_XLA_FLAGS
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -198,6 +199,7 @@ SCRIPT = textwrap.dedent(
 
 def _found(part: str) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env["XLA_FLAGS"] = USER_XLA_FLAGS  # bit for bit with one device is a claim about the programs users compile
     result = subprocess.run(
         [sys.executable, "-c", f"TESTS, PART = {TESTS!r}, {part!r}\n" + SCRIPT],
         capture_output=True,
