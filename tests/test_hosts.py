@@ -101,19 +101,26 @@ def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
     assert "NVIDIA H200 x 1, jax " in devices and "counting_copy (alibi), copy (alibi)" in devices
     assert devices.index("counting_copy (nope), copy (nope)") > devices.index("cpu x 1")
 
-    # A folder that finished no cell (an interrupted run's) is refused, or with --partial left out and named.
-    empty = tmp_path / "host-2-of-2-interrupted"
+    # A folder that finished no cell (an interrupted run's: no rows yet, or the rows of its first cell but no
+    # run.json, written once a cell finishes) is refused, or with --partial left out and named.
+    empty, midway = tmp_path / "interrupted-at-start", tmp_path / "interrupted-in-its-first-cell"
     (empty / "checkpoints").mkdir(parents=True)
-    with pytest.raises(ValueError, match="host-2-of-2-interrupted has no finished cell yet.*--partial"):
+    midway.mkdir()
+    (midway / "results.jsonl").write_text((folders[1] / "results.jsonl").read_text().splitlines()[0] + "\n")
+    with pytest.raises(ValueError, match=r"at-start has no finished cell yet \(no run.json; it holds no rows\)"):
         hosts.merge(tmp_path / "partial", [folders[0], empty])
-    assert cli.main(["merge", str(tmp_path / "partial"), str(folders[0]), str(empty), "--partial", "--no-plots"]) == 0
-    record = json.loads((tmp_path / "partial" / "run.json").read_text())
-    assert record["unfinished"] == [str(empty)] and record["hosts"] == [str(folders[0])]
-    assert len(read_rows(tmp_path / "partial" / "results.jsonl")) == len(read_rows(folders[0] / "results.jsonl"))
-    assert (
-        f"**Partial.** Merged without 1 folder(s) that had finished no cell: {empty}"
-        in (tmp_path / "partial" / "report.md").read_text()
-    )
+    with pytest.raises(ValueError, match="first-cell has no finished cell yet .*its 1 rows are of an unfinished"):
+        hosts.merge(tmp_path / "partial", [folders[0], midway])
+    partial = tmp_path / "partial"
+    assert cli.main(["merge", str(partial), str(empty), str(folders[0]), str(midway), "--partial", "--no-plots"]) == 0
+    record = json.loads((partial / "run.json").read_text())
+    assert record["unfinished"] == [str(empty), str(midway)] and record["hosts"] == [str(folders[0])]
+    assert len(read_rows(partial / "results.jsonl")) == len(read_rows(folders[0] / "results.jsonl"))
+    # The baselines come from a merged folder, not from the first one named.
+    baselines = json.loads((folders[0] / "baselines.json").read_text())
+    assert baselines and json.loads((partial / "baselines.json").read_text()) == baselines
+    report = (partial / "report.md").read_text()
+    assert f"**Partial.** Merged without 2 folder(s) that had finished no cell: {empty}, {midway}" in report
     with pytest.raises(ValueError, match="none of the folders .* has a finished cell yet"):
         hosts.merge(tmp_path / "none", [empty], partial=True)
 

@@ -67,7 +67,7 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
     Rows must share one settings fingerprint, and no cell's row may come from two folders
     (a ValueError names both). ``out`` gets ``results.jsonl`` (the rows of every folder, in
     folder order), ``run.json`` (the first folder's record with the cells, asked labels and
-    commits of all), ``baselines.json`` (the first folder's; they depend on the settings
+    commits of all), ``baselines.json`` (the first merged folder's; they depend on the settings
     alone) and a ``hosts`` entry naming the folders. Existing results in ``out`` itself are
     refused: it is the merge's, not a run's. ``partial``: a folder with no finished cell yet
     (an interrupted run's) is left out and named in the record's ``unfinished`` entry, which
@@ -98,13 +98,15 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
         records, unfinished = [], []
         for folder in folders:
             path = folder / "results.jsonl"
-            if not path.exists() or not (folder / "run.json").exists():
+            if not (folder / "run.json").exists():  # written once a cell has finished
                 if partial:
                     unfinished.append(str(folder))
                     continue
+                rows_there = sum(1 for line in path.read_text().splitlines() if line.strip()) if path.exists() else 0
+                held = f"its {rows_there} rows are of an unfinished cell" if rows_there else "it holds no rows"
                 raise ValueError(
-                    f"{folder} has no finished cell yet (no results.jsonl and run.json): that host has written no "
-                    f"rows; pass partial=True (posenc-bench merge --partial) to merge the others"
+                    f"{folder} has no finished cell yet (no run.json; {held}); pass partial=True "
+                    f"(posenc-bench merge --partial) to merge the others"
                 )
             for _, row in read_rows(path):
                 cell = (row["task"], row["encoding"], row["seed"], row["length"])
@@ -142,7 +144,8 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
             record["unfinished"] = unfinished
         write_text(out / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # whole or not at all
         write_json(out / "run.json", record)
-        baselines = folders[0] / "baselines.json"
-        if baselines.exists():
+        merged = [f for f in folders if str(f) not in unfinished]
+        baselines = next((f / "baselines.json" for f in merged if (f / "baselines.json").exists()), None)
+        if baselines is not None:
             write_json(out / "baselines.json", read_json(baselines, "baselines"))
     return out
