@@ -19,7 +19,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from compiled import LEGACY_EMITTERS, USER_XLA_FLAGS
+from compiled import LEGACY_EMITTERS, user_environment
 from flax import nnx
 
 from posenc_jax.bench import cell as bench_cell
@@ -179,8 +179,9 @@ def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotio
         f"import sys; sys.path.insert(0, {tests!r}); import jax; jax.config.update('jax_numpy_rank_promotion', "
         "'raise'); import test_bench; test_bench._seeds_together_against_one_by_one(batched=False); print('equal')"
     )  # jax's default dtype promotion, as the standard_promotion fixture gives this process
-    env = {**os.environ, "XLA_FLAGS": USER_XLA_FLAGS}
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=user_environment(), capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0 and result.stdout.strip() == "equal", result.stderr[-3000:]
 
 

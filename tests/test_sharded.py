@@ -14,7 +14,7 @@ import sys
 import textwrap
 
 import pytest
-from compiled import USER_XLA_FLAGS
+from compiled import user_environment
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -24,7 +24,6 @@ SCRIPT = textwrap.dedent(
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     os.environ["JAX_PLATFORMS"] = "cpu"  # the 8 simulated devices are CPU devices, also on a GPU machine
     sys.path.insert(0, TESTS)
-    from compiled import compiled
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from posenc_jax.functional import dot_product_attention, encoding_info, sequence_parallel_attention
@@ -140,7 +139,7 @@ SCRIPT = textwrap.dedent(
         def memory(attention, spec):
             sharding = None if spec is None else NamedSharding(mesh, spec)
             shapes = [jax.ShapeDtypeStruct((1, T, heads, H), jnp.float32, sharding=sharding) for heads in (N, K, K)]
-            analysis = compiled(jax.jit(lambda q, k, v: attention(q, k, v, **kwargs)).lower(*shapes)).memory_analysis()
+            analysis = jax.jit(lambda q, k, v: attention(q, k, v, **kwargs)).lower(*shapes).compile().memory_analysis()
             return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
                     "output": analysis.output_size_in_bytes}
 
@@ -198,8 +197,8 @@ SCRIPT = textwrap.dedent(
 
 
 def _found(part: str) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")])}
-    env["XLA_FLAGS"] = USER_XLA_FLAGS  # bit for bit with one device is a claim about the programs users compile
+    # Bit for bit with one device, and the memory, are claims about the programs users compile.
+    env = user_environment(PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
         [sys.executable, "-c", f"TESTS, PART = {TESTS!r}, {part!r}\n" + SCRIPT],
         capture_output=True,

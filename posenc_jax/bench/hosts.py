@@ -95,7 +95,7 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
         if (out / "run.json").exists() and "hosts" not in read_json(out / "run.json", "run record"):
             raise ValueError(f"{out} holds a run's own results; merge the host folders into an empty folder")
         rows, seen, settings = [], {}, set()
-        records, unfinished = [], []
+        records, merged, unfinished = [], [], []
         for folder in folders:
             path = folder / "results.jsonl"
             if not (folder / "run.json").exists():  # written once a cell has finished
@@ -120,6 +120,7 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
             for cell in record.get("cells", []):
                 cell.setdefault("device", device)
             records.append(record)
+            merged.append(folder)
         if not records:
             raise ValueError(f"none of the folders {[str(f) for f in folders]} has a finished cell yet")
         if len(settings) > 1:
@@ -139,12 +140,11 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
         record["commits"] = [
             {"commit": commit, "dirty": dirty, "rows": n} for (commit, dirty), n in sorted(commits.items(), key=str)
         ]
-        record["hosts"] = [str(f) for f in folders if str(f) not in unfinished]
+        record["hosts"] = [str(f) for f in merged]
         if unfinished:
             record["unfinished"] = unfinished
         write_text(out / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # whole or not at all
         write_json(out / "run.json", record)
-        merged = [f for f in folders if str(f) not in unfinished]
         baselines = next((f / "baselines.json" for f in merged if (f / "baselines.json").exists()), None)
         if baselines is not None:
             write_json(out / "baselines.json", read_json(baselines, "baselines"))
