@@ -81,10 +81,15 @@ def test_packed_segments_equal_separate_sequences(rng, maybe_jit):
         )
     )
     packed = attend(q, k, v, pos, seg)
+    # The references compiled (eagerly, every operation would compile afresh at each length).
+    one_sequence = jax.jit(
+        lambda q, k, v, p: dot_product_attention(
+            q, k, v, query_positions=p, key_positions=p, causal=True, encodings=[RoPE()]
+        )
+    )
     start = 0
     for (sq, sk, sv), n in zip(seqs, lengths, strict=True):
-        p = jnp.arange(n)[None]
-        alone = dot_product_attention(sq, sk, sv, query_positions=p, key_positions=p, causal=True, encodings=[RoPE()])
+        alone = one_sequence(sq, sk, sv, jnp.arange(n)[None])
         np.testing.assert_allclose(packed[:, start : start + n], alone, atol=1e-6)
         start += n
 

@@ -583,14 +583,21 @@ def test_every_encoding_jit_vmap_gradients_bfloat16(rng, name):
     pos = jnp.arange(6) + 2
     forward, params = _run(name, q, k, v, pos)
     eager = forward(params, q, k, v, pos)
-    jitted = jax.jit(forward)(params, q, k, v, pos)
+
+    # Under jit, in one program (each eager transformation would compile every operation on its own): the
+    # function, vmap over the batch, the gradient, and the function on bfloat16 inputs.
+    @jax.jit
+    def transformed(params, q, k, v):
+        mapped = jax.vmap(forward, in_axes=(None, 0, 0, 0, None))(params, q[:, None], k[:, None], v[:, None], pos)
+        grads = jax.grad(lambda p, q: (forward(p, q, k, v, pos) ** 2).sum(), argnums=(0, 1))(params, q)
+        half = forward(params, *(x.astype(jnp.bfloat16) for x in (q, k, v)), pos)
+        return forward(params, q, k, v, pos), mapped[:, 0], grads, half
+
+    jitted, mapped, grads, half = transformed(params, q, k, v)
     np.testing.assert_allclose(jitted, eager, atol=1e-5)
-    mapped = jax.vmap(forward, in_axes=(None, 0, 0, 0, None))(params, q[:, None], k[:, None], v[:, None], pos)
-    np.testing.assert_allclose(mapped[:, 0], eager, atol=1e-5)
-    grads = jax.grad(lambda p, q: (forward(p, q, k, v, pos) ** 2).sum(), argnums=(0, 1))(params, q)
+    np.testing.assert_allclose(mapped, eager, atol=1e-5)
     for leaf in jax.tree_util.tree_leaves(grads):
         assert np.isfinite(np.asarray(leaf)).all()
-    half = forward(params, q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16), pos)
     chex.assert_type(half, jnp.bfloat16)
     np.testing.assert_allclose(np.asarray(half, np.float32), np.asarray(eager), atol=0.1)
 

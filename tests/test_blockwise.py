@@ -26,13 +26,13 @@ from posenc_jax.functional import (
     softmax_weights,
 )
 from posenc_jax.functional.core.hooks import MaterializeOnly
-from small_encodings import small_config
+from small_encodings import one_per_path, small_config
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
 ATTENTION_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on in ("attention", "shared_bias")]
 CASES = [
     (name, causal)
-    for name in ATTENTION_NAMES
+    for name in one_per_path(ATTENTION_NAMES)
     for causal in (True, False)
     if ("causal" if causal else "bidirectional") in encoding_info(name).forms
 ]

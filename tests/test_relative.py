@@ -375,7 +375,7 @@ def test_gradients_are_finite(rng, qkv):
         "dq": _normal(rng, (8, N, H)),
         "dk": _normal(rng, (8, N, H)),
     }
-    grads = jax.grad(loss)(params)
+    grads = jax.jit(jax.grad(loss))(params)
     for name, g in grads.items():
         assert np.isfinite(g).all(), name
         assert np.abs(np.asarray(g)).sum() > 0, name
@@ -833,10 +833,15 @@ def test_transformer_xl_decoding_choice_differentiates_under_vmap(rng):
         return transformer_xl_logits(q, k, qp, jnp.arange(5), position_projection=w_r, **kw, **extra).sum()
 
     steps = jnp.asarray([[4], [40]])  # distance 40 is past the 8-row table
-    got = jax.grad(
-        lambda w_r: jax.vmap(step, (None, 0, None))(w_r, steps, project_distances(jnp.arange(8), w_r)).sum()
-    )(w_r)
-    want = jax.grad(lambda w_r: jax.vmap(step, (None, 0, None))(w_r, steps, None).sum())(w_r)
+
+    @jax.jit  # both gradients in one program
+    def gradients(w_r):
+        got = jax.grad(
+            lambda w_r: jax.vmap(step, (None, 0, None))(w_r, steps, project_distances(jnp.arange(8), w_r)).sum()
+        )(w_r)
+        return got, jax.grad(lambda w_r: jax.vmap(step, (None, 0, None))(w_r, steps, None).sum())(w_r)
+
+    got, want = gradients(w_r)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
@@ -1197,12 +1202,20 @@ def test_distance_maps_differentiate_to_second_order_and_under_vmap(rng):
         (jnp.sin(_reference_gather(x, one_hot, False)) * w).sum()
         + (jnp.cos(jnp.einsum("BNTS,BTSR->BNTR", w, one_hot)) * x).sum()
     )
-    for argnums in (0, 1):
-        got = jax.jit(jax.hessian(ours, argnums=argnums))(x, weights)
-        np.testing.assert_allclose(got, jax.hessian(plain, argnums=argnums)(x, weights), rtol=1e-4, atol=1e-4)
     mapped = lambda f: jax.grad(lambda x: jax.vmap(f, in_axes=(0, None))(x, weights).sum())
     stacked = jnp.stack([x, 2 * x])
-    np.testing.assert_allclose(mapped(ours)(stacked), mapped(plain)(stacked), rtol=1e-5, atol=1e-5)
+
+    @jax.jit  # ours and the definition, in one program
+    def both(x, weights, stacked):
+        return [
+            (jax.hessian(f, argnums=0)(x, weights), jax.hessian(f, argnums=1)(x, weights), mapped(f)(stacked))
+            for f in (ours, plain)
+        ]
+
+    (*got, got_mapped), (*want, want_mapped) = both(x, weights, stacked)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got_mapped, want_mapped, rtol=1e-5, atol=1e-5)
 
 
 def test_distance_gradients_map_over_a_batch_of_positions(rng):

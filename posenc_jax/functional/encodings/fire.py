@@ -169,6 +169,7 @@ class Fire(CausalOnly, BiasHook):
     description="A learned MLP of the log distance over the log query position: it interpolates, not extrapolates.",
     source=FIRE,
     forms=("causal",),
+    small_settings=dict(hidden=4),
 )
 @pytree_dataclass
 class FireConfig(CausalOnly, EncodingConfig):
