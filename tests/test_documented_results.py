@@ -14,7 +14,7 @@ import re
 import numpy as np
 import pytest
 
-from posenc_jax.bench.results import cells, read
+from posenc_jax.bench.results import cells, orderings, read
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LABELS = {
@@ -160,3 +160,27 @@ def test_text_table_is_its_committed_rows():
         }
         for column, value in want.items():
             assert row[column] == f"{value:.3f}", (encoding, column, row[column], value)
+
+
+def test_the_cpu_full_parity_figures_are_its_committed_rows():
+    """The results page's summary of `cpu-full`'s parity run and the reproductions page's randomized
+    cells from it: each figure is the committed rows' summary."""
+    folder = ROOT / "docs" / "extrapolation-cpu-full-parity"
+    summaries = _summaries("extrapolation-cpu-full-parity")
+    prose = lambda page: " ".join((ROOT / "docs" / "site" / page).read_text().split())  # lines joined
+    results_page, reproductions = prose("results.md"), prose("reproductions.md")
+    shown = lambda encoding: summaries["parity", encoding].text("extrapolation")
+    for encoding in ("alibi", "kerple-power", "functional-relative", "rope"):
+        assert shown(encoding) in results_page, (encoding, shown(encoding))
+    for encoding in ("rope+randomized", "rope"):
+        assert shown(encoding) in reproductions, (encoding, shown(encoding))
+    assert shown("sinusoidal+randomized") == "not learned (0/5)"
+    assert [e for (_, e), c in summaries.items() if not c.learned] == ["sinusoidal+randomized"]
+    assert len(summaries["parity", "sandwich"].learned_seeds) == 4
+    # "9 are resolved above 0.5", ALiBi highest and above 14 of the others; RoPE + randomized and RoPE
+    # not resolved apart.
+    above = {e: c.extrapolation for (_, e), c in summaries.items() if c.learned and c.extrapolation.low > 0.5}
+    assert len(above) == 9 and max(above, key=lambda e: above[e].mean) == "alibi"
+    resolved = [o for o in orderings(read(folder), "parity") if o.resolved]
+    assert sum(o.better == "alibi" for o in resolved) == 14 and not any(o.worse == "alibi" for o in resolved)
+    assert not any({o.better, o.worse} == {"rope", "rope+randomized"} for o in resolved)
