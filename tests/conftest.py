@@ -16,36 +16,15 @@ the default emitters.
 """
 
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import pytest
+from compiled import choose_emitters
 
 _quick_compile = os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1").lower() not in ("0", "false")
-_LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
-
-
-def _xla_knows(flag):
-    """Whether this XLA starts with ``flag`` (an unknown flag aborts the process, so ask a child)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-    probe = [sys.executable, "-c", "import jax; jax.devices()"]
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}  # no accelerator started for the question
-    return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
-
-
-# Decided once, by the first process (pytest-xdist's workers inherit the environment); before jax starts its
-# backend, which reads XLA_FLAGS.
-if (
-    _quick_compile
-    and "POSENC_JAX_TEST_EMITTERS" not in os.environ
-    and "fusion_emitters" not in os.environ.get("XLA_FLAGS", "")
-):
-    legacy = _xla_knows(_LEGACY_EMITTERS)
-    os.environ["POSENC_JAX_TEST_EMITTERS"] = "legacy" if legacy else "default"
-    if legacy:
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_LEGACY_EMITTERS}".strip()
+if _quick_compile:
+    choose_emitters()
 
 # Data and fixture modules of the tests, not tests: p_rope.py registers an encoding when imported, which
 # test_contract.py does in a scratch registry only.
