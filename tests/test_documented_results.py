@@ -51,8 +51,13 @@ def _table(page: str, header: str) -> list[dict[str, str]]:
 
 
 @functools.cache
+def _results(folder: str):
+    return read(ROOT / "docs" / folder)
+
+
+@functools.cache
 def _summaries(folder: str):
-    return {(c.task, c.encoding): c for c in cells(read(ROOT / "docs" / folder))}
+    return {(c.task, c.encoding): c for c in cells(_results(folder))}
 
 
 def _shown(cell: str) -> str:
@@ -141,7 +146,7 @@ def test_text_table_is_its_committed_rows():
     # README: bits per character at the training length (128) and by position within 4,096-character windows.
     rows = _table("README.md", "| encoding | at 128 | 128–256 | 1k–2k | 2k–4k |")
     labels = {"Kerple (log)": "kerple-log", "FIRE": "fire", "RoPE fine-tuned 100 steps at 512": "rope@ft"}
-    results = read(ROOT / "docs" / "extrapolation-gpu-text")
+    results = _results("extrapolation-gpu-text")
     summaries = {c.encoding: c for c in cells(results)}
     assert len(rows) == 7
     for row in rows:
@@ -165,7 +170,6 @@ def test_text_table_is_its_committed_rows():
 def test_the_cpu_full_parity_figures_are_its_committed_rows():
     """The results page's summary of `cpu-full`'s parity run and the reproductions page's randomized
     cells from it: each figure is the committed rows' summary."""
-    folder = ROOT / "docs" / "extrapolation-cpu-full-parity"
     summaries = _summaries("extrapolation-cpu-full-parity")
     prose = lambda page: " ".join((ROOT / "docs" / "site" / page).read_text().split())  # lines joined
     results_page, reproductions = prose("results.md"), prose("reproductions.md")
@@ -181,6 +185,6 @@ def test_the_cpu_full_parity_figures_are_its_committed_rows():
     # not resolved apart.
     above = {e: c.extrapolation for (_, e), c in summaries.items() if c.learned and c.extrapolation.low > 0.5}
     assert len(above) == 9 and max(above, key=lambda e: above[e].mean) == "alibi"
-    resolved = [o for o in orderings(read(folder), "parity") if o.resolved]
+    resolved = [o for o in orderings(_results("extrapolation-cpu-full-parity"), "parity") if o.resolved]
     assert sum(o.better == "alibi" for o in resolved) == 14 and not any(o.worse == "alibi" for o in resolved)
     assert not any({o.better, o.worse} == {"rope", "rope+randomized"} for o in resolved)
