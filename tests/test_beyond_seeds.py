@@ -1,6 +1,5 @@
 """ALiBi, Kerple, FIRE, RoPE scalings, xPos, axial RoPE, CoPE, randomized positions, the registry."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +29,6 @@ from posenc_jax.functional import (
     apply_xpos_qk,
     dot_product_attention,
     encoding_config,
-    encoding_names,
     fire_bias,
     randomized_positions,
 )
@@ -38,7 +36,6 @@ from posenc_jax.functional.core.hooks import AttentionContext
 from posenc_jax.functional.encodings.rope import rope_inverse_frequencies
 from posenc_jax.reference import beyond_seeds as ref
 from posenc_jax.reference import su_rope
-from small_encodings import small_config
 
 
 def _normal(rng, shape, dtype=jnp.float32):
@@ -556,50 +553,6 @@ def test_randomized_positions_sorted_unique_in_range():
     np.testing.assert_array_equal(tight, np.arange(16))
     draws = np.stack([np.asarray(randomized_positions(jax.random.key(s), 4, 100)) for s in range(300)])
     assert draws.max() > 90 and draws.min() < 10  # draws cover the range, not just its start
-
-
-# ---------------------------------------------------------------- every registered encoding
-
-
-def _run(name, x_or_q, k, v, pos):
-    cfg = small_config(name)
-    params = cfg.init(jax.random.key(0), num_heads=4, head_dim=8, model_dim=32)
-
-    def forward(params, q, k, v, pos):
-        enc = cfg.build(params)
-        if cfg.acts_on == "embeddings":
-            return enc.embed(q.reshape(*q.shape[:2], 32), pos)
-        encodings = [enc]
-        if cfg.acts_on == "positions":  # sampled positions, fed to RoPE
-            pos, encodings = enc.sample(jax.random.key(1), pos - 2, train=True), [RoPE()]
-        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=encodings, causal=True)
-
-    return forward, params
-
-
-@pytest.mark.parametrize("name", encoding_names())
-def test_every_encoding_jit_vmap_gradients_bfloat16(rng, name):
-    q, k, v = (_normal(rng, (2, 6, 4, 8)) for _ in range(3))
-    pos = jnp.arange(6) + 2
-    forward, params = _run(name, q, k, v, pos)
-    eager = forward(params, q, k, v, pos)
-
-    # Under jit, in one program (each eager transformation would compile every operation on its own): the
-    # function, vmap over the batch, the gradient, and the function on bfloat16 inputs.
-    @jax.jit
-    def transformed(params, q, k, v):
-        mapped = jax.vmap(forward, in_axes=(None, 0, 0, 0, None))(params, q[:, None], k[:, None], v[:, None], pos)
-        grads = jax.grad(lambda p, q: (forward(p, q, k, v, pos) ** 2).sum(), argnums=(0, 1))(params, q)
-        half = forward(params, *(x.astype(jnp.bfloat16) for x in (q, k, v)), pos)
-        return forward(params, q, k, v, pos), mapped[:, 0], grads, half
-
-    jitted, mapped, grads, half = transformed(params, q, k, v)
-    np.testing.assert_allclose(jitted, eager, atol=1e-5)
-    np.testing.assert_allclose(mapped, eager, atol=1e-5)
-    for leaf in jax.tree_util.tree_leaves(grads):
-        assert np.isfinite(np.asarray(leaf)).all()
-    chex.assert_type(half, jnp.bfloat16)
-    np.testing.assert_allclose(np.asarray(half, np.float32), np.asarray(eager), atol=0.1)
 
 
 # ---------------------------------------------------------------- bad input

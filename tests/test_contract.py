@@ -118,39 +118,59 @@ def _hook_and_placement(name):
     return _built(name), encoding_info(name).acts_on
 
 
-@pytest.mark.parametrize("name", _HOOK_NAMES)
-def test_built_hooks_pass_through_jit_vmap_and_grad(rng, name):
+# Every registered name and URPE: each placement run as a model would run it (the positions placement
+# samples the positions RoPE then reads).
+_TRANSFORMED = _HOOK_NAMES + [n for n in encoding_names() if encoding_info(n).acts_on == "positions"]
+
+
+def _run_placed(hook, acts_on, x, q, k, v, positions):
+    if acts_on != "positions":
+        return _run_hook(hook, acts_on, x, q, k, v, positions)
+    sampled = hook.sample(jax.random.key(1), positions, train=True)
+    return dot_product_attention(
+        q, k, v, query_positions=sampled, key_positions=sampled, encodings=[RoPE()], causal=True
+    )
+
+
+@pytest.mark.parametrize("name", _TRANSFORMED)
+def test_built_hooks_pass_through_jit_vmap_grad_and_bfloat16(rng, name):
     hook, acts_on = _hook_and_placement(name)
     x = _normal(rng, (B, T, N * H))
     q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
     positions = jnp.arange(T)
 
-    def f(hook, x, q):
-        return _run_hook(hook, acts_on, x, q, k, v, positions)
+    def f(hook, x, q, k=k, v=v):
+        return _run_placed(hook, acts_on, x, q, k, v, positions)
 
     eager = f(hook, x, q)
 
     # Under jit, in one program (each eager transformation would compile every operation on its own): the
     # function; vmap over two copies of the hook whose parameters differ (the second scaled by 0.5), q mapped
-    # too (some hooks have no leaves); the second copy alone; grad with respect to the hook.
+    # too (some hooks have no leaves); the second copy alone; vmap over the batch, positions shared; grad with
+    # respect to the hook and the queries; the function on bfloat16 inputs.
     @jax.jit
     def transformed(hook, x, q):
         stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), hook)
         halved = jax.tree.map(lambda a: a * 0.5, hook)
         both = jax.vmap(f, in_axes=(0, None, 0))(stacked, x, jnp.stack([q, q]))
-        grads = jax.grad(lambda h: jnp.sum(jnp.sin(f(h, x, q))))(hook)
-        return f(hook, x, q), both, f(halved, x, q), grads
+        rows = jax.vmap(lambda *a: f(hook, *(b[None] for b in a))[0])(x, q, k, v)
+        grads = jax.grad(lambda h, q: jnp.sum(jnp.sin(f(h, x, q))), argnums=(0, 1))(hook, q)
+        half = f(hook, *(a.astype(jnp.bfloat16) for a in (x, q, k, v)))
+        return f(hook, x, q), both, f(halved, x, q), rows, grads, half
 
-    jitted, both, halved, grads = transformed(hook, x, q)
+    jitted, both, halved, rows, (grads, query_grads), half = transformed(hook, x, q)
     np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(both[0], eager, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(both[1], halved, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(rows, eager, atol=1e-5, rtol=1e-5)
+    assert half.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(half, np.float32), eager, atol=0.1)
 
-    # The gradient: a hook-shaped tree of finite values, not all zero when learned.
+    # The gradients: a hook-shaped tree of finite values, not all zero when learned; the queries' finite.
     leaves = jax.tree.leaves(hook)
     assert jax.tree.structure(grads) == jax.tree.structure(hook)
     grad_leaves = jax.tree.leaves(grads)
-    assert all(bool(jnp.isfinite(g).all()) for g in grad_leaves)
+    assert all(bool(jnp.isfinite(g).all()) for g in [*grad_leaves, query_grads])
     if leaves:
         assert any(float(jnp.abs(g).max()) > 0 for g in grad_leaves)
 
