@@ -1,7 +1,7 @@
 """Sequence-parallel attention on 8 simulated CPU devices equals one device's blockwise attention.
 
 The checks run in one subprocess (the device count is fixed when jax starts) that prints its
-findings as JSON; each test below reads its part. Forward outputs are compared bit for bit with
+findings as JSON, which the test below reads; the one-device references serve the split and the ring. Forward outputs are compared bit for bit with
 ``dot_product_attention(..., implementation="blockwise")`` on one device; gradients with respect
 to the replicated inputs (keys, values, the encodings' parameters) are sums over the devices,
 taken in another order, so they agree to float32 rounding.
@@ -57,9 +57,13 @@ SCRIPT = textwrap.dedent(
     names = ["nope", "rope", "rope-dynamic-ntk", "xpos", "alibi", "t5", "kerple-log", "fire",
              "shaw", "deberta", "transformer-xl", "cope"]
     cases, hooks = [], []
+
+    def initialised(config):  # one program per encoding, not each operation of its initialiser compiled eagerly
+        return jax.jit(lambda key: config.init(key, num_heads=N, head_dim=H, model_dim=N * H))(jax.random.key(1))
+
     for name in names:
         config = small_config(name)
-        params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+        params = initialised(config)
         if name == "cope":  # zeros at init would make its term vanish
             params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
         for causal in (True, False):
@@ -84,7 +88,7 @@ SCRIPT = textwrap.dedent(
                   key_segment_ids=jnp.asarray([[0] * 33 + [1] * 37, [0] * S]),
                   mask=jnp.asarray(rng.random((1, 1, T, S)) > 0.1), causal=True, block_q=3, block_k=5)
     t5 = small_config("t5")
-    t5_params = t5.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    t5_params = initialised(t5)
     weight = normal(B, T, N, H)
 
     def loss(attention, params, q, k, v):
@@ -94,113 +98,114 @@ SCRIPT = textwrap.dedent(
     padded_inputs, padded_kwargs = (q, k, v), kwargs
     value_and_grads = lambda loss_of: jax.jit(jax.value_and_grad(loss_of, argnums=(0, 1, 2, 3), has_aux=True))
     (_, want), want_grads = value_and_grads(lambda *a: loss(one_device, *a))(t5_params, q, k, v)
-    if PART == "split":
-        found["encodings"] = {f"{name}-{'causal' if causal else 'bidir'}": difference(a, b) for (name, causal), a, b in
-                              zip(cases, all_cases(one_device), all_cases(split))}
+    # Sequence parallel: queries split over the devices, keys and values whole on each.
+    one_device_cases = all_cases(one_device)  # and the ring's below
+    found["encodings"] = {f"{name}-{'causal' if causal else 'bidir'}": difference(a, b) for (name, causal), a, b in
+                          zip(cases, one_device_cases, all_cases(split))}
 
-        (_, got), got_grads = value_and_grads(lambda *a: loss(split, *a))(t5_params, q, k, v)
-        found["padded"] = difference(want, got)
-        found["padded_shape"] = list(got.shape)
-        found["gradients"] = {what: difference(a, b) for what, a, b in zip(
-            ["t5", "query", "key", "value"], jax.tree.leaves(want_grads), jax.tree.leaves(got_grads))}
-        # Unbatched, and outside jit.
-        batched = ("key_mask", "query_segment_ids", "key_segment_ids", "mask")
-        unbatched = {name: (value[0] if name in batched else value) for name, value in kwargs.items()}
-        found["unbatched_eager"] = difference(
-            want[0], split(q[0], k[0], v[0], encodings=["rope", t5.build(t5_params)], **unbatched))
+    (_, got), got_grads = value_and_grads(lambda *a: loss(split, *a))(t5_params, q, k, v)
+    found["padded"] = difference(want, got)
+    found["padded_shape"] = list(got.shape)
+    found["gradients"] = {what: difference(a, b) for what, a, b in zip(
+        ["t5", "query", "key", "value"], jax.tree.leaves(want_grads), jax.tree.leaves(got_grads))}
+    # Unbatched, and outside jit.
+    batched = ("key_mask", "query_segment_ids", "key_segment_ids", "mask")
+    unbatched = {name: (value[0] if name in batched else value) for name, value in kwargs.items()}
+    found["unbatched_eager"] = difference(
+        want[0], split(q[0], k[0], v[0], encodings=["rope", t5.build(t5_params)], **unbatched))
 
-        # 3. Dropout: each device draws its own masks (identical rows on every device would otherwise drop alike).
-        same = jnp.broadcast_to(normal(1, 1, N, H), (1, 64, N, H))
-        dropped = split(same, normal(1, 64, K, H), normal(1, 64, K, H), dropout_rate=0.5, dropout_rng=jax.random.key(0))
-        found["dropout_devices_differ"] = not bool(jnp.array_equal(dropped[:, :8], dropped[:, 8:16]))
+    # 3. Dropout: each device draws its own masks (identical rows on every device would otherwise drop alike).
+    same = jnp.broadcast_to(normal(1, 1, N, H), (1, 64, N, H))
+    dropped = split(same, normal(1, 64, K, H), normal(1, 64, K, H), dropout_rate=0.5, dropout_rng=jax.random.key(0))
+    found["dropout_devices_differ"] = not bool(jnp.array_equal(dropped[:, :8], dropped[:, 8:16]))
 
-        # 4. Errors at the boundary.
-        errors = []
-        two_axes = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "sequence"))
-        for bad in (dict(mesh="mesh"), dict(mesh=mesh, axis_name="model"), dict(mesh=two_axes),
-                    dict(mesh=mesh, causal=True)):
-            try:
-                sequence_parallel_attention(q, k, v, **bad)
-                errors.append(None)
-            except (TypeError, ValueError) as error:
-                errors.append(f"{type(error).__name__}: {error}")
-        found["errors"] = errors
-        # A mesh with two axes: queries split along the named one, the computation repeated along the other.
-        found["two_axes"] = difference(want, jax.jit(lambda q, k, v: sequence_parallel_attention(
-            q, k, v, mesh=two_axes, axis_name="sequence", encodings=["rope", t5.build(t5_params)], **kwargs))(q, k, v))
-    else:  # "ring": a long evaluation's memory, the model and the benchmark, keys round a ring
-        # 5. Memory of a long evaluation (compiled, not run): T = S = 32768, 8 query heads, 2 key/value heads,
-        # H = 64, default 512 x 512 tiles, RoPE + ALiBi, causal. One device holds q, k, v and the output whole; the
-        # split program gets q, k and v split along T (a long evaluation's activations are).
-        T, N, K, H = 32768, 8, 2, 64
-        pos = jnp.arange(T)
-        kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
+    # 4. Errors at the boundary.
+    errors = []
+    two_axes = Mesh(np.asarray(jax.devices()).reshape(2, 4), ("data", "sequence"))
+    for bad in (dict(mesh="mesh"), dict(mesh=mesh, axis_name="model"), dict(mesh=two_axes),
+                dict(mesh=mesh, causal=True)):
+        try:
+            sequence_parallel_attention(q, k, v, **bad)
+            errors.append(None)
+        except (TypeError, ValueError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    found["errors"] = errors
+    # A mesh with two axes: queries split along the named one, the computation repeated along the other.
+    found["two_axes"] = difference(want, jax.jit(lambda q, k, v: sequence_parallel_attention(
+        q, k, v, mesh=two_axes, axis_name="sequence", encodings=["rope", t5.build(t5_params)], **kwargs))(q, k, v))
+    # A long evaluation's memory, the model and the benchmark, keys passed round a ring.
+    # 5. Memory of a long evaluation (compiled, not run): T = S = 32768, 8 query heads, 2 key/value heads,
+    # H = 64, default 512 x 512 tiles, RoPE + ALiBi, causal. One device holds q, k, v and the output whole; the
+    # split program gets q, k and v split along T (a long evaluation's activations are).
+    T, N, K, H = 32768, 8, 2, 64
+    pos = jnp.arange(T)
+    kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
 
-        def memory(attention, spec):
-            sharding = None if spec is None else NamedSharding(mesh, spec)
-            shapes = [jax.ShapeDtypeStruct((1, T, heads, H), jnp.float32, sharding=sharding) for heads in (N, K, K)]
-            analysis = jax.jit(lambda q, k, v: attention(q, k, v, **kwargs)).lower(*shapes).compile().memory_analysis()
-            return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
-                    "output": analysis.output_size_in_bytes}
+    def memory(attention, spec):
+        sharding = None if spec is None else NamedSharding(mesh, spec)
+        shapes = [jax.ShapeDtypeStruct((1, T, heads, H), jnp.float32, sharding=sharding) for heads in (N, K, K)]
+        analysis = jax.jit(lambda q, k, v: attention(q, k, v, **kwargs)).lower(*shapes).compile().memory_analysis()
+        return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
+                "output": analysis.output_size_in_bytes}
 
-        found["memory"] = {"one": memory(one_device, None), "split": memory(split, P(None, "sequence")),
-                           "key_bytes": T * K * H * 4, "query_bytes": T * N * H * 4}
+    found["memory"] = {"one": memory(one_device, None), "split": memory(split, P(None, "sequence")),
+                       "key_bytes": T * K * H * 4, "query_bytes": T * N * H * 4}
 
-        # 6. The model (mesh=) and the benchmark's long evaluation: every layer's queries split over the devices.
-        from flax import nnx
-        from posenc_jax.bench.cell import predict, sequence_mesh
-        from posenc_jax.nn import Transformer
-        tokens = jnp.asarray(rng.integers(0, 32, (2, 44)), jnp.int32)
-        positions = jnp.arange(44)
-        found["model"] = {}
-        for encoding in (["rope", "t5"], "cope", "transformer-xl", "alibi", "xpos"):
-            model = Transformer(vocab_size=32, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64, encoding=encoding,
-                                causal=True, block_q=8, block_k=8, rngs=nnx.Rngs(0))
-            alone = model(tokens, positions, implementation="blockwise")
-            shared = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh))(model, tokens, positions)
-            found["model"]["+".join(np.atleast_1d(encoding))] = difference(alone, shared)
-            if encoding in (["rope", "t5"], "cope", "xpos"):  # and with the keys passed round a ring
-                ringed = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh, ring=True))(
-                    model, tokens, positions)
-                found.setdefault("model_ring", {})["+".join(np.atleast_1d(encoding))] = difference(alone, ringed)
-        evaluation = sequence_mesh("blockwise")
-        found["sequence_mesh"] = [len(evaluation.devices.flat), sequence_mesh("materialize")]
-        batch = {"inputs": tokens, "targets": tokens, "positions": positions}
-        outputs = [predict(model, batch, implementation="blockwise", mesh=m) for m in (None, evaluation)]
-        found["predict"] = difference(outputs[0]["target_log_probs"], outputs[1]["target_log_probs"])
-        ringed = predict(model, batch, implementation="blockwise", mesh=evaluation, ring=True)
-        found["predict_ring"] = difference(outputs[0]["target_log_probs"], ringed["target_log_probs"])
-        # 7. Keys passed round a ring (ring=True): keys and values split too, each device's shard visiting the
-        # others. Against one device, to float32 rounding (a row's key tiles come in another order); then the
-        # padded cross-attention case (S = 70, padded to 72) with its gradients, and the long evaluation's memory.
-        def ring(q, k, v, **kwargs):
-            return sequence_parallel_attention(q, k, v, mesh=mesh, ring=True, **kwargs)
+    # 6. The model (mesh=) and the benchmark's long evaluation: every layer's queries split over the devices.
+    from flax import nnx
+    from posenc_jax.bench.cell import predict, sequence_mesh
+    from posenc_jax.nn import Transformer
+    tokens = jnp.asarray(rng.integers(0, 32, (2, 44)), jnp.int32)
+    positions = jnp.arange(44)
+    found["model"] = {}
+    for encoding in (["rope", "t5"], "cope", "transformer-xl", "alibi", "xpos"):
+        model = Transformer(vocab_size=32, model_dim=32, num_layers=2, num_heads=4, mlp_dim=64, encoding=encoding,
+                            causal=True, block_q=8, block_k=8, rngs=nnx.Rngs(0))
+        alone = model(tokens, positions, implementation="blockwise")
+        shared = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh))(model, tokens, positions)
+        found["model"]["+".join(np.atleast_1d(encoding))] = difference(alone, shared)
+        if encoding in (["rope", "t5"], "cope", "xpos"):  # and with the keys passed round a ring
+            ringed = nnx.jit(lambda m, t, p: m(t, p, implementation="blockwise", mesh=mesh, ring=True))(
+                model, tokens, positions)
+            found.setdefault("model_ring", {})["+".join(np.atleast_1d(encoding))] = difference(alone, ringed)
+    evaluation = sequence_mesh("blockwise")
+    found["sequence_mesh"] = [len(evaluation.devices.flat), sequence_mesh("materialize")]
+    batch = {"inputs": tokens, "targets": tokens, "positions": positions}
+    outputs = [predict(model, batch, implementation="blockwise", mesh=m) for m in (None, evaluation)]
+    found["predict"] = difference(outputs[0]["target_log_probs"], outputs[1]["target_log_probs"])
+    ringed = predict(model, batch, implementation="blockwise", mesh=evaluation, ring=True)
+    found["predict_ring"] = difference(outputs[0]["target_log_probs"], ringed["target_log_probs"])
+    # 7. Keys passed round a ring (ring=True): keys and values split too, each device's shard visiting the
+    # others. Against one device, to float32 rounding (a row's key tiles come in another order); then the
+    # padded cross-attention case (S = 70, padded to 72) with its gradients, and the long evaluation's memory.
+    def ring(q, k, v, **kwargs):
+        return sequence_parallel_attention(q, k, v, mesh=mesh, ring=True, **kwargs)
 
-        def ring_loss(params, q, k, v):
-            out = ring(q, k, v, encodings=["rope", t5.build(params)], **padded_kwargs)
-            return jnp.sum(out * weight), out
+    def ring_loss(params, q, k, v):
+        out = ring(q, k, v, encodings=["rope", t5.build(params)], **padded_kwargs)
+        return jnp.sum(out * weight), out
 
-        found["ring"] = {f"{name}-{'causal' if causal else 'bidir'}": difference(a, b) for (name, causal), a, b in
-                         zip(cases, all_cases(one_device), all_cases(ring))}
-        (_, got), got_grads = value_and_grads(ring_loss)(t5_params, *padded_inputs)
-        found["ring_padded"] = difference(want, got)
-        found["ring_gradients"] = {what: difference(a, b) for what, a, b in
-                                   zip(["t5", "query", "key", "value"], jax.tree.leaves(want_grads),
-                                       jax.tree.leaves(got_grads))}
-        T, N, K, H = 32768, 8, 2, 64
-        pos = jnp.arange(T)
-        kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
-        found["ring_memory"] = memory(ring, P(None, "sequence"))
+    found["ring"] = {f"{name}-{'causal' if causal else 'bidir'}": difference(a, b) for (name, causal), a, b in
+                     zip(cases, one_device_cases, all_cases(ring))}
+    (_, got), got_grads = value_and_grads(ring_loss)(t5_params, *padded_inputs)
+    found["ring_padded"] = difference(want, got)
+    found["ring_gradients"] = {what: difference(a, b) for what, a, b in
+                               zip(["t5", "query", "key", "value"], jax.tree.leaves(want_grads),
+                                   jax.tree.leaves(got_grads))}
+    T, N, K, H = 32768, 8, 2, 64
+    pos = jnp.arange(T)
+    kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
+    found["ring_memory"] = memory(ring, P(None, "sequence"))
     print("FOUND" + json.dumps(found))
     """
 )
 
 
-def _found(part: str) -> dict:
+def _found() -> dict:
     # Bit for bit with one device, and the memory, are claims about the programs users compile.
     env = user_environment(PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]))
     result = subprocess.run(
-        [sys.executable, "-c", f"TESTS, PART = {TESTS!r}, {part!r}\n" + SCRIPT],
+        [sys.executable, "-c", f"TESTS = {TESTS!r}\n" + SCRIPT],
         capture_output=True,
         text=True,
         timeout=900,
@@ -212,9 +217,8 @@ def _found(part: str) -> dict:
 
 
 @pytest.mark.long
-def test_sequence_parallel_equals_one_device_on_8_simulated_devices():
-    # Each test one subprocess, which pays for its own compilations; two, so that two workers share them.
-    found = _found("split")
+def test_sequence_parallel_and_keys_round_a_ring_on_8_simulated_devices():
+    found = _found()  # one subprocess: its one-device references serve both
 
     # Every encoding, bit for bit.
     assert len(found["encodings"]) >= 19
@@ -243,11 +247,6 @@ def test_sequence_parallel_equals_one_device_on_8_simulated_devices():
     assert "axis_name 'model' is not an axis of the mesh" in axis
     assert "pass axis_name=" in two_axes
     assert "jnp.arange(61) and jnp.arange(70)" in checked
-
-
-@pytest.mark.long
-def test_long_evaluation_memory_model_and_ring_on_8_simulated_devices():
-    found = _found("ring")
 
     # A long evaluation: what grows with the queries is split 8 ways; the keys and values (arriving
     # split, gathered whole on every device) and the tile workspace are not.
