@@ -88,13 +88,13 @@ def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
 @pytest.mark.long
 def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
     preset = dataclasses.replace(
-        presets.PRESETS["smoke"], encodings=("rope",), tasks=("counting_copy",), steps=400, checkpoint_every=10
+        presets.PRESETS["smoke"], encodings=("rope",), tasks=("counting_copy",), steps=200, checkpoint_every=10
     )
     reference = tmp_path / "uninterrupted"
     extrapolate.run(preset, reference, progress=False, log=lambda line: None)
 
     interrupted = tmp_path / "interrupted"
-    args = ["--preset", "smoke", "--encodings", "rope", "--tasks", "counting_copy", "--steps", "400"]
+    args = ["--preset", "smoke", "--encodings", "rope", "--tasks", "counting_copy", "--steps", "200"]
     process = subprocess.Popen(
         CLI + args + ["--no-progress", "--no-plots", "--out", str(interrupted)],
         stdout=subprocess.DEVNULL,
@@ -111,7 +111,7 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
     assert process.returncode == -signal.SIGKILL, "the run finished before it could be interrupted"
     assert not (interrupted / "results.jsonl").exists()
     steps = [int(p.name) for p in saved()]
-    assert steps and max(steps) < 400  # killed mid-training
+    assert steps and max(steps) < 200  # killed mid-training
 
     with pytest.warns(UserWarning, match="taking over the stale lock"):  # the killed run's
         record = extrapolate.run(preset, interrupted, progress=False, log=lambda line: None)
