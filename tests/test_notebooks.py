@@ -1,12 +1,14 @@
 """The notebooks in colabs/: in step with pyproject.toml's one repository URL, saved from a real run,
 and runnable top to bottom in a fresh kernel whose install cell installs this checkout."""
 
+import fcntl
 import importlib.util
 import json
 import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
 import tomllib
 
@@ -169,13 +171,33 @@ def test_notebook_is_saved_from_one_real_run(stem):
         assert any("image/png" in o.get("data", {}) for o in outputs)
 
 
+@pytest.fixture(scope="session")
+def checkout_wheel(tmp_path_factory, worker_id):
+    """A wheel of this checkout, built once for all the suite's workers (the install cell takes a wheel as it
+    takes a checkout, and building the checkout is most of its time); CI's own step installs the checkout."""
+    if worker_id == "master":  # one process: its own folder
+        folder = tmp_path_factory.mktemp("checkout-wheel")
+    else:  # the workers' shared folder, this run's
+        folder = tmp_path_factory.getbasetemp().parent / "checkout-wheel"
+        folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker builds it; the others wait, then find it
+        if not list(folder.glob("posenc_jax-*.whl")):
+            command = [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--wheel-dir", str(folder)]
+            subprocess.run([*command, str(ROOT)], check=True, capture_output=True)
+    (wheel,) = folder.glob("posenc_jax-*.whl")
+    return wheel
+
+
 @pytest.mark.long
 @pytest.mark.parametrize("stem", STEMS)
-def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(stem, monkeypatch):
-    # A fresh environment and kernel whose install cell installs POSENC_JAX_SOURCE (this checkout unless
-    # set); a cell that raises fails here with its traceback (nbclient's CellExecutionError). At the
+def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(stem, monkeypatch, checkout_wheel):
+    # A fresh environment and kernel whose install cell installs POSENC_JAX_SOURCE (a wheel of this checkout
+    # unless set); a cell that raises fails here with its traceback (nbclient's CellExecutionError). At the
     # notebooks' tiny size (POSENC_JAX_TINY): every cell runs, in seconds; the saved outputs are the real run.
     monkeypatch.setenv("POSENC_JAX_TINY", "1")
+    if "POSENC_JAX_SOURCE" not in os.environ:
+        monkeypatch.setenv("POSENC_JAX_SOURCE", str(checkout_wheel))
     executed = sync.execute(ROOT / "colabs" / f"{stem}.ipynb")
     code = [c for c in executed["cells"] if c["cell_type"] == "code"]
     assert all(c["execution_count"] for c in code)
