@@ -98,7 +98,8 @@ class KVCache(NamedTuple):
 
       >>> from posenc_jax.functional import RoPE, dot_product_attention
       >>> rope = RoPE()
-      >>> def attend(q, k, v, positions, cache):  # q, k, v [B, T, N, H] of the new tokens, positions [B, T]
+      >>> @jax.jit
+      ... def attend(q, k, v, positions, cache):  # q, k, v [B, T, N, H] of the new tokens, positions [B, T]
       ...     q, k = rope.rotate(q, k, positions)
       ...     cache = cache.append(k, v, positions)
       ...     out = dot_product_attention(q, cache.key, cache.value, query_positions=positions,
