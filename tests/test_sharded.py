@@ -1,7 +1,8 @@
 """Sequence-parallel attention on 8 simulated CPU devices equals one device's blockwise attention.
 
 The checks run in one subprocess (the device count is fixed when jax starts) that prints its
-findings as JSON, which the test below reads; the one-device references serve the split and the ring. Forward outputs are compared bit for bit with
+findings as JSON, which the test below reads; the one-device references serve the split and the
+ring. Forward outputs are compared bit for bit with
 ``dot_product_attention(..., implementation="blockwise")`` on one device; gradients with respect
 to the replicated inputs (keys, values, the encodings' parameters) are sums over the devices,
 taken in another order, so they agree to float32 rounding.
