@@ -119,19 +119,18 @@ def test_every_encoding_blockwise_equals_materialising(name, causal):
 
 
 # Encodings with a tile form of their own (from the tile's distance range where its positions are runs),
-# beside their plain per-tile form: both are compared with the materialising path.
+# beside their plain per-tile form: both are compared with the materialising path. Row 0 counts up by one from
+# 100 (every tile a run: the tile forms, past a clip on either side and across it); row 1 has a gap (its
+# tiles across the gap take the plain form). A tile form against its reference alone, unbatched positions
+# included, is test_contract.py's.
 TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta", "fire", "cope"]
-RUN_POSITIONS = {
-    "runs": jnp.asarray(100 + np.arange(S)),
-    # Row 0 a run, row 1 gapped: tiles of both kinds in one call.
-    "runs-and-gaps": jnp.asarray([100 + np.arange(S), np.r_[0:4, 9:16]]),
-}
+RUNS = jnp.asarray(100 + np.arange(S))
+RUNS_AND_GAPS = jnp.asarray([100 + np.arange(S), np.r_[0:4, 9:16]])
 
 
-@pytest.mark.parametrize("positions", RUN_POSITIONS, ids=list(RUN_POSITIONS))
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("name", TILE_FORMS)
-def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal, positions):
+def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal):
     """Self-attention (T = S) on consecutive positions and on gaps: tiles past a clip on either side (far
     before and, bidirectional, far after their queries), tiles across it, and Toeplitz tiles."""
     if ("causal" if causal else "bidirectional") not in encoding_info(name).forms:
@@ -143,12 +142,19 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal, positions
         params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
     q, k, v, _ = _inputs()
     q = jnp.concatenate([q, q[:, :2]], axis=1)  # T = S
-    pos = RUN_POSITIONS[positions]
     weight = jax.random.normal(jax.random.key(3), (B, S, N, H))
     results = _both(
-        lambda p: [config.build(p)], params, q, k, v, weight, causal=causal, query_positions=pos, key_positions=pos
+        lambda p: [config.build(p)],
+        params,
+        q,
+        k,
+        v,
+        weight,
+        causal=causal,
+        query_positions=RUNS_AND_GAPS,
+        key_positions=RUNS_AND_GAPS,
     )
-    _check(results, f"{name} on {positions}")
+    _check(results, f"{name} on runs and gaps")
 
 
 @pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope"])
@@ -160,7 +166,7 @@ def test_tile_forms_forward_mode_equals_materialising(name):
     params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(2), p.shape), params)
     hooks = [config.build(params)]
     q, k, v, _ = _inputs()
-    pos = RUN_POSITIONS["runs"]
+    pos = RUNS
     q = jnp.concatenate([q, q[:, :2]], axis=1)  # T = S
     tangents = tuple(jax.random.normal(jax.random.key(7 + i), x.shape) for i, x in enumerate((q, k, v)))
 
