@@ -30,11 +30,13 @@ from small_encodings import one_per_path, small_config
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
 ATTENTION_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on in ("attention", "shared_bias")]
+# Rotations read no mask: bidirectional, NoPE and RoPE stand for them (the unmasked tiles are the same path).
+ROTATIONS = [n for n in ATTENTION_NAMES if set(encoding_info(n).hooks) == {"rotate"} and n != "rope"]
 CASES = [
     (name, causal)
     for name in one_per_path(ATTENTION_NAMES)
     for causal in (True, False)
-    if ("causal" if causal else "bidirectional") in encoding_info(name).forms
+    if ("causal" if causal else "bidirectional") in encoding_info(name).forms and (causal or name not in ROTATIONS)
 ]
 
 
