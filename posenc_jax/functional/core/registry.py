@@ -239,13 +239,13 @@ def encoding_info(name: str) -> EncodingInfo:
     """
     entry = _entry(name)
     # Where it acts and which hooks it fills are read off the code (the hooks off a tiny built
-    # instance), so they cannot drift from it.
+    # instance, traced abstractly: nothing is computed), so they cannot drift from it.
     config = entry.factory(**entry.metadata["small_settings"])
-    hook = config.build(config.init(jax.random.key(0), num_heads=2, head_dim=8, model_dim=16))
-    return EncodingInfo(
-        name=name,
-        acts_on=entry.config_type.acts_on,
-        hooks=hook_names(hook),
-        blockwise=not isinstance(hook, MaterializeOnly),
-        **entry.metadata,
-    )
+    read = {}
+
+    def build(key):
+        hook = config.build(config.init(key, num_heads=2, head_dim=8, model_dim=16))
+        read.update(hooks=hook_names(hook), blockwise=not isinstance(hook, MaterializeOnly))
+
+    jax.eval_shape(build, jax.random.key(0))
+    return EncodingInfo(name=name, acts_on=entry.config_type.acts_on, **read, **entry.metadata)
