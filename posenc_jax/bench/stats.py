@@ -19,7 +19,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from scipy import stats as _scipy_stats
+from scipy.special import stdtrit  # the Student-t quantile (scipy.stats' t.ppf, without importing scipy.stats)
 
 __all__ = ["Interval", "Ordering", "paired_difference", "resolved_orderings", "t_interval"]
 
@@ -72,7 +72,7 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
     mean = float(array.mean())
     if n == 1:
         return Interval(mean, math.nan, math.nan, 1, confidence)
-    half = float(_scipy_stats.t.ppf(0.5 + confidence / 2, n - 1) * array.std(ddof=1) / math.sqrt(n))
+    half = float(stdtrit(n - 1, 0.5 + confidence / 2) * array.std(ddof=1) / math.sqrt(n))
     return Interval(mean, mean - half, mean + half, n, confidence)
 
 
