@@ -133,7 +133,7 @@ def _run_placed(hook, acts_on, x, q, k, v, positions):
 
 
 @pytest.mark.parametrize("name", _TRANSFORMED)
-def test_built_hooks_pass_through_jit_vmap_grad_and_bfloat16(rng, name):
+def test_built_hooks_pass_through_jit_vmap_both_autodiff_modes_and_bfloat16(rng, name):
     hook, acts_on = _hook_and_placement(name)
     x = _normal(rng, (B, T, N * H))
     q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
@@ -143,68 +143,48 @@ def test_built_hooks_pass_through_jit_vmap_grad_and_bfloat16(rng, name):
         return _run_placed(hook, acts_on, x, q, k, v, positions)
 
     eager = f(hook, x, q)
+    primals = (hook, x, q, k)
+    tangents = jax.tree.map(lambda a: _normal(rng, a.shape), primals)
+    u = _normal(rng, eager.shape)
 
     # Under jit, in one program (each eager transformation would compile every operation on its own): the
     # function; vmap over two copies of the hook whose parameters differ (the second scaled by 0.5), q mapped
-    # too (some hooks have no leaves); the second copy alone; vmap over the batch, positions shared; grad with
-    # respect to the hook and the queries; the function on bfloat16 inputs.
+    # too (some hooks have no leaves); the second copy alone; vmap over the batch, positions shared; jax.jvp
+    # (no context manager: every fast form has its forward mode) and jax.vjp (the fast transposes) with
+    # respect to the hook's parameters, x, q and k; the function on bfloat16 inputs.
     @jax.jit
-    def transformed(hook, x, q):
+    def transformed(primals, tangents, u):
+        hook, x, q, k = primals
         stacked = jax.tree.map(lambda a: jnp.stack([a, a * 0.5]), hook)
         halved = jax.tree.map(lambda a: a * 0.5, hook)
         both = jax.vmap(f, in_axes=(0, None, 0))(stacked, x, jnp.stack([q, q]))
         rows = jax.vmap(lambda *a: f(hook, *(b[None] for b in a))[0])(x, q, k, v)
-        grads = jax.grad(lambda h, q: jnp.sum(jnp.sin(f(h, x, q))), argnums=(0, 1))(hook, q)
+        _, forward = jax.jvp(f, primals, tangents)
+        reverse_out, pullback = jax.vjp(f, *primals)
         half = f(hook, *(a.astype(jnp.bfloat16) for a in (x, q, k, v)))
-        return f(hook, x, q), both, f(halved, x, q), rows, grads, half
+        return f(hook, x, q), both, f(halved, x, q), rows, forward, reverse_out, pullback(u), half
 
-    jitted, both, halved, rows, (grads, query_grads), half = transformed(hook, x, q)
+    jitted, both, halved, rows, forward, reverse_out, cotangents, half = transformed(primals, tangents, u)
     np.testing.assert_allclose(jitted, eager, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(both[0], eager, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(both[1], halved, atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(rows, eager, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(reverse_out, eager, atol=1e-5, rtol=1e-5)
     assert half.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(half, np.float32), eager, atol=0.1)
 
-    # The gradients: a hook-shaped tree of finite values, not all zero when learned; the queries' finite.
-    leaves = jax.tree.leaves(hook)
-    assert jax.tree.structure(grads) == jax.tree.structure(hook)
-    grad_leaves = jax.tree.leaves(grads)
-    assert all(bool(jnp.isfinite(g).all()) for g in [*grad_leaves, query_grads])
-    if leaves:
-        assert any(float(jnp.abs(g).max()) > 0 for g in grad_leaves)
-
-
-@pytest.mark.parametrize("name", _HOOK_NAMES)
-def test_forward_mode_is_the_transpose_of_reverse_mode(rng, name):
-    """jax.jvp (no context manager: every fast form has its forward mode) against jax.vjp (the fast
-    transposes): u · (J t) = (Jᵀ u) · t for random t and u, w.r.t. the hook's parameters, x, q and k."""
-    hook, acts_on = _hook_and_placement(name)
-    x = _normal(rng, (B, T, N * H))
-    q, k, v = _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H)), _normal(rng, (B, T, N, H))
-    positions = jnp.arange(T)
-
-    def f(hook, x, q, k):
-        return _run_hook(hook, acts_on, x, q, k, v, positions)
-
-    primals = (hook, x, q, k)
-    tangents = jax.tree.map(lambda a: _normal(rng, a.shape), primals)
-    u = _normal(rng, jax.eval_shape(f, *primals).shape)
-
-    @jax.jit  # both modes in one program
-    def both_modes(primals, tangents, u):
-        out, forward = jax.jvp(f, primals, tangents)
-        reverse_out, pullback = jax.vjp(f, *primals)
-        return out, forward, reverse_out, pullback(u)
-
-    out, forward, reverse_out, cotangents = both_modes(primals, tangents, u)
-    np.testing.assert_allclose(out, reverse_out, atol=1e-6, rtol=1e-6)
+    # Forward mode is the transpose of reverse mode: u · (J t) = (Jᵀ u) · t for the random t and u.
     lhs = float(jnp.vdot(u, forward))
     rhs = sum(
         float(jnp.vdot(a, b)) for a, b in zip(jax.tree.leaves(cotangents), jax.tree.leaves(tangents), strict=True)
     )
     assert abs(lhs) > 1e-3  # the function depends on what is varied
     np.testing.assert_allclose(lhs, rhs, rtol=1e-4, atol=1e-4)
+    # The cotangents: finite, the hook's a hook-shaped tree, not all zero when learned.
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(cotangents))
+    assert jax.tree.structure(cotangents[0]) == jax.tree.structure(hook)
+    if jax.tree.leaves(hook):
+        assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(cotangents[0]))
 
 
 def _declares_tile_form(hook) -> bool:
