@@ -67,8 +67,9 @@ SCRIPT = textwrap.dedent(
         params = initialised(config)
         if name == "cope":  # zeros at init would make its term vanish
             params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
-        for causal in (True, False):
-            if ("causal" if causal else "bidirectional") in encoding_info(name).forms:
+        for causal in (True, False):  # rotations read no mask: RoPE's bidirectional path is NoPE's
+            rotation = set(encoding_info(name).hooks) == {"rotate"}
+            if ("causal" if causal else "bidirectional") in encoding_info(name).forms and (causal or not rotation):
                 cases.append((name, causal))
                 hooks.append(config.build(params))
 
