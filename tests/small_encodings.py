@@ -20,3 +20,16 @@ def one_per_path(names):
     names = list(names)
     assert "rope-yarn" in names or not set(SAME_PATH_AS_YARN) & set(names), names
     return [name for name in names if name not in SAME_PATH_AS_YARN]
+
+
+def causal_settings(name: str) -> list[bool]:
+    """The ``causal`` values a per-encoding test runs ``name`` at: each form it has, less the bidirectional
+    form of a rotation other than RoPE (a rotation reads no mask: its bidirectional path is RoPE's, and
+    unmasked tiles are NoPE's)."""
+    info = encoding_info(name)
+    rotation = set(info.hooks) == {"rotate"} and name != "rope"
+    return [
+        causal
+        for causal in (True, False)
+        if ("causal" if causal else "bidirectional") in info.forms and (causal or not rotation)
+    ]

@@ -26,18 +26,11 @@ from posenc_jax.functional import (
     softmax_weights,
 )
 from posenc_jax.functional.core.hooks import MaterializeOnly
-from small_encodings import one_per_path, small_config
+from small_encodings import causal_settings, one_per_path, small_config
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
 ATTENTION_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on in ("attention", "shared_bias")]
-# Rotations read no mask: bidirectional, NoPE and RoPE stand for them (the unmasked tiles are the same path).
-ROTATIONS = [n for n in ATTENTION_NAMES if set(encoding_info(n).hooks) == {"rotate"} and n != "rope"]
-CASES = [
-    (name, causal)
-    for name in one_per_path(ATTENTION_NAMES)
-    for causal in (True, False)
-    if ("causal" if causal else "bidirectional") in encoding_info(name).forms and (causal or name not in ROTATIONS)
-]
+CASES = [(name, causal) for name in one_per_path(ATTENTION_NAMES) for causal in causal_settings(name)]
 
 
 def _inputs(seed=0):
@@ -127,7 +120,7 @@ def test_every_encoding_blockwise_equals_materialising(name, causal):
 # included, is test_contract.py's.
 TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta", "fire", "cope"]
 RUNS = jnp.asarray(100 + np.arange(S))
-RUNS_AND_GAPS = jnp.asarray([100 + np.arange(S), np.r_[0:4, 9:16]])
+RUNS_AND_GAPS = jnp.stack([RUNS, jnp.asarray(np.r_[0:4, 9:16])])
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])

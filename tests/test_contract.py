@@ -103,6 +103,11 @@ def _run_hook(hook, acts_on, x, q, k, v, positions):
         return hook.embed(x, positions)
     if acts_on == "normalizer":
         return dot_product_attention(q, k, v, query_positions=positions, key_positions=positions, normalizer=hook)
+    if acts_on == "positions":  # the positions it samples, which RoPE then reads
+        sampled = hook.sample(jax.random.key(1), positions, train=True)
+        return dot_product_attention(
+            q, k, v, query_positions=sampled, key_positions=sampled, encodings=[RoPE()], causal=True
+        )
     return dot_product_attention(
         q, k, v, query_positions=positions, key_positions=positions, encodings=[hook], causal=True
     )
@@ -118,18 +123,8 @@ def _hook_and_placement(name):
     return _built(name), encoding_info(name).acts_on
 
 
-# Every registered name and URPE: each placement run as a model would run it (the positions placement
-# samples the positions RoPE then reads).
+# Every registered name and URPE, each run in its placement.
 _TRANSFORMED = _HOOK_NAMES + [n for n in encoding_names() if encoding_info(n).acts_on == "positions"]
-
-
-def _run_placed(hook, acts_on, x, q, k, v, positions):
-    if acts_on != "positions":
-        return _run_hook(hook, acts_on, x, q, k, v, positions)
-    sampled = hook.sample(jax.random.key(1), positions, train=True)
-    return dot_product_attention(
-        q, k, v, query_positions=sampled, key_positions=sampled, encodings=[RoPE()], causal=True
-    )
 
 
 @pytest.mark.parametrize("name", _TRANSFORMED)
@@ -140,7 +135,7 @@ def test_built_hooks_pass_through_jit_vmap_both_autodiff_modes_and_bfloat16(rng,
     positions = jnp.arange(T)
 
     def f(hook, x, q, k=k, v=v):
-        return _run_placed(hook, acts_on, x, q, k, v, positions)
+        return _run_hook(hook, acts_on, x, q, k, v, positions)
 
     eager = f(hook, x, q)
     primals = (hook, x, q, k)

@@ -27,8 +27,8 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, TESTS)
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-    from posenc_jax.functional import dot_product_attention, encoding_info, sequence_parallel_attention
-    from small_encodings import small_config
+    from posenc_jax.functional import dot_product_attention, sequence_parallel_attention
+    from small_encodings import causal_settings, small_config
 
     assert len(jax.devices()) == 8, jax.devices()
     mesh = Mesh(np.asarray(jax.devices()), ("sequence",))
@@ -67,11 +67,9 @@ SCRIPT = textwrap.dedent(
         params = initialised(config)
         if name == "cope":  # zeros at init would make its term vanish
             params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
-        for causal in (True, False):  # rotations read no mask: RoPE's bidirectional path is NoPE's
-            rotation = set(encoding_info(name).hooks) == {"rotate"}
-            if ("causal" if causal else "bidirectional") in encoding_info(name).forms and (causal or not rotation):
-                cases.append((name, causal))
-                hooks.append(config.build(params))
+        for causal in causal_settings(name):
+            cases.append((name, causal))
+            hooks.append(config.build(params))
 
     def all_cases(attention, q=q, k=k, v=v, pos=pos, key_mask=key_mask):
         def run(hooks, q, k, v):
@@ -138,7 +136,7 @@ SCRIPT = textwrap.dedent(
     # A long evaluation's memory, the model and the benchmark, keys passed round a ring.
     # 5. Memory of a long evaluation (compiled, not run): T = S = 32768, 8 query heads, 2 key/value heads,
     # H = 64, default 512 x 512 tiles, RoPE + ALiBi, causal. One device holds q, k, v and the output whole; the
-    # split program gets q, k and v split along T (a long evaluation's activations are).
+    # split and ring programs get q, k and v split along T (a long evaluation's activations are).
     T, N, K, H = 32768, 8, 2, 64
     pos = jnp.arange(T)
     kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
@@ -150,8 +148,12 @@ SCRIPT = textwrap.dedent(
         return {"temp": analysis.temp_size_in_bytes, "arguments": analysis.argument_size_in_bytes,
                 "output": analysis.output_size_in_bytes}
 
+    def ring(q, k, v, **kwargs):  # keys and values split over the devices too, passed round them (7. below)
+        return sequence_parallel_attention(q, k, v, mesh=mesh, ring=True, **kwargs)
+
     found["memory"] = {"one": memory(one_device, None), "split": memory(split, P(None, "sequence")),
                        "key_bytes": T * K * H * 4, "query_bytes": T * N * H * 4}
+    found["ring_memory"] = memory(ring, P(None, "sequence"))
 
     # 6. The model (mesh=) and the benchmark's long evaluation: every layer's queries split over the devices.
     from flax import nnx
@@ -181,10 +183,7 @@ SCRIPT = textwrap.dedent(
     found["predict_ring"] = difference(outputs[0]["target_log_probs"], ringed["target_log_probs"])
     # 7. Keys passed round a ring (ring=True): keys and values split too, each device's shard visiting the
     # others. Against one device, to float32 rounding (a row's key tiles come in another order); then the
-    # padded cross-attention case (S = 70, padded to 72) with its gradients, and the long evaluation's memory.
-    def ring(q, k, v, **kwargs):
-        return sequence_parallel_attention(q, k, v, mesh=mesh, ring=True, **kwargs)
-
+    # padded cross-attention case (S = 70, padded to 72) with its gradients (the long evaluation's memory is 5.'s).
     def ring_loss(params, q, k, v):
         out = ring(q, k, v, encodings=["rope", t5.build(params)], **padded_kwargs)
         return jnp.sum(out * weight), out
@@ -196,10 +195,6 @@ SCRIPT = textwrap.dedent(
     found["ring_gradients"] = {what: difference(a, b) for what, a, b in
                                zip(["t5", "query", "key", "value"], jax.tree.leaves(want_grads),
                                    jax.tree.leaves(got_grads))}
-    T, N, K, H = 32768, 8, 2, 64
-    pos = jnp.arange(T)
-    kwargs = dict(query_positions=pos, key_positions=pos, encodings=["rope", "alibi"], causal=True)
-    found["ring_memory"] = memory(ring, P(None, "sequence"))
     print("FOUND" + json.dumps(found))
     """
 )
