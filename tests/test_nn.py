@@ -80,22 +80,29 @@ DECODABLE = one_per_path(n for n in encoding_names() if encoding_info(n).kv_cach
 
 @pytest.mark.parametrize("name", DECODABLE)
 def test_prefill_then_decode_equals_full_forward(rng, name):
+    """A prefill and four cached steps give each row's own forward, at offset positions. Row 0 is left-padded
+    by two masked tokens (its real ones at positions 3..9), row 1 is full (3..11): the batch decodes as each
+    row alone (stored rotated keys, biases of the distance, absolute embeddings, cached per-key terms)."""
     model = _model(_config(name))
     tokens = _tokens(rng, 2, 9)
-    positions = jnp.broadcast_to(jnp.arange(9) + 3, (2, 9))  # offset positions
-    full = _forward(model, tokens, positions)
+    positions = jnp.asarray([[3, 3, *range(3, 10)], list(range(3, 12))])
+    key_mask = jnp.asarray([[False, False] + [True] * 7, [True] * 9])
+    row0 = _forward(model, tokens[:1, 2:], positions[:1, 2:])[0]
+    row1 = _forward(model, tokens[1:], positions[1:])[0]
 
     @nnx.jit
     def step(model, tokens, positions, caches):
         return model.decode(tokens, positions, caches)
 
     caches = model.init_cache(2, 12)
-    logits, caches = model.decode(tokens[:, :5], positions[:, :5], caches)  # prefill
+    logits, caches = model.decode(tokens[:, :5], positions[:, :5], caches, key_mask=key_mask[:, :5])  # prefill
     outputs = [logits]
     for t in range(5, 9):
         logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
         outputs.append(logits)
-    np.testing.assert_allclose(jnp.concatenate(outputs, axis=1), full, atol=2e-4, rtol=1e-4)
+    decoded = jnp.concatenate(outputs, axis=1)
+    np.testing.assert_allclose(decoded[0, 2:], row0, atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(decoded[1], row1, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.long
@@ -220,28 +227,6 @@ def test_shared_bias_is_one_table_for_all_layers():
         if "key_table" in jax.tree_util.keystr(p)
     ]
     assert len(key_tables) == LAYERS
-
-
-# Stored rotated keys, a bias of the distance, absolute embeddings, and cached per-key terms of two kinds.
-@pytest.mark.parametrize("name", ["rope", "alibi", "sinusoidal", "deberta", "transformer-xl"])
-def test_left_padded_batch_decodes_like_each_row_alone(rng, name):
-    model = _model(_config(name))
-    short, long = _tokens(rng, 1, 3), _tokens(rng, 1, 5)
-    # Row 0 is left-padded by two tokens; its real tokens sit at positions 0..2.
-    tokens = jnp.concatenate([jnp.concatenate([jnp.zeros((1, 2), jnp.int32), short], 1), long])
-    positions = jnp.asarray([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]])
-    key_mask = jnp.asarray([[False, False, True, True, True], [True] * 5])
-    logits, caches = _decode(model, tokens, positions, model.init_cache(2, 8), key_mask=key_mask)
-    nxt = _tokens(rng, 2, 1)
-    step, _ = _decode(model, nxt, jnp.asarray([[3], [5]]), caches)
-    # Each row's reference: the forward of its real tokens and the next one (causal: the first ones' logits
-    # are those of the shorter sequence).
-    row0 = _forward(model, jnp.concatenate([short, nxt[:1]], 1), jnp.arange(4))[0]
-    row1 = _forward(model, jnp.concatenate([long, nxt[1:]], 1), jnp.arange(6))[0]
-    np.testing.assert_allclose(logits[0, 2:], row0[:3], atol=2e-4)
-    np.testing.assert_allclose(logits[1], row1[:5], atol=2e-4)
-    np.testing.assert_allclose(step[0], row0[3:], atol=2e-4)
-    np.testing.assert_allclose(step[1], row1[5:], atol=2e-4)
 
 
 def test_cache_overflow_is_an_error(rng):
