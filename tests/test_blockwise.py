@@ -30,7 +30,7 @@ from small_encodings import causal_settings, one_per_path, small_config
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
 ATTENTION_NAMES = [n for n in encoding_names() if encoding_info(n).acts_on in ("attention", "shared_bias")]
-CASES = [(name, causal) for name in one_per_path(ATTENTION_NAMES) for causal in causal_settings(name)]
+NAMES = one_per_path(ATTENTION_NAMES)
 
 
 def _inputs(seed=0):
@@ -58,24 +58,27 @@ def _inputs(seed=0):
     )
 
 
-def _both(hook_of, params, q, k, v, weight, block_q=4, block_k=3, **kwargs):
-    """Outputs and gradients of both implementations, in one compiled function."""
+def _both(hook_of, params, q, k, v, weight, block_q=4, block_k=3, settings=({},), **kwargs):
+    """Outputs and gradients of both implementations, in one compiled function: for each of ``settings``
+    (keyword arguments on top of ``kwargs``: the causal and bidirectional forms, say), the materialising
+    path's and then the blockwise path's."""
 
-    def run(implementation, params, q, k, v):
+    def run(implementation, setting, params, q, k, v):
         extra = dict(block_q=block_q, block_k=block_k) if implementation == "blockwise" else {}
         out = dot_product_attention(
-            q, k, v, encodings=hook_of(params), implementation=implementation, **extra, **kwargs
+            q, k, v, encodings=hook_of(params), implementation=implementation, **extra, **kwargs, **setting
         )
         return jnp.sum(out * weight), out
 
     @jax.jit
     def both(params, q, k, v):
         results = []
-        for implementation in ("materialize", "blockwise"):
-            (_, out), grads = jax.value_and_grad(
-                lambda *a, i=implementation: run(i, *a), argnums=(0, 1, 2, 3), has_aux=True
-            )(params, q, k, v)
-            results.append((out, grads))
+        for setting in settings:
+            for implementation in ("materialize", "blockwise"):
+                (_, out), grads = jax.value_and_grad(
+                    lambda *a, i=implementation, s=setting: run(i, s, *a), argnums=(0, 1, 2, 3), has_aux=True
+                )(params, q, k, v)
+                results.append((out, grads))
         return results
 
     return both(params, q, k, v)
@@ -101,16 +104,20 @@ def _check(results, what):
         )
 
 
-@pytest.mark.parametrize(("name", "causal"), CASES, ids=[f"{n}-{'causal' if c else 'bidir'}" for n, c in CASES])
-def test_every_encoding_blockwise_equals_materialising(name, causal):
+@pytest.mark.parametrize("name", NAMES)
+def test_every_encoding_blockwise_equals_materialising(name):
+    """Each of the encoding's forms (:func:`causal_settings`), in one compiled program."""
     config = small_config(name)
     params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
     if name == "cope":  # zeros at init would make its term vanish: give it something to carry
         params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
     q, k, v, kwargs = _inputs()
     weight = jax.random.normal(jax.random.key(3), (B, T, N, H))
-    results = _both(lambda p: [config.build(p)], params, q, k, v, weight, causal=causal, **kwargs)
-    _check(results, name)
+    causals = causal_settings(name)
+    settings = [dict(causal=causal) for causal in causals]
+    results = _both(lambda p: [config.build(p)], params, q, k, v, weight, settings=settings, **kwargs)
+    for i, causal in enumerate(causals):
+        _check(results[2 * i : 2 * i + 2], f"{name} {'causal' if causal else 'bidirectional'}")
 
 
 # Encodings with a tile form of their own (from the tile's distance range where its positions are runs),
@@ -123,13 +130,14 @@ RUNS = jnp.asarray(100 + np.arange(S))
 RUNS_AND_GAPS = jnp.stack([RUNS, jnp.asarray(np.r_[0:4, 9:16])])
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("name", TILE_FORMS)
-def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal):
+def test_tile_forms_equal_materialising_on_runs_and_gaps(name):
     """Self-attention (T = S) on consecutive positions and on gaps: tiles past a clip on either side (far
-    before and, bidirectional, far after their queries), tiles across it, and Toeplitz tiles."""
-    if ("causal" if causal else "bidirectional") not in encoding_info(name).forms:
-        pytest.skip(f"{name} has no {'causal' if causal else 'bidirectional'} form")
+    before and, bidirectional, far after their queries), tiles across it, and Toeplitz tiles; each of the
+    encoding's forms, in one compiled program."""
+    causals = [
+        causal for causal in (True, False) if ("causal" if causal else "bidirectional") in encoding_info(name).forms
+    ]
     # CoPE counting to 3 only: most of its tiles are past the top (one row read), the others not.
     config = small_config(name, **(dict(num_positions=3) if name == "cope" else {}))
     params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
@@ -145,11 +153,12 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name, causal):
         k,
         v,
         weight,
-        causal=causal,
+        settings=[dict(causal=causal) for causal in causals],
         query_positions=RUNS_AND_GAPS,
         key_positions=RUNS_AND_GAPS,
     )
-    _check(results, f"{name} on runs and gaps")
+    for i, causal in enumerate(causals):
+        _check(results[2 * i : 2 * i + 2], f"{name} {'causal' if causal else 'bidirectional'} on runs and gaps")
 
 
 @pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope"])
@@ -193,30 +202,21 @@ NORMALIZERS = {
 }
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "bidir"])
 @pytest.mark.parametrize("normalizer", list(NORMALIZERS) + ["urpe"])
-def test_every_normalizer_blockwise_equals_materialising(normalizer, causal):
+def test_every_normalizer_blockwise_equals_materialising(normalizer):
+    """Causal and bidirectional, in one compiled program."""
     q, k, v, kwargs = _inputs(seed=4)
     weight = jax.random.normal(jax.random.key(5), (B, T, N, H))
-    if normalizer == "urpe":
+    settings = [dict(causal=True), dict(causal=False)]
+    if normalizer == "urpe":  # the table's gradient: below
         table = 1.0 + 0.3 * jax.random.normal(jax.random.key(6), (N, 7))
-        results = _both(
-            lambda table: [ALiBi()],
-            table,
-            q,
-            k,
-            v,
-            weight,
-            causal=causal,
-            normalizer=URPE(table, max_distance=3),
-            **kwargs,
-        )
-        _check(results[:2], normalizer)  # the table's gradient: below
-        return
-    results = _both(
-        lambda _: [ALiBi()], {}, q, k, v, weight, causal=causal, normalizer=NORMALIZERS[normalizer], **kwargs
-    )
-    _check(results, normalizer)
+        urpe = URPE(table, max_distance=3)
+        results = _both(lambda table: [ALiBi()], table, q, k, v, weight, settings=settings, normalizer=urpe, **kwargs)
+    else:
+        normalize = NORMALIZERS[normalizer]
+        results = _both(lambda _: [ALiBi()], {}, q, k, v, weight, settings=settings, normalizer=normalize, **kwargs)
+    _check(results[:2], f"{normalizer} causal")
+    _check(results[2:], f"{normalizer} bidirectional")
 
 
 def test_urpe_table_gradient_blockwise_equals_materialising():
