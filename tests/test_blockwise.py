@@ -445,8 +445,11 @@ def test_transformer_and_attention_module_pass_the_choice_down():
         block_k=5,
         rngs=nnx.Rngs(0),
     )
-    want = model(tokens, pos, key_mask=key_mask, implementation="materialize")
-    got = model(tokens, pos, key_mask=key_mask, implementation="blockwise")
+    # Each forward compiled whole (eager, the model's every operation would compile on its own).
+    forward = lambda implementation=None: nnx.jit(
+        lambda m: m(tokens, pos, key_mask=key_mask, implementation=implementation)
+    )
+    want, got = forward("materialize")(model), forward("blockwise")(model)
     _assert_close(want, got, 1e-5, "Transformer")
     tiled = Transformer(
         vocab_size=16,
@@ -461,7 +464,7 @@ def test_transformer_and_attention_module_pass_the_choice_down():
         block_k=5,
         rngs=nnx.Rngs(0),
     )
-    _assert_close(want, tiled(tokens, pos, key_mask=key_mask), 1e-5, "Transformer(implementation='blockwise')")
+    _assert_close(want, forward()(tiled), 1e-5, "Transformer(implementation='blockwise')")
     with pytest.raises(ValueError, match="implementation must be one of"):
         MultiHeadAttention(32, 4, implementation="fast", rngs=nnx.Rngs(0))
     mha = MultiHeadAttention(32, 4, encodings=["alibi"], implementation="blockwise", block_q=3, rngs=nnx.Rngs(0))
