@@ -1115,76 +1115,93 @@ def _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
     return np.broadcast_to(one_hot, (batch, *one_hot.shape[1:]))
 
 
-@pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
 @pytest.mark.parametrize(("sign", "offset", "slots", "key_side"), _SLOT_MAPS, ids=_SLOT_MAP_IDS)
-def test_gather_by_distance_and_its_gradient_follow_the_definition(
-    rng, query_positions, key_positions, sign, offset, slots, key_side
-):
-    """Value, value beside its pullback, gradient, pullback and tangent, in one compiled program, against
-    the one-hot definition in float64."""
-    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
-    batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
-    one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
-    rows = kp.shape[-1] if key_side else qp.shape[-1]
-    x, tangent = (np.asarray(rng.normal(size=(batch, 2, rows, slots)), np.float32) for _ in range(2))
-    cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32)
-    gather = lambda x: gather_by_distance(x, qp, kp, sign=sign, offset=offset, key_side=key_side)
+def test_gather_by_distance_and_its_gradient_follow_the_definition(rng, sign, offset, slots, key_side):
+    """Value, value beside its pullback, gradient, pullback and tangent, against the one-hot definition in
+    float64, on every set of positions (:data:`_DISTANCE_POSITIONS`) in one compiled program."""
+    cases = []
+    for query_positions, key_positions in _DISTANCE_POSITIONS:
+        qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+        batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+        one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
+        rows = kp.shape[-1] if key_side else qp.shape[-1]
+        x, tangent = (np.asarray(rng.normal(size=(batch, 2, rows, slots)), np.float32) for _ in range(2))
+        cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32)
+        cases.append((one_hot, (qp, kp), (x, cotangent, tangent)))
 
     @jax.jit
-    def everything(x, cotangent, tangent):
-        with_grad, pullback = jax.vjp(gather, x)
-        gradient = jax.grad(lambda x: (gather(x) * cotangent).sum())(x)
-        return gather(x), with_grad, gradient, pullback(cotangent)[0], jax.jvp(gather, (x,), (tangent,))[1]
+    def everything(arguments):  # the positions are constants of the program, as in a model's
+        results = []
+        for (_, (qp, kp), _), (x, cotangent, tangent) in zip(cases, arguments, strict=True):
+            gather = lambda x, qp=qp, kp=kp: gather_by_distance(x, qp, kp, sign=sign, offset=offset, key_side=key_side)
+            with_grad, pullback = jax.vjp(gather, x)
+            gradient = jax.grad(lambda x, gather=gather, c=cotangent: (gather(x) * c).sum())(x)
+            results.append(
+                (gather(x), with_grad, gradient, pullback(cotangent)[0], jax.jvp(gather, (x,), (tangent,))[1])
+            )
+        return results
 
-    out, with_grad, gradient, pulled, forward = everything(x, cotangent, tangent)
-    # out[b,n,t,s] = x[b,n,t (or s),slot(t,s)]; its gradient sums the cotangent into each pair's slot.
     value_spec, gradient_spec = (
         ("BNSR,BTSR->BNTS", "BNTS,BTSR->BNSR") if key_side else ("BNTR,BTSR->BNTS", "BNTS,BTSR->BNTR")
     )
-    np.testing.assert_allclose(out, np.einsum(value_spec, x.astype(np.float64), one_hot), rtol=1e-6, atol=1e-6)
-    # The value computed with the gradient comes from the forward rule (a flat gather): the same values.
-    np.testing.assert_array_equal(with_grad, out)
-    plain = np.einsum(gradient_spec, cotangent.astype(np.float64), one_hot)
-    assert np.abs(plain).max() > 0.1  # a gradient that can be wrong
-    np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(pulled, plain, rtol=1e-5, atol=1e-5)
-    # Forward mode: the gather of the tangent.
-    np.testing.assert_allclose(
-        forward, np.einsum(value_spec, tangent.astype(np.float64), one_hot), rtol=1e-6, atol=1e-6
-    )
+    results = everything([arguments for *_, arguments in cases])
+    for name, (one_hot, _, (x, cotangent, tangent)), result in zip(_DISTANCE_IDS, cases, results, strict=True):
+        out, with_grad, gradient, pulled, forward = result
+        # out[b,n,t,s] = x[b,n,t (or s),slot(t,s)]; its gradient sums the cotangent into each pair's slot.
+        want = np.einsum(value_spec, x.astype(np.float64), one_hot)
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6, err_msg=name)
+        # The value computed with the gradient comes from the forward rule (a flat gather): the same values.
+        np.testing.assert_array_equal(with_grad, out, err_msg=name)
+        plain = np.einsum(gradient_spec, cotangent.astype(np.float64), one_hot)
+        assert np.abs(plain).max() > 0.1, name  # a gradient that can be wrong
+        np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(pulled, plain, rtol=1e-5, atol=1e-5, err_msg=name)
+        # Forward mode: the gather of the tangent.
+        want = np.einsum(value_spec, tangent.astype(np.float64), one_hot)
+        np.testing.assert_allclose(forward, want, rtol=1e-6, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize(("query_positions", "key_positions"), _DISTANCE_POSITIONS, ids=_DISTANCE_IDS)
 @pytest.mark.parametrize(("sign", "offset", "slots"), [(1, 2, 5), (-1, 1, 3), (1, 0, 2), (-1, 0, 1)])
-def test_sum_by_distance_and_its_gradient_follow_the_definition(
-    rng, query_positions, key_positions, sign, offset, slots
-):
-    """Value, gradient and tangent in one compiled program, against the one-hot definition in float64;
-    weights the mask hides are NaN and must reach no slot and no gradient."""
-    qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
-    batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
-    one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
-    weights, tangent = (
-        np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32) for _ in range(2)
-    )
-    mask = rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7
-    hidden = np.where(mask, weights, np.nan).astype(np.float32)
-    cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], slots)), np.float32)
-    summed = lambda w: sum_by_distance(w, qp, kp, sign=sign, offset=offset, slots=slots, mask=jnp.asarray(mask))
+def test_sum_by_distance_and_its_gradient_follow_the_definition(rng, sign, offset, slots):
+    """Value, gradient and tangent, against the one-hot definition in float64, on every set of positions
+    (:data:`_DISTANCE_POSITIONS`) in one compiled program; weights the mask hides are NaN and must reach no
+    slot and no gradient."""
+    cases = []
+    for query_positions, key_positions in _DISTANCE_POSITIONS:
+        qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+        batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+        one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
+        weights, tangent = (
+            np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32) for _ in range(2)
+        )
+        mask = rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7
+        hidden = np.where(mask, weights, np.nan).astype(np.float32)
+        cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], slots)), np.float32)
+        cases.append((one_hot, weights, mask, (qp, kp, jnp.asarray(mask)), (hidden, cotangent, tangent)))
 
     @jax.jit
-    def everything(w, cotangent, tangent):
-        gradient = jax.grad(lambda w: (summed(w) * cotangent).sum())(w)
-        return summed(w), gradient, jax.jvp(summed, (w,), (tangent,))[1]
+    def everything(arguments):  # the positions and masks are constants of the program
+        results = []
+        for (*_, (qp, kp, hides), _), (w, cotangent, tangent) in zip(cases, arguments, strict=True):
+            summed = lambda w, qp=qp, kp=kp, m=hides: sum_by_distance(
+                w, qp, kp, sign=sign, offset=offset, slots=slots, mask=m
+            )
+            gradient = jax.grad(lambda w, summed=summed, c=cotangent: (summed(w) * c).sum())(w)
+            results.append((summed(w), gradient, jax.jvp(summed, (w,), (tangent,))[1]))
+        return results
 
-    out, gradient, forward = everything(hidden, cotangent, tangent)
-    reference = lambda w: np.einsum("BNTS,BTSR->BNTR", np.where(mask, w.astype(np.float64), 0.0), one_hot)
-    np.testing.assert_allclose(out, reference(weights), rtol=1e-5, atol=1e-5)
-    plain = np.where(mask, np.einsum("BNTR,BTSR->BNTS", cotangent.astype(np.float64), one_hot), 0.0)
-    assert np.abs(plain).max() > 0.1
-    np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5)
-    # Forward mode: the sums of the tangent.
-    np.testing.assert_allclose(forward, reference(tangent), rtol=1e-5, atol=1e-5)
+    results = everything([arguments for *_, arguments in cases])
+    for name, (one_hot, weights, mask, _, (_, cotangent, tangent)), result in zip(
+        _DISTANCE_IDS, cases, results, strict=True
+    ):
+        out, gradient, forward = result
+        reference = lambda w, m=mask, o=one_hot: np.einsum("BNTS,BTSR->BNTR", np.where(m, w.astype(np.float64), 0.0), o)
+        np.testing.assert_allclose(out, reference(weights), rtol=1e-5, atol=1e-5, err_msg=name)
+        plain = np.where(mask, np.einsum("BNTR,BTSR->BNTS", cotangent.astype(np.float64), one_hot), 0.0)
+        assert np.abs(plain).max() > 0.1, name
+        np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5, err_msg=name)
+        # Forward mode: the sums of the tangent.
+        np.testing.assert_allclose(forward, reference(tangent), rtol=1e-5, atol=1e-5, err_msg=name)
 
 
 def test_distance_maps_differentiate_to_second_order_and_under_vmap(rng):
