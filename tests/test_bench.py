@@ -69,6 +69,9 @@ def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
     assert record["preset"]["name"] == "smoke" and record["versions"]["jax"]
     assert record["versions"]["posenc_jax"] == __import__("posenc_jax").__version__
     assert all(cell["seeds"] == [0] and cell["compile_seconds"] > 0 for cell in record["cells"])
+    for cell in record["cells"]:  # CPU seconds of the cell's span: at most every core of it busy
+        wall = sum(cell[f"{stage}_seconds"] for stage in ("compile", "train", "checkpoint", "eval"))
+        assert 0 < cell["cpu_seconds"] <= (os.cpu_count() or 1) * wall * 1.1 + 1, (cell, wall)
     printed = capsys.readouterr().out
     assert re.search(r"\[cell 1 of 2, [\dms]+ elapsed, about [\dms]+ left\] counting_copy", printed), printed
     assert "[cell 2 of 2" in printed

@@ -554,6 +554,7 @@ def train_and_evaluate(
             groups.setdefault(start[seed], []).append(seed)
         records = []
         for first_step, group in sorted(groups.items()):
+            cpu_began = time.process_time()  # this process's CPU time, every thread's
             record = _train_group(
                 cell,
                 preset,
@@ -593,6 +594,9 @@ def train_and_evaluate(
                     measured = evaluate(model, cell, preset, seed, length)
                     write({**_row(cell, preset, label, seed, length, measured), **training, **(stamp or {})})
             record["eval_seconds"] = time.perf_counter() - began
+            # Beside the wall seconds, the CPU seconds this process used for the group: a cell that ran
+            # beside other work on a shared machine used fewer cores per second of its wall time.
+            record["cpu_seconds"] = time.process_time() - cpu_began
             records.append(record)
         return records
 
