@@ -104,6 +104,13 @@ def _check(results, what):
         )
 
 
+def _check_forms(hook_of, params, q, k, v, weight, causals, what, **kwargs):
+    """:func:`_both` for each of ``causals`` in one compiled program; each form checked on its own."""
+    results = _both(hook_of, params, q, k, v, weight, settings=[dict(causal=causal) for causal in causals], **kwargs)
+    for i, causal in enumerate(causals):
+        _check(results[2 * i : 2 * i + 2], f"{what} ({'causal' if causal else 'bidirectional'})")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_every_encoding_blockwise_equals_materialising(name):
     """Each of the encoding's forms (:func:`causal_settings`), in one compiled program."""
@@ -113,11 +120,7 @@ def test_every_encoding_blockwise_equals_materialising(name):
         params = jax.tree.map(lambda p: jax.random.normal(jax.random.key(2), p.shape) * 0.5, params)
     q, k, v, kwargs = _inputs()
     weight = jax.random.normal(jax.random.key(3), (B, T, N, H))
-    causals = causal_settings(name)
-    settings = [dict(causal=causal) for causal in causals]
-    results = _both(lambda p: [config.build(p)], params, q, k, v, weight, settings=settings, **kwargs)
-    for i, causal in enumerate(causals):
-        _check(results[2 * i : 2 * i + 2], f"{name} {'causal' if causal else 'bidirectional'}")
+    _check_forms(lambda p: [config.build(p)], params, q, k, v, weight, causal_settings(name), name, **kwargs)
 
 
 # Encodings with a tile form of their own (from the tile's distance range where its positions are runs),
@@ -135,9 +138,6 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name):
     """Self-attention (T = S) on consecutive positions and on gaps: tiles past a clip on either side (far
     before and, bidirectional, far after their queries), tiles across it, and Toeplitz tiles; each of the
     encoding's forms, in one compiled program."""
-    causals = [
-        causal for causal in (True, False) if ("causal" if causal else "bidirectional") in encoding_info(name).forms
-    ]
     # CoPE counting to 3 only: most of its tiles are past the top (one row read), the others not.
     config = small_config(name, **(dict(num_positions=3) if name == "cope" else {}))
     params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
@@ -146,19 +146,18 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name):
     q, k, v, _ = _inputs()
     q = jnp.concatenate([q, q[:, :2]], axis=1)  # T = S
     weight = jax.random.normal(jax.random.key(3), (B, S, N, H))
-    results = _both(
+    _check_forms(
         lambda p: [config.build(p)],
         params,
         q,
         k,
         v,
         weight,
-        settings=[dict(causal=causal) for causal in causals],
+        causal_settings(name),  # every form: none of these is a rotation
+        f"{name} on runs and gaps",
         query_positions=RUNS_AND_GAPS,
         key_positions=RUNS_AND_GAPS,
     )
-    for i, causal in enumerate(causals):
-        _check(results[2 * i : 2 * i + 2], f"{name} {'causal' if causal else 'bidirectional'} on runs and gaps")
 
 
 @pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope"])
@@ -207,16 +206,14 @@ def test_every_normalizer_blockwise_equals_materialising(normalizer):
     """Causal and bidirectional, in one compiled program."""
     q, k, v, kwargs = _inputs(seed=4)
     weight = jax.random.normal(jax.random.key(5), (B, T, N, H))
-    settings = [dict(causal=True), dict(causal=False)]
+    forms = [True, False]
     if normalizer == "urpe":  # the table's gradient: below
         table = 1.0 + 0.3 * jax.random.normal(jax.random.key(6), (N, 7))
         urpe = URPE(table, max_distance=3)
-        results = _both(lambda table: [ALiBi()], table, q, k, v, weight, settings=settings, normalizer=urpe, **kwargs)
+        _check_forms(lambda table: [ALiBi()], table, q, k, v, weight, forms, normalizer, normalizer=urpe, **kwargs)
     else:
         normalize = NORMALIZERS[normalizer]
-        results = _both(lambda _: [ALiBi()], {}, q, k, v, weight, settings=settings, normalizer=normalize, **kwargs)
-    _check(results[:2], f"{normalizer} causal")
-    _check(results[2:], f"{normalizer} bidirectional")
+        _check_forms(lambda _: [ALiBi()], {}, q, k, v, weight, forms, normalizer, normalizer=normalize, **kwargs)
 
 
 def test_urpe_table_gradient_blockwise_equals_materialising():

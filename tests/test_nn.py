@@ -88,7 +88,7 @@ def test_prefill_then_decode_equals_full_forward(rng, name):
     positions = jnp.asarray([[3, 3, *range(3, 10)], list(range(3, 12))])
     key_mask = jnp.asarray([[False, False] + [True] * 7, [True] * 9])
     # The references in one causal forward: row 0's real tokens first (its last two logits are not compared).
-    alone = _forward(model, tokens.at[0].set(jnp.roll(tokens[0], -2)), jnp.broadcast_to(jnp.arange(9) + 3, (2, 9)))
+    alone = _forward(model, tokens.at[0].set(jnp.roll(tokens[0], -2)), jnp.broadcast_to(positions[1], (2, 9)))
 
     @nnx.jit
     def step(model, tokens, positions, caches):

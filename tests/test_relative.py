@@ -1115,24 +1115,31 @@ def _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
     return np.broadcast_to(one_hot, (batch, *one_hot.shape[1:]))
 
 
+def _distance_cases(sign, offset, slots):
+    """Each set of :data:`_DISTANCE_POSITIONS`: its id, its positions in int32 and its one-hot slots in
+    float64, ``[B, T, S, R]`` with B the batch its positions broadcast to."""
+    for name, (query_positions, key_positions) in zip(_DISTANCE_IDS, _DISTANCE_POSITIONS, strict=True):
+        qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
+        batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
+        yield name, qp, kp, _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
+
+
 @pytest.mark.parametrize(("sign", "offset", "slots", "key_side"), _SLOT_MAPS, ids=_SLOT_MAP_IDS)
 def test_gather_by_distance_and_its_gradient_follow_the_definition(rng, sign, offset, slots, key_side):
     """Value, value beside its pullback, gradient, pullback and tangent, against the one-hot definition in
     float64, on every set of positions (:data:`_DISTANCE_POSITIONS`) in one compiled program."""
-    cases = []
-    for query_positions, key_positions in _DISTANCE_POSITIONS:
-        qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
-        batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
-        one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
+    cases = list(_distance_cases(sign, offset, slots))
+    inputs = []
+    for _, qp, kp, one_hot in cases:
         rows = kp.shape[-1] if key_side else qp.shape[-1]
-        x, tangent = (np.asarray(rng.normal(size=(batch, 2, rows, slots)), np.float32) for _ in range(2))
-        cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32)
-        cases.append((one_hot, (qp, kp), (x, cotangent, tangent)))
+        x, tangent = (np.asarray(rng.normal(size=(one_hot.shape[0], 2, rows, slots)), np.float32) for _ in range(2))
+        cotangent = np.asarray(rng.normal(size=(one_hot.shape[0], 2, qp.shape[-1], kp.shape[-1])), np.float32)
+        inputs.append((x, cotangent, tangent))
 
     @jax.jit
-    def everything(arguments):  # the positions are constants of the program, as in a model's
+    def everything(inputs):  # the positions are constants of the program, as in a model's
         results = []
-        for (_, (qp, kp), _), (x, cotangent, tangent) in zip(cases, arguments, strict=True):
+        for (_, qp, kp, _), (x, cotangent, tangent) in zip(cases, inputs, strict=True):
             gather = lambda x, qp=qp, kp=kp: gather_by_distance(x, qp, kp, sign=sign, offset=offset, key_side=key_side)
             with_grad, pullback = jax.vjp(gather, x)
             gradient = jax.grad(lambda x, gather=gather, c=cotangent: (gather(x) * c).sum())(x)
@@ -1144,8 +1151,7 @@ def test_gather_by_distance_and_its_gradient_follow_the_definition(rng, sign, of
     value_spec, gradient_spec = (
         ("BNSR,BTSR->BNTS", "BNTS,BTSR->BNSR") if key_side else ("BNTR,BTSR->BNTS", "BNTS,BTSR->BNTR")
     )
-    results = everything([arguments for *_, arguments in cases])
-    for name, (one_hot, _, (x, cotangent, tangent)), result in zip(_DISTANCE_IDS, cases, results, strict=True):
+    for (name, _, _, one_hot), (x, cotangent, tangent), result in zip(cases, inputs, everything(inputs), strict=True):
         out, with_grad, gradient, pulled, forward = result
         # out[b,n,t,s] = x[b,n,t (or s),slot(t,s)]; its gradient sums the cotangent into each pair's slot.
         want = np.einsum(value_spec, x.astype(np.float64), one_hot)
@@ -1166,37 +1172,35 @@ def test_sum_by_distance_and_its_gradient_follow_the_definition(rng, sign, offse
     """Value, gradient and tangent, against the one-hot definition in float64, on every set of positions
     (:data:`_DISTANCE_POSITIONS`) in one compiled program; weights the mask hides are NaN and must reach no
     slot and no gradient."""
-    cases = []
-    for query_positions, key_positions in _DISTANCE_POSITIONS:
-        qp, kp = jnp.asarray(query_positions, jnp.int32), jnp.asarray(key_positions, jnp.int32)
-        batch = max(batched_positions(qp).shape[0], batched_positions(kp).shape[0])
-        one_hot = _float64_one_hot(query_positions, key_positions, sign, offset, slots, batch)
-        weights, tangent = (
-            np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], kp.shape[-1])), np.float32) for _ in range(2)
-        )
+    cases = list(_distance_cases(sign, offset, slots))
+    weights, masks, inputs = [], [], []
+    for _, qp, kp, one_hot in cases:
+        shape = (one_hot.shape[0], 2, qp.shape[-1], kp.shape[-1])
+        w, tangent = (np.asarray(rng.normal(size=shape), np.float32) for _ in range(2))
         mask = rng.random((1, 1, qp.shape[-1], kp.shape[-1])) < 0.7
-        hidden = np.where(mask, weights, np.nan).astype(np.float32)
-        cotangent = np.asarray(rng.normal(size=(batch, 2, qp.shape[-1], slots)), np.float32)
-        cases.append((one_hot, weights, mask, (qp, kp, jnp.asarray(mask)), (hidden, cotangent, tangent)))
+        cotangent = np.asarray(rng.normal(size=(*shape[:-1], slots)), np.float32)
+        weights.append(w)
+        masks.append(mask)
+        inputs.append((np.where(mask, w, np.nan).astype(np.float32), cotangent, tangent))
 
     @jax.jit
-    def everything(arguments):  # the positions and masks are constants of the program
+    def everything(inputs):  # the positions and masks are constants of the program
         results = []
-        for (*_, (qp, kp, hides), _), (w, cotangent, tangent) in zip(cases, arguments, strict=True):
-            summed = lambda w, qp=qp, kp=kp, m=hides: sum_by_distance(
-                w, qp, kp, sign=sign, offset=offset, slots=slots, mask=m
+        for (_, qp, kp, _), mask, (w, cotangent, tangent) in zip(cases, masks, inputs, strict=True):
+            summed = lambda w, qp=qp, kp=kp, mask=mask: sum_by_distance(
+                w, qp, kp, sign=sign, offset=offset, slots=slots, mask=jnp.asarray(mask)
             )
             gradient = jax.grad(lambda w, summed=summed, c=cotangent: (summed(w) * c).sum())(w)
             results.append((summed(w), gradient, jax.jvp(summed, (w,), (tangent,))[1]))
         return results
 
-    results = everything([arguments for *_, arguments in cases])
-    for name, (one_hot, weights, mask, _, (_, cotangent, tangent)), result in zip(
-        _DISTANCE_IDS, cases, results, strict=True
+    for (name, _, _, one_hot), w, mask, (_, cotangent, tangent), (out, gradient, forward) in zip(
+        cases, weights, masks, inputs, everything(inputs), strict=True
     ):
-        out, gradient, forward = result
-        reference = lambda w, m=mask, o=one_hot: np.einsum("BNTS,BTSR->BNTR", np.where(m, w.astype(np.float64), 0.0), o)
-        np.testing.assert_allclose(out, reference(weights), rtol=1e-5, atol=1e-5, err_msg=name)
+        reference = lambda w, mask=mask, one_hot=one_hot: np.einsum(
+            "BNTS,BTSR->BNTR", np.where(mask, w.astype(np.float64), 0.0), one_hot
+        )
+        np.testing.assert_allclose(out, reference(w), rtol=1e-5, atol=1e-5, err_msg=name)
         plain = np.where(mask, np.einsum("BNTR,BTSR->BNTS", cotangent.astype(np.float64), one_hot), 0.0)
         assert np.abs(plain).max() > 0.1, name
         np.testing.assert_allclose(gradient, plain, rtol=1e-5, atol=1e-5, err_msg=name)
