@@ -18,7 +18,7 @@ import math
 import pathlib
 
 from posenc_jax.bench import presets
-from posenc_jax.bench.costmodel import FITTED_FROM, Fit, fit_runs
+from posenc_jax.bench.costmodel import CONTENDED, FITTED_FROM, Fit, fit_runs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -42,10 +42,18 @@ def _shown(folder: str) -> str:
     return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else folder
 
 
+def _cores(cells) -> str:
+    cores = sorted(cell.cores for cell in cells if cell.cores is not None)
+    if not cores:
+        return "no CPU seconds recorded"
+    return f"cores busy {cores[0]:.2f}-{cores[-1]:.2f} (median {cores[len(cores) // 2]:.2f}, {len(cores)} recorded)"
+
+
 def describe(fit: Fit, title: str) -> str:
-    """The fitted rates, their spread cell by cell, and each folder's measured time against the model's."""
+    """The fitted rates, their spread cell by cell, the cells left out as contended, and each
+    folder's measured time against the model's."""
     r, spread = fit.rates, fit.spread
-    folders = list(dict.fromkeys(cell.folder for cell in fit.cells))
+    folders = list(dict.fromkeys(cell.folder for cell in fit.cells + fit.left_out))
 
     def ratio(stage):
         low, median, high = spread[stage]
@@ -60,15 +68,25 @@ def describe(fit: Fit, title: str) -> str:
         + ratio("eval"),
         f"  per cell     {r.seconds_per_cell:.3g} s (compilation, checks, checkpoints)".ljust(59) + ratio("fixed"),
         "  whole cells".ljust(59) + ratio("cell"),
-        f"  {'folder':46s} {'cells':>5s} {'measured':>10s} {'model':>10s} {'measured / model':>17s}",
+        f"  fitted cells: {_cores(fit.cells)}",
     ]
+    if fit.left_out:
+        over = sorted(cell.seconds / fit.predicted(cell) for cell in fit.left_out)
+        lines.append(
+            f"  left out as contended (over {CONTENDED:g}x the model): {len(fit.left_out)} cells, "
+            f"{over[0]:.2f}-{over[-1]:.2f}x; {_cores(fit.left_out)}"
+        )
+    lines.append(
+        f"  {'folder':46s} {'cells':>5s} {'left out':>8s} {'measured':>10s} {'model':>10s} {'measured / model':>17s}"
+    )
     for folder in folders:
         cells = [cell for cell in fit.cells if cell.folder == folder]
+        left_out = sum(cell.folder == folder for cell in fit.left_out)
         measured = sum(cell.seconds for cell in cells)
         modelled = sum(fit.predicted(cell) for cell in cells)
         lines.append(
-            f"  {_shown(folder):46s} {len(cells):5d} {_minutes(measured):>10s} {_minutes(modelled):>10s} "
-            f"{measured / modelled:17.2f}"
+            f"  {_shown(folder):46s} {len(cells):5d} {left_out:8d} {_minutes(measured):>10s} {_minutes(modelled):>10s} "
+            f"{measured / modelled if cells else math.nan:17.2f}"
         )
     return "\n".join(lines)
 

@@ -513,6 +513,14 @@ def test_fit_rates_recovers_the_rates_its_cells_were_made_with():
         assert getattr(fit.rates, field.name) == pytest.approx(getattr(rates, field.name), rel=1e-6), field.name
     assert all(low == pytest.approx(1) and high == pytest.approx(1) for low, _, high in fit.spread.values())
     assert fit.predicted(cells[3]) == pytest.approx(cells[3].seconds)
+    # A cell that shared its machine took longer than its model, never shorter: one that took 3x
+    # (its training, as a cell beside other work does) is left out, and the rates come out as before.
+    slowed = _cell_run(4e14, 2500, 1e13, 6, rates=rates)
+    slowed = dataclasses.replace(slowed, train_seconds=slowed.train_seconds + 2 * slowed.seconds)  # 3x in all
+    fit = costmodel.fit_rates([*cells, slowed])
+    assert fit.left_out == (slowed,) and len(fit.cells) == len(cells)
+    assert fit.rates.train_flops_per_second == pytest.approx(rates.train_flops_per_second, rel=1e-6)
+    assert costmodel.fit_rates([*cells, slowed], contended=4.0).left_out == ()  # within the bound: fitted
     # A negative coefficient is no rate: where cells of more steps took less time at the same FLOPs
     # (noise, on a shared machine), the per-step cost is 0 and the FLOPs take all the time.
     noisy = dataclasses.replace(rates, seconds_per_step=-0.01)

@@ -20,6 +20,10 @@ within evaluation and charged at the training rate; time outside the cells (data
 baselines, the report) is in no record, so a run's measured total here is the sum of its cells.
 Machines shared with other work make the same cell's seconds vary between runs (two CPU runs of
 the same counting-copy cells differ by up to 2x), which the per-cell spread of :class:`Fit` shows.
+Sharing only ever slows a cell, so the fit leaves out the cells that took more than
+:data:`CONTENDED` times the seconds a fit of the others gives them, refitting until none is left
+out, and names them (:attr:`Fit.left_out`); a cell's ``cpu_seconds``, where its run recorded them,
+shows how many cores it had (:attr:`CellRun.cores`), the evidence that it shared the machine.
 
     python benchmarks/cost_model.py docs/extrapolation-cpu docs/extrapolation-cpu-full-partial
 """
@@ -37,7 +41,7 @@ import numpy as np
 
 from posenc_jax.bench.presets import Cost, Preset, Rates, cell_cost
 
-__all__ = ["FITTED_FROM", "CellRun", "Fit", "fit_rates", "fit_runs", "read_cells"]
+__all__ = ["CONTENDED", "FITTED_FROM", "CellRun", "Fit", "fit_rates", "fit_runs", "read_cells"]
 
 # The committed runs (folders of the repository, not of the installed package) that each set of
 # rates in presets.py was fitted to; tests/test_bench.py refits them and checks they agree.
@@ -46,6 +50,10 @@ FITTED_FROM = {
     "H200_ESTIMATE": ("docs/budget-search", "docs/extrapolation-gpu-text", "docs/extrapolation-colab-tpu-partial"),
     "COLAB_TPU_ON_H200": ("docs/extrapolation-colab-tpu-partial",),
 }
+
+# A cell that took more than this many times the seconds the fit gives it ran beside other work:
+# the fit leaves it out (see the module's docstring).
+CONTENDED = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +71,14 @@ class CellRun:
     train_seconds: float
     checkpoint_seconds: float
     eval_seconds: float
+    cpu_seconds: float | None = None
+
+    @property
+    def cores(self) -> float | None:
+        """The cores the cell's process kept busy on average (CPU over wall seconds, every
+        thread), where its run recorded its CPU seconds: fewer than a quiet run's when other work
+        shared the machine."""
+        return None if self.cpu_seconds is None else self.cpu_seconds / self.seconds
 
     @property
     def fixed_seconds(self) -> float:
@@ -123,6 +139,7 @@ def read_cells(folder) -> list[CellRun]:
                 train_seconds=cell["train_seconds"],
                 checkpoint_seconds=cell["checkpoint_seconds"],
                 eval_seconds=cell["eval_seconds"],
+                cpu_seconds=cell.get("cpu_seconds"),
             )
         )
     return cells
@@ -150,14 +167,17 @@ def _nonnegative_least_squares(columns: Sequence[np.ndarray], target: np.ndarray
 class Fit:
     """The rates fitted to one machine's cells, and how well they predict those cells.
 
-    ``spread``: per stage (``"train"``, ``"eval"``, ``"fixed"``, ``"cell"`` for the whole cell),
-    the smallest, median and largest ratio of a cell's measured seconds to the model's.
+    ``cells``: those the rates were fitted to; ``left_out``: those that took more than
+    :data:`CONTENDED` times their modelled seconds. ``spread``: per stage (``"train"``,
+    ``"eval"``, ``"fixed"``, ``"cell"`` for the whole cell), the smallest, median and largest
+    ratio of a fitted cell's measured seconds to the model's.
     """
 
     device: str
     cells: tuple[CellRun, ...]
     rates: Rates
     spread: dict[str, tuple[float, float, float]]
+    left_out: tuple[CellRun, ...] = ()
 
     def predicted(self, cell: CellRun) -> float:
         """The seconds the fitted rates give ``cell``."""
@@ -183,9 +203,10 @@ def _stage_seconds(cell: CellRun, rates: Rates) -> dict[str, tuple[float, float]
     }
 
 
-def fit_rates(cells: Sequence[CellRun]) -> Fit:
+def fit_rates(cells: Sequence[CellRun], *, contended: float = CONTENDED) -> Fit:
     """Fits the :class:`~posenc_jax.bench.presets.Rates` of the machine ``cells`` ran on (see the
-    module's docstring for the model and what it cannot see).
+    module's docstring for the model and what it cannot see), leaving out the cells that took
+    more than ``contended`` times the seconds a fit of the others gives them.
 
     Example:
       >>> from posenc_jax.bench.presets import Cost
@@ -204,12 +225,42 @@ def fit_rates(cells: Sequence[CellRun]) -> Fit:
     devices = sorted({cell.device for cell in cells})
     if len(devices) != 1:
         raise ValueError(f"fit_rates fits one device at a time, got cells of {devices or 'none'}; use fit_runs")
+
+    # Each cell against a fit of the others (a slowed cell would pull a fit that includes it
+    # towards itself); the slowest past the bound is left out, and again, until none is. A cell
+    # without which the others show no FLOP rate is not judged.
+    def against_the_others(i: int) -> float:
+        try:
+            return kept[i].seconds / kept[i].cost.seconds(_least_squares_rates(kept[:i] + kept[i + 1 :], devices[0]))
+        except ValueError:
+            return 0.0
+
+    kept = list(cells)
+    while len(kept) > 2:
+        ratios = [against_the_others(i) for i in range(len(kept))]
+        slowest = int(np.argmax(ratios))
+        if ratios[slowest] <= contended:
+            break
+        del kept[slowest]
+    rates = _least_squares_rates(kept, devices[0])
+    ratios = {}
+    for cell in kept:
+        for stage, (measured, modelled) in _stage_seconds(cell, rates).items():
+            ratios.setdefault(stage, []).append(measured / modelled)
+    spread = {stage: (min(r), float(np.median(r)), max(r)) for stage, r in ratios.items()}
+    fitted = {id(cell) for cell in kept}
+    left_out = tuple(cell for cell in cells if id(cell) not in fitted)
+    return Fit(device=devices[0], cells=tuple(kept), rates=rates, spread=spread, left_out=left_out)
+
+
+def _least_squares_rates(cells: Sequence[CellRun], device: str) -> Rates:
+    """One non-negative least-squares fit of the rates to ``cells``, stage by stage."""
     per_step, per_flop = _nonnegative_least_squares(
         [np.array([c.cost.train_steps for c in cells], float), np.array([c.cost.train_flops for c in cells])],
         np.array([c.train_seconds for c in cells]),
     )
     if per_flop <= 0:
-        raise ValueError(f"the training seconds of {len(cells)} cells on {devices[0]} show no FLOP rate")
+        raise ValueError(f"the training seconds of {len(cells)} cells on {device} show no FLOP rate")
     # Evaluation's rates from the cells that fine-tune nothing: fine-tuning (charged at the
     # training rate) adds its own compilations and runs one seed at a time, which would
     # otherwise pass for evaluation's cost.
@@ -218,19 +269,13 @@ def fit_rates(cells: Sequence[CellRun]) -> Fit:
         [np.array([c.cost.eval_flops for c in plain]), np.array([c.cost.eval_programs for c in plain], float)],
         np.array([c.eval_seconds for c in plain]),
     )
-    rates = Rates(
+    return Rates(
         train_flops_per_second=float(1 / per_flop),
         seconds_per_step=float(per_step),
         eval_flops_per_second=float(1 / per_eval_flop) if per_eval_flop > 0 else math.inf,
         seconds_per_eval_program=float(per_program),
         seconds_per_cell=float(np.mean([c.fixed_seconds for c in cells])),
     )
-    ratios = {}
-    for cell in cells:
-        for stage, (measured, modelled) in _stage_seconds(cell, rates).items():
-            ratios.setdefault(stage, []).append(measured / modelled)
-    spread = {stage: (min(r), float(np.median(r)), max(r)) for stage, r in ratios.items()}
-    return Fit(device=devices[0], cells=tuple(cells), rates=rates, spread=spread)
 
 
 def fit_runs(folders: Iterable) -> dict[str, Fit]:
