@@ -5,6 +5,7 @@ Runs happen in this process (``main([...])``) wherever they can, so they share i
 only the kill test needs a subprocess.
 """
 
+import collections
 import dataclasses
 import json
 import os
@@ -26,7 +27,7 @@ from posenc_jax.bench import cell as bench_cell
 from posenc_jax.bench import costmodel, extrapolate, presets, report, results
 from posenc_jax.bench.cli import main
 from posenc_jax.bench.ledger import Ledger, fingerprint
-from posenc_jax.bench.tasks import TASKS, DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
+from posenc_jax.bench.tasks import EOS, SEP, TASKS, DecoderTask, EncoderTask, ProbeTask, make_task, stdlib_corpus
 from posenc_jax.training import train_step
 
 CLI = [sys.executable, "-m", "posenc_jax.bench.cli", "extrapolate"]
@@ -315,7 +316,7 @@ def test_version_help_and_a_missing_bench_extra(monkeypatch, capsys):
     for preset in presets.PRESETS:
         assert re.search(rf"^  {preset} ", text, re.M), preset
     assert re.search(
-        r"cpu-full .*\n.*25 encodings x 11 tasks x 5 seeds \(\d+ cells\); at most about [\d.]+ h on a 2-core", text
+        r"cpu-full .*\n.*25 encodings x 12 tasks x 5 seeds \(\d+ cells\); at most about [\d.]+ h on a 2-core", text
     )
     assert "counting_copy      decoder, exact match" in text and "transformer-xl" in text
     assert re.search(
@@ -609,6 +610,23 @@ def test_decoder_batches_end_with_eos_and_score_exact_match():
     wrong = perfect.copy()
     wrong[1, np.flatnonzero(batch["weights"][1])[0]] += 1
     np.testing.assert_array_equal(task.score(wrong, batch), [1.0, 0.0])
+
+
+def test_counting_replace_by_hand():
+    # Kazemnejad et al.'s "Replace 6 with 3 in 6 6 6": the two symbols, then the first n times;
+    # the answer is the second n times, then the end token.
+    task = DecoderTask("counting_replace")
+    np.testing.assert_array_equal(task.answer(np.array([6, 3, 6, 6, 6])), [3, 3, 3])
+    rng = np.random.default_rng(2)
+    batch = task.batch(rng, [1, 4], pad_to=task.max_tokens(4))
+    assert batch["inputs"].shape == (2, 4 + 2 + 1 + 4)  # s t s^4 SEP t^4 (EOS is only a target)
+    for i, n in enumerate((1, 4)):
+        s, t, *rest = batch["inputs"][i][: n + 2]
+        assert s != t and rest == [s] * n and batch["inputs"][i][n + 2] == SEP
+        np.testing.assert_array_equal(batch["targets"][i][batch["weights"][i] > 0], [t] * n + [EOS])
+    # Every ordered pair of distinct symbols is drawn, uniformly (90 pairs).
+    pairs = collections.Counter(tuple(task._example(rng, 2)[0][:2]) for _ in range(9000))
+    assert len(pairs) == 90 and all(a != b for a, b in pairs) and max(pairs.values()) < 2 * min(pairs.values())
 
 
 @pytest.mark.parametrize("name", ["reverse_string", "bucket_sort", "parity", "missing_duplicate"])

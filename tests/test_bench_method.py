@@ -63,6 +63,7 @@ def test_paired_differences_use_the_common_seeds_and_say_what_they_resolve():
 
 ALGORITHMIC = [
     "counting_copy",
+    "counting_replace",
     "copy",
     "duplicate",
     "reverse",
@@ -76,7 +77,7 @@ ALGORITHMIC = [
 @pytest.mark.parametrize("name", ALGORITHMIC)
 def test_closed_form_baselines_equal_enumeration_of_every_input(name):
     task = make_task(name)
-    longest = 5 if name in ("parity", "missing_duplicate", "counting_copy") else 4
+    longest = 5 if name in ("parity", "missing_duplicate", "counting_copy", "counting_replace") else 4
     for n in range(1, longest + 1):
         closed = baselines.algorithmic_baselines(task, n)
         walked = baselines.enumerated_baselines(task, n)

@@ -10,7 +10,7 @@ score at or below it shows that a model used no more than that:
   most likely whole answer: ``max_y P(y | n)``.
 * **content-only**: sees the multiset M of the input's symbols (and so n), never their order.
   Per token: ``E_M[mean_j max_s P(y_j = s | M)]``; exact match: ``E_M[max_y P(y | M)]``.
-  A task whose answer is a function of M alone (counting copy, bucket sort, parity, the
+  A task whose answer is a function of M alone (counting copy and replace, bucket sort, parity, the
   binary missing duplicate) scores 1 here: it needs positions only to lay the answer out.
 * **chance**: guessing uniformly (the task's own :meth:`~posenc_jax.bench.tasks.Task.chance`).
 
@@ -21,7 +21,9 @@ the other.
 
 Closed forms (symbols uniform over an alphabet of A = 10, or over bits):
 
-* counting copy (exact match): position-only 1/A (the symbol is a guess); content-only 1.
+* counting copy, counting replace (exact match): position-only 1/A (the symbol written is a
+  guess); content-only 1 (in ``s t s^n`` the symbol seen once is t, and the other's count is
+  n + 1).
 * copy, reverse, duplicate (exact match): position-only A^-n; content-only: given M with
   counts c, each arrangement has probability Π c_s! / n!, and summed over M weighted by
   P(M) = n! / (Π c_s! · A^n) this is (number of multisets) / A^n = C(n + A − 1, A − 1) / A^n.
@@ -102,7 +104,7 @@ def algorithmic_baselines(task, n: int) -> dict[str, float | None]:
     n = int(n)
     a = _ALPHABET
     name = task.name
-    if name == "counting_copy":
+    if name in ("counting_copy", "counting_replace"):
         position, content = Fraction(1, a), Fraction(1)
     elif name in ("copy", "reverse", "duplicate"):
         position, content = Fraction(1, a**n), Fraction(math.comb(n + a - 1, a - 1), a**n)

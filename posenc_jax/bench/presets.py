@@ -401,7 +401,9 @@ _LONG_TEXT_ENCODINGS = (
     *("nope", "sinusoidal", "rope", "t5", "alibi", "kerple-log", "kerple-power", "sandwich", "fire"),
     *("transformer-xl", "xpos"),
 )
-_DECODER_TASKS = ("counting_copy", "copy", "duplicate", "reverse")
+_DECODER_TASKS = ("counting_copy", "counting_replace", "copy", "duplicate", "reverse")
+# Four of Kazemnejad et al.'s five for the Colab runtime's time (counting replace is the fifth).
+_COLAB_TASKS = ("counting_copy", "copy", "duplicate", "reverse")
 _ENCODER_TASKS = ("reverse_string", "missing_duplicate", "parity", "bucket_sort")
 _ALL_TASKS = (*_DECODER_TASKS, *_ENCODER_TASKS, "probe", "probe_boundary", "text")
 # Every registered encoding but the 2-D grid RoPE (for images) and randomized positions alone
@@ -573,7 +575,7 @@ PRESETS = {
     "colab-tpu": Preset(
         name="colab-tpu",
         encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
-        tasks=_DECODER_TASKS,
+        tasks=_COLAB_TASKS,
         seeds=_FIVE_SEEDS,
         model_dim=256,
         num_layers=4,
@@ -587,7 +589,7 @@ PRESETS = {
         eval_examples=256,
         checkpoint_every=1500,
         eval_only_tasks=(),
-        description="Kazemnejad et al.'s decoder tasks (train <= 20, test to 40) with a 4 x 256 model",
+        description="four of Kazemnejad et al.'s five decoder tasks (train <= 20, test to 40) with a 4 x 256 model",
         target="colab-tpu",
     ),
     # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,

@@ -25,6 +25,7 @@ __all__ = ["FAMILIES", "PUBLISHED", "TITLES", "family", "figure", "plot", "write
 # Their "APE" is the sinusoidal absolute encoding.
 PUBLISHED = {
     "counting_copy": {"nope": 0.986, "t5": 0.771, "alibi": 0.289, "rope": 0.000, "sinusoidal": 0.000},
+    "counting_replace": {"nope": 0.967, "t5": 0.939, "alibi": 0.170, "rope": 0.016, "sinusoidal": 0.000},
     "copy": {"nope": 0.305, "t5": 0.420, "alibi": 0.331, "rope": 0.011, "sinusoidal": 0.028},
     "duplicate": {"nope": 0.431, "t5": 0.524, "alibi": 0.569, "rope": 0.043, "sinusoidal": 0.040},
     "reverse": {"nope": 0.230, "t5": 0.242, "alibi": 0.171, "rope": 0.077, "sinusoidal": 0.023},
@@ -40,6 +41,7 @@ TEXT_REFERENCE = (
 # Titles a reader can parse: the task, then the model and the metric.
 TITLES = {
     "counting_copy": "Counting copy: one symbol repeated n times, copy it (decoder)",
+    "counting_replace": "Counting replace: s t then s n times, write t n times (decoder)",
     "copy": "Copy a random string (decoder)",
     "duplicate": "Duplicate a random string, y = x x (decoder)",
     "reverse": "Reverse a random string (decoder)",

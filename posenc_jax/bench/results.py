@@ -266,6 +266,7 @@ def load_results(path):
 
 _SHORT = {
     "counting_copy": "counting copy",
+    "counting_replace": "counting replace",
     "reverse_string": "reverse string (enc)",
     "missing_duplicate": "missing dup. (enc)",
     "parity": "parity (enc)",

@@ -9,7 +9,8 @@ answer, where no query looks), and says how to score a prediction:
   exact match. Teacher-forced argmax over ``y`` is exactly greedy decoding's exact
   match (if every next token is right given the true prefix, greedy never leaves
   it), so one forward pass scores it.
-  ``counting_copy`` (one token repeated n times, copy it), ``copy``, ``duplicate``
+  ``counting_copy`` (one token repeated n times, copy it), ``counting_replace`` (their
+  "replace s with t in s … s": ``x = s t s^n``, ``y = t^n``), ``copy``, ``duplicate``
   (``y = x x``), ``reverse``.
 * **encoder tasks** (after Ruoss et al. 2023, arXiv:2305.16843): ``x`` followed by
   blank tokens; a bidirectional model writes the answer on the blanks and is
@@ -171,6 +172,11 @@ class DecoderTask(_Generated):
     def _example(self, rng: np.random.Generator, n: int):
         if self.name == "counting_copy":
             x = np.full(n, rng.integers(NUM_SYMBOLS))
+        elif self.name == "counting_replace":
+            # Kazemnejad et al.'s "Replace s with t in s s s": the two symbols, then s n times.
+            s = rng.integers(NUM_SYMBOLS)
+            t = (s + 1 + rng.integers(NUM_SYMBOLS - 1)) % NUM_SYMBOLS  # any symbol but s
+            x = np.array([s, t, *[s] * n])
         elif self.name in ("copy", "duplicate", "reverse"):
             x = rng.integers(0, NUM_SYMBOLS, n)
         else:
@@ -183,16 +189,23 @@ class DecoderTask(_Generated):
             return np.concatenate([x, x])
         if self.name == "reverse":
             return x[::-1]
+        if self.name == "counting_replace":
+            return np.full(len(x) - 2, x[1])
         return x  # copy, counting copy
 
     def support(self, n: int):
         """Every input ``x`` of length ``n`` with its probability, as ``(x, p)`` pairs (for exact baselines)."""
         if self.name == "counting_copy":
             return [(np.full(n, s), 1 / NUM_SYMBOLS) for s in range(NUM_SYMBOLS)]
+        if self.name == "counting_replace":
+            pairs = [(s, t) for s in range(NUM_SYMBOLS) for t in range(NUM_SYMBOLS) if t != s]
+            return [(np.array([s, t, *[s] * n]), 1 / len(pairs)) for s, t in pairs]
         return [(np.array(x), NUM_SYMBOLS**-n) for x in itertools.product(range(NUM_SYMBOLS), repeat=n)]
 
     def max_tokens(self, n: int) -> int:
         """Model input length for an example of length n (``x SEP y EOS`` less the last token)."""
+        if self.name == "counting_replace":
+            return (n + 2) + 1 + n
         return n + 1 + (2 * n if self.name == "duplicate" else n)
 
     def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
@@ -876,6 +889,7 @@ class TextTask:
 
 TASKS = {
     "counting_copy": lambda **kw: DecoderTask("counting_copy"),
+    "counting_replace": lambda **kw: DecoderTask("counting_replace"),
     "copy": lambda **kw: DecoderTask("copy"),
     "duplicate": lambda **kw: DecoderTask("duplicate"),
     "reverse": lambda **kw: DecoderTask("reverse"),
