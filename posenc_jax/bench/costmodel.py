@@ -25,7 +25,7 @@ Sharing only ever slows a cell, so the fit leaves out the cells that took more t
 out, and names them (:attr:`Fit.left_out`); a cell's ``cpu_seconds``, where its run recorded them,
 shows how many cores it had (:attr:`CellRun.cores`), the evidence that it shared the machine.
 
-    python benchmarks/cost_model.py docs/extrapolation-cpu docs/extrapolation-cpu-full-partial
+    python benchmarks/cost_model.py docs/extrapolation-cpu docs/extrapolation-cpu-full
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = ["CONTENDED", "FITTED_FROM", "CellRun", "Fit", "fit_rates", "fit_runs"
 # The committed runs (folders of the repository, not of the installed package) that each set of
 # rates in presets.py was fitted to; tests/test_bench.py refits them and checks they agree.
 FITTED_FROM = {
-    "CPU_ESTIMATE": ("docs/extrapolation-cpu", "docs/extrapolation-cpu-full-partial"),
+    "CPU_ESTIMATE": ("docs/extrapolation-cpu", "docs/extrapolation-cpu-full"),
     "H200_ESTIMATE": ("docs/budget-search", "docs/extrapolation-gpu-text", "docs/extrapolation-colab-tpu-partial"),
     "COLAB_TPU_ON_H200": ("docs/extrapolation-colab-tpu-partial",),
 }
