@@ -2,7 +2,7 @@
 
     python benchmarks/headline_figures.py            # writes docs/figures/*.png
 
-* ``decoder-tasks.png``: Kazemnejad et al.'s four decoder tasks (``docs/extrapolation-kazemnejad/``):
+* ``decoder-tasks.png``: Kazemnejad et al.'s five decoder tasks (``docs/extrapolation-kazemnejad/``):
   per encoding, the mean exact match beyond the training length over the seeds that learned the
   task, with its 95% interval, and the published figure (another protocol) beside it.
 * ``randomized.png``: Ruoss et al.'s encoder tasks, each encoding with and without randomized
@@ -28,7 +28,13 @@ from posenc_jax.bench.report import PUBLISHED
 from posenc_jax.bench.results import cells, read
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-DECODER_TASKS = {"counting_copy": "counting copy", "copy": "copy", "duplicate": "duplicate", "reverse": "reverse"}
+DECODER_TASKS = {
+    "counting_copy": "counting copy",
+    "counting_replace": "counting replace",
+    "copy": "copy",
+    "duplicate": "duplicate",
+    "reverse": "reverse",
+}
 DECODER_ENCODINGS = {"nope": "NoPE", "t5": "T5", "alibi": "ALiBi", "rope": "RoPE", "sinusoidal": "sinusoidal"}
 ENCODER_TASKS = {
     "reverse_string": "reverse string",
@@ -84,7 +90,7 @@ def _panel(ax, values, labels, published=None, chance=None):
 
 def _row(path: pathlib.Path, titles: dict, panels: dict, ylabel: str, title: str) -> pathlib.Path:
     """One figure of panels side by side, one per task (``panels[task]``: ``_panel``'s arguments)."""
-    fig, axes = plt.subplots(1, len(titles), figsize=(12, 3.4), sharey=True)
+    fig, axes = plt.subplots(1, len(titles), figsize=(3 * len(titles), 3.4), sharey=True)
     for ax, (task, name) in zip(axes, titles.items(), strict=True):
         _panel(ax, **panels[task])
         ax.set_title(name, fontsize=10)
