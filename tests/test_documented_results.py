@@ -27,6 +27,7 @@ LABELS = {
     "RoPE + randomized": "rope+randomized",
     "sinusoidal + randomized": "sinusoidal+randomized",
     "counting copy": "counting_copy",
+    "counting replace": "counting_replace",
     "copy": "copy",
     "duplicate": "duplicate",
     "reverse": "reverse",
@@ -81,7 +82,7 @@ def _assert_shows(shown: str, summary, where) -> None:
 def test_decoder_tasks_table_is_its_committed_rows(page):
     summaries = _summaries("extrapolation-kazemnejad")
     rows = _table(page, "| task | NoPE | T5 | ALiBi | RoPE | sinusoidal |")
-    assert len(rows) == 4
+    assert len(rows) == 5
     for row in rows:
         for column in ("NoPE", "T5", "ALiBi", "RoPE", "sinusoidal"):
             summary = summaries[LABELS[row["task"]], LABELS[column]]
@@ -133,7 +134,7 @@ def test_headline_figures_are_drawn_from_the_committed_rows(tmp_path):
     assert all(p.stat().st_size > 10_000 for p in written)
     # What the bars show: the reports' intervals, and no bar where a cell did not learn its task.
     values = figures.bars()
-    assert len(values["decoder-tasks"]) == 20 and None not in values["decoder-tasks"].values()
+    assert len(values["decoder-tasks"]) == 25 and None not in values["decoder-tasks"].values()
     nope = _summaries("extrapolation-kazemnejad")["copy", "nope"].extrapolation
     assert values["decoder-tasks"]["copy", "nope"] == (nope.mean, nope.low, nope.high)
     randomized = values["randomized"]
@@ -188,3 +189,54 @@ def test_the_cpu_full_parity_figures_are_its_committed_rows():
     resolved = [o for o in orderings(_results("extrapolation-cpu-full-parity"), "parity") if o.resolved]
     assert sum(o.better == "alibi" for o in resolved) == 14 and not any(o.worse == "alibi" for o in resolved)
     assert not any({o.better, o.worse} == {"rope", "rope+randomized"} for o in resolved)
+
+
+def test_the_cpu_full_table_and_its_findings_are_its_committed_rows():
+    """The results page's `cpu-full` table, cell by cell, and the paired differences and counts its
+    findings quote."""
+    summaries = _summaries("extrapolation-cpu-full")
+    header = "| encoding | counting copy | missing duplicate | reverse string | bucket sort |"
+    rows = _table("docs/site/results.md", header)
+    assert len(rows) == 28
+    for row in rows:
+        for column in list(row)[1:]:
+            summary = summaries.get((LABELS[column], row["encoding"]))
+            if summary is None:  # no bidirectional form, or NoPE on a task whose answer slots differ
+                assert row[column] == "n/a", (row["encoding"], column)
+            else:
+                _assert_shows(_shown(row[column]), summary, (row["encoding"], column))
+    page = " ".join((ROOT / "docs" / "site" / "results.md").read_text().split())
+    results = _results("extrapolation-cpu-full")
+    for task, (resolved, pairs) in {
+        "counting_copy": (234, 378),
+        "missing_duplicate": (54, 276),
+        "reverse_string": (106, 171),
+        "bucket_sort": (202, 276),
+    }.items():
+        found = orderings(results, task)
+        assert (sum(o.resolved for o in found), len(found)) == (resolved, pairs), task
+    quoted = {
+        ("counting_copy", "rope+randomized", "rope"): "by 0.940 [0.877, 1.003]",
+        ("counting_copy", "sinusoidal+randomized", "sinusoidal"): "by 0.801 [0.667, 0.935]",
+        ("bucket_sort", "rope+randomized", "rope"): "by 0.338 [0.216, 0.460]",
+        ("bucket_sort", "sinusoidal+randomized", "sinusoidal"): "and 0.823 [0.808, 0.838]",
+        ("counting_copy", "nope", "t5"): "by 0.395 [0.016, 0.774]",
+        ("bucket_sort", "rope+pi@eval", "rope"): "by 0.333 [0.228, 0.438]",
+    }
+    reproductions = " ".join((ROOT / "docs" / "site" / "reproductions.md").read_text().split())
+    for (task, better, worse), text in quoted.items():
+        (pair,) = [o for o in orderings(results, task) if (o.better, o.worse) == (better, worse)]
+        d = pair.difference
+        assert pair.resolved and f"{text.split(' ', 1)[0]} {d.mean:.3f} [{d.low:.3f}, {d.high:.3f}]" == text
+        assert text in page, text
+        if "randomized" in better:  # the reproductions page quotes the randomized pairs too
+            assert text.split(" ", 1)[1] in reproductions, text
+    randomized = ("rope+randomized", "rope", "sinusoidal+randomized", "sinusoidal")
+    quoted_cells = [("bucket_sort", e) for e in randomized] + [
+        ("missing_duplicate", "rope+randomized"),
+        ("missing_duplicate", "rope"),
+        ("counting_copy", "rope+randomized"),
+        ("counting_copy", "sinusoidal+randomized"),
+    ]
+    for key in quoted_cells:
+        assert summaries[key].text("extrapolation") in reproductions, key
