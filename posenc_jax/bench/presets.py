@@ -775,7 +775,7 @@ class Rates:
 
 # Fitted (posenc_jax.bench.costmodel.fit_rates; `python benchmarks/cost_model.py` prints each fit
 # and how well it predicts its runs) to the cells of docs/extrapolation-cpu/ (the cpu preset's 12,
-# commit 2d47bf5) and docs/extrapolation-cpu-full/ (93 of cpu-full, commits 35cc322 to 402a460),
+# commit 2d47bf5) and docs/extrapolation-cpu-full/ (93 of cpu-full, commits 47ebb12 to 402a460),
 # both on this project's 2-core CPU, shared with other work; tests/test_bench.py refits them. The
 # fit leaves out 18 cells that took over twice what the others' fit gives them (contended: 13 of
 # them are missing-duplicate cells that trained beside test runs). Measured over modelled time, for
