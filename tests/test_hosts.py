@@ -150,3 +150,23 @@ def test_processes_train_their_share_of_the_cells_and_merge(tmp_path, capsys):
         cli.main([*args[:-1], "0"])
     with pytest.raises(SystemExit, match="does not combine with --host or --distributed"):
         cli.main([*args, "--host", "0/2"])
+
+
+def test_merged_baselines_are_those_of_every_folders_tasks(tmp_path):
+    # Two runs of one settings' different tasks (as `--tasks` splits them): the merge keeps the
+    # baselines of both, the first folder's where both hold a task.
+    folders = []
+    for name, task, value in (("a", "copy", 0.1), ("b", "counting_replace", 0.2)):
+        folder = tmp_path / name
+        folder.mkdir()
+        row = {"task": task, "encoding": "nope", "seed": 0, "length": 4, "value": 1.0, "settings": "abc"}
+        (folder / "results.jsonl").write_text(json.dumps(row) + "\n")
+        (folder / "run.json").write_text(json.dumps({"settings": "abc", "cells": [], "asked": {task: ["nope"]}}))
+        lines = {"4": {"chance": None, "position-only": value, "content-only": 1.0}}
+        both = {"lengths": {"4": {"chance": None, "position-only": value, "content-only": 0.5}}}
+        (folder / "baselines.json").write_text(json.dumps({task: {"lengths": lines}, "parity": both}))
+        folders.append(folder)
+    merged = json.loads((hosts.merge(tmp_path / "out", folders) / "baselines.json").read_text())
+    assert sorted(merged) == ["copy", "counting_replace", "parity"]
+    assert merged["counting_replace"]["lengths"]["4"]["position-only"] == 0.2
+    assert merged["parity"]["lengths"]["4"]["position-only"] == 0.1  # the first folder's

@@ -67,8 +67,8 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
     Rows must share one settings fingerprint, and no cell's row may come from two folders
     (a ValueError names both). ``out`` gets ``results.jsonl`` (the rows of every folder, in
     folder order), ``run.json`` (the first folder's record with the cells, asked labels and
-    commits of all), ``baselines.json`` (the first merged folder's; they depend on the settings
-    alone) and a ``hosts`` entry naming the folders. Existing results in ``out`` itself are
+    commits of all), ``baselines.json`` (each task's from the first merged folder that holds it; they
+    depend on the settings alone) and a ``hosts`` entry naming the folders. Existing results in ``out`` itself are
     refused: it is the merge's, not a run's. ``partial``: a folder with no finished cell yet
     (an interrupted run's) is left out and named in the record's ``unfinished`` entry, which
     the report states, instead of refused.
@@ -145,7 +145,13 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
             record["unfinished"] = unfinished
         write_text(out / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # whole or not at all
         write_json(out / "run.json", record)
-        baselines = next((f / "baselines.json" for f in merged if (f / "baselines.json").exists()), None)
-        if baselines is not None:
-            write_json(out / "baselines.json", read_json(baselines, "baselines"))
+        # Each folder holds the baselines of the tasks it ran; one run's settings give a task the same
+        # baselines in every folder, so the first folder holding a task's gives them.
+        baselines = {}
+        for folder in merged:
+            if (folder / "baselines.json").exists():
+                for task, values in read_json(folder / "baselines.json", "baselines").items():
+                    baselines.setdefault(task, values)
+        if baselines:
+            write_json(out / "baselines.json", baselines)
     return out
