@@ -521,6 +521,12 @@ def test_fit_rates_recovers_the_rates_its_cells_were_made_with():
     fit = costmodel.fit_rates([*cells, slowed])
     assert fit.left_out == (slowed,) and len(fit.cells) == len(cells)
     assert fit.rates.train_flops_per_second == pytest.approx(rates.train_flops_per_second, rel=1e-6)
+    # Two such cells: both are left out, the slower first, then the other against a fit without either.
+    slower = _cell_run(1.5e14, 1200, 2e13, 3, rates=rates)
+    slower = dataclasses.replace(slower, train_seconds=slower.train_seconds + 4 * slower.seconds)  # 5x
+    fit = costmodel.fit_rates([slowed, *cells, slower])
+    assert fit.left_out == (slowed, slower) and len(fit.cells) == len(cells)
+    assert fit.rates.seconds_per_step == pytest.approx(rates.seconds_per_step, rel=1e-6)
     assert costmodel.fit_rates([*cells, slowed], contended=4.0).left_out == ()  # within the bound: fitted
     # A negative coefficient is no rate: where cells of more steps took less time at the same FLOPs
     # (noise, on a shared machine), the per-step cost is 0 and the FLOPs take all the time.

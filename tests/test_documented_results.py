@@ -8,6 +8,7 @@ left behind when a run is replaced, fails here.
 
 import functools
 import importlib.util
+import json
 import pathlib
 import re
 
@@ -240,3 +241,68 @@ def test_the_cpu_full_table_and_its_findings_are_its_committed_rows():
     ]
     for key in quoted_cells:
         assert summaries[key].text("extrapolation") in reproductions, key
+
+
+def test_the_cpu_full_findings_in_words_are_its_orderings():
+    """What the results page says in words of `cpu-full`'s orderings, and the reproductions page of
+    counting replace's, read off the committed rows' paired differences."""
+    results = _results("extrapolation-cpu-full")
+
+    def resolved(task):
+        return {(o.better, o.worse) for o in orderings(results, task) if o.resolved}
+
+    def unresolved_with(task, encoding):
+        pairs = [o for o in orderings(results, task) if not o.resolved and encoding in (o.better, o.worse)]
+        return {o.better if o.worse == encoding else o.worse for o in pairs}
+
+    copy = resolved("counting_copy")
+    assert sum(better == "nope" for better, _ in copy) == 21 and not any(worse == "nope" for _, worse in copy)
+    assert unresolved_with("counting_copy", "nope") == {
+        *("rope+randomized", "sinusoidal+randomized", "clipped-bias", "kerple-log", "sandwich", "fire")
+    }
+    reverse = resolved("reverse_string")
+    assert ("kerple-log", "kerple-power") not in reverse and ("kerple-power", "kerple-log") not in reverse
+    assert {better for better, worse in reverse if worse == "alibi"} == {"kerple-log", "kerple-power"}
+    assert unresolved_with("reverse_string", "alibi") == {"rope-longrope", "rope+pi@eval"}
+    missing = resolved("missing_duplicate")
+    assert sum(b == "rope-longrope" for b, _ in missing) == 21 and sum(b == "kerple-power" for b, _ in missing) == 12
+    # Counting replace, Kazemnejad et al.'s five: NoPE above ALiBi; NoPE-T5 and T5-ALiBi unresolved.
+    replace = {(o.better, o.worse): o for o in orderings(_results("extrapolation-kazemnejad"), "counting_replace")}
+    d = replace["nope", "alibi"].difference
+    assert replace["nope", "alibi"].resolved and f"{d.mean:.3f} [{d.low:.3f}, {d.high:.3f}]" == "0.245 [0.115, 0.375]"
+    assert "(0.245 [0.115, 0.375])" in (ROOT / "docs" / "site" / "reproductions.md").read_text()
+    assert not replace["nope", "t5"].resolved and not replace["t5", "alibi"].resolved
+
+
+def test_the_cost_model_paragraph_is_the_fit_of_its_folders():
+    from posenc_jax.bench.costmodel import FITTED_FROM, fit_runs
+
+    (fit,) = fit_runs(ROOT / folder for folder in FITTED_FROM["CPU_ESTIMATE"]).values()
+    page = " ".join((ROOT / "docs" / "site" / "results.md").read_text().split())
+    assert len(fit.cells) + len(fit.left_out) == 105 and len(fit.left_out) == 18
+    assert sum(cell.task == "missing_duplicate" for cell in fit.left_out) == 13
+    low, _, high = fit.spread["cell"]
+    assert f"took {low:.2f}–{high:.2f} times its modelled time on the CPU" in page
+    assert "The CPU fit left out 18 of its 105 cells as contended" in page
+    for folder, shown in (
+        ("docs/extrapolation-cpu", "(12, 1 left out)"),
+        ("docs/extrapolation-cpu-full", "(93, 17 left out)"),
+    ):
+        kept = [c for c in fit.cells if c.folder.endswith(folder)]
+        left = [c for c in fit.left_out if c.folder.endswith(folder)]
+        assert f"({len(kept) + len(left)}, {len(left)} left out)" == shown and f"`{folder}/` {shown}" in page
+
+
+_L2_RUNS = ("q0.03", "q0.1", "q0.1-1200", "q0.3", "q1-1200")
+
+
+def test_every_committed_run_has_the_baselines_of_its_tasks():
+    # Runs of the earlier method have none (they predate the baselines).
+    without = {"blockwise/cpu-long-demo", "extrapolation-cpu-long", *(f"probe/l2-query-init/{q}" for q in _L2_RUNS)}
+    for run in sorted((ROOT / "docs").glob("**/results.jsonl")):
+        baselines = run.parent / "baselines.json"
+        if run.parent.relative_to(ROOT / "docs").as_posix() in without:
+            assert not baselines.exists(), run.parent
+            continue
+        tasks = {json.loads(line)["task"] for line in run.read_text().splitlines() if line.strip()}
+        assert tasks <= set(json.loads(baselines.read_text())), (run.parent, tasks)

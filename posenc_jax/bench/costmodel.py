@@ -167,8 +167,9 @@ def _nonnegative_least_squares(columns: Sequence[np.ndarray], target: np.ndarray
 class Fit:
     """The rates fitted to one machine's cells, and how well they predict those cells.
 
-    ``cells``: those the rates were fitted to; ``left_out``: those that took more than
-    :data:`CONTENDED` times their modelled seconds. ``spread``: per stage (``"train"``,
+    ``cells``: those the rates were fitted to; ``left_out``: those :func:`fit_rates` left out,
+    the slowest first, each for taking more than its bound (:data:`CONTENDED` by default) times
+    what a fit of the cells still kept gave it. ``spread``: per stage (``"train"``,
     ``"eval"``, ``"fixed"``, ``"cell"`` for the whole cell), the smallest, median and largest
     ratio of a fitted cell's measured seconds to the model's.
     """

@@ -777,9 +777,10 @@ class Rates:
 # and how well it predicts its runs) to the cells of docs/extrapolation-cpu/ (the cpu preset's 12,
 # commit 2d47bf5) and docs/extrapolation-cpu-full/ (93 of cpu-full, commits 47ebb12 to 402a460),
 # both on this project's 2-core CPU, shared with other work; tests/test_bench.py refits them. The
-# fit leaves out 18 cells that took over twice what the others' fit gives them (contended: 13 of
-# them are missing-duplicate cells that trained beside test runs). Measured over modelled time, for
-# the cells fitted: 1.45 for the first run, 0.93 for the second. No per-step host cost shows on a CPU.
+# fit leaves out 18 cells that took over twice what the others' fit gives them (contended, by their
+# time alone: 13 of them are missing-duplicate cells at 0.08-1.8 s a step, the 9 others 0.04-0.08).
+# Measured over modelled time, for the cells fitted: 1.45 for the first run, 0.93 for the second.
+# No per-step host cost shows on a CPU.
 CPU_ESTIMATE = Rates(
     train_flops_per_second=29.7e9,
     seconds_per_step=0.0,
