@@ -58,6 +58,12 @@ def _results(folder: str):
 
 
 @functools.cache
+def _prose(page: str) -> str:
+    """A docs page's text with its lines joined, so a quoted phrase may span a line break."""
+    return " ".join((ROOT / "docs" / "site" / page).read_text().split())
+
+
+@functools.cache
 def _summaries(folder: str):
     return {(c.task, c.encoding): c for c in cells(_results(folder))}
 
@@ -173,8 +179,7 @@ def test_the_cpu_full_parity_figures_are_its_committed_rows():
     """The results page's summary of `cpu-full`'s parity run and the reproductions page's randomized
     cells from it: each figure is the committed rows' summary."""
     summaries = _summaries("extrapolation-cpu-full-parity")
-    prose = lambda page: " ".join((ROOT / "docs" / "site" / page).read_text().split())  # lines joined
-    results_page, reproductions = prose("results.md"), prose("reproductions.md")
+    results_page, reproductions = _prose("results.md"), _prose("reproductions.md")
     shown = lambda encoding: summaries["parity", encoding].text("extrapolation")
     for encoding in ("alibi", "kerple-power", "functional-relative", "rope"):
         assert shown(encoding) in results_page, (encoding, shown(encoding))
@@ -206,7 +211,7 @@ def test_the_cpu_full_table_and_its_findings_are_its_committed_rows():
                 assert row[column] == "n/a", (row["encoding"], column)
             else:
                 _assert_shows(_shown(row[column]), summary, (row["encoding"], column))
-    page = " ".join((ROOT / "docs" / "site" / "results.md").read_text().split())
+    page = _prose("results.md")
     results = _results("extrapolation-cpu-full")
     for task, (resolved, pairs) in {
         "counting_copy": (234, 378),
@@ -224,11 +229,10 @@ def test_the_cpu_full_table_and_its_findings_are_its_committed_rows():
         ("counting_copy", "nope", "t5"): "by 0.395 [0.016, 0.774]",
         ("bucket_sort", "rope+pi@eval", "rope"): "by 0.333 [0.228, 0.438]",
     }
-    reproductions = " ".join((ROOT / "docs" / "site" / "reproductions.md").read_text().split())
+    reproductions = _prose("reproductions.md")
     for (task, better, worse), text in quoted.items():
         (pair,) = [o for o in orderings(results, task) if (o.better, o.worse) == (better, worse)]
-        d = pair.difference
-        assert pair.resolved and f"{text.split(' ', 1)[0]} {d.mean:.3f} [{d.low:.3f}, {d.high:.3f}]" == text
+        assert pair.resolved and f"{text.split(' ', 1)[0]} {pair.difference}" == text
         assert text in page, text
         if "randomized" in better:  # the reproductions page quotes the randomized pairs too
             assert text.split(" ", 1)[1] in reproductions, text
@@ -268,9 +272,8 @@ def test_the_cpu_full_findings_in_words_are_its_orderings():
     assert sum(b == "rope-longrope" for b, _ in missing) == 21 and sum(b == "kerple-power" for b, _ in missing) == 12
     # Counting replace, Kazemnejad et al.'s five: NoPE above ALiBi; NoPE-T5 and T5-ALiBi unresolved.
     replace = {(o.better, o.worse): o for o in orderings(_results("extrapolation-kazemnejad"), "counting_replace")}
-    d = replace["nope", "alibi"].difference
-    assert replace["nope", "alibi"].resolved and f"{d.mean:.3f} [{d.low:.3f}, {d.high:.3f}]" == "0.245 [0.115, 0.375]"
-    assert "(0.245 [0.115, 0.375])" in (ROOT / "docs" / "site" / "reproductions.md").read_text()
+    assert replace["nope", "alibi"].resolved and str(replace["nope", "alibi"].difference) == "0.245 [0.115, 0.375]"
+    assert "(0.245 [0.115, 0.375])" in _prose("reproductions.md")
     assert not replace["nope", "t5"].resolved and not replace["t5", "alibi"].resolved
 
 
@@ -278,7 +281,7 @@ def test_the_cost_model_paragraph_is_the_fit_of_its_folders():
     from posenc_jax.bench.costmodel import FITTED_FROM, fit_runs
 
     (fit,) = fit_runs(ROOT / folder for folder in FITTED_FROM["CPU_ESTIMATE"]).values()
-    page = " ".join((ROOT / "docs" / "site" / "results.md").read_text().split())
+    page = _prose("results.md")
     assert len(fit.cells) + len(fit.left_out) == 105 and len(fit.left_out) == 18
     assert sum(cell.task == "missing_duplicate" for cell in fit.left_out) == 13
     low, _, high = fit.spread["cell"]

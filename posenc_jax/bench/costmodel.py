@@ -230,13 +230,14 @@ def fit_rates(cells: Sequence[CellRun], *, contended: float = CONTENDED) -> Fit:
     # Each cell against a fit of the others (a slowed cell would pull a fit that includes it
     # towards itself); the slowest past the bound is left out, and again, until none is. A cell
     # without which the others show no FLOP rate is not judged.
+    kept = list(cells)
+
     def against_the_others(i: int) -> float:
         try:
             return kept[i].seconds / kept[i].cost.seconds(_least_squares_rates(kept[:i] + kept[i + 1 :], devices[0]))
         except ValueError:
             return 0.0
 
-    kept = list(cells)
     while len(kept) > 2:
         ratios = [against_the_others(i) for i in range(len(kept))]
         slowest = int(np.argmax(ratios))

@@ -67,11 +67,11 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
     Rows must share one settings fingerprint, and no cell's row may come from two folders
     (a ValueError names both). ``out`` gets ``results.jsonl`` (the rows of every folder, in
     folder order), ``run.json`` (the first folder's record with the cells, asked labels and
-    commits of all), ``baselines.json`` (each task's from the first merged folder that holds it; they
-    depend on the settings alone) and a ``hosts`` entry naming the folders. Existing results in ``out`` itself are
-    refused: it is the merge's, not a run's. ``partial``: a folder with no finished cell yet
-    (an interrupted run's) is left out and named in the record's ``unfinished`` entry, which
-    the report states, instead of refused.
+    commits of all), ``baselines.json`` (each task's from the first merged folder that holds
+    it; they depend on the settings alone) and a ``hosts`` entry naming the folders. Existing
+    results in ``out`` itself are refused: it is the merge's, not a run's. ``partial``: a folder
+    with no finished cell yet (an interrupted run's) is left out and named in the record's
+    ``unfinished`` entry, which the report states, instead of refused.
     """
     out = pathlib.Path(out)
     if folders is None:
