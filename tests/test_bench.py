@@ -528,6 +528,8 @@ def test_fit_rates_recovers_the_rates_its_cells_were_made_with():
     assert fit.left_out == (slowed, slower) and len(fit.cells) == len(cells)
     assert fit.rates.seconds_per_step == pytest.approx(rates.seconds_per_step, rel=1e-6)
     assert costmodel.fit_rates([*cells, slowed], contended=4.0).left_out == ()  # within the bound: fitted
+    with pytest.raises(ValueError, match=r"contended must be a multiple of the modelled seconds above 1, got 0.5"):
+        costmodel.fit_rates(cells, contended=0.5)
     # A negative coefficient is no rate: where cells of more steps took less time at the same FLOPs
     # (noise, on a shared machine), the per-step cost is 0 and the FLOPs take all the time.
     noisy = dataclasses.replace(rates, seconds_per_step=-0.01)

@@ -221,8 +221,10 @@ def fit_rates(cells: Sequence[CellRun], *, contended: float = CONTENDED) -> Fit:
       (20, 1.0, 10.0)
 
     Raises:
-      ValueError: when ``cells`` is empty or mixes devices.
+      ValueError: when ``cells`` is empty or mixes devices, or ``contended`` is not above 1.
     """
+    if not contended > 1:  # a bound at or below the model would leave out the cells it fits well
+        raise ValueError(f"contended must be a multiple of the modelled seconds above 1, got {contended!r}")
     devices = sorted({cell.device for cell in cells})
     if len(devices) != 1:
         raise ValueError(f"fit_rates fits one device at a time, got cells of {devices or 'none'}; use fit_runs")
