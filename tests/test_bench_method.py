@@ -139,7 +139,7 @@ def test_text_is_scored_on_the_same_characters_at_every_length():
     assert len(task.validation) > 0 and len(task.train) + len(task.validation) > 20 * len(task.validation) - 20
 
 
-def test_training_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_path, monkeypatch, standard_promotion):
+def test_to_criterion_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_path, monkeypatch, standard_promotion):
     always = cell.Criterion(threshold=0.0, higher_is_better=True)
     monkeypatch.setattr(extrapolate, "criterion", lambda *args: always)
     preset = dataclasses.replace(
@@ -150,11 +150,13 @@ def test_training_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_pat
         steps=400,
         check_every=10,
         checkpoint_every=100,
+        protocol="to-criterion",
     )
     lines = []
     extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lines.append)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert {r["steps"] for r in rows} == {20} and {r["criterion_step"] for r in rows} == {20}
+    assert {r["protocol"] for r in rows} == {"to-criterion"}
     assert "20 of 400 steps" in lines[-1]
     (checks,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1.checks.json")
     assert [step for step, _ in json.loads(checks.read_text())] == [10, 20]
@@ -163,6 +165,33 @@ def test_training_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_pat
     again = []
     record = extrapolate.run(preset, tmp_path, progress=False, log=again.append)
     assert record["cells"][-1]["resumed_from_step"] == 20 and record["cells"][-1]["final_loss"] is None
+
+
+def test_a_fixed_budget_trains_every_seed_its_steps_and_records_steps_to_criterion(
+    tmp_path, monkeypatch, standard_promotion
+):
+    always = cell.Criterion(threshold=0.0, higher_is_better=True)
+    monkeypatch.setattr(extrapolate, "criterion", lambda *args: always)
+    preset = dataclasses.replace(
+        presets.PRESETS["smoke"],
+        encodings=("nope",),
+        tasks=("counting_copy",),
+        seeds=(0, 1),
+        steps=50,
+        check_every=10,
+        checkpoint_every=100,
+    )
+    assert preset.protocol == "fixed-budget"
+    extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lambda line: None)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    # The criterion held at steps 10 and 20: recorded as step 20, and training went on to 50.
+    assert {r["steps"] for r in rows} == {50} and {r["criterion_step"] for r in rows} == {20}
+    assert {r["protocol"] for r in rows} == {"fixed-budget"}
+    (checks,) = (tmp_path / "checkpoints").glob("*/counting_copy/nope/seed1.checks.json")
+    assert [step for step, _ in json.loads(checks.read_text())] == [10, 20, 30, 40, 50]
+
+
+def test_held_reads_two_checks_in_a_row():
     assert cell.held([[10, 0.5], [20, 0.97], [30, 0.96]], cell.Criterion(0.95, True)) == 30
     assert cell.held([[10, 0.97], [20, 0.5], [30, 0.96]], cell.Criterion(0.95, True)) is None
     assert cell.held([[10, 1.9], [20, 1.8]], cell.Criterion(1.85, False)) is None
@@ -212,29 +241,36 @@ def _write_folder(folder, values_by_encoding, *, train_length=8, lengths=(4, 8, 
     (folder / "baselines.json").write_text(json.dumps(known))
 
 
-def test_the_gate_hides_an_unlearned_cell(tmp_path):
+def test_the_gate_hides_an_unlearned_cell_and_every_seed_counts(tmp_path):
     learned = {s: (1.0, 0.2 + 0.01 * s) for s in range(5)}
     # Unlearned: 0.5 at the training length on every seed, yet a high score beyond it.
     unlearned = {s: (0.5, 0.9) for s in range(5)}
-    # Four of five seeds learned: reported over those four.
-    mostly = {**{s: (0.97, 0.6 + 0.01 * s) for s in range(4)}, 4: (0.3, 0.0)}
-    _write_folder(tmp_path, {"rope": learned, "nope": unlearned, "alibi": mostly})
+    # Four of five seeds pass on their own and the all-seed mean (0.972) passes: every seed counts.
+    mostly = {**{s: (0.99, 0.6 + 0.01 * s) for s in range(4)}, 4: (0.90, 0.5)}
+    # Four seeds at 0.97 and one at 0.3: the mean at the training length (0.836) fails the gate,
+    # so the cell is not learned (the seeds that passed are not reported on their own).
+    dragged = {**{s: (0.97, 0.9) for s in range(4)}, 4: (0.3, 0.0)}
+    _write_folder(tmp_path, {"rope": learned, "nope": unlearned, "alibi": mostly, "t5": dragged})
     found = {c.encoding: c for c in results.cells(results.read(tmp_path))}
     assert not found["nope"].learned and found["nope"].extrapolation is None
     assert found["alibi"].learned and found["alibi"].learned_seeds == (0, 1, 2, 3)
-    assert found["alibi"].extrapolation.mean == pytest.approx(0.615) and found["alibi"].extrapolation.n == 4
+    assert found["alibi"].extrapolation.mean == pytest.approx(0.592) and found["alibi"].extrapolation.n == 5
+    assert found["alibi"].best == pytest.approx(0.63)
+    assert not found["t5"].learned and found["t5"].learned_seeds == (0, 1, 2, 3)
+    assert found["t5"].at_training.mean == pytest.approx(0.836) and found["t5"].text() == "not learned (4/5)"
     table = results.summarize(tmp_path)
     assert "| nope | not learned (0/5) |" in table and "0.9" not in table.split("| nope |")[1]
+    assert "| t5 | not learned (4/5) |" in table
     frame = results.load_results(tmp_path)
     records = frame.to_dict("records") if hasattr(frame, "to_dict") else frame
     nope = [r for r in records if r["encoding"] == "nope"]
     assert all(not r["learned"] and math.isnan(r["mean"]) for r in nope)
     rope = [r for r in records if r["encoding"] == "rope" and r["length"] == 16][0]
     assert rope["learned"] and rope["seeds"] == 5 and rope["low"] < rope["mean"] < rope["high"]
-    # The unlearned cell takes part in no ordering; the learned pair is resolved (alibi above rope
-    # by about 0.4 on each of the four seeds both learned).
+    # The unlearned cells take part in no ordering; the learned pair is compared over all five
+    # seeds (alibi above rope by 0.26-0.4 on each).
     (pair,) = results.orderings(results.read(tmp_path), "copy")
-    assert (pair.better, pair.worse, pair.difference.n) == ("alibi", "rope", 4) and pair.resolved
+    assert (pair.better, pair.worse, pair.difference.n) == ("alibi", "rope", 5) and pair.resolved
     text = report.write_report(tmp_path, plots=False)
     assert "| nope | 0/5 | 0.500, not learned | not learned (0/5) |" in text
     assert "*position-only (baseline)*" in text and "1 of 1 pairs resolved" in text

@@ -487,8 +487,8 @@ def train_and_evaluate(
     mesh=None,
     bar=None,
 ) -> list[dict]:
-    """Trains the seeds of ``cell`` together to criterion (resuming from their checkpoints), then
-    evaluates each.
+    """Trains the seeds of ``cell`` together (resuming from their checkpoints) for the preset's
+    budget of steps (``fixed-budget``) or to criterion (``to-criterion``), then evaluates each.
 
     Args:
       cell: the task, encoding and normaliser.
@@ -499,8 +499,10 @@ def train_and_evaluate(
       out, settings: the output folder and the preset's fingerprint (where checkpoints go).
       write: called with each result row as soon as it is measured.
       criterion: when a seed has learned the task (checked on held-out examples every
-        ``preset.check_every`` steps; training stops when every seed met it at two checks in a
-        row, or at ``preset.steps``).
+        ``preset.check_every`` steps; the first step at which it held at two checks in a row is
+        each row's ``criterion_step``). Under ``to-criterion`` a seed stops there, and the cell
+        when every seed has, or at ``preset.steps``; under ``fixed-budget`` every seed trains
+        ``preset.steps`` steps.
       stamp: fields every row carries (the commit that made it).
       mesh: a data-parallel mesh, or None.
       bar: ``bar(total, initial, description)`` makes a progress bar (tqdm's interface); it is
@@ -576,6 +578,7 @@ def train_and_evaluate(
                     "steps": record["steps"][seed],
                     "criterion_step": held(checks[seed], criterion),
                     "check_score": checks[seed][-1][1] if checks[seed] else None,
+                    "protocol": preset.protocol,
                 }
                 tuned = {}  # fine-tuned models, one per variant, made when first needed
                 for variant, length in todo[seed]:
@@ -657,7 +660,12 @@ def _train_group(
     two checks in a row (it then keeps that state while the others train on) and all of them at
     most to ``preset.steps``; afterwards ``models[seed]`` and ``optimizers[seed]`` hold each
     seed's trained state and ``checks[seed]`` its checks. So a seed's result depends on its own
-    seed alone, not on which seeds it trained beside."""
+    seed alone, not on which seeds it trained beside.
+
+    Under the ``fixed-budget`` protocol (``preset.protocol``) no seed stops: every seed trains
+    exactly ``preset.steps`` steps, and the checks only record when each met the criterion
+    (its steps to criterion, a measurement)."""
+    stops = preset.protocol == "to-criterion"
     record = {
         "task": cell.task_name,
         "encoding": cell.label,
@@ -666,9 +674,9 @@ def _train_group(
         "compile_seconds": 0.0,
         "train_seconds": 0.0,
         "final_loss": None,  # unknown when a resumed cell has no steps left
-        "steps": {seed: held(checks[seed], criterion) or first_step for seed in group},
+        "steps": {seed: (held(checks[seed], criterion) if stops else None) or first_step for seed in group},
     }
-    if first_step >= preset.steps or all(held(checks[seed], criterion) is not None for seed in group):
+    if first_step >= preset.steps or (stops and all(held(checks[seed], criterion) is not None for seed in group)):
         return record
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
     held_out = {seed: check_batch(cell, preset, seed) for seed in group}
@@ -686,7 +694,7 @@ def _train_group(
     def learned(seed) -> bool:
         return held(checks[seed], criterion) is not None
 
-    frozen = [learned(seed) for seed in group]
+    frozen = [stops and learned(seed) for seed in group]
 
     def step_fn(group_, _, batch):
         nonlocal began, progress
@@ -725,7 +733,7 @@ def _train_group(
                 continue  # stopped at its criterion: its state, and so its score, no longer change
             model, _ = seeds.seed(i)
             checks[seed].append([step, check_score(model, cell, held_out[seed], criterion)])
-            frozen[i] = learned(seed)
+            frozen[i] = stops and learned(seed)
         paused += time.perf_counter() - started
         if progress is not None:
             progress.set_postfix(check=" ".join(f"{checks[seed][-1][1]:.3f}" for seed in group))
@@ -763,7 +771,9 @@ def _train_group(
     record["train_seconds"] = time.perf_counter() - began - paused
     record["checkpoint_seconds"] = paused
     record["final_loss"] = [float(x) for x in np.asarray(losses[-1])]
-    record["steps"] = {seed: held(checks[seed], criterion) or first_step + len(losses) for seed in group}
+    record["steps"] = {
+        seed: (held(checks[seed], criterion) if stops else None) or first_step + len(losses) for seed in group
+    }
     if progress is not None:
         progress.close()
     for i, seed in enumerate(group):

@@ -118,6 +118,9 @@ def why_not_run(task, encoding: str) -> str | None:
     return None
 
 
+# The training protocols: every encoding the same steps, or each seed stopped at its criterion.
+PROTOCOLS = ("fixed-budget", "to-criterion")
+
 # The settings a task may have of its own (Preset.task_overrides): those of its model, its
 # training and its gate; which cells, seeds and variants run is the preset's alone.
 PER_TASK = (
@@ -137,6 +140,8 @@ PER_TASK = (
     "learned_threshold",
     "criterion_margin",
     "text_margin",
+    "equivalence_margin",
+    "text_equivalence_margin",
     "query_init_scale",
     "finetune_steps",
     "finetune_multiple",
@@ -156,19 +161,25 @@ class Preset:
     evaluation). The seeds of one task and encoding train together (one compiled program for
     all of them).
 
-    **Learned first.** Training runs to criterion: every ``check_every`` steps each seed is
+    **One budget.** Under the ``fixed-budget`` protocol (the default) every encoding of a task
+    trains exactly ``steps`` steps (the task's own, from ``task_overrides``), so a comparison
+    never mixes an encoding with its number of steps. Every ``check_every`` steps each seed is
     scored on ``check_examples`` held-out examples at the longest training length (text:
-    held-out windows of the training context), and the cell stops when every seed has met the
-    criterion at two checks in a row, or at ``steps``. The criterion, and the gate a result
-    must pass to be reported, is a score of at least ``learned_threshold`` at the longest
-    training length (text: fewer bits per character than the best n-gram baseline); a cell
-    counts as learned when at least ``learned_fraction`` of its seeds passed. Training runs a
-    margin past the gate, to ``learned_threshold + criterion_margin`` (0.98): a seed stopped
-    exactly at the threshold on a few check examples scores on either side of it on the test
-    examples, a coin flip the gate would then read as "not learned". Text trains on
-    until it beats the n-gram model by ``text_margin`` bits per character (0.2): a model only
-    just below a count-based model barely uses its context, so its curve past the training
-    length says little; the report says so when no model reaches the margin.
+    held-out windows of the training context); the first step at which a seed scored at least
+    ``learned_threshold + criterion_margin`` at two checks in a row is recorded as its steps to
+    criterion, a measurement that stops nothing. ``protocol="to-criterion"`` is the method of
+    runs made before the fixed budget (a seed stops at that criterion, a cell when every seed
+    has, or at ``steps``); every row records which protocol made it.
+
+    **Learned first.** A cell is learned when the mean over all its seeds at the longest
+    training length is at least ``learned_threshold`` (text: below the best n-gram model by
+    ``text_margin`` bits per character on the same characters); only a learned cell's scores
+    beyond the training length are reported, over all its seeds. A model only just below a
+    count-based model barely uses its context, so its curve past the training length says
+    little: hence the text margin. ``learned_fraction`` is kept for the earlier method's runs
+    and no longer read. ``equivalence_margin`` (accuracy) and ``text_equivalence_margin``
+    (bits per character) are the margins, declared before the run, within which an
+    equivalence test may call two encodings tied.
     ``finetune_scalings``: RoPE scalings fine-tuned into the trained text RoPE model for
     ``finetune_steps`` steps at ``finetune_multiple`` times the training context, at peak
     learning rate ``finetune_learning_rate`` (warm-up and cosine over those steps; 0 steps: none).
@@ -219,6 +230,9 @@ class Preset:
     learned_fraction: float = 0.8
     criterion_margin: float = 0.03
     text_margin: float = 0.2
+    equivalence_margin: float = 0.02
+    text_equivalence_margin: float = 0.05
+    protocol: str = "fixed-budget"
     check_every: int = 100
     check_examples: int = 64
     task_overrides: tuple[tuple[str, tuple[tuple[str, object], ...]], ...] = ()
@@ -337,6 +351,17 @@ class Preset:
                 f"criterion_margin must be in [0, 1), got {self.criterion_margin}; 0.03 is the default "
                 "(training stops at learned_threshold + criterion_margin, the gate reads learned_threshold)"
             )
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(
+                f"protocol must be one of {', '.join(PROTOCOLS)}, got {self.protocol!r}; fixed-budget trains every "
+                "encoding the same steps (the default), to-criterion stops each seed once it has learned"
+            )
+        for name in ("equivalence_margin", "text_equivalence_margin"):
+            if not 0 < getattr(self, name) < 1:
+                raise ValueError(
+                    f"{name} must be in (0, 1), got {getattr(self, name)}; 0.02 (accuracy) and 0.05 (bits per "
+                    "character) are the defaults"
+                )
         if not 0 <= self.text_margin < 8:
             raise ValueError(
                 f"text_margin must be in [0, 8) bits per character, got {self.text_margin}; 0.2 is the default "

@@ -18,7 +18,7 @@ import pathlib
 import numpy as np
 
 from posenc_jax.bench.presets import Preset
-from posenc_jax.bench.stats import t_interval
+from posenc_jax.bench.stats import bounded_interval
 from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_info
 
@@ -142,7 +142,7 @@ def _over_seeds(per_seed) -> str:
     """The mean over seeds of each seed's mean, with its 95% interval when there are several seeds."""
     if not per_seed:
         return "nan"
-    interval = t_interval([float(np.mean(values)) for values in per_seed.values()])
+    interval = bounded_interval([float(np.mean(values)) for values in per_seed.values()])
     return str(interval) if interval.n > 1 else f"{interval.mean:.3f}"
 
 
@@ -155,7 +155,7 @@ def write_probe_report(rows, out: pathlib.Path, *, preset: dict | None = None) -
             f"up to {preset['steps']} steps, trained on n <= {preset['train_length']}, tested at "
             f"{list(preset['eval_lengths'])} (only lengths it trained on: longer n would ask for position classes "
             f"never taught); per-token accuracy (chance 1/n); seeds {list(preset['seeds'])}; with several seeds, "
-            "the mean over seeds with its 95% Student-t interval.",
+            "the mean over seeds with its 95% interval (inside [0, 1]).",
             "",
         ]
         if preset.get("query_init_scale", 1.0) != 1.0:

@@ -1,8 +1,10 @@
 """The report and plots of a results folder: ours, with baselines and published figures beside them.
 
 Every score shown comes from a cell that learned its task in distribution
-(:mod:`posenc_jax.bench.results`), as the mean over its learned seeds with a 95% Student-t
-interval; tables and the plots' bands say the same thing. Unlearned cells read "not learned"
+(:mod:`posenc_jax.bench.results`), as the mean over all its seeds with a 95% interval (inside
+[0, 1] for a bounded score); tables and the plots' bands say the same thing. Orderings are
+corrected for multiplicity over each task's table (Holm), and ties are claimed only by an
+equivalence test. Unlearned cells read "not learned"
 in the tables and are drawn hollow and grey in the plots, never as a score. Baselines
 (chance, position-only, content-only; n-gram models for text) are rows in the tables and
 lines in the plots.
@@ -15,7 +17,8 @@ import pathlib
 
 import numpy as np
 
-from posenc_jax.bench.results import Results, cells, orderings, read, summarize
+from posenc_jax.bench.results import BOUNDED, Results, cells, comparison, protocol, read, summarize
+from posenc_jax.bench.stats import interval
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.functional.core.registry import encoding_info
 
@@ -53,7 +56,6 @@ TITLES = {
     "probe_boundary": "Probe with [CLS] ... [SEP] boundary tokens (encoder)",
     "text": "Character-level language modelling (decoder)",
 }
-_BOUNDED = ("exact_match", "accuracy")  # metrics in [0, 1]
 # Families for the plots' small multiples, in panel order.
 FAMILIES = ("absolute and none", "RoPE and its scalings", "additive biases", "relative, content-dependent")
 _LINESTYLES = ("-", "--", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1)))
@@ -82,18 +84,30 @@ def family(label: str) -> str:
 def _protocol(preset: dict) -> list[str]:
     text = "text" in preset["tasks"]
     algorithmic = any(task != "text" for task in preset["tasks"])
+    trained = protocol(preset)
     line = (
         f"Preset `{preset['name']}`: {preset['num_layers']} layers x {preset['model_dim']}, "
         f"{preset['num_heads']} heads, batch {preset['batch_size']}, AdamW lr {preset['learning_rate']} "
-        f"(warmup + cosine over the step budget), seeds {list(preset['seeds'])}. Training runs to criterion: every "
-        f"{preset['check_every']} steps each seed is scored on {preset['check_examples']} held-out examples at the "
-        f"longest training length, and a cell stops when every seed met the criterion at two checks in a row, or at "
-        f"its budget of {preset['steps']} steps"
+        f"(warmup + cosine over the step budget), seeds {list(preset['seeds'])}. "
     )
+    if trained == "fixed-budget":
+        line += f"Protocol `fixed-budget`: every encoding of a task trains the same {preset['steps']} steps"
+    else:
+        line += (
+            "Protocol `to-criterion` (the earlier method: **each encoding trained its own number of steps**, so "
+            f"comparisons mix the encoding with its budget): every {preset['check_every']} steps each seed was "
+            f"scored on {preset['check_examples']} held-out examples at the longest training length, and a seed "
+            f"stopped once it met the criterion at two checks in a row, or at its budget of {preset['steps']} steps"
+        )
     overrides = [
         f"{task} {dict(o).get('steps')}" for task, o in preset.get("task_overrides") or () if "steps" in dict(o)
     ]
     line += f" ({', '.join(overrides)})." if overrides else "."
+    if trained == "fixed-budget":
+        line += (
+            f" Steps to criterion (every {preset['check_every']} steps, {preset['check_examples']} held-out examples "
+            "at the longest training length, two checks in a row) are recorded, not used to stop."
+        )
     if algorithmic:
         line += (
             f" Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested at "
@@ -105,14 +119,39 @@ def _protocol(preset: dict) -> list[str]:
             f" Text trains at {preset['text_context']} characters and is tested at {lengths}, every length on the "
             f"same {preset['text_eval_characters']:,} test characters in non-overlapping windows."
         )
-    fraction = preset["learned_fraction"]
+    declared = "equivalence_margin" in preset
     gate = (
-        f"**Learned first.** A seed has learned its task when its score at the longest training length is at least "
-        f"{preset['learned_threshold']} (text: fewer bits per character than the best n-gram model on the same "
-        f"characters); a cell's scores are reported only when at least {fraction:.0%} of its seeds learned, as the "
-        "mean over the learned seeds with a 95% Student-t interval."
+        f"**Learned first, every seed counted.** A cell is learned when the mean over all its seeds at the longest "
+        f"training length is at least {preset['learned_threshold']} (text: below the best n-gram model by "
+        f"{preset.get('text_margin', 0.2):g} bits per character on the same characters); only then are its scores "
+        "beyond the training length reported, as the mean over all its seeds with a 95% interval (inside [0, 1] for "
+        "exact match and accuracy), and the best seed beside it. `k/n` counts the seeds that passed on their own; "
+        "no seed is dropped. Orderings are paired over seeds and Holm-corrected over each task's table; a tie is "
+        f"claimed only by an equivalence test (TOST at 0.05) within {preset.get('equivalence_margin', 0.02):g} "
+        f"accuracy or {preset.get('text_equivalence_margin', 0.05):g} bits per character"
+        + (", margins declared in the preset before the run." if declared else ", margins declared after the run.")
     )
     return [line, "", gate, ""]
+
+
+def _steps(steps: dict) -> str:
+    """The seeds' training steps: one number when they agree, else the median and range."""
+    known = sorted(s for s in steps.values() if s is not None)
+    if not known:
+        return "-"
+    if known[0] == known[-1]:
+        return str(known[0])
+    return f"{int(np.median(known))} ({known[0]}-{known[-1]})"
+
+
+def _criterion(cell) -> str:
+    """The seeds' steps to criterion: the median of those that got there, and how many did."""
+    if not cell.criterion_steps:
+        return "-"
+    reached = sorted(s for s in cell.criterion_steps.values() if s is not None)
+    if not reached:
+        return f"never (0/{len(cell.criterion_steps)})"
+    return f"{int(np.median(reached))} ({len(reached)}/{len(cell.criterion_steps)})"
 
 
 def _published_cell(task: str, encoding: str) -> str:
@@ -133,7 +172,7 @@ def _baseline_rows(task: str, results: Results, train_length: int) -> list[str]:
         if inside is None:
             continue
         beyond = f"{np.mean(outside):.3f}" if outside else "-"
-        rows.append(f"| *{name} (baseline)* | - | {inside:.3f} | {beyond} | - |")
+        rows.append(f"| *{name} (baseline)* | - | {inside:.3f} | {beyond} | - | - | - |")
     return rows
 
 
@@ -153,8 +192,8 @@ def _text_sections(task: str, results: Results, summaries) -> list[str]:
         ]
         learned = [c for c in summaries if c.learned]
         best_model = min((c.at_training.mean for c in learned), default=None)
-        margin = float(results.preset.get("text_margin", 0.2))
-        if best_model is None or best_model > best["bits_per_char"] - margin:
+        margin = float(results.setting(task, "text_margin", 0.2))
+        if best_model is None:
             lines += [
                 f"**The text models are too small to read these curves:** the best n-gram model scores "
                 f"{best['bits_per_char']:.3f} bits per character, and no learned Transformer beats it by {margin:g} "
@@ -169,14 +208,14 @@ def _text_sections(task: str, results: Results, summaries) -> list[str]:
         longest = max(n for per in buckets.values() for n in per)
         names = list(next(r for per in buckets.values() for r in per.get(longest, []))["buckets"])
         lines += [
-            f"Bits per character by position within the {longest}-character windows (learned seeds' mean; "
+            f"Bits per character by position within the {longest}-character windows (mean over all seeds; "
             "positions below the training length, then doublings of it):",
             "",
             "| encoding | " + " | ".join(names) + " |",
             "|---|" + "---|" * len(names),
         ]
         for c in summaries:
-            rows = [r for r in buckets.get(c.encoding, {}).get(longest, []) if r["seed"] in c.learned_seeds]
+            rows = buckets.get(c.encoding, {}).get(longest, [])
             if not c.learned or not rows:
                 lines.append(f"| {c.encoding} | " + " | ".join(["not learned"] * len(names)) + " |")
                 continue
@@ -187,20 +226,42 @@ def _text_sections(task: str, results: Results, summaries) -> list[str]:
 
 
 def _ordering_lines(task: str, results: Results) -> list[str]:
-    pairs = orderings(results, task)
+    family = comparison(results, task)
+    pairs = family.orderings
     if not pairs:
         return []
-    resolved = [p for p in pairs if p.resolved]
+    resolved = family.resolved
+    margin, declared = results.margin(task)
+    budgets = (
+        " Budgets differ between encodings (to-criterion), so an ordering mixes the encoding with its steps."
+        if results.protocol == "to-criterion"
+        else ""
+    )
     lines = [
-        f"Orderings beyond the training length (paired over the seeds both learned; 95% interval of the "
-        f"difference): {len(resolved)} of {len(pairs)} pairs resolved."
+        f"Orderings beyond the training length (paired over all seeds; p-values Holm-corrected over this task's "
+        f"{len(pairs)} pairs at 0.05): {len(resolved)} of {len(pairs)} pairs resolved.{budgets}"
     ]
     if resolved:
-        lines += ["", "| better | worse | difference [95% interval] | seeds |", "|---|---|---|---|"]
-        lines += [f"| {p.better} | {p.worse} | {p.difference} | {p.difference.n} |" for p in resolved]
-    unresolved = [p for p in pairs if not p.resolved]
+        lines += [
+            "",
+            "| better | worse | difference [95% interval] | corrected p | seeds |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p.better} | {p.worse} | {p.difference} | {p.corrected_p:.3g} | {p.difference.n} |" for p in resolved
+        ]
+    unresolved = family.unresolved
     if unresolved:
-        lines += ["", "Unresolved: " + "; ".join(f"{p.better} vs {p.worse}" for p in unresolved) + "."]
+        lines += ["", "Unresolved (not told apart, which is not a tie): "]
+        lines[-1] += "; ".join(f"{p.better} vs {p.worse}" for p in unresolved) + "."
+    tied = family.equivalent()
+    when = "declared before the run" if declared else "declared after the run"
+    lines += [
+        "",
+        f"Equivalent within ±{margin:g} (TOST, Holm-corrected over the pairs; margin {when}): "
+        + ("; ".join(f"{a} and {b}" for a, b in tied) if tied else "none")
+        + ".",
+    ]
     return [*lines, ""]
 
 
@@ -263,9 +324,9 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
         lines += [
             "## Overview",
             "",
-            "Beyond the training length: the mean over learned seeds [95% interval]; exact match or accuracy, "
-            "higher is better; text in bits per character, lower is better. `not learned (k/n)`: k of n seeds "
-            "learned the task in distribution, too few to report a score.",
+            "Beyond the training length: the mean over all seeds [95% interval]; exact match or accuracy, "
+            "higher is better; text in bits per character, lower is better. `not learned (k/n)`: the mean over all "
+            "seeds did not pass the gate at the training length (k of n seeds passed on their own).",
             "",
             summarize(results),
             "",
@@ -275,7 +336,11 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
         first = here[0]
         threshold, higher = results.threshold(task)
         direction = "higher" if higher else "lower"
-        gate = f"at least {threshold}" if higher else f"below {threshold:.3f} bits per character (best n-gram)"
+        gate = (
+            f"all-seed mean at least {threshold}"
+            if higher
+            else f"all-seed mean below {threshold:.3f} bits per character (best n-gram less the margin)"
+        )
         lines += [
             f"## {TITLES.get(task, task)}",
             "",
@@ -284,21 +349,21 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
             "",
         ]
         published = not pipeline_check and task in PUBLISHED
+        best = "min" if not higher else "max"
         header = (
             f"| encoding | seeds learned | at training length ({first.train_length}) | beyond training "
-            f"(> {first.train_length}) | steps |"
+            f"(> {first.train_length}) | best seed ({best}) | steps | steps to criterion |"
         )
-        sep = "|---|---|---|---|---|"
+        sep = "|---|---|---|---|---|---|---|"
         if published:
             header += " published, test 21-40 (other protocol) |"
             sep += "---|"
         lines += [header, sep]
         for c in here:
-            steps = [s for s in c.steps.values() if s is not None]
-            steps_text = f"{int(np.median(steps))}" if steps else "-"
             row = (
                 f"| {c.encoding} | {len(c.learned_seeds)}/{c.seeds} | {c.text('at_training')} | "
-                f"{c.text('extrapolation')} | {steps_text} |"
+                f"{c.text('extrapolation')} | {'-' if c.best is None else f'{c.best:.3f}'} | {_steps(c.steps)} | "
+                f"{_criterion(c)} |"
             )
             if published:
                 row += f" {_published_cell(task, c.encoding)} |"
@@ -345,7 +410,7 @@ def _task(name: str):
 def figure(task_name: str, results: Results):
     """The matplotlib figure of one task: small multiples by family (absolute and none, RoPE and its
     scalings, additive biases, relative), the metric against evaluation length; one hue per family
-    and a line style and marker per encoding within it; learned cells as the mean over learned
+    and a line style and marker per encoding within it; learned cells as the mean over all
     seeds with a 95% interval band, unlearned cells hollow, grey and dotted (labelled "not
     learned"); baselines and the training length as lines."""
     import matplotlib
@@ -386,15 +451,12 @@ def figure(task_name: str, results: Results):
                     label=f"{encoding} (not learned)",
                 )
                 continue
-            learned = [by_seed[s] for s in summary.learned_seeds]
             mean, low, high = [], [], []
             for n in lengths:
-                values = [v[n] for v in learned if n in v]
+                values = [v[n] for v in by_seed.values() if n in v]
                 if len(values) > 1:
-                    from posenc_jax.bench.stats import t_interval
-
-                    interval = t_interval(values)
-                    mean.append(interval.mean), low.append(interval.low), high.append(interval.high)
+                    found = interval(values, bounded=summary.bounded)
+                    mean.append(found.mean), low.append(found.low), high.append(found.high)
                 else:
                     mean.append(values[0] if values else np.nan), low.append(np.nan), high.append(np.nan)
             ax.plot(lengths, mean, color=hue, lw=1.4, ms=4, label=encoding, **style)
@@ -426,14 +488,14 @@ def figure(task_name: str, results: Results):
             ax.set_xscale("log", base=2)
             ax.set_xticks(lengths, [str(n) for n in lengths], rotation=45)
             ax.minorticks_off()
-        if sample["metric"] in _BOUNDED:
+        if sample["metric"] in BOUNDED:
             ax.set_ylim(-0.02, 1.02)
         ax.set_title(panel, fontsize=9)
         ax.set_xlabel("evaluation length (characters)" if text else "evaluation length (symbols of x)", fontsize=8)
         ax.grid(alpha=0.25)
         ax.legend(fontsize=6, frameon=False, loc="best")
     axes[0][0].set_ylabel(sample["metric"].replace("_", " ") + (" (lower is better)" if text else ""))
-    fig.suptitle(f"{TITLES.get(task_name, task_name)}: mean over learned seeds, band = 95% interval", fontsize=10)
+    fig.suptitle(f"{TITLES.get(task_name, task_name)}: mean over all seeds, band = 95% interval", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -1,21 +1,30 @@
-"""The benchmark's results as a researcher reads them: gated on learning, with intervals over seeds.
+"""The benchmark's results as a researcher reads them: every seed counted, gated on learning,
+with intervals over seeds and comparisons corrected for multiplicity.
 
 A results folder holds ``results.jsonl`` (one row per task, encoding, seed and length),
 ``run.json`` (the preset and provenance) and ``baselines.json``. From them:
 
-* a seed has **learned** its task when its score at the longest training length reaches the
-  preset's ``learned_threshold`` (text: fewer bits per character than the best n-gram model
-  on the same characters);
-* a cell (task × encoding) is **learned** when at least ``learned_fraction`` of its seeds
-  learned; only then are its scores reported, as the mean over its learned seeds with a 95%
-  Student-t interval (:mod:`posenc_jax.bench.stats`). An unlearned cell reads "not learned",
-  never a score;
-* two learned cells of one task are compared seed by seed (the paired difference of their
-  scores beyond the training length, over the seeds both learned); an ordering is resolved
-  when the difference's interval excludes 0.
+* a cell's (task × encoding) scores are statistics over **all** its seeds: the mean with a 95%
+  interval (inside [0, 1] for a bounded score; :mod:`posenc_jax.bench.stats`), and the best
+  seed beside it (the statistic Ruoss et al. report). No seed is ever dropped;
+* a cell is **learned** when its all-seed mean at the longest training length passes the gate:
+  at least ``learned_threshold`` (text: below the best n-gram model by ``text_margin`` bits per
+  character on the same characters). Only then are its scores beyond the training length
+  reported; an unlearned cell reads "not learned", never a score. Each seed's own pass or fail
+  is counted too ("k/n seeds learned") but decides nothing;
+* the learned cells of one task are compared seed by seed (paired differences beyond the
+  training length, over all their common seeds), as one family: the paired t-tests' p-values
+  are corrected by Holm's method at 0.05, and an ordering is resolved only when its corrected
+  p-value is below that. A tie is claimed only by an equivalence test (TOST) against the
+  task's margin (``equivalence_margin``; text ``text_equivalence_margin``);
+* every row records its training protocol: ``fixed-budget`` (every encoding the same steps;
+  the steps to criterion a measurement) or ``to-criterion`` (the method of runs made before
+  the fixed budget, in which each encoding trained its own number of steps). A folder's
+  report names its protocol, and comparisons of ``to-criterion`` runs say that their budgets
+  differ.
 
 :func:`load_results` gives one row per cell and length; :func:`cells` one summary per cell;
-:func:`summarize` the overview table the report prints.
+:func:`comparison` a task's corrected family; :func:`summarize` the overview table.
 """
 
 from __future__ import annotations
@@ -28,9 +37,22 @@ import pathlib
 import numpy as np
 
 from posenc_jax.bench.ledger import read_json, read_rows
-from posenc_jax.bench.stats import Interval, Ordering, resolved_orderings, t_interval
+from posenc_jax.bench.stats import Comparison, Interval, Ordering, compare, interval
 
-__all__ = ["CellSummary", "Results", "cells", "load_results", "orderings", "read", "summarize"]
+__all__ = [
+    "BOUNDED",
+    "CellSummary",
+    "Results",
+    "cells",
+    "comparison",
+    "load_results",
+    "orderings",
+    "protocol",
+    "read",
+    "summarize",
+]
+
+BOUNDED = ("exact_match", "accuracy")  # metrics in [0, 1]; bits per character is not bounded above
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +65,40 @@ class Results:
     baselines: dict
     record: dict
 
+    def setting(self, task: str, name: str, default=None):
+        """A preset setting as ``task`` trained with it (its ``task_overrides`` first)."""
+        overrides = dict(dict(self.preset.get("task_overrides") or ()).get(task, ()))
+        return overrides.get(name, self.preset.get(name, default))
+
     def threshold(self, task: str) -> tuple[float, bool]:
-        """``(threshold, higher_is_better)`` of the gate of ``task``."""
+        """``(threshold, higher_is_better)`` of the gate of ``task``: a score of at least
+        ``learned_threshold``, or for text bits per character below the best n-gram model's by
+        ``text_margin``."""
         ngram = self.baselines.get(task, {}).get("ngram")
         if ngram:
-            return min(b["bits_per_char"] for b in ngram), False
-        overrides = dict(dict(self.preset.get("task_overrides") or ()).get(task, ()))
-        return float(overrides.get("learned_threshold", self.preset.get("learned_threshold", 0.95))), True
+            margin = float(self.setting(task, "text_margin", 0.2))
+            return min(b["bits_per_char"] for b in ngram) - margin, False
+        return float(self.setting(task, "learned_threshold", 0.95)), True
+
+    def margin(self, task: str) -> tuple[float, bool]:
+        """``(margin, declared)``: the equivalence margin of ``task`` (within which two encodings
+        are called tied) and whether the run's preset declared it before the run; a run made
+        before margins were declared gets the defaults (0.02 accuracy, 0.05 bits per
+        character), declared after it."""
+        text = bool(self.baselines.get(task, {}).get("ngram"))
+        name, default = ("text_equivalence_margin", 0.05) if text else ("equivalence_margin", 0.02)
+        return float(self.setting(task, name, default)), name in self.preset
+
+    @property
+    def protocol(self) -> str:
+        """The run's training protocol (:func:`protocol`)."""
+        return protocol(self.preset)
+
+
+def protocol(preset: dict) -> str:
+    """``"fixed-budget"`` or ``"to-criterion"``: the training protocol of a run's preset (as in
+    ``run.json``); a preset from before the protocol was recorded trained to criterion."""
+    return str(preset.get("protocol", "to-criterion"))
 
 
 def read(path) -> Results:
@@ -120,15 +169,23 @@ def _check_one_run(numbered: list, record: dict, path: pathlib.Path) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class CellSummary:
-    """One task × encoding over its seeds.
+    """One task × encoding over all its seeds.
 
     Attributes:
       in_distribution: each seed's score at the longest training length.
       beyond: each seed's mean score over the lengths beyond training.
-      learned_seeds: the seeds whose in-distribution score passed the gate.
-      learned: whether enough seeds passed (``learned_fraction`` of them).
-      at_training, extrapolation: intervals over the learned seeds (None if the cell is not learned).
+      learned_seeds: the seeds whose own score at the training length passed the gate ("k/n
+        seeds learned"; recorded, never used to drop a seed).
+      learned: whether the all-seed mean at the training length passed the gate.
+      at_training: the interval over all seeds at the training length (shown for an unlearned
+        cell too, as the evidence that it did not learn).
+      extrapolation: the interval over all seeds beyond training (None if the cell is not learned).
+      best: the best seed's score beyond training (max, or min for bits per character; None if
+        the cell is not learned).
       steps: each seed's training steps.
+      criterion_steps: each seed's steps to criterion (two checks in a row at the gate's
+        margin; None where it never got there, or the run did not record it).
+      protocol: ``"fixed-budget"`` or ``"to-criterion"`` (:func:`protocol`).
     """
 
     task: str
@@ -143,21 +200,29 @@ class CellSummary:
     at_training: Interval | None
     extrapolation: Interval | None
     steps: dict[int, int | None]
+    best: float | None = None
+    criterion_steps: dict[int, int | None] = dataclasses.field(default_factory=dict)
+    protocol: str = "to-criterion"
 
     @property
     def seeds(self) -> int:
         return len(self.in_distribution)
 
+    @property
+    def bounded(self) -> bool:
+        return self.metric in BOUNDED
+
     def text(self, which: str = "extrapolation") -> str:
-        """The cell as a table shows it: ``mean [low, high]`` or ``not learned (k/n)``; at the
-        training length an unlearned cell shows its mean over all seeds there (the evidence that
-        it did not learn), never a score beyond it."""
+        """The cell as a table shows it: ``mean [low, high]`` over all seeds (``mean, all n seeds``
+        when they agree) or ``not learned (k/n)`` with the seeds that passed on their own; at the
+        training length an unlearned cell shows its all-seed mean there (the evidence that it
+        did not learn), never a score beyond it."""
         if not self.learned:
             if which == "at_training" and self.in_distribution:
                 return f"{np.mean(list(self.in_distribution.values())):.3f}, not learned"
             return f"not learned ({len(self.learned_seeds)}/{self.seeds})"
-        interval = getattr(self, which)
-        return "·" if interval is None else str(interval)
+        found = getattr(self, which)
+        return "·" if found is None else str(found)
 
 
 def _by_cell(rows):
@@ -169,13 +234,17 @@ def _by_cell(rows):
 
 def cells(results: Results) -> list[CellSummary]:
     """One :class:`CellSummary` per task × encoding, in the order the rows first name them."""
-    fraction = float(results.preset.get("learned_fraction", 0.8))
     out = []
     for (task, encoding), per_seed in _by_cell(results.rows).items():
         sample = next(iter(next(iter(per_seed.values())).values()))
         train = sample["train_length"]
+        bounded = sample["metric"] in BOUNDED
         threshold, higher = results.threshold(task)
-        inside, beyond, steps, learned = {}, {}, {}, []
+
+        def passes(value, threshold=threshold, higher=higher):
+            return value >= threshold if higher else value < threshold
+
+        inside, beyond, steps, criterion, learned = {}, {}, {}, {}, []
         # Beyond training, every seed is averaged over the same lengths: those all of the cell's
         # seeds have (a run read mid-evaluation, or resumed, may have more for some seeds).
         outside = set.intersection(*({n for n in by_length if n > train} for by_length in per_seed.values()))
@@ -184,12 +253,17 @@ def cells(results: Results) -> list[CellSummary]:
                 continue  # not yet evaluated at the training length: nothing can be said of it
             inside[seed] = by_length[train]["value"]
             steps[seed] = by_length[train].get("steps")
+            criterion[seed] = by_length[train].get("criterion_step")
             values = [by_length[n]["value"] for n in outside]
             if values and all(math.isfinite(v) for v in values):
                 beyond[seed] = float(np.mean(values))
-            if (inside[seed] >= threshold) if higher else (inside[seed] < threshold):
+            if passes(inside[seed]):
                 learned.append(seed)
-        cell_learned = bool(inside) and len(learned) >= math.ceil(fraction * len(inside) - 1e-9)
+        at_training = interval(list(inside.values()), bounded=bounded) if inside else None
+        cell_learned = at_training is not None and passes(at_training.mean)
+        # Beyond training, all seeds or none: a seed with a non-finite score there leaves the
+        # cell without a score (its rows say which), never with the others' mean.
+        complete = cell_learned and bool(beyond) and set(beyond) == set(inside)
         out.append(
             CellSummary(
                 task=task,
@@ -201,33 +275,44 @@ def cells(results: Results) -> list[CellSummary]:
                 beyond=beyond,
                 learned_seeds=tuple(learned),
                 learned=cell_learned,
-                at_training=t_interval([inside[s] for s in learned]) if cell_learned else None,
-                extrapolation=(
-                    t_interval([beyond[s] for s in learned if s in beyond])
-                    if cell_learned and any(s in beyond for s in learned)
-                    else None
-                ),
+                at_training=at_training,
+                extrapolation=interval(list(beyond.values()), bounded=bounded) if complete else None,
                 steps=steps,
+                best=((max if higher else min)(beyond.values()) if complete else None),
+                criterion_steps=criterion,
+                protocol=protocol(results.preset),
             )
         )
     return out
 
 
-def orderings(results: Results, task: str) -> list[Ordering]:
-    """The paired comparisons of the learned cells of ``task`` beyond the training length, over
-    the seeds each pair both learned."""
-    learned = [c for c in cells(results) if c.task == task and c.learned]
+def comparison(results: Results, task: str, encodings=None) -> Comparison:
+    """The learned cells of ``task`` (or of those of ``encodings``) compared pair by pair beyond the
+    training length over all their common seeds, as one family: Holm-corrected paired t-tests,
+    and every pair's equivalence test against the task's margin (:meth:`Results.margin`)."""
+    learned = [
+        c
+        for c in cells(results)
+        if c.task == task and c.extrapolation is not None and (encodings is None or c.encoding in encodings)
+    ]
+    margin, _ = results.margin(task)
     if not learned:
-        return []
-    per_seed = {c.encoding: {s: c.beyond[s] for s in c.learned_seeds if s in c.beyond} for c in learned}
-    return resolved_orderings(per_seed, higher_is_better=learned[0].higher_is_better)
+        return Comparison([], {}, margin)
+    per_seed = {c.encoding: dict(c.beyond) for c in learned}
+    return compare(per_seed, higher_is_better=learned[0].higher_is_better, margin=margin)
+
+
+def orderings(results: Results, task: str) -> list[Ordering]:
+    """The paired comparisons of the learned cells of ``task`` beyond the training length, over all
+    their common seeds, each with its p-value corrected over the task's family (Holm)."""
+    return comparison(results, task).orderings
 
 
 def load_results(path):
-    """One row per task, encoding and length: the mean over the cell's learned seeds with its 95%
-    interval (``low``, ``high``), the number of seeds, how many learned, and whether the cell
-    learned (its scores are NaN when it did not: a score is reported only from a learned cell).
-    A pandas DataFrame when pandas is installed, else a list of dicts.
+    """One row per task, encoding and length: the mean over all the cell's seeds with its 95%
+    interval (``low``, ``high``), the number of seeds, how many passed the gate on their own,
+    and whether the cell learned (its scores are NaN when it did not: a score is reported only
+    from a learned cell). A pandas DataFrame when pandas is installed, else a list of dicts.
 
     Args:
       path: a results folder (or its ``results.jsonl``).
@@ -239,9 +324,9 @@ def load_results(path):
         summary = summaries[(task, encoding)]
         lengths = sorted({n for by_length in per_seed.values() for n in by_length})
         for n in lengths:
-            values = {s: by_length[n]["value"] for s, by_length in per_seed.items() if n in by_length}
-            kept = [values[s] for s in summary.learned_seeds if s in values and math.isfinite(values[s])]
-            interval = t_interval(kept) if summary.learned and kept else None
+            values = [by_length[n]["value"] for by_length in per_seed.values() if n in by_length]
+            finite = all(math.isfinite(v) for v in values)
+            found = interval(values, bounded=summary.bounded) if summary.learned and values and finite else None
             out.append(
                 {
                     "task": task,
@@ -249,12 +334,13 @@ def load_results(path):
                     "length": n,
                     "in_distribution": n <= summary.train_length,
                     "metric": summary.metric,
-                    "mean": interval.mean if interval else math.nan,
-                    "low": interval.low if interval else math.nan,
-                    "high": interval.high if interval else math.nan,
+                    "mean": found.mean if found else math.nan,
+                    "low": found.low if found else math.nan,
+                    "high": found.high if found else math.nan,
                     "seeds": len(values),
                     "learned_seeds": len(summary.learned_seeds),
                     "learned": summary.learned,
+                    "protocol": summary.protocol,
                 }
             )
     try:
@@ -294,8 +380,8 @@ def _can_run(task_name: str, label: str) -> bool:
 
 def summarize(results) -> str:
     """The overview table (markdown): every encoding (rows) on every task (columns), its score
-    beyond the training length with the 95% interval over its learned seeds, or "not learned
-    (k/n)" with the number of seeds that learned; ``·`` where a cell has not run (yet), ``n/a``
+    beyond the training length with the 95% interval over all its seeds, or "not learned (k/n)"
+    with the number of seeds that passed the gate on their own; ``·`` where a cell has not run (yet), ``n/a``
     where it cannot (an encoding with no bidirectional form on an encoder task, or NoPE on an
     encoder task whose answer slots differ: see :func:`~posenc_jax.bench.presets.runs_on`).
     ``results``: a folder or a :class:`Results`."""
