@@ -48,6 +48,7 @@ __all__ = [
     "equivalence",
     "holm",
     "interval",
+    "one_sided",
     "paired_difference",
     "resolved_orderings",
     "t_interval",
@@ -205,6 +206,27 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[float]:
         running = max(running, min(1.0, (m - i) * p[index]))
         adjusted[index] = running
     return adjusted.tolist()
+
+
+def one_sided(differences: Sequence[float], null: float, direction: int) -> float:
+    """The p-value of a one-sided t-test that the mean of ``differences`` is above ``null``
+    (``direction`` +1) or below it (-1). Differences that are all the same value give 0 when that
+    value lies strictly on the claimed side of ``null``, 1 otherwise.
+
+    Example:
+      >>> round(one_sided([0.1, 0.2, 0.3], 0.0, +1), 4)  # t = 0.2 / (0.1 / √3) = 3.464, 2 df
+      0.0371
+    """
+    if direction not in (1, -1):
+        raise ValueError(f"direction must be +1 (above null) or -1 (below it), got {direction}")
+    array = _check(differences, "differences")
+    mean = float(array.mean())
+    if array.size < 2:
+        return 1.0
+    if np.ptp(array) <= 1e-12:
+        return 0.0 if direction * (mean - null) > 0 else 1.0
+    se = float(array.std(ddof=1) / math.sqrt(array.size))
+    return float(stdtr(array.size - 1, -direction * (mean - null) / se))
 
 
 @dataclasses.dataclass(frozen=True)
