@@ -17,6 +17,7 @@ import pathlib
 
 import numpy as np
 
+from posenc_jax.bench import published
 from posenc_jax.bench.results import BOUNDED, Results, cells, comparison, protocol, read, summarize
 from posenc_jax.bench.stats import interval
 from posenc_jax.bench.tasks import make_task
@@ -24,18 +25,11 @@ from posenc_jax.functional.core.registry import encoding_info
 
 __all__ = ["FAMILIES", "PUBLISHED", "TITLES", "family", "figure", "plot", "write_report"]
 
-# Kazemnejad et al. 2023, mean exact match over test lengths 21-40, 3 seeds (BENCHMARKS.md).
-# Their "APE" is the sinusoidal absolute encoding.
-PUBLISHED = {
-    "counting_copy": {"nope": 0.986, "t5": 0.771, "alibi": 0.289, "rope": 0.000, "sinusoidal": 0.000},
-    "counting_replace": {"nope": 0.967, "t5": 0.939, "alibi": 0.170, "rope": 0.016, "sinusoidal": 0.000},
-    "copy": {"nope": 0.305, "t5": 0.420, "alibi": 0.331, "rope": 0.011, "sinusoidal": 0.028},
-    "duplicate": {"nope": 0.431, "t5": 0.524, "alibi": 0.569, "rope": 0.043, "sinusoidal": 0.040},
-    "reverse": {"nope": 0.230, "t5": 0.242, "alibi": 0.171, "rope": 0.077, "sinusoidal": 0.023},
-}
-PUBLISHED_PROTOCOL = (
-    "Kazemnejad et al. 2023: 12 layers x 768, 40K steps, train lengths <= 20, test 21-40, 3 seeds, exact match"
-)
+# Kazemnejad et al. 2023's decoder tasks, as posenc_jax/bench/published.json holds them (with their
+# source: the authors' result rows, aggregated as BENCHMARKS.md says). Their "APE" is sinusoidal.
+PUBLISHED_GROUP = "kazemnejad2023-test-21-40"
+PUBLISHED = published.by_task(PUBLISHED_GROUP)
+PUBLISHED_PROTOCOL = published.source_line(PUBLISHED_GROUP)
 TEXT_REFERENCE = (
     "Press et al. 2022 (WikiText-103, 16 x 1024, trained at 512): sinusoidal perplexity explodes past the "
     "training length (20.05 at 512 -> 406 at 15512), rotary degrades slowly (20.07 -> 79.25), T5 holds a while "
