@@ -95,8 +95,8 @@ def test_a_claim_holds_is_contradicted_or_stays_unresolved_on_its_corrected_test
     for o in outcomes:
         if o.comparable:
             assert o.corrected_claim >= o.p_claim and o.corrected_contrary >= o.p_contrary
-    assert (
-        claims.verdict(claim, outcomes) == "partly: 2 holds, 1 contradicted, 2 unresolved (1 of 6 tests not comparable)"
+    assert claims.verdict(claim, outcomes) == (
+        "partly: 2 holds, 1 contradicted, 2 unresolved; contradicted: b > a (copy) (1 of 6 tests not comparable)"
     )
     assert claims.verdict(claim, outcomes[:1]) == "agrees"
     assert claims.verdict(claims.Claim("x", "y", not_comparable="another protocol"), []) == (
@@ -104,3 +104,16 @@ def test_a_claim_holds_is_contradicted_or_stays_unresolved_on_its_corrected_test
     )
     with pytest.raises(ValueError, match="one run"):
         claims.Test("above", claims.Value("run", "copy", "a"), claims.Value("other", "copy", "a"))
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/site/reproductions.md"])
+def test_the_pages_verdicts_are_the_claims_corrected_tests(claims, page):
+    text = (ROOT / page).read_text()
+    shown = 0
+    for claim in claims.CLAIMS:
+        prefix = f"| {claim.source}: {claim.claim} | "
+        rows = [line for line in text.splitlines() if line.startswith(prefix)]
+        assert len(rows) == 1, (page, claim.source)
+        assert rows[0] == prefix + claims.verdict(claim, claims.evaluate(claim)) + " |", (page, claim.source)
+        shown += 1
+    assert shown == len(claims.CLAIMS) == 11

@@ -24,7 +24,8 @@ A results folder holds ``results.jsonl`` (one row per task, encoding, seed and l
   differ.
 
 :func:`load_results` gives one row per cell and length; :func:`cells` one summary per cell;
-:func:`comparison` a task's corrected family; :func:`summarize` the overview table.
+:func:`comparison` a task's corrected family; :func:`table_family` a table's (several tasks
+corrected together); :func:`summarize` the overview table.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import pathlib
 import numpy as np
 
 from posenc_jax.bench.ledger import read_json, read_rows
-from posenc_jax.bench.stats import Comparison, Interval, Ordering, compare, interval
+from posenc_jax.bench.stats import Comparison, Interval, Ordering, compare, holm, interval
 
 __all__ = [
     "BOUNDED",
@@ -50,6 +51,7 @@ __all__ = [
     "protocol",
     "read",
     "summarize",
+    "table_family",
 ]
 
 BOUNDED = ("exact_match", "accuracy")  # metrics in [0, 1]; bits per character is not bounded above
@@ -300,6 +302,19 @@ def comparison(results: Results, task: str, encodings=None) -> Comparison:
         return Comparison([], {}, margin)
     per_seed = {c.encoding: dict(c.beyond) for c in learned}
     return compare(per_seed, higher_is_better=learned[0].higher_is_better, margin=margin)
+
+
+def table_family(results: Results, tasks, encodings=None) -> dict[str, list[Ordering]]:
+    """The orderings of several tasks' learned cells corrected as one family (Holm over every pair
+    of every task): what a table spanning those tasks may claim. Returns task → its orderings,
+    each with the p-value corrected over the whole table."""
+    found = {task: comparison(results, task, encodings).orderings for task in tasks}
+    flat = [(task, i) for task in tasks for i, o in enumerate(found[task]) if o.difference.n > 1]
+    adjusted = holm([found[task][i].difference.p_value for task, i in flat]) if flat else []
+    out = {task: [dataclasses.replace(o, corrected_p=1.0) for o in found[task]] for task in tasks}
+    for (task, i), p in zip(flat, adjusted, strict=True):
+        out[task][i] = dataclasses.replace(out[task][i], corrected_p=p)
+    return out
 
 
 def orderings(results: Results, task: str) -> list[Ordering]:
