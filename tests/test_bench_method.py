@@ -425,3 +425,19 @@ def test_nope_is_left_out_of_exactly_the_encoder_tasks_whose_answer_slots_differ
     assert presets.why_not_run(task, "cope") == "has no bidirectional form"
     assert presets.runs_on(task, "rope")
     assert presets.runs_on(task, "sinusoidal+randomized")
+
+
+def test_the_protocol_is_a_checked_setting_and_a_flag(tmp_path):
+    from posenc_jax.bench import cli
+
+    assert presets.PRESETS["cpu"].protocol == "fixed-budget"
+    assert all(p.protocol == "fixed-budget" for p in presets.PRESETS.values())
+    with pytest.raises(ValueError, match="protocol must be one of fixed-budget, to-criterion, got 'criterion'"):
+        dataclasses.replace(presets.PRESETS["smoke"], protocol="criterion").validate()
+    with pytest.raises(ValueError, match="equivalence_margin must be in"):
+        dataclasses.replace(presets.PRESETS["smoke"], equivalence_margin=0.0).validate()
+    with pytest.raises(SystemExit):
+        cli.main(["extrapolate", "--preset", "smoke", "--protocol", "criterion", "--out", str(tmp_path)])
+    # A run's report names its protocol; a run.json from before the protocol was recorded trained to criterion.
+    assert results.protocol({"name": "old"}) == "to-criterion"
+    assert results.protocol(dataclasses.asdict(presets.PRESETS["cpu"])) == "fixed-budget"

@@ -110,6 +110,7 @@ def _preset_from(args):
         "learning_rate": args.learning_rate,
         "text_eval_characters": args.text_eval_characters,
         "learned_threshold": args.learned_threshold,
+        "protocol": args.protocol,
     }
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     if args.text_lengths is not None:
@@ -321,7 +322,7 @@ def main(argv=None) -> int:
         epilog="<catalogue>",
         formatter_class=_Catalogue,
     )
-    from posenc_jax.bench.presets import PRESETS
+    from posenc_jax.bench.presets import PRESETS, PROTOCOLS
 
     ex.add_argument("--preset", default="cpu", help=f"one of {', '.join(PRESETS)} (default cpu; listed below)")
     ex.add_argument(
@@ -364,6 +365,12 @@ def main(argv=None) -> int:
         "--learned-threshold",
         type=float,
         help="score at the longest training length a seed must reach to count as learned (default 0.95)",
+    )
+    ex.add_argument(
+        "--protocol",
+        choices=PROTOCOLS,
+        help="fixed-budget (default: every encoding trains the same steps, steps to criterion recorded) or "
+        "to-criterion (each seed stops once it has learned; the earlier method, named in every row)",
     )
     ex.add_argument(
         "--no-progress", action="store_true", help="no progress bars (needs no tqdm; bars show only on a terminal)"
