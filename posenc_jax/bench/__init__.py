@@ -7,7 +7,11 @@ From Python::
     out = bench.run("smoke", out="results/smoke")   # what `posenc-bench extrapolate` runs
     table = bench.load_results(out)                 # one row per cell and length
     print(bench.summarize(out))                     # the overview table of the report
+    found = bench.cells(out)                        # every cell over all its seeds
+    family = bench.compare(out, "counting_copy")    # its pairs, Holm-corrected, with equivalence tests
     probe = bench.run_probe("smoke", out="results/probe")  # what `posenc-bench probe` runs
+
+:func:`holm` and :func:`equivalence` apply the same corrections and tests to numbers of your own.
 
 The submodules import JAX and the models only when these are called, so that importing the
 package (and ``posenc-bench --help``) stays quick.
@@ -18,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 
-__all__ = ["load_results", "run", "run_probe", "summarize"]
+__all__ = ["cells", "compare", "equivalence", "holm", "load_results", "run", "run_probe", "summarize"]
 
 
 def run(
@@ -145,3 +149,38 @@ def summarize(results) -> str:
     from posenc_jax.bench import results as found
 
     return found.summarize(results)
+
+
+def cells(path) -> list:
+    """Every cell (task × encoding) of a results folder over all its seeds: its score at the training
+    length and beyond it with 95% intervals (inside [0, 1] for exact match and accuracy), the best
+    seed, "k/n seeds learned" and whether the all-seed mean passed the gate (a list of
+    :class:`~posenc_jax.bench.results.CellSummary`)."""
+    from posenc_jax.bench import results
+
+    return results.cells(results.read(path))
+
+
+def compare(path, task: str, encodings=None):
+    """The learned cells of ``task`` in a results folder (or those of ``encodings``) compared pair by
+    pair over all their common seeds, as one family: paired t-tests Holm-corrected at 0.05 (an
+    ordering is resolved only on its corrected p-value) and every pair's equivalence test within the
+    task's margin (a :class:`~posenc_jax.bench.stats.Comparison`)."""
+    from posenc_jax.bench import results
+
+    return results.comparison(results.read(path), task, encodings)
+
+
+def holm(p_values, alpha: float = 0.05) -> list[float]:
+    """Holm–Bonferroni adjusted p-values of one family of tests (:func:`posenc_jax.bench.stats.holm`)."""
+    from posenc_jax.bench import stats
+
+    return stats.holm(p_values, alpha)
+
+
+def equivalence(a, b, margin: float):
+    """The paired equivalence test (two one-sided tests) of two encodings' per-seed scores (seed →
+    value) within ``margin`` (:func:`posenc_jax.bench.stats.equivalence`)."""
+    from posenc_jax.bench import stats
+
+    return stats.equivalence(a, b, margin)
