@@ -247,7 +247,7 @@ def render(claims: list[Claim]) -> str:
         "that margin. Each test's claim and its contrary are one-sided t-tests; all of a claim's are "
         "corrected together by Holm's method at 0.05: a test **holds** or is **contradicted** only on "
         "its corrected p-value, and is otherwise **unresolved** (not a tie). `best seed` is the best "
-        "seed's score of each (the statistic Ruoss et al. report). Every committed run trained to "
+        "seed's score of each (the statistic Ruoss et al. are said to report). Every committed run trained to "
         "criterion (each encoding its own number of steps: the `steps` columns of the runs' reports), "
         "so each comparison below mixes the encoding with its budget, until fixed-budget reruns replace them.",
         "",
@@ -389,7 +389,8 @@ CLAIMS = [
         ),
         note="`cpu-full` tests to 2x, `ruoss` to 10x the training length. The `ruoss-long` run (randomized "
         "cells at 16,000 steps) has no partner without randomization in its run, so no test rests on it. "
-        "Ruoss et al. report the best score over seeds and learning rates: the `best seed` column.",
+        "Ruoss et al. are said to report the best score over seeds and learning rates (not yet confirmed against "
+        "their protocol section): the `best seed` column.",
     ),
     Claim(
         "Golovneva et al. 2024 (CoPE), flip-flop",

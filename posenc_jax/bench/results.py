@@ -6,7 +6,7 @@ A results folder holds ``results.jsonl`` (one row per task, encoding, seed and l
 
 * a cell's (task × encoding) scores are statistics over **all** its seeds: the mean with a 95%
   interval (inside [0, 1] for a bounded score; :mod:`posenc_jax.bench.stats`), and the best
-  seed beside it (the statistic Ruoss et al. report). No seed is ever dropped;
+  seed beside it (the statistic Ruoss et al. are said to report). No seed is ever dropped;
 * a cell is **learned** when its all-seed mean at the longest training length passes the gate:
   at least ``learned_threshold`` (text: below the best n-gram model by ``text_margin`` bits per
   character on the same characters). Only then are its scores beyond the training length
