@@ -277,20 +277,26 @@ def test_the_gate_hides_an_unlearned_cell_and_every_seed_counts(tmp_path):
 
 
 def test_plots_by_family_with_baselines_and_unlearned_cells_hollow(tmp_path):
+    import matplotlib.colors
     import matplotlib.pyplot as plt
 
     learned = {s: (1.0, 0.2 + 0.01 * s) for s in range(5)}
+    rope = ("rope", "rope+yarn@eval", "rope@ft")
     _write_folder(
         tmp_path,
-        {"rope": learned, "rope+yarn@eval": learned, "nope": {s: (0.5, 0.9) for s in range(5)}, "alibi": learned},
+        {**dict.fromkeys(rope, learned), "nope": {s: (0.5, 0.9) for s in range(5)}, "sinusoidal": learned}
+        | dict.fromkeys(("alibi", "t5"), learned),
     )
     fig = report.figure("copy", results.read(tmp_path))
     titles = [ax.get_title() for ax in fig.axes]
     assert titles == ["absolute and none", "RoPE and its scalings", "additive biases"]
+    assert {line.get_label() for line in fig.axes[1].get_lines()} >= set(rope)  # @ft with its family
     labels = {line.get_label(): line for ax in fig.axes for line in ax.get_lines()}
     assert labels["nope (not learned)"].get_markerfacecolor() == "none"
-    assert labels["rope"].get_color() == labels["rope+yarn@eval"].get_color()  # one hue per family
-    assert labels["rope"].get_linestyle() != labels["rope+yarn@eval"].get_linestyle()
+    # One colour family per encoding family, a shade and a line style per encoding within it.
+    hue = [matplotlib.colors.rgb_to_hsv(matplotlib.colors.to_rgb(labels[e].get_color()))[0] for e in rope]
+    assert max(hue) - min(hue) < 0.1 and len({labels[e].get_color() for e in rope}) == 3
+    assert len({labels[e].get_linestyle() for e in rope}) == 3
     assert "position-only baseline" in labels and "training length (8)" in labels
     assert list(labels["rope"].get_xdata()) == [4, 8, 12, 16]  # no jitter
     plt.close(fig)
