@@ -16,6 +16,7 @@ evaluation in :mod:`~posenc_jax.bench.cell`, tasks behind one protocol in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pathlib
 import shutil
@@ -39,7 +40,7 @@ from posenc_jax.bench.presets import PRESETS, Preset, runs_on, why_not_run
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.training import data_parallel_mesh
 
-__all__ = ["PRESETS", "Preset", "baselines", "fingerprint", "plan", "row_label", "run"]
+__all__ = ["PRESETS", "Preset", "baselines", "fingerprint", "pin_corpus", "plan", "row_label", "run"]
 
 
 def _tasks(preset: Preset, corpus: str | None) -> dict:
@@ -65,6 +66,28 @@ def _tasks(preset: Preset, corpus: str | None) -> dict:
                 )
         tasks[name] = task
     return tasks
+
+
+def pin_corpus(preset: Preset, tasks: dict, corpus: str | None) -> Preset:
+    """The preset a run records, its text corpus checked against ``preset.text_corpus_sha256``.
+
+    The default corpus (``corpus`` None) must hash to the preset's pin, or the run stops here,
+    before anything trains, naming both hashes. A corpus passed explicitly (``--corpus PATH``)
+    is the caller's own: its hash becomes the preset's (recorded in ``run.json`` and part of
+    the results' fingerprint, so a folder's rows never mix two texts).
+    """
+    if "text" not in tasks:
+        return preset
+    sha256 = tasks["text"].sha256
+    if corpus is not None:
+        return dataclasses.replace(preset, text_corpus_sha256=sha256)
+    if sha256 != preset.text_corpus_sha256:
+        raise ValueError(
+            f"the text corpus ({tasks['text'].corpus_description}) has SHA-256 {sha256}, but preset {preset.name} "
+            f"pins {preset.text_corpus_sha256}; set text_corpus_sha256 to the corpus's hash, or pass a corpus of "
+            "your own with --corpus PATH"
+        )
+    return preset
 
 
 def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print, host=None) -> list[tuple[Cell, dict]]:
@@ -130,7 +153,7 @@ def baselines(preset: Preset, tasks: dict, out: pathlib.Path | None = None) -> d
     for name, task in tasks.items():
         lengths = preset.for_task(name).lengths(task)
         if lengths.text:
-            key = f"{task.corpus_description} | {lengths.examples} characters"
+            key = f"{task.corpus_description} | SHA-256 {task.sha256} | {lengths.examples} characters"
             if stored.get(name, {}).get("key") != key:
                 stored[name] = {"key": key, "ngram": text_baselines(task, lengths.examples)}
             result[name] = stored[name]
@@ -272,6 +295,7 @@ def run(
 
 def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log, host=None) -> dict:
     tasks = _tasks(preset, corpus)
+    preset = pin_corpus(preset, tasks, corpus)
     settings = fingerprint(preset, data=tasks["text"].digest if "text" in tasks else None)
     ledger = Ledger(out, settings)
     record = ledger.start_record(preset, corpus=corpus, asked=asked(preset, tasks))

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 
-from posenc_jax.bench.tasks import make_task, task_names
+from posenc_jax.bench.tasks import STDLIB_CORPUS_SHA256, make_task, task_names
 from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_config, encoding_info, encoding_names
 
@@ -158,8 +158,18 @@ class Preset:
     ``text_context`` characters and is tested at ``text_context`` times each of
     ``text_multiples``, every length on the same ``text_eval_characters`` characters of the
     test split, cut into non-overlapping windows of that length (Press et al. 2022's
-    evaluation). The seeds of one task and encoding train together (one compiled program for
-    all of them).
+    evaluation). Those windows depend on the corpus and the length alone, the same for every
+    encoding, seed, run and preset (``text_eval_characters`` only says how many of them are
+    scored; :meth:`~posenc_jax.bench.tasks.TextTask.window_starts`). The seeds of one task and
+    encoding train together (one compiled program for all of them).
+
+    **The text is pinned.** ``text_corpus_sha256`` is the SHA-256 of the text corpus
+    (:attr:`~posenc_jax.bench.tasks.TextTask.sha256`): a run refuses any other corpus. The
+    presets pin the default corpus, Python source code (78 standard-library files, the same on
+    every interpreter that has them: :func:`~posenc_jax.bench.tasks.stdlib_corpus`), so the text
+    claims are tested on Python source, not on the papers' corpora (WikiText-103 and the others
+    they trained on). A corpus of your own (``--corpus PATH``) replaces the hash with its own,
+    which ``run.json`` records with the preset.
 
     **One budget.** Under the ``fixed-budget`` protocol (the default) every encoding of a task
     trains exactly ``steps`` steps (the task's own, from ``task_overrides``), so a comparison
@@ -219,6 +229,7 @@ class Preset:
     text_context: int = 64
     text_multiples: tuple[int, ...] = (1, 2, 4, 8, 16)
     text_eval_characters: int = 16_384
+    text_corpus_sha256: str = STDLIB_CORPUS_SHA256
     checkpoint_every: int = 200
     eval_only_scalings: tuple[str, ...] = ("pi", "ntk", "yarn")
     normalizers: tuple[str, ...] = ("softmax",)
@@ -372,6 +383,13 @@ class Preset:
                 f"eval lengths {self.eval_lengths} must include the training length {self.train_length}, and text "
                 f"multiples {self.text_multiples} must include 1: the score there decides whether a cell learned "
                 "its task before its extrapolation is reported"
+            )
+        sha = self.text_corpus_sha256
+        if not isinstance(sha, str) or len(sha) != 64 or set(sha) - set("0123456789abcdef"):
+            raise ValueError(
+                f"text_corpus_sha256 must be a SHA-256 in 64 lowercase hexadecimal digits, got "
+                f"{self.text_corpus_sha256!r}; the default corpus's is STDLIB_CORPUS_SHA256, another's is its "
+                "TextTask(corpus).sha256"
             )
         uneven = [
             self.text_context * m for m in self.text_multiples if self.text_eval_characters % (self.text_context * m)
