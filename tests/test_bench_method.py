@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from posenc_jax.bench import baselines, cell, extrapolate, presets, report, results, stats
+from posenc_jax.bench import baselines, cell, extrapolate, ledger, presets, report, results, stats
 from posenc_jax.bench.ledger import git_state
 from posenc_jax.bench.tasks import make_task
 
@@ -467,3 +467,14 @@ def test_the_bench_api_reads_all_seeds_corrects_and_tests_equivalence(tmp_path):
     assert pair.resolved and ("alibi", "nope") in family.equivalent()
     assert bench.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert bench.equivalence({0: 0.5, 1: 0.52, 2: 0.49}, {0: 0.5, 1: 0.5, 2: 0.5}, 0.03).equivalent()
+
+
+def test_a_paper_reproducing_preset_prints_the_papers_protocol_beside_ours():
+    for name, paper in (("ruoss", "Ruoss et al. 2023"), ("paper", "Kazemnejad et al. 2023"), ("gpu-text", "Press")):
+        preset = dataclasses.asdict(presets.PRESETS[name])
+        text = "\n".join(report._protocol(preset))
+        assert f"**The paper's protocol, beside ours:** {paper}" in text and "Protocol `fixed-budget`" in text
+    assert "paper's protocol" not in "\n".join(report._protocol(dataclasses.asdict(presets.PRESETS["cpu"])))
+    # Documentation only: it changes no settings fingerprint.
+    bare = dataclasses.replace(presets.PRESETS["ruoss"], paper_protocol="")
+    assert ledger.fingerprint(bare) == ledger.fingerprint(presets.PRESETS["ruoss"])

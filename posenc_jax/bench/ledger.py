@@ -45,7 +45,10 @@ __all__ = [
 ]
 
 # Fields that choose which rows exist (or only document), not what a row's value is.
-_NOT_HASHED = ("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_tasks", "description", "target")
+_NOT_HASHED = (
+    *("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_tasks"),
+    *("description", "target", "paper_protocol"),
+)
 
 
 # The benchmark's method: 3 trains every encoding the same steps (the preset's protocol) and

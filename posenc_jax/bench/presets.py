@@ -206,7 +206,8 @@ class Preset:
     projection, so the initial scores' standard deviation shrinks by that factor (Su 2022's
     advice for L2-normalised attention in a standard Attention + FFN block). ``description``
     and ``target`` (what it is sized for: ``"cpu"``, ``"colab-tpu"`` or ``"accelerator"``) are
-    documentation only.
+    documentation only, and so is ``paper_protocol``: the protocol of the paper a preset
+    reproduces, which its report prints beside ours.
     """
 
     name: str
@@ -254,6 +255,7 @@ class Preset:
     finetune_learning_rate: float = 1e-3
     description: str = ""
     target: str = "cpu"
+    paper_protocol: str = ""
 
     def for_task(self, task_name: str) -> Preset:
         """The settings ``task_name`` trains with: this preset with the task's own overrides
@@ -458,6 +460,24 @@ _EVERY_ENCODING = (
     "sinusoidal+randomized",
 )
 
+_KAZEMNEJAD_PROTOCOL = (
+    "Kazemnejad et al. 2023: decoder-only 12 x 768, 12 heads, AdamW lr 3e-5, weight decay 0.05, batch 64, 40,000 "
+    "steps for every encoding, 6% warm-up, dropout 0.1; train lengths up to 20, test 21-40; 3 seeds; exact match of "
+    "the greedy answer"
+)
+_RUOSS_PROTOCOL = (
+    "Ruoss et al. 2023: encoder 5 x 64, 8 heads, the same budget for every encoding; train lengths 1-40, test 41-500; "
+    "randomized positions sorted from [0, 2048); per-token accuracy"
+)
+_PRESS_PROTOCOL = (
+    "Press et al. 2022: WikiText-103, 16 x 1024, trained at 512 tokens, perplexity by evaluation length to 15,512; "
+    "Chi et al. 2022, 2023 and Li et al. 2023 test Kerple, Sandwich and FIRE the same way on their corpora"
+)
+_COPE_PROTOCOL = (
+    "Golovneva et al. 2024: flip-flop at a fixed length with the density of ignore instructions varied, and counting "
+    "tasks, with larger models than here"
+)
+
 _FIVE_SEEDS = (0, 1, 2, 3, 4)
 # Per-task budgets of cpu-full, from the search in docs/site/benchmark-method.md: copy, duplicate
 # and reverse need 4 layers for NoPE to learn them at length 10 (2 layers reach 0.7 in 6,000
@@ -555,6 +575,7 @@ PRESETS = {
         checkpoint_every=1000,
         check_every=200,
         description="text on one GPU: 9 encodings and RoPE's scalings, 4 x 256 trained at 128 characters, to 32x",
+        paper_protocol=_PRESS_PROTOCOL,
         target="accelerator",
     ),
     # The text claims far past the training length: gpu-text's model trained at 256 characters
@@ -581,6 +602,7 @@ PRESETS = {
         check_every=200,
         description="text on one GPU: the text claims' 11 encodings and RoPE's scalings, 4 x 256 trained at 256 "
         "characters, to 128x",
+        paper_protocol=_PRESS_PROTOCOL,
         target="accelerator",
     ),
     # Ruoss et al. 2023: randomized positions against the same encoding without them, on their
@@ -595,6 +617,7 @@ PRESETS = {
         eval_lengths=(5, 10, 15, 20, 30, 40, 60, 80, 100),
         eval_only_tasks=(),
         description="Ruoss et al.'s encoder tasks with and without randomized positions, tested to 10x",
+        paper_protocol=_RUOSS_PROTOCOL,
     ),
     # Golovneva et al. 2024 (CoPE): flip-flop (Liu et al. 2023) and the counting task, with CoPE
     # and the encodings the paper compares it to. Trained on up to 16 pairs or statements (the
@@ -610,6 +633,7 @@ PRESETS = {
         eval_lengths=(4, 8, 12, 16, 24, 32, 48, 64),
         eval_only_tasks=(),
         description="the CoPE paper's tasks (flip-flop, counting) with CoPE, RoPE, NoPE and ALiBi, 4 layers",
+        paper_protocol=_COPE_PROTOCOL,
     ),
     # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, for a Colab TPU
     # (v2-8 or v5e, all cores data-parallel). Sized for about 20 minutes at an assumed 20 TFLOP/s;
@@ -633,6 +657,7 @@ PRESETS = {
         checkpoint_every=1500,
         eval_only_tasks=(),
         description="four of Kazemnejad et al.'s five decoder tasks (train <= 20, test to 40) with a 4 x 256 model",
+        paper_protocol=_KAZEMNEJAD_PROTOCOL,
         target="colab-tpu",
     ),
     # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,
@@ -656,6 +681,7 @@ PRESETS = {
         eval_examples=256,
         checkpoint_every=2000,
         description="Kazemnejad et al. 2023's protocol (12 x 768, 40K steps); for a GPU or TPU",
+        paper_protocol=_KAZEMNEJAD_PROTOCOL,
         target="accelerator",
     ),
 }

@@ -136,7 +136,10 @@ def _protocol(preset: dict) -> list[str]:
         f"accuracy or {preset.get('text_equivalence_margin', 0.05):g} bits per character"
         + (", margins declared in the preset before the run." if declared else ", margins declared after the run.")
     )
-    return [line, "", gate, ""]
+    lines = [line, "", gate, ""]
+    if preset.get("paper_protocol"):
+        lines += [f"**The paper's protocol, beside ours:** {preset['paper_protocol']}.", ""]
+    return lines
 
 
 def _steps(steps: dict) -> str:
