@@ -137,8 +137,14 @@ def _protocol(preset: dict) -> list[str]:
         + (", margins declared in the preset before the run." if declared else ", margins declared after the run.")
     )
     lines = [line, "", gate, ""]
-    if preset.get("paper_protocol"):
-        lines += [f"**The paper's protocol, beside ours:** {preset['paper_protocol']}.", ""]
+    paper = preset.get("paper_protocol")
+    if paper is None:  # a run made before presets stated it: the preset of that name's
+        from posenc_jax.bench.presets import PRESETS
+
+        known = PRESETS.get(preset.get("name"))
+        paper = known.paper_protocol if known is not None else ""
+    if paper:
+        lines += [f"**The paper's protocol, beside ours:** {paper}.", ""]
     return lines
 
 
