@@ -152,3 +152,25 @@ def _headline_figures():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_runs_are_drawn_paired_only_when_one_run_holds_both_on_the_same_seeds():
+    figures = _headline_figures()
+    cell = results.cells(results.read(ROOT / "docs" / "extrapolation-ruoss"))[0]
+    # The same seeds in two run folders are not a pair; in one folder they are.
+    assert figures.paired_seeds(("extrapolation-ruoss", cell), ("extrapolation-ruoss-long", cell)) == ()
+    assert figures.paired_seeds(("extrapolation-ruoss", cell), ("extrapolation-ruoss", cell)) == (0, 1, 2, 3, 4)
+    found = figures.pairs()
+    assert set(found) == {
+        (row, task, name) for row in figures.ROWS for task in figures.ENCODER_TASKS for name in ("RoPE", "sinusoidal")
+    }
+    for (row, task, name), seeds in found.items():
+        # ruoss (without randomization) and ruoss-long (with it) are separate runs; cpu-full holds both.
+        assert seeds == (() if row == "separate runs" else (0, 1, 2, 3, 4)), (row, task, name, seeds)
+    # Drawn: a line joins a seed's two scores only in the paired row.
+    cells = figures._randomized_cells(ROOT / "docs")
+    for row, joined in (("one run", 10), ("separate runs", 0)):  # 5 seeds x 2 pairs
+        fig, ax = plt.subplots()
+        figures._pair_bars(ax, row, "bucket_sort", cells, found)
+        assert sum(len(line.get_xdata()) == 2 for line in ax.get_lines()) == joined, row
+        plt.close(fig)
