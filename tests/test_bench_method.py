@@ -478,3 +478,28 @@ def test_a_paper_reproducing_preset_prints_the_papers_protocol_beside_ours():
     # Documentation only: it changes no settings fingerprint.
     bare = dataclasses.replace(presets.PRESETS["ruoss"], paper_protocol="")
     assert ledger.fingerprint(bare) == ledger.fingerprint(presets.PRESETS["ruoss"])
+
+
+def test_text_without_an_ngram_baseline_has_no_gate_and_learns_nothing():
+    rows = [
+        {
+            "task": "text",
+            "encoding": "alibi",
+            "seed": s,
+            "length": n,
+            "metric": "bits_per_char",
+            "value": 2.0,
+            "train_length": 64,
+            "in_distribution": n <= 64,
+        }
+        for s in range(3)
+        for n in (64, 128)
+    ]
+    found = results.Results(rows, dataclasses.asdict(presets.PRESETS["cpu"]), {}, {})
+    assert found.threshold("text") == (-math.inf, False)
+    (cell,) = results.cells(found)
+    assert not cell.learned and cell.text() == "not learned (0/3)"
+    # With the n-gram baseline, the gate is its bits less the margin (0.2): 2.0 < 2.5 - 0.2.
+    baselines = {"text": {"ngram": [{"order": 5, "smoothing": "kneser_ney", "bits_per_char": 2.5}]}}
+    found = results.Results(rows, dataclasses.asdict(presets.PRESETS["cpu"]), baselines, {})
+    assert found.threshold("text") == (pytest.approx(2.3), False) and results.cells(found)[0].learned

@@ -144,7 +144,7 @@ def test_headline_figures_are_drawn_from_the_committed_rows(tmp_path):
     nope = _summaries("extrapolation-kazemnejad")["copy", "nope"].extrapolation
     assert values["decoder-tasks"]["copy", "nope"] == (nope.mean, nope.low, nope.high)
     randomized = values["randomized"]
-    assert round(randomized["bucket_sort", "RoPE + randomized"][0], 3) == 0.929
+    assert round(randomized["bucket_sort", "RoPE + randomized"][0], 3) == 0.928  # all 5 seeds
     assert randomized["reverse_string", "RoPE + randomized"] is None
     assert randomized["bucket_sort", "sinusoidal + randomized"] is None
 
