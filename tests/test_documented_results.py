@@ -335,3 +335,22 @@ def test_every_committed_report_is_its_rows_read_now(tmp_path):
         out.mkdir()
         text = write_report(folder, out, plots=any(folder.glob("*.png")))
         assert (folder / "report.md").read_text() == text, f"{folder}: run `python tools/reanalyse.py`"
+
+
+def test_the_blind_spot_table_is_the_probes_report():
+    """The blind-spot page's table, cell by cell, is the committed probe's report (mean over n, over
+    all 5 seeds; seeds that all agree shown as the value alone)."""
+    probe = {
+        (row["encoding"], row["normaliser"], row["boundary tokens"]): row["mean over n"]
+        for row in _table("docs/probe/report.md", "| encoding | normaliser | boundary tokens |")
+    }
+    names = {"T5": "t5", "ALiBi": "alibi", "RoPE": "rope", "Shaw (R_K + R_V, k = 16)": "shaw"}
+    names |= {"sinusoidal": "sinusoidal", "learned": "learned"}
+    columns = {"softmax": ("softmax", "no"), "softmax + [CLS]/[SEP]": ("softmax", "yes"), "L2": ("l2", "no")}
+    columns |= {"relu²/n": ("relu2", "no"), "URPE": ("urpe", "no")}
+    rows = [r for r in _table("docs/site/blind-spot.md", "| encoding | softmax |") if r["encoding"] in names]
+    assert len(rows) == 6
+    for row in rows:
+        for column, (normaliser, boundary) in columns.items():
+            want = probe[names[row["encoding"]], normaliser, boundary].replace(", all 5 seeds", "")
+            assert row[column] == want, (row["encoding"], column, row[column], want)
