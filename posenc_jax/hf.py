@@ -13,8 +13,8 @@ the encodings' parameters.
 The families, by ``model_type``, and what each reads (transformers 5.24 for the
 formulas; transformers 4 files, with ``rope_scaling``, load the same):
 
-* **Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5/3 and their MoE, Phi-3/3.5/4, gpt-oss,
-  Falcon (RoPE)**: ``rope_theta``, ``head_dim`` (else ``hidden_size /
+* **Llama 2/3.x, Mistral, Mixtral, Qwen2/2.5/3 and their MoE, Phi-2, Phi-3/3.5/4, StableLM,
+  gpt-oss, Falcon (RoPE)**: ``rope_theta``, ``head_dim`` (else ``hidden_size /
   num_attention_heads``, which must divide), ``partial_rotary_factor`` and
   ``rope_parameters`` (transformers 5) or ``rope_scaling`` (4) of type ``default``,
   ``linear``, ``dynamic``, ``yarn``, ``llama3`` or ``longrope``; split-half pairs
@@ -40,8 +40,12 @@ formulas; transformers 4 files, with ``rope_scaling``, load the same):
   ``position_biased_input``.
 
 A field that bears on positions or the score scale and that the loader does not read is
-an error naming it, as are an unknown ``rope_type``, a ``rope_scaling`` key that the
-type does not have, and a ``layer_type=`` the config does not have. Where transformers
+an error naming it, as are a missing or unknown ``model_type`` (never read as another
+family's), an unknown ``rope_type``, a ``rope_scaling`` key that the type does not have,
+and a ``layer_type=`` the config does not have. Every numeric or true/false field it reads
+is checked before it is used: a bool, a string, NaN or a value out of range (``rope_theta=True``,
+``num_key_value_heads=0`` or one that does not divide the heads, an odd head that RoPE
+rotates whole, LongRoPE factors given as strings) is an error naming the field. Where transformers
 4 and 5 differ, this follows transformers 5: a YaRN or LongRoPE ``factor`` given in the
 config is used as given.
 
@@ -487,7 +491,10 @@ _ROPE_MODEL_TYPES = (
     "gpt_neox",
     "gptj",
     "falcon",
+    "phi",  # Phi-1/2 and StableLM: Llama's rotation on the first partial_rotary_factor of each head
+    "stablelm",
 )
+_MODEL_TYPES = frozenset({*_ROPE_MODEL_TYPES, "bloom", "mpt", "t5", "mt5", "deberta-v2"})
 # Families whose sliding_window applies to every layer (no layer types).
 _WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 
@@ -528,6 +535,187 @@ _MPT_ATTN_DEFAULTS = {
 }
 
 
+# --- what each numeric and true/false field must be ---------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rule:
+    """What a config field holds: an ``integer``, a ``number``, a ``flag`` (true or false) or
+    ``numbers`` (a list of numbers), at least ``low`` (above it when ``low_open``) and at most ``high``."""
+
+    kind: str
+    meaning: str
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+
+    def expected(self, finite: bool = False) -> str:
+        if self.kind == "flag":
+            return "true or false"
+        what = {"integer": "an integer", "number": "a number", "numbers": "a list of numbers"}[self.kind]
+        if self.low is not None and self.high is not None:
+            return f"{what} in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}]"
+        if finite and self.kind == "number":
+            what = "a finite number"
+        bounds = [] if self.low is None else [f"{'>' if self.low_open else '>='} {self.low:g}"]
+        bounds += [] if self.high is None else [f"<= {self.high:g}"]
+        return " ".join([what, *bounds])
+
+    def admits(self, number: float) -> bool:
+        return (
+            math.isfinite(number)
+            and (self.kind != "integer" or number.is_integer())
+            and (self.low is None or number > self.low or (number == self.low and not self.low_open))
+            and (self.high is None or number <= self.high)
+        )
+
+
+def _integer(meaning: str, low: int | None = 1) -> _Rule:
+    return _Rule("integer", meaning, low)
+
+
+def _positive(meaning: str, above: float = 0.0) -> _Rule:
+    return _Rule("number", meaning, above, low_open=True)
+
+
+def _flag(meaning: str) -> _Rule:
+    return _Rule("flag", meaning)
+
+
+_HEADS, _WIDTH, _HEAD = "the query heads", "the model width", "the query/key head size"
+_FRACTION = _Rule("number", "the fraction of each head that rotates", 0.0, low_open=True, high=1.0)
+_WINDOW = _integer("how many keys a sliding layer's query sees")
+_PATTERN = _integer("every n-th layer has full attention")
+# Every numeric or true/false field a loader reads, checked wherever it appears before any
+# family reads it. In Python a bool is an int and float("1e4") parses: unchecked, True would
+# read as 1, a string as its number, and "false" as true.
+_FIELD_RULES = {
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "num_heads"), _integer(_HEADS)),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads"), _integer("the key/value heads")),
+    **dict.fromkeys(("hidden_size", "n_embd", "n_embed", "d_model"), _integer(_WIDTH)),
+    **dict.fromkeys(("head_dim", "attention_head_size", "d_kv", "qk_head_dim"), _integer(_HEAD)),
+    "qk_rope_head_dim": _integer("DeepSeek's rotated part of each head"),
+    "qk_nope_head_dim": _integer("DeepSeek's unrotated part of each head"),
+    "v_head_dim": _integer("the value head size"),
+    "num_hidden_layers": _integer("the layer count"),
+    "max_position_embeddings": _integer("the context length"),
+    "original_max_position_embeddings": _integer("the context length a RoPE scaling extends"),
+    "sliding_window": _WINDOW,
+    "sliding_window_size": _WINDOW,
+    "sliding_window_pattern": _PATTERN,
+    "_sliding_window_pattern": _PATTERN,
+    "max_window_layers": _integer("the layers before Qwen's sliding ones", low=0),
+    "rope_theta": _positive("the RoPE wavelength base", above=1.0),
+    "rope_local_base_freq": _positive("the sliding layers' RoPE base", above=1.0),
+    "rotary_emb_base": _positive("the RoPE wavelength base", above=1.0),
+    "partial_rotary_factor": _FRACTION,
+    "rotary_pct": _FRACTION,
+    "rotary_dim": _integer("the rotated features of each head", low=2),
+    "query_pre_attn_scalar": _positive("Gemma's scores are scaled by its -1/2 power"),
+    "attn_logit_softcapping": _positive("Gemma 2's score cap"),
+    "final_logit_softcapping": _positive("Gemma's logit cap"),
+    "relative_attention_num_buckets": _integer("T5's bias buckets", low=2),
+    "relative_attention_max_distance": _integer("T5's farthest bucketed distance"),
+    "position_buckets": _integer("DeBERTa's log buckets, <= 0 for none", low=None),
+    "max_relative_positions": _integer("DeBERTa's relative span, <= 0 for max_position_embeddings", low=None),
+    "layer_norm_eps": _positive("the epsilon of the LayerNorm of DeBERTa's relative table"),
+    "use_sliding_window": _flag("whether Qwen's later layers slide"),
+    "rope_interleave": _flag("whether DeepSeek rotates interleaved pairs"),
+    "alibi": _flag("whether Falcon adds ALiBi"),
+    "multi_query": _flag("whether Falcon has one key/value head"),
+    "new_decoder_architecture": _flag("whether Falcon groups its key/value heads"),
+    "is_decoder": _flag("T5's causal decoder buckets"),
+    "use_bidirectional_attention": _flag("bidirectional Gemma 3"),
+    "position_biased_input": _flag("DeBERTa's absolute table"),
+    "relative_attention": _flag("DeBERTa's relative terms"),
+    "share_att_key": _flag("DeBERTa's shared position projections"),
+    "learned_pos_emb": _flag("MPT's learned table"),
+}
+# The keys of rope_scaling / rope_parameters (of each layer type, when nested by type).
+_ROPE_RULES = {
+    "rope_theta": _FIELD_RULES["rope_theta"],
+    "partial_rotary_factor": _FRACTION,
+    "original_max_position_embeddings": _FIELD_RULES["original_max_position_embeddings"],
+    "factor": _positive("the scaling factor"),
+    "low_freq_factor": _positive("Llama 3's low-frequency factor"),
+    "high_freq_factor": _positive("Llama 3's high-frequency factor"),
+    "attention_factor": _positive("the factor on the rotated q and k"),
+    "beta_fast": _positive("YaRN's fast boundary, in rotations"),
+    "beta_slow": _positive("YaRN's slow boundary, in rotations"),
+    "mscale": _Rule("number", "DeepSeek's mscale, 0 for none", 0.0),
+    "mscale_all_dim": _Rule("number", "DeepSeek's mscale_all_dim, 0 for none", 0.0),
+    "truncate": _flag("whether YaRN rounds its boundaries"),
+    "short_factor": _Rule("numbers", "LongRoPE's per-frequency factors up to the original context", 0.0, True),
+    "long_factor": _Rule("numbers", "LongRoPE's per-frequency factors beyond the original context", 0.0, True),
+}
+_MPT_RULES = {
+    "alibi": _flag("MPT's ALiBi"),
+    "prefix_lm": _flag("MPT's prefix-LM mask"),
+    "alibi_bias_max": _positive("MPT's ALiBi slopes are 2^(-alibi_bias_max * k / N)"),
+    "softmax_scale": _positive("MPT's score scale"),
+    "kv_n_heads": _integer("MPT's key/value heads"),
+}
+
+
+def _a(value) -> str:
+    """What ``value`` is, for a message: "a bool", "a string", "a list", ..."""
+    if isinstance(value, (bool, np.bool_)):
+        return "a bool"
+    return "a string" if isinstance(value, str) else f"a {type(value).__name__}"
+
+
+def _check_value(name: str, value, rule: _Rule) -> None:
+    """Refuses a field ``name`` whose ``value`` is not what ``rule`` says (None: the field is unset)."""
+    if value is None:
+        return
+    if rule.kind == "numbers":
+        if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
+            raise ValueError(
+                f"{name} must be {rule.expected()} ({rule.meaning}), got {value!r}, {_a(value)}; "
+                f"write the list of numbers, as in the model's config.json"
+            )
+        for i, x in enumerate(value):
+            _check_value(f"{name}[{i}]", x, dataclasses.replace(rule, kind="number"))
+        return
+    if rule.kind == "flag":
+        if not isinstance(value, (bool, np.bool_)):
+            raise ValueError(
+                f"{name} must be true or false ({rule.meaning}), got {value!r}, {_a(value)}; "
+                f"write true or false, as in the model's config.json"
+            )
+        return
+    integer = isinstance(value, (int, np.integer))
+    number = integer or isinstance(value, (float, np.floating))
+    if isinstance(value, (bool, np.bool_)) or not number or (rule.kind == "integer" and not integer):
+        raise ValueError(
+            f"{name} must be {rule.expected()} ({rule.meaning}), got {value!r}, {_a(value)}; "
+            f"write the {'integer' if rule.kind == 'integer' else 'number'} itself, as in the model's config.json"
+        )
+    if not rule.admits(float(value)):
+        raise ValueError(
+            f"{name} must be {rule.expected(finite=True)} ({rule.meaning}), got {value!r}; "
+            f"use the value in the model's config.json"
+        )
+
+
+def _check_values(fields: dict) -> None:
+    """Checks each numeric and true/false field (the top level, the rope dicts, MPT's attn_config)."""
+    for name, rule in _FIELD_RULES.items():
+        _check_value(name, fields.get(name), rule)
+    for source in ("rope_scaling", "rope_parameters"):
+        rope = fields.get(source)
+        if not isinstance(rope, Mapping):
+            continue  # None, or not a dict: _rope_dict says so
+        by_type = [(f"{source}[{key!r}]", value) for key, value in rope.items() if isinstance(value, Mapping)]
+        for where, params in [(source, rope), *by_type]:
+            for key, rule in _ROPE_RULES.items():
+                _check_value(f"{where}.{key}", params.get(key), rule)
+    attn = fields.get("attn_config")
+    if isinstance(attn, Mapping):
+        for key, rule in _MPT_RULES.items():
+            _check_value(f"attn_config.{key}", attn.get(key), rule)
+
+
 def _as_dict(config) -> dict:
     """A transformers config object or dict as a plain dict of its fields."""
     if config is None:
@@ -561,6 +749,7 @@ def _fields(config, notes: list) -> dict:
         if name not in fields:
             fields[name] = value
             notes.append(f"{name} = {value!r}: transformers' default for {model_type} (absent from the config)")
+    _check_values(fields)
     return fields
 
 
@@ -635,13 +824,10 @@ def from_hf_config(config, *, layer_type: str | None = None, decoder: bool | Non
             "DeBERTa v1 configs are not supported: v1 slices its relative table by the sequence length; "
             "load a deberta-v2 (or v3) config"
         )
-    if model_type in ("t5", "mt5") or (
-        model_type not in _ROPE_MODEL_TYPES and fields.get("relative_attention_num_buckets") is not None
-    ):
+    _check_model_type(model_type)
+    if model_type in ("t5", "mt5"):
         loaded = _t5(fields, decoder, notes)
-    elif model_type == "deberta-v2" or (
-        model_type not in _ROPE_MODEL_TYPES and ("pos_att_type" in fields or "position_buckets" in fields)
-    ):
+    elif model_type == "deberta-v2":
         loaded = _deberta(fields, notes)
     elif model_type in ("bloom", "mpt") or (model_type == "falcon" and fields.get("alibi")):
         loaded = _alibi(fields, model_type, notes)
@@ -658,6 +844,21 @@ def from_hf_config(config, *, layer_type: str | None = None, decoder: bool | Non
             f"(model_type {model_type!r} has one kind of layer)"
         )
     return loaded
+
+
+def _check_model_type(model_type) -> None:
+    """Refuses a config of no family, or of one this loader does not know: how it applies positions is unknown."""
+    known = sorted(_MODEL_TYPES)
+    if model_type in (None, ""):
+        raise ValueError(
+            f"the config has no model_type, so which family's positions it holds is unknown; add model_type as in "
+            f"the model's config.json (this loader reads {known})"
+        )
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(
+            f"model_type {model_type!r} is not a family this loader knows ({known}); read as another family "
+            f"(Llama's RoPE, say) its positions could be silently wrong: load a config of one of these families"
+        )
 
 
 def _carrying_scale(loaded: HFEncoding) -> HFEncoding:
@@ -826,17 +1027,8 @@ def _rope(fields: dict, model_type: str | None, layer_type: str | None, notes: l
 
 
 def _check_rope_fields(fields: dict, model_type: str | None, notes: list) -> None:
-    """Refuses fields the family does not read, configs without RoPE, and settings not reproduced."""
-    _check_reads(fields, _ROPE_READS | _FAMILY_READS.get(model_type, frozenset()), f"{model_type or 'RoPE'}")
-    if model_type not in _ROPE_MODEL_TYPES:
-        if not (fields.get("rope_theta") or fields.get("rope_parameters") or fields.get("rope_scaling")):
-            raise ValueError(
-                f"found no position settings in this config (model_type {model_type!r}): expected rope_theta or "
-                f"rope_parameters / rope_scaling (RoPE), relative_attention_num_buckets (T5), pos_att_type "
-                f"(DeBERTa-v2) or a model_type this loader knows: {sorted((*_ROPE_MODEL_TYPES, 'bloom', 'mpt'))}"
-            )
-        which = "no model_type" if model_type is None else f"model_type {model_type!r}, not one of the checked families"
-        notes.append(f"{which}: read as a Llama-style RoPE config")
+    """Refuses fields the family does not read and settings not reproduced."""
+    _check_reads(fields, _ROPE_READS | _FAMILY_READS.get(model_type, frozenset()), model_type)
     if fields.get("use_bidirectional_attention"):
         raise ValueError(
             "use_bidirectional_attention=True (bidirectional Gemma 3): its symmetric window masks are not "
@@ -915,17 +1107,42 @@ def _note_what_is_not_applied(model_type: str | None, softcap, notes: list) -> N
 
 def _kv_heads(fields: dict, num_heads: int, model_type: str | None) -> int:
     if model_type == "falcon":
-        if fields.get("new_decoder_architecture"):
-            return int(fields.get("num_kv_heads") or num_heads)
-        return 1 if fields.get("multi_query", True) else num_heads
-    value = fields.get("num_key_value_heads")
-    return num_heads if value is None else int(value)
+        if not fields.get("new_decoder_architecture"):
+            return 1 if fields.get("multi_query", True) else num_heads
+        name = "num_kv_heads"
+    else:
+        name = "num_key_value_heads"
+    heads = next((n for n in ("num_attention_heads", "n_head") if fields.get(n) is not None), "num_attention_heads")
+    return _grouped(fields.get(name), name, num_heads, heads)
+
+
+def _grouped(kv_heads: int | None, name: str, num_heads: int, heads_name: str) -> int:
+    """The key/value head count (``num_heads`` when unset), which must divide the query heads."""
+    if kv_heads is None:
+        return num_heads
+    if num_heads % kv_heads:
+        divisors = [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+        raise ValueError(
+            f"{name}={kv_heads} does not divide {heads_name}={num_heads}: each key/value head serves an equal "
+            f"group of query heads; give one of {divisors}, as in the model's config.json"
+        )
+    return int(kv_heads)
 
 
 def _partial_factor(value, source: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
         raise ValueError(f"{source} must be a number in (0, 1], the fraction of each head that rotates, got {value!r}")
     return float(value)
+
+
+def _head_dim_source(fields: dict, head_dim: int) -> str:
+    """Where the head size came from, for a message: ``head_dim=15`` or ``hidden_size / ... = 60 / 4 = 15``."""
+    given = next((n for n in ("qk_rope_head_dim", "head_dim", "attention_head_size") if n in fields), None)
+    if given is not None and fields[given] == head_dim:
+        return f"{given}={head_dim}"
+    hidden = next((n for n in ("hidden_size", "n_embd", "n_embed") if fields.get(n) is not None), "hidden_size")
+    heads = next((n for n in ("num_attention_heads", "n_head") if fields.get(n) is not None), "num_attention_heads")
+    return f"the head size {hidden} / {heads} = {fields.get(hidden)} / {fields.get(heads)} = {head_dim}"
 
 
 def _rotary_dim(fields: dict, model_type: str | None, params: dict, head_dim: int, notes: list) -> int:
@@ -946,6 +1163,11 @@ def _rotary_dim(fields: dict, model_type: str | None, params: dict, head_dim: in
             if "rotary_pct" not in fields:
                 notes.append("rotary_pct = 0.25: transformers' default for gpt_neox (absent from the config)")
         if partial is None:
+            if head_dim % 2:
+                raise ValueError(
+                    f"{_head_dim_source(fields, head_dim)} is odd: RoPE rotates pairs of features, so a head that "
+                    f"rotates whole must have an even size; check the head sizes against the model's config.json"
+                )
             return head_dim
         partial = _partial_factor(partial, name)
         rotary = int(head_dim * partial)
@@ -1110,7 +1332,7 @@ def _mpt(fields: dict, notes: list):
     if fields.get("learned_pos_emb"):
         notes.append("learned_pos_emb: no table with ALiBi on (transformers' MPT has none)")
     kv_heads = {"multihead_attention": num_heads, "multiquery_attention": 1}.get(
-        attn["attn_type"], attn["kv_n_heads"] or num_heads
+        attn["attn_type"], _grouped(attn["kv_n_heads"], "attn_config.kv_n_heads", num_heads, "n_heads")
     )
     scale = head_dim**-0.5
     if attn["softmax_scale"] is not None:

@@ -209,6 +209,7 @@ QWEN_YARN = {  # Qwen2.5 with its documented YaRN extension (rope_scaling added 
     "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
 }
 DEEPSEEK_YARN = {  # DeepSeek-V2-Lite's rope block (mscale / mscale_all_dim) on a plain 64-wide RoPE head
+    "model_type": "llama",
     "hidden_size": 2048,
     "num_attention_heads": 16,
     "head_dim": 64,
@@ -225,6 +226,7 @@ DEEPSEEK_YARN = {  # DeepSeek-V2-Lite's rope block (mscale / mscale_all_dim) on 
     },
 }
 GPT_OSS_YARN = {  # gpt-oss's rope block in transformers 5 style (rope_parameters, truncate false), one layer type
+    "model_type": "llama",
     "hidden_size": 2880,
     "num_attention_heads": 64,
     "head_dim": 64,
@@ -261,6 +263,7 @@ PARTIAL = {  # Phi-2 / StableLM style: only part of the head rotates
     "max_position_embeddings": 4096,
 }
 LINEAR = {
+    "model_type": "llama",
     "hidden_size": 512,
     "num_attention_heads": 8,
     "rope_theta": 10000.0,
@@ -268,6 +271,7 @@ LINEAR = {
     "rope_scaling": {"rope_type": "linear", "factor": 4.0},
 }
 DYNAMIC = {
+    "model_type": "llama",
     "hidden_size": 512,
     "num_attention_heads": 8,
     "rope_theta": 10000.0,
@@ -353,6 +357,7 @@ def test_longrope_optional_factor_sets_the_attention_factor():
 
 
 SMALL_LONGROPE = {
+    "model_type": "phi3",
     "hidden_size": 32,
     "num_attention_heads": 2,
     "max_position_embeddings": 64,
@@ -388,7 +393,7 @@ def test_dynamic_ntk_frequencies(seq_len):
 
 
 def test_head_dim_field_wins_over_hidden_size():
-    config = {"hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128, "rope_theta": 1e6}
+    config = {"model_type": "llama", "hidden_size": 5120, "num_attention_heads": 32, "head_dim": 128, "rope_theta": 1e6}
     loaded = from_hf_config(config)
     assert loaded.head_dim == 128
     np.testing.assert_allclose(loaded.encodings[0].frequencies(128)[0], hf_default(1e6, 128), rtol=2e-6)
@@ -396,6 +401,7 @@ def test_head_dim_field_wins_over_hidden_size():
 
 def test_layer_typed_rope_parameters_need_a_layer_type():
     config = {
+        "model_type": "qwen3",
         "hidden_size": 64,
         "num_attention_heads": 4,
         "layer_types": ["sliding_attention", "full_attention"],
@@ -414,7 +420,7 @@ def test_layer_typed_rope_parameters_need_a_layer_type():
 @pytest.mark.parametrize(
     "config, message",
     [
-        ({"hidden_size": 64, "num_attention_heads": 4}, "found no position settings"),
+        ({"hidden_size": 64, "num_attention_heads": 4}, "the config has no model_type"),
         (dict(LINEAR, rope_scaling={"rope_type": "su-perb", "factor": 2.0}), "rope_type 'su-perb' is not supported"),
         (dict(LINEAR, rope_scaling={"rope_type": "linear"}), "no 'factor', which linear RoPE scaling needs"),
         (dict(PARTIAL, partial_rotary_factor=0.3125), r"80 \* 0.3125 gives 25 rotated features"),
@@ -1798,3 +1804,48 @@ def test_decoder_is_for_t5_only():
     with pytest.raises(ValueError, match="decoder= is for T5's encoder and decoder; model_type 'llama'"):
         from_hf_config(LLAMA_2_7B, decoder=True)
     assert from_hf_config(MT5_SMALL, decoder=True).causal is True
+
+
+# --- issue 56: values that would load as a wrong answer are refused at load --------------------------
+
+SMALL_LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "rope_theta": 1e4}
+SMALL_PHI3_LONGROPE = {
+    "model_type": "phi3",
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 64,
+    "original_max_position_embeddings": 16,
+    "rope_scaling": {"type": "longrope", "short_factor": ["1.0"] * 8, "long_factor": [2.0] * 8},
+}
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (dict(SMALL_LLAMA, num_key_value_heads=3), r"num_key_value_heads=3 does not divide num_attention_heads=4"),
+        (dict(SMALL_LLAMA, num_key_value_heads=0), r"num_key_value_heads must be an integer >= 1 .*got 0"),
+        (dict(SMALL_LLAMA, num_key_value_heads=True), r"num_key_value_heads must be an integer .*got True, a bool"),
+        (dict(FALCON_40B, num_kv_heads=3), r"num_kv_heads=3 does not divide num_attention_heads=128"),
+        (
+            dict(MPT_7B, attn_config=dict(MPT_7B["attn_config"], attn_type="grouped_query_attention", kv_n_heads=5)),
+            r"attn_config.kv_n_heads=5 does not divide n_heads=32",
+        ),
+        ({k: v for k, v in SMALL_LLAMA.items() if k != "model_type"}, r"the config has no model_type"),
+        (dict(SMALL_LLAMA, model_type="mamba"), r"model_type 'mamba' is not a family this loader knows"),
+        (dict(T5_SMALL_ORIGINAL, model_type="umt5"), r"model_type 'umt5' is not a family this loader knows"),
+        (SMALL_PHI3_LONGROPE, r"rope_scaling.short_factor\[0\] must be a number .*got '1.0', a string"),
+        (dict(SMALL_LLAMA, head_dim=15), r"head_dim=15 is odd: RoPE rotates pairs of features"),
+        (
+            dict(SMALL_LLAMA, hidden_size=60),
+            r"hidden_size / num_attention_heads = 60 / 4 = 15 is odd: RoPE rotates pairs",
+        ),
+        (dict(DEEPSEEK_V3, qk_rope_head_dim=63), r"qk_rope_head_dim=63 is odd: RoPE rotates pairs of features"),
+        (dict(SMALL_LLAMA, rope_theta=True), r"rope_theta must be a number > 1 .*got True, a bool"),
+        (dict(SMALL_LLAMA, rope_theta="1e4"), r"rope_theta must be a number > 1 .*got '1e4', a string"),
+        (dict(FALCON_RW_1B, alibi="false"), r"alibi must be true or false .*got 'false', a string"),
+    ],
+)
+def test_config_values_that_would_load_as_a_wrong_answer_are_refused_naming_the_field(config, message):
+    with pytest.raises(ValueError, match=message) as error:
+        from_hf_config(config)
+    assert "\n" not in str(error.value)
