@@ -4,7 +4,14 @@ Hypothesis draws shapes (batch, query and key lengths, grouped heads, head dim),
 positions with offsets and gaps, key padding, causal or not, an encoding, a normaliser, and
 the implementation (materialising, or blockwise with block sizes that may not divide the
 lengths); masked keys and values are filled with NaN, which must never reach the output.
+
+Hugging Face configs × fields: every numeric and true/false field of every shipped config is
+given a bool, a string, 0, a negative number and NaN in turn; each must be refused naming the
+field, or leave the loaded result unchanged (a field the loader does not read).
 """
+
+import copy
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_hf import DYNAMIC, SHIPPED
 
 from posenc_jax.functional import (
     ALiBi,
@@ -28,6 +36,7 @@ from posenc_jax.functional import (
     relu2_weights,
     softmax_weights,
 )
+from posenc_jax.hf import from_hf_config
 from posenc_jax.reference import relative as ref_relative
 from posenc_jax.reference import sandwich as ref_sandwich
 from posenc_jax.reference import su_rope
@@ -197,3 +206,66 @@ def test_fully_masked_rows_stay_finite_with_every_encoding(rng, name, dtype):
     np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
     for leaf in jax.tree.leaves(grads):
         assert bool(jnp.isfinite(leaf.astype(jnp.float32)).all())
+
+
+# -- Hugging Face configs × fields: a bad value is refused by name or changes nothing ------------------
+
+HF_CONFIGS = {name: case[:2] for name, case in SHIPPED.items()} | {"dynamic": (DYNAMIC, None)}
+# (field, bad value) pairs transformers gives a meaning: DeBERTa's span and buckets <= 0 mean "the
+# default" and "none", a zero mscale means none, Qwen's max_window_layers 0 means every layer.
+MEANINGFUL = {
+    ("position_buckets", 0),
+    ("position_buckets", -3),
+    ("max_relative_positions", 0),
+    ("max_relative_positions", -3),
+    ("mscale", 0),
+    ("mscale_all_dim", 0),
+    ("max_window_layers", 0),
+}
+
+
+def _leaves(config, path=()):
+    """``(path, value)`` of each number, bool and list of numbers in ``config`` and its nested dicts."""
+    for key, value in config.items():
+        here = (*path, key)
+        if isinstance(value, dict):
+            yield from _leaves(value, here)
+        elif isinstance(value, (bool, int, float)):
+            yield here, value
+        elif isinstance(value, list) and value and all(isinstance(x, (int, float)) for x in value):
+            yield (*here, 0), value[0]  # a list's first entry stands for every entry
+
+
+def _bad_values(value):
+    """A bool, a string, 0, a negative and NaN for a number; a string and ints for a bool."""
+    if isinstance(value, bool):
+        return ("false" if value else "true", int(not value), int(value))
+    return (True, False, str(value), 0, -3, math.nan)
+
+
+def _replaced(config, path, value):
+    config = copy.deepcopy(config)
+    inner = config
+    for key in path[:-1]:
+        inner = inner[key]
+    inner[path[-1]] = value
+    return config
+
+
+@pytest.mark.parametrize("name", HF_CONFIGS)
+def test_every_hf_field_given_a_bad_value_is_refused_by_name_or_changes_nothing(name):
+    config, layer_type = HF_CONFIGS[name]
+    clean = from_hf_config(config, layer_type=layer_type)
+    for path, value in _leaves(config):
+        field = next(key for key in reversed(path) if isinstance(key, str))
+        for bad in _bad_values(value):
+            if bad is value or (field, bad) in MEANINGFUL or (type(bad) is type(value) and bad == value):
+                continue
+            where = f"{name}: {'.'.join(map(str, path))}={bad!r}"
+            try:
+                loaded = from_hf_config(_replaced(config, path, bad), layer_type=layer_type)
+            except ValueError as error:
+                message = str(error)
+                assert field in message and "\n" not in message, f"{where}: {message}"
+                continue
+            assert loaded == clean, f"{where} loaded as another answer, without an error"
