@@ -11,7 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from posenc_jax.checkpoint import Checkpointer
+from posenc_jax.checkpoint import Checkpointer, check_finite
 from posenc_jax.nn import Transformer
 from posenc_jax.training import make_optimizer
 
@@ -225,3 +225,71 @@ def test_a_process_local_checkpoint_restores_the_same_model(tmp_path):
     key = lambda m: np.asarray(jax.random.key_data(m.dropout.rngs.key[...]))
     np.testing.assert_array_equal(key(restored), key(model))
     assert isinstance(restored.embed.embedding[...], jax.Array)
+
+
+# --- issue 56: a folder, whole steps, and parameters that are finite ---------------------------------
+
+
+def _poisoned(model):
+    """``model`` with 2 NaNs in block 0's query kernel and an inf in the embedding table."""
+    model.blocks[0].attention.query.kernel[...] = model.blocks[0].attention.query.kernel[...].at[0, :2].set(np.nan)
+    model.embed.embedding[...] = model.embed.embedding[...].at[3, 0].set(np.inf)
+    return model
+
+
+def test_a_file_is_not_a_checkpoint_folder(tmp_path):
+    file = tmp_path / "weights.bin"
+    file.write_bytes(b"not a folder")
+    for path in (file, file / "ckpt"):
+        with pytest.raises(ValueError, match=r"weights.bin is a file, not a folder; give a folder") as error:
+            Checkpointer(path)
+        _one_line(error)
+
+
+@pytest.mark.parametrize(
+    "step, error, message",
+    [
+        (-1, ValueError, r"step must be an integer >= 0, got -1"),
+        (2.5, TypeError, r"step must be an integer >= 0, got 2.5"),
+        (True, TypeError, r"step must be an integer >= 0, got True"),
+        ("3", TypeError, r"step must be an integer >= 0, got '3'"),
+    ],
+)
+def test_a_step_that_is_not_a_whole_number_from_0_is_refused(tmp_path, step, error, message):
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    with pytest.raises(error, match=message):
+        ckpt.save(step, _model())
+    with pytest.raises(error, match=message):
+        ckpt.restore(_model(), step=step)
+    assert ckpt.all_steps() == []
+
+
+def test_check_finite_names_the_arrays_that_hold_nan_or_inf():
+    check_finite(_model())  # a fresh model passes
+    model = _poisoned(_model())
+    with pytest.raises(ValueError, match=r"the model holds NaN or inf in 2 of 29 arrays") as error:
+        check_finite(model)
+    message = _one_line(error)
+    assert "blocks/0/attention/query/kernel (2 NaN of 256)" in message
+    assert "embed/embedding (1 inf of 256)" in message
+    with pytest.raises(ValueError, match=r"the state holds NaN or inf in 2 of 29 arrays: blocks/0/attention/query"):
+        check_finite(nnx.state(model), what="the state")
+    with pytest.raises(TypeError, match=r"check_finite reads concrete arrays; call it outside jit"):
+        jax.jit(lambda state: check_finite(state))(nnx.to_pure_dict(nnx.state(model)))
+
+
+def test_a_step_with_nan_or_inf_is_refused_naming_the_arrays_and_the_step(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    ckpt.save(2, _model())
+    diverged = _poisoned(_model())
+    ckpt.save(3, diverged, make_optimizer(diverged, optax.adam(1e-3)))
+    fresh = _model(seed=1)
+    before = _outputs(fresh)
+    with pytest.raises(ValueError, match=r"step 3 in .*ckpt holds NaN or inf in 2 of 29 model arrays") as error:
+        ckpt.restore(fresh)  # the newest step: not skipped for an earlier one, and nothing loaded
+    message = _one_line(error)
+    assert "blocks/0/attention/query/kernel (2 NaN of 256)" in message and "step=2" in message
+    np.testing.assert_array_equal(_outputs(fresh), before)
+    assert ckpt.restore(fresh, step=2) == 2
+    assert ckpt.restore(fresh, step=3, allow_nonfinite=True) == 3
+    assert np.isnan(np.asarray(fresh.blocks[0].attention.query.kernel[...])).sum() == 2
