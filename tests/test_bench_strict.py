@@ -258,3 +258,44 @@ def test_bench_run_holds_the_lock_until_its_report_is_written(tmp_path, monkeypa
     )
     bench.run("smoke", tmp_path, encodings=("nope",), tasks=("counting_copy",), steps=2, plots=False, log=None)
     assert seen == [True] and not (tmp_path / ".lock").exists()
+
+
+# ---------------------------------------------------------------- issue 56: no silent wrong answer left
+
+
+def test_a_full_disk_while_saving_a_checkpoint_says_the_path_and_the_os_error_and_leaves_no_temporary_folder(
+    tmp_path, monkeypatch
+):
+    import optax
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    from posenc_jax.checkpoint import Checkpointer, CheckpointError
+    from posenc_jax.nn import Transformer
+    from posenc_jax.training import make_optimizer
+
+    settings = dict(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32, encoding="rope")
+    model = Transformer(rngs=nnx.Rngs(0), **settings)
+    optimizer = make_optimizer(model, optax.adam(1e-3))
+    ckpt = Checkpointer(tmp_path / "ckpt", max_to_keep=3)
+    ckpt.save(1, model, optimizer)
+
+    async def full(self, value, directory):  # a write inside orbax's own save path meets a full disk
+        (directory / "metadata").write_text("{")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory / "metadata"))
+
+    monkeypatch.setattr(ocp.handlers.JsonCheckpointHandler, "_save_fn", full)
+    with pytest.raises(CheckpointError) as error:
+        ckpt.save(2, model, optimizer)
+    where = re.escape(str(tmp_path / "ckpt" / "2"))
+    assert re.fullmatch(
+        rf"cannot save {where} \(No space left on device\); free space on its disk, .*", error.value.args[0]
+    )
+    _one_line(str(error.value))
+    assert error.value.__cause__ is None and error.value.__suppress_context__  # the cause first, not orbax's pages
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["1"]  # no orbax-checkpoint-tmp folder left
+    monkeypatch.undo()  # space freed: the earlier step restores and the next save works
+    assert ckpt.restore(Transformer(rngs=nnx.Rngs(1), **settings)) == 1
+    ckpt.save(2, model, optimizer)
+    assert ckpt.all_steps() == [1, 2]
+    ckpt.close()
