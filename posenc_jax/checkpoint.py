@@ -17,10 +17,15 @@ Each step is a folder of three orbax items: ``model``, ``optimizer`` (when saved
 Before :meth:`Checkpointer.restore` changes anything it checks, in order, that the step
 exists; that the model's ``describe()`` and the ``config`` it is given equal the
 recorded ones; that the arrays have the recorded paths, shapes and dtypes; and, after
-reading them, that every array has its recorded sha256. A mismatch is a
+reading them, that every array has its recorded sha256 and that none holds NaN or inf
+(a run that had diverged; ``allow_nonfinite=True`` loads it to look at). A mismatch is a
 :class:`CheckpointError`, a damaged step a :class:`DamagedCheckpointError` (both are
 ``ValueError``\\ s), each one line naming the step and the directory. Without an explicit
-step, a damaged newest step is skipped with a warning and the newest intact one restored.
+step, a damaged newest step is skipped with a warning and the newest intact one restored;
+a newest step with NaN or inf is an error, not skipped.
+
+:func:`check_finite` is the same NaN and inf check for a model in hand (after training, or
+after copying weights in by hand), naming the arrays.
 """
 
 from __future__ import annotations
@@ -45,7 +50,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError"]
+from posenc_jax.functional.core.validation import check_count
+
+__all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError", "check_finite"]
 
 _FORMAT = 1  # of the meta item; a later layout would read older ones by this number
 _LISTED = 4  # differences named in an error; the rest are counted
@@ -117,6 +124,70 @@ def _manifest(tree) -> dict[str, dict]:
         name: {"shape": list(shape), "dtype": dtype, "sha256": digests[name]}
         for name, (shape, dtype) in _layout(tree).items()
     }
+
+
+def _nonfinite(tree) -> tuple[list[str], int]:
+    """(``"path (k NaN, j inf of n)"`` for each floating array of ``tree`` holding NaN or inf, the number of
+    floating arrays). Each array is reduced where it lives; only the counts come to the host."""
+    floating = {}
+    for name, x in _arrays(tree).items():
+        if isinstance(x, jax.core.Tracer):
+            raise TypeError(
+                "check_finite reads concrete arrays; call it outside jit (on a model after training or loading, "
+                "not inside a step)"
+            )
+        xp = jnp if isinstance(x, jax.Array) else np
+        dtype = x.dtype if hasattr(x, "dtype") else np.result_type(x)  # a Python number in a pure dict
+        if not _is_key(x) and jnp.issubdtype(dtype, jnp.inexact):
+            floating[name] = (xp.isnan(x).sum(), xp.isinf(x).sum(), np.size(x))
+    found = []
+    for name, (nan, inf, size) in jax.device_get(floating).items():
+        if nan or inf:
+            counts = [f"{n} {kind}" for n, kind in ((int(nan), "NaN"), (int(inf), "inf")) if n]
+            found.append(f"{name} ({', '.join(counts)} of {size})")
+    return found, len(floating)
+
+
+def check_finite(model, *, what: str = "the model") -> None:
+    """Refuses a model (or optimizer, ``nnx.State`` or pytree of arrays) whose arrays hold NaN or inf,
+    naming each such array's path and its count of NaN and inf values.
+
+    A NaN or inf parameter makes every output it reaches NaN, and the attention cannot say where it
+    came from (its inputs are checked, its parameters are not: checking them in every call would
+    cost every call). Call this where weights arrive: after training, after copying a checkpoint's
+    weights in by hand (:meth:`Checkpointer.restore` runs it on what it loads). It reads values,
+    so it runs outside ``jit``.
+
+    Args:
+      model: an ``nnx.Module`` (its whole state), an ``nnx.State`` or a pytree of arrays.
+      what: how the message names it.
+
+    Raises:
+      ValueError: some floating array holds NaN or inf; the message lists a few of them.
+      TypeError: called inside ``jit`` (on traced arrays).
+
+    Example:
+      >>> from posenc_jax.nn import Transformer
+      >>> model = Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
+      ...                     encoding="rope", rngs=nnx.Rngs(0))
+      >>> check_finite(model)  # nothing to say
+      >>> model.head.bias[...] = model.head.bias[...].at[0].set(jnp.nan)
+      >>> check_finite(model)  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: the model holds NaN or inf in 1 of ... arrays: head/bias (1 NaN of 8); ...
+    """
+    if isinstance(model, nnx.Module):
+        model = nnx.state(model)
+    if isinstance(model, nnx.State):
+        model = nnx.to_pure_dict(model)
+    found, total = _nonfinite(model)
+    if found:
+        raise ValueError(
+            f"{what} holds NaN or inf in {len(found)} of {total} arrays: {_listed(found)}; they come from a run "
+            f"that diverged or weights loaded from elsewhere: restore an earlier checkpoint, or train again with "
+            f"a lower learning rate"
+        )
 
 
 def _listed(differences: list[str]) -> str:
@@ -197,9 +268,14 @@ class Checkpointer:
         process saves and restores its own arrays alone, without the others (each host of a
         benchmark run trains its own models); by default every process takes part in each
         save, as orbax does for arrays sharded over all the processes' devices."""
-        if max_to_keep < 1:
-            raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+        check_count("max_to_keep", max_to_keep, 1)
         self.directory = pathlib.Path(directory).absolute()
+        existing = next(p for p in (self.directory, *self.directory.parents) if p.exists())
+        if not existing.is_dir():
+            raise ValueError(
+                f"directory {self.directory}: {existing} is a file, not a folder; give a folder for the "
+                f"checkpoints (one that does not exist yet is created)"
+            )
         self.process_local = bool(process_local)
         extra = {"create": True}
         if process_local:
@@ -236,6 +312,7 @@ class Checkpointer:
         A save that fails (a full disk) is a :class:`CheckpointError` naming the step's path and
         the OS error, and orbax's unfinished temporary folder is removed.
         """
+        _check_step(step)
         if config is not None and not isinstance(config, Mapping):
             raise ValueError(f"config must be a JSON-serialisable dict, got {type(config).__name__}: {config!r}")
         meta = {
@@ -283,27 +360,31 @@ class Checkpointer:
         step: int | None = None,
         *,
         config: Mapping | None = None,
+        allow_nonfinite: bool = False,
     ) -> int:
         """Loads the checkpoint at ``step`` into ``model`` (and ``optimizer``) in place; returns the step.
 
         Without ``step``, the newest intact step: damaged newer ones are skipped with a
         warning naming them. The model alone restores from a checkpoint saved with its
         optimizer. ``config``, when given, must equal the one saved with the step. Nothing
-        changes unless every check passes (see the module's docstring).
+        changes unless every check passes (see the module's docstring); a step whose arrays
+        hold NaN or inf is refused, naming them, unless ``allow_nonfinite`` (to look at a
+        diverged run's weights).
         """
         steps = self.all_steps()
         if step is not None:
+            _check_step(step)
             if step not in steps:
                 there = f"its steps are {steps}" if steps else "it holds no checkpoints"
                 raise CheckpointError(f"no step {step} in {self.directory}; {there}")
-            self._restore_step(step, model, optimizer, config)
+            self._restore_step(step, model, optimizer, config, allow_nonfinite)
             return step
         if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
         damaged = []
         for candidate in reversed(steps):
             try:
-                self._restore_step(candidate, model, optimizer, config)
+                self._restore_step(candidate, model, optimizer, config, allow_nonfinite)
             except DamagedCheckpointError as error:
                 damaged.append((candidate, error.reason))
                 continue
@@ -319,7 +400,7 @@ class Checkpointer:
         names = "; ".join(f"step {s} ({reason})" for s, reason in damaged)
         raise CheckpointError(f"no intact checkpoint in {self.directory}: {names}; delete the folder to start over")
 
-    def _restore_step(self, step: int, model, optimizer, config) -> None:
+    def _restore_step(self, step: int, model, optimizer, config, allow_nonfinite: bool) -> None:
         """Checks step ``step`` against the model, optimizer and config, reads and verifies its
         arrays, and only then loads them."""
         meta = self._read_meta(step)
@@ -328,6 +409,8 @@ class Checkpointer:
         for item, tree in target.items():
             self._check_layout(step, item, meta["arrays"][item], tree)
         restored = self._read_arrays(step, target, meta["arrays"])
+        if not allow_nonfinite:
+            self._check_finite(step, restored)
         for obj, item in ((model, "model"), (optimizer, "optimizer")):
             if obj is not None:
                 state = nnx.state(obj)
@@ -388,6 +471,19 @@ class Checkpointer:
             f"{len(paths)} paths: {_listed(differences)}; build the {item} as it was when saved"
         )
 
+    def _check_finite(self, step: int, restored: dict) -> None:
+        """Refuses a step whose arrays hold NaN or inf (a diverged run), naming them and an earlier step."""
+        for item, tree in restored.items():
+            found, total = _nonfinite(tree)
+            if not found:
+                continue
+            earlier = [s for s in self.all_steps() if s < step]
+            instead = f"restore an earlier step (step={earlier[-1]})" if earlier else "no earlier step is kept here"
+            raise CheckpointError(
+                f"{self._where(step)} holds NaN or inf in {len(found)} of {total} {item} arrays: {_listed(found)}; "
+                f"the run had diverged by then: {instead}, or pass allow_nonfinite=True to load it as it is"
+            )
+
     def _read_arrays(self, step: int, target: dict, recorded: dict) -> dict:
         """The step's arrays for the items of ``target``, each checked against its recorded sha256."""
         if self.process_local:  # read into host arrays (see save), placed on this process's device below
@@ -419,3 +515,7 @@ def _differences(saved: Mapping, here: Mapping) -> list[str]:
         for key in sorted(saved.keys() | here.keys())
         if saved.get(key, unset) != here.get(key, unset)
     ]
+
+
+def _check_step(step) -> None:
+    check_count("step", step, 0, fix="a checkpoint's step is a training step count: 0, 1, 2, ...")
