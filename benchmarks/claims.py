@@ -1,6 +1,7 @@
 """The published claims we re-test, each as a declared family of paired tests, and their verdicts.
 
     python benchmarks/claims.py            # writes docs/site/claims.md from the committed rows
+    python benchmarks/claims.py --out F    # writes it to F
 
 Each claim of the reproductions page is a :class:`Claim`: the tests its verdict rests on,
 declared here (not picked from the results), each one of
@@ -23,11 +24,11 @@ disagrees when every comparable test is contradicted, and is otherwise reported 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import functools
 import math
 import pathlib
-import sys
 
 import numpy as np
 
@@ -407,10 +408,15 @@ CLAIMS = [
 
 
 def main(argv=None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    out = pathlib.Path(argv[0]) if argv else ROOT / "docs" / "site" / "claims.md"
-    out.write_text(render(CLAIMS))
-    print(out)
+    parser = argparse.ArgumentParser(
+        description="Writes the claims page (every claim's tests and verdict) from the rows."
+    )
+    parser.add_argument(
+        "--out", type=pathlib.Path, default=ROOT / "docs" / "site" / "claims.md", help="the page to write"
+    )
+    args = parser.parse_args(argv)
+    args.out.write_text(render(CLAIMS))
+    print(args.out)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ import pathlib
 
 import numpy as np
 
-from posenc_jax.bench import published
+import posenc_jax.bench.published as published
 from posenc_jax.bench.results import BOUNDED, Results, cells, comparison, protocol, read, summarize
 from posenc_jax.bench.stats import interval
 from posenc_jax.bench.tasks import make_task
