@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.core.validation import check_key
+from posenc_jax.functional.core.validation import check_key, reraise_check_errors
 
 __all__ = ["generate", "next_token"]
 
@@ -54,6 +54,7 @@ def _check(prompt, max_new_tokens, temperature, rng):
         check_key("rng", rng)
 
 
+@reraise_check_errors()  # a check failing inside a step raises its own error, not JAX's
 def generate(model, prompt, *, max_new_tokens: int, temperature: float = 0.0, rng: jax.Array | None = None):
     """Continues ``prompt`` ``[B, P]`` by ``max_new_tokens`` tokens with a causal :class:`~posenc_jax.nn.Transformer`.
 

@@ -20,6 +20,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from posenc_jax.functional.core.validation import reraise_check_errors
+
 __all__ = [
     "cross_entropy_loss",
     "data_parallel_mesh",
@@ -94,6 +96,7 @@ def cross_entropy_loss(model: nnx.Module, batch: dict, *, deterministic: bool = 
     return (nll * weights).sum() / jnp.maximum(weights.sum(), 1.0)
 
 
+@reraise_check_errors()  # a check failing inside the step raises its own error, not JAX's
 @nnx.jit
 def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.Array:
     """One jitted optimisation step on ``batch``; returns the loss before the update.

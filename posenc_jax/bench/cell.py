@@ -31,6 +31,7 @@ from posenc_jax.bench.presets import Preset, TaskLengths, finetune_batch
 from posenc_jax.checkpoint import Checkpointer, CheckpointError
 from posenc_jax.functional.core.normalizers import normalizer_config
 from posenc_jax.functional.core.registry import encoding_config, encoding_info
+from posenc_jax.functional.core.validation import reraise_check_errors
 from posenc_jax.nn import Transformer, with_encoding
 from posenc_jax.training import cross_entropy_loss, fit, make_optimizer, train_step, warmup_cosine_adamw
 
@@ -193,6 +194,7 @@ def _predict(model, batch, implementation, mesh, ring):
     return {"predictions": logits.argmax(-1), "target_log_probs": target_log_probs}
 
 
+@reraise_check_errors()  # a check failing inside the step raises its own error, not JAX's
 def predict(model, batch: dict, *, implementation: str = "materialize", mesh=None, ring: bool = False) -> dict:
     """The argmax predictions and the targets' log-probabilities of ``batch``.
 
@@ -404,6 +406,7 @@ class SeedGroup:
         if mesh is not None:
             self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
 
+    @reraise_check_errors()
     def step(self, batch: dict, frozen=None) -> jax.Array:
         """One step of every seed on ``batch`` (arrays with a leading seed axis); returns the losses.
         Seeds marked in ``frozen`` (a sequence of bools, one per seed) keep their state."""

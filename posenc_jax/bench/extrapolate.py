@@ -38,6 +38,7 @@ from posenc_jax.bench.ledger import (
 )
 from posenc_jax.bench.presets import PRESETS, Preset, runs_on, why_not_run
 from posenc_jax.bench.tasks import make_task
+from posenc_jax.functional.core.validation import reraise_check_errors
 from posenc_jax.training import data_parallel_mesh
 
 __all__ = ["PRESETS", "Preset", "baselines", "fingerprint", "pin_corpus", "plan", "row_label", "run"]
@@ -319,19 +320,20 @@ def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_che
     shown = _Progress([cell for cell, _ in cells], bars=progress)
     for index, (cell, todo) in enumerate(cells):
         began = time.perf_counter()
-        records = train_and_evaluate(
-            cell,
-            preset.for_task(cell.task_name),
-            sorted(todo),
-            todo,
-            out=out,
-            settings=settings,
-            write=ledger.write,
-            criterion=criteria[cell.task_name],
-            stamp=stamp,
-            mesh=mesh,
-            bar=shown.cell_bar if progress else None,
-        )
+        with reraise_check_errors():  # a check failing in a step (read later on an accelerator) raises itself
+            records = train_and_evaluate(
+                cell,
+                preset.for_task(cell.task_name),
+                sorted(todo),
+                todo,
+                out=out,
+                settings=settings,
+                write=ledger.write,
+                criterion=criteria[cell.task_name],
+                stamp=stamp,
+                mesh=mesh,
+                bar=shown.cell_bar if progress else None,
+            )
         record["cells"].extend(records)
         ledger.save_record(record)
         if not keep_checkpoints:  # every row of the cell is written: nothing resumes from these

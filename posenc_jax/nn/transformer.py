@@ -38,7 +38,7 @@ from posenc_jax.functional.core.cache import KVCache
 from posenc_jax.functional.core.hooks import check_together, one_or_more
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
-from posenc_jax.functional.core.validation import check_values
+from posenc_jax.functional.core.validation import check_values, reraise_check_errors
 from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size, resolve_config
 
@@ -499,6 +499,7 @@ def decode_step(model: Transformer, *, donate: bool = True, on_trace: Callable[[
             on_trace()
         return nnx.merge(graphdef, state).decode(tokens, positions, caches, key_mask=key_mask)
 
+    @reraise_check_errors()  # a check failing inside the step raises its own error, not JAX's
     def run(tokens, positions, caches, *, key_mask=None):
         return step(state, tokens, positions, caches, key_mask)
 

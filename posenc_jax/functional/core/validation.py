@@ -11,12 +11,18 @@ such a check at once on a concrete array (before anything is traced), and, when 
 array is traced, runs the same check on its values when the computation runs, and only
 when a value is out of range (``jax.debug.callback`` inside a conditional), so the error
 has the same words either way and a bad input never turns into NaN or a silently clipped
-value.
+value. JAX reports such an error as ``JaxRuntimeError: INTERNAL: CpuCallback error`` with the
+check's message many lines down; :func:`reraise_check_errors` (around the library's own
+jitted entry points, and for a caller's ``jit``) raises the check's own error instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import threading
+from collections import deque
 from collections.abc import Callable
 
 import jax
@@ -25,7 +31,90 @@ import numpy as np
 
 from posenc_jax.functional.core.control import cond_over_batch
 
-__all__ = ["check_count", "check_key", "check_number", "check_values"]
+__all__ = ["check_count", "check_key", "check_number", "check_values", "reraise_check_errors"]
+
+# The errors of checks that failed inside a computation, newest last: what reraise_check_errors
+# raises in place of the runtime error that carries one.
+_FAILED: deque[Exception] = deque(maxlen=16)
+_FAILED_LOCK = threading.Lock()
+_OPEN = [0]  # reraise_check_errors blocks open now, in any thread
+
+
+class _DropLoggedCheckFailures(logging.Filter):
+    """Drops JAX's own log of a failed check's traceback ("jax.debug.callback failed") while a
+    :func:`reraise_check_errors` block is open: that block raises the check's error itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        with _FAILED_LOCK:
+            return not (_OPEN[0] and any(error is failed for failed in _FAILED))
+
+
+logging.getLogger("jax._src.debugging").addFilter(_DropLoggedCheckFailures())
+
+
+def _run_check(check: Callable[..., None], values) -> None:
+    """Runs ``check`` on the host (from inside a computation), keeping the error it raises."""
+    try:
+        check(*map(np.asarray, values))
+    except Exception as error:
+        with _FAILED_LOCK:
+            _FAILED.append(error)
+        raise
+
+
+def _failed_check(runtime_error: Exception) -> Exception | None:
+    """The failed check's error that ``runtime_error`` carries (its type and message are in its text), or None."""
+    text = str(runtime_error)
+    with _FAILED_LOCK:
+        for error in reversed(_FAILED):
+            if f"{type(error).__name__}: {error}" in text:
+                _FAILED.remove(error)
+                return error
+    return None
+
+
+@contextlib.contextmanager
+def reraise_check_errors():
+    """Raises a check that failed inside a computation as its own error, not as JAX's runtime error.
+
+    A :func:`check_values` check on traced values raises from a host callback while the
+    computation runs; JAX then raises ``JaxRuntimeError: INTERNAL: CpuCallback error`` with the
+    check's message some 17 lines down. Inside this block (or a function decorated with it)
+    that error is raised instead: the same ``ValueError`` (or ``TypeError``) the check raises on
+    concrete values, its message the first line. Other runtime errors pass through unchanged.
+
+    The library's jitted entry points run inside it (:func:`~posenc_jax.nn.decode_step`'s step,
+    :func:`~posenc_jax.generation.generate`, :func:`~posenc_jax.training.train_step`, the
+    benchmark's steps); wrap a ``jit`` of your own in it likewise. On an accelerator the error
+    may surface later, where the result is first read: keep that read inside the block too.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> def check(ids):
+      ...     raise ValueError(f"token id {ids.max()} is outside the vocabulary [0, 8)")
+      >>> @jax.jit
+      ... def lookup(ids):
+      ...     check_values(check, ids, within=(0, 8))
+      ...     return ids
+      >>> with reraise_check_errors():
+      ...     lookup(jnp.array([3, 9])).block_until_ready()
+      Traceback (most recent call last):
+      ...
+      ValueError: token id 9 is outside the vocabulary [0, 8)
+    """
+    with _FAILED_LOCK:
+        _OPEN[0] += 1
+    try:
+        yield
+    except RuntimeError as error:  # jax.errors.JaxRuntimeError, XlaRuntimeError before it
+        failed = _failed_check(error)
+        if failed is None:
+            raise
+        raise failed.with_traceback(None) from None
+    finally:
+        with _FAILED_LOCK:
+            _OPEN[0] -= 1
 
 
 def _bounds(above, at_least, below, at_most) -> str:
@@ -136,7 +225,7 @@ def check_values(check: Callable[..., None], array, *, within: tuple, context: t
         low, high = within
 
         def tell(operands):
-            jax.debug.callback(lambda *values: check(*map(np.asarray, values)), *operands)
+            jax.debug.callback(lambda *values: _run_check(check, values), *operands)
             return jnp.zeros((), bool)
 
         inside = jnp.ones(jnp.shape(array), bool)
