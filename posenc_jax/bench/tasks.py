@@ -875,19 +875,57 @@ def load_hub_corpus(name: str, **load_kwargs) -> tuple[str, str]:
     return text_from_dataset(dataset)
 
 
+def _corpus_file_text(file: pathlib.Path, given: pathlib.Path) -> str:
+    """The text of one file of the corpus ``given`` (``--corpus``), read as UTF-8 strictly: a byte
+    that is not UTF-8, or a NUL (UTF-16 text, a binary file), is a ValueError naming the file and
+    the offset of the first such byte, never characters made up in its place."""
+    name = f"--corpus {file}" if file == given else f"--corpus {given}: {file}"
+    try:
+        data = file.read_bytes()
+    except OSError as error:
+        raise ValueError(
+            f"{name} cannot be read ({error.strerror or error}); check the file and its permissions"
+        ) from None
+    try:
+        text = data.decode("utf-8")
+        bad = None
+    except UnicodeDecodeError as error:
+        bad = error.start
+    nul = data.find(b"\0")
+    if nul >= 0 and (bad is None or nul < bad):
+        bad = nul
+    if bad is None:
+        return text
+    if data[:2] in (b"\xff\xfe", b"\xfe\xff") or data.count(b"\0") * 4 >= len(data):
+        why, fix = "UTF-16, by its byte-order mark or its NUL bytes", "convert it to UTF-8 (iconv -f UTF-16 -t UTF-8)"
+    elif data[bad] == 0:
+        why, fix = "a NUL byte, which text does not hold: a binary file?", "remove it"
+    else:
+        why, fix = "another encoding, such as Latin-1, or not text", "convert it to UTF-8 (iconv -f LATIN1 -t UTF-8)"
+    raise ValueError(
+        f"{name} is not UTF-8 text: byte {bad} is 0x{data[bad]:02x} ({why}); {fix}, or pass another --corpus"
+    )
+
+
 def _read_corpus(path) -> tuple[str, str]:
     if str(path) in HUB_CORPORA:
         return load_hub_corpus(str(path))
     path = pathlib.Path(path)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
-        texts = [p.read_text(encoding="utf-8", errors="replace") for p in files]
+        texts = [_corpus_file_text(p, path) for p in files]
+        if not any(texts):
+            raise ValueError(
+                f"--corpus {path} holds no text (none of its {len(files)} files holds any); pass a folder of text files"
+            )
         cut = max(1, int(len(texts) * 0.9)) if len(texts) > 1 else 1
         if len(texts) > 1:
             return "\n\n".join(texts[:cut]), "\n\n".join(texts[cut:])
-        text = texts[0] if texts else ""
+        text = texts[0]
     elif path.is_file():
-        text = path.read_text(encoding="utf-8", errors="replace")
+        text = _corpus_file_text(path, path)
+        if not text:
+            raise ValueError(f"--corpus {path} is empty; pass a file that holds text")
     else:
         raise ValueError(f"--corpus {path} is neither a file nor a folder")
     cut = int(len(text) * 0.9)
@@ -906,7 +944,9 @@ class TextTask:
     Args:
       corpus: None for the pinned standard-library corpus (:func:`stdlib_corpus`); a text file
         (first 90% train, last 10% test) or folder (its files in path order, the last tenth of
-        them test); or ``wikitext103`` / ``tinyshakespeare`` (:func:`load_hub_corpus`).
+        them test), read as UTF-8 strictly (another encoding, a NUL byte or an empty corpus is
+        an error naming the file and the byte); or ``wikitext103`` / ``tinyshakespeare``
+        (:func:`load_hub_corpus`).
     """
 
     kind = "decoder"
