@@ -110,7 +110,7 @@ def test_two_processes_on_one_folder(tmp_path):
         ([ROW, {**ROW, "seed": 1, "settings": "xyz"}], r"line 2 was made with settings 'xyz', but .*run.json records"),
         ([ROW, {**ROW, "encoding": "alibi"}], r"line 2 is a row of alibi on counting_copy, which the run .* did not"),
         ([{**ROW, "task": "parity"}], r"line 1 is a row of rope on parity"),
-        ([ROW, '{"task": "counting'], r"line 2 is cut short .*; run the same command again"),
+        ([ROW, '{"task": "counting'], r"line 2 is not JSON \('\{\"task\": \"counting'\); delete that line"),
     ],
 )
 def test_a_row_that_is_not_this_runs_is_an_error_naming_file_and_line(tmp_path, lines, message):

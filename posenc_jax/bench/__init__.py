@@ -36,6 +36,7 @@ def run(
     keep_checkpoints: bool = False,
     log=print,
     host: tuple[int, int] | None = None,
+    repair: bool = False,
     **settings,
 ) -> pathlib.Path:
     """Runs (or resumes) the length-extrapolation benchmark and writes its report; what
@@ -55,6 +56,8 @@ def run(
       host: ``(i, H)``: run host i's share of the cells (of a run over H hosts) into
         ``<out>/host-i-of-H``, and return that folder; :func:`posenc_jax.bench.hosts.merge`
         joins the hosts' folders (:mod:`posenc_jax.bench.hosts`).
+      repair: resume past a missing, unreadable or edited ``run.json``, saying so (``--repair``;
+        :class:`~posenc_jax.bench.ledger.Ledger`).
       **settings: preset fields to change, e.g. ``encodings=("rope", "alibi")``, ``seeds=(0, 1)``.
 
     Returns:
@@ -92,6 +95,7 @@ def run(
             log=log or (lambda line: None),
             lock=False,
             host=host,
+            repair=repair,
         )
         if report:
             reporting.write_report(out, plots=plots)

@@ -30,6 +30,53 @@ def _names(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _at_least(least: int) -> tuple:
+    return f">= {least}", lambda value: value >= least
+
+
+_POSITIVE = ("a finite number > 0", lambda value: math.isfinite(value) and value > 0)
+# Each numeric flag of extrapolate and probe (but --processes, checked where it is used): (the setting
+# it sets, what it must be, the test, what it means, with an example).
+_NUMBERS = {
+    "--seeds": ("seeds", *_at_least(0), "the random seeds, e.g. --seeds 0,1,2"),
+    "--steps": ("steps", *_at_least(1), "training steps per seed, e.g. --steps 200"),
+    "--model-dim": ("model_dim", *_at_least(1), "the model's width, e.g. --model-dim 64"),
+    "--layers": ("num_layers", *_at_least(1), "the number of layers, e.g. --layers 2"),
+    "--heads": ("num_heads", *_at_least(1), "attention heads per layer, e.g. --heads 4"),
+    "--batch-size": ("batch_size", *_at_least(1), "training examples per step, e.g. --batch-size 32"),
+    "--learning-rate": ("learning_rate", *_POSITIVE, "AdamW's peak learning rate, e.g. --learning-rate 1e-3"),
+    "--train-length": ("train_length", *_at_least(1), "the longest training length, e.g. --train-length 8"),
+    "--eval-lengths": ("eval_lengths", *_at_least(1), "the test lengths, e.g. --eval-lengths 8,16,32"),
+    "--text-context": ("text_context", *_at_least(2), "the text task's training window, e.g. --text-context 64"),
+    "--text-lengths": ("text lengths", *_at_least(1), "the text task's test lengths, e.g. --text-lengths 64,128"),
+    "--text-eval-characters": ("text_eval_characters", *_at_least(1), "test characters every text length scores"),
+    "--learned-threshold": (
+        "learned_threshold",
+        "> 0 and <= 1",
+        lambda value: 0 < value <= 1,
+        "the score that counts as learned, e.g. --learned-threshold 0.95",
+    ),
+    "--query-init-scale": ("query_init_scale", *_POSITIVE, "the factor on the initial queries, e.g. 0.1"),
+}
+
+
+def _check_numbers(args, command: str) -> None:
+    """Stops with one line naming the setting and its flag when a numeric flag is out of its range
+    (0, a negative, NaN), before anything is built from it."""
+    for flag, (name, rule, ok, meaning) in _NUMBERS.items():
+        given = getattr(args, flag[2:].replace("-", "_"), None)
+        if given is None:
+            continue
+        many = isinstance(given, tuple)
+        bad = [value for value in (given if many else (given,)) if not ok(value)]
+        if bad:
+            flagged = f"{flag} {','.join(map(str, given))}" if many else flag
+            raise SystemExit(
+                f"posenc-bench {command}: {name} must {'each ' if many else ''}be {rule}, got {bad[0]} ({flagged}): "
+                f"{meaning}"
+            )
+
+
 def _require_bench_extra(*, progress: bool, plots: bool, command: str) -> None:
     """Stops at once, with the line that fixes it, when the bench extra is missing, rather than
     at the first progress bar or after the whole run at the first plot."""
@@ -140,6 +187,7 @@ def _bars_wanted(no_progress: bool) -> bool:
 
 
 def _extrapolate(args) -> int:
+    _check_numbers(args, "extrapolate")
     _require_bench_extra(progress=not args.no_progress, plots=not args.no_plots, command="extrapolate")
     from posenc_jax import bench
 
@@ -180,6 +228,7 @@ def _extrapolate(args) -> int:
             plots=not args.no_plots,
             keep_checkpoints=args.keep_checkpoints,
             host=host,
+            repair=args.repair,
         )
     except ValueError as error:
         raise SystemExit(f"posenc-bench extrapolate: {error}") from None
@@ -269,6 +318,7 @@ def _merge(args) -> int:
 
 
 def _probe(args) -> int:
+    _check_numbers(args, "probe")
     _require_bench_extra(progress=not args.no_progress, plots=True, command="probe")
     from posenc_jax import bench
     from posenc_jax.bench import probe
@@ -382,6 +432,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="keep each finished cell's trained models (orbax checkpoints); by default they are deleted once its "
         "rows are written, and only an unfinished cell's stay, to resume from",
+    )
+    ex.add_argument(
+        "--repair",
+        action="store_true",
+        help="resume a folder whose run.json is missing, unreadable or edited by hand (which otherwise stops the run), "
+        "saying so in a warning and in run.json's repairs; a damaged line of results.jsonl is deleted by hand",
     )
     ex.add_argument(
         "--host",

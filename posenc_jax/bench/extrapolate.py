@@ -261,6 +261,7 @@ def run(
     log=print,
     lock: bool = True,
     host: tuple[int, int] | None = None,
+    repair: bool = False,
 ) -> dict:
     """Runs (or resumes) every cell of ``preset``, writing into ``out``.
 
@@ -281,6 +282,9 @@ def run(
         does until the report is written).
       host: ``(i, H)``: train only host i's share of the cells (:mod:`posenc_jax.bench.hosts`);
         ``out`` is then that host's own folder.
+      repair: resume past a missing, unreadable or edited ``run.json`` beside the rows, saying
+        so (a warning, and ``repairs`` in the record); without it that stops the run, as a
+        damaged line of ``results.jsonl`` always does (:class:`~posenc_jax.bench.ledger.Ledger`).
 
     Returns:
       The run record written to ``run.json``.
@@ -290,15 +294,24 @@ def run(
     check_writable(out)
     with FolderLock(out) if lock else contextlib.nullcontext():
         return _run_locked(
-            preset, out, corpus=corpus, progress=progress, keep_checkpoints=keep_checkpoints, log=log, host=host
+            preset,
+            out,
+            corpus=corpus,
+            progress=progress,
+            keep_checkpoints=keep_checkpoints,
+            log=log,
+            host=host,
+            repair=repair,
         )
 
 
-def _run_locked(preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log, host=None) -> dict:
+def _run_locked(
+    preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log, host=None, repair=False
+) -> dict:
     tasks = _tasks(preset, corpus)
     preset = pin_corpus(preset, tasks, corpus)
     settings = fingerprint(preset, data=tasks["text"].digest if "text" in tasks else None)
-    ledger = Ledger(out, settings)
+    ledger = Ledger(out, settings, repair=repair)
     record = ledger.start_record(preset, corpus=corpus, asked=asked(preset, tasks))
     if host is not None:
         record["host"] = list(host)
