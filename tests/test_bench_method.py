@@ -503,3 +503,16 @@ def test_text_without_an_ngram_baseline_has_no_gate_and_learns_nothing():
     baselines = {"text": {"ngram": [{"order": 5, "smoothing": "kneser_ney", "bits_per_char": 2.5}]}}
     found = results.Results(rows, dataclasses.asdict(presets.PRESETS["cpu"]), baselines, {})
     assert found.threshold("text") == (pytest.approx(2.3), False) and results.cells(found)[0].learned
+
+
+def test_python_settings_the_command_line_refuses_are_refused_from_python_too():
+    from posenc_jax import bench
+
+    for settings, named in (
+        ({"text_context": 0}, "text_context must be >= 2"),
+        ({"seeds": (-1,)}, r"seeds must be integers >= 0, got \[-1\]"),
+        ({"learning_rate": 0.0}, "learning_rate must be a positive finite number"),
+        ({"eval_lengths": (0, 4)}, "every eval length >= 1"),
+    ):
+        with pytest.raises(ValueError, match=named):
+            bench.run("smoke", out="/nonexistent-never-written", **settings)

@@ -105,7 +105,7 @@ def _catalogue() -> str:
     from posenc_jax.functional.core.registry import encoding_names
 
     lines = [
-        "presets (seeds train together; times are upper bounds, every cell to its whole budget, from each preset's",
+        "presets (seeds train together; times are estimates, every cell to its whole budget, from each preset's",
         "FLOPs at rates fitted to the project's measured runs, posenc_jax/bench/costmodel.py):",
     ]
     for name, p in PRESETS.items():
@@ -113,15 +113,15 @@ def _catalogue() -> str:
         size = f"{p.num_layers} x {p.model_dim}, {p.steps} steps, batch {p.batch_size}"
         shape = f"{len(p.encodings)} encodings x {len(p.tasks)} tasks x {len(p.seeds)} seeds ({c.cells} cells)"
         if p.target == "cpu":
-            when = f"at most about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
+            when = f"about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
         elif p.target == "colab-tpu":
             when = (
-                f"at most about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8 (not run on a TPU: "
+                f"about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8 (not run on a TPU: "
                 f"the time its cells took on an H200, assumed the same there)"
             )
         else:
             h200 = _minutes(c.seconds(H200_ESTIMATE))
-            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training; at most about {h200} on an H200"
+            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training; about {h200} on an H200"
         lines.append(f"  {name:10s} {p.description}")
         lines.append(f"  {'':10s} {size}; {shape}; {when}")
     lines.append("")

@@ -141,6 +141,9 @@ def merge(out: pathlib.Path, folders=None, *, partial: bool = False) -> pathlib.
             {"commit": commit, "dirty": dirty, "rows": n} for (commit, dirty), n in sorted(commits.items(), key=str)
         ]
         record["hosts"] = [str(f) for f in merged]
+        # The first host's field digests describe its own record, not the merged one: drop them (the merge
+        # writes a new record; a run resumed into a merged folder is refused by its "hosts" field).
+        record.pop("digests", None)
         if unfinished:
             record["unfinished"] = unfinished
         write_text(out / "results.jsonl", "".join(json.dumps(row) + "\n" for row in rows))  # whole or not at all

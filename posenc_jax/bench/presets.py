@@ -345,6 +345,21 @@ class Preset:
             )
         if self.steps < 1:
             raise ValueError(f"steps must be >= 1, got {self.steps}: a model must train before it is tested")
+        bad_seeds = [s for s in self.seeds if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad_seeds:
+            raise ValueError(
+                f"seeds must be integers >= 0, got {bad_seeds} in {list(self.seeds)}; e.g. seeds=(0, 1, 2)"
+            )
+        if self.text_context < 2 or self.train_length < 1 or any(n < 1 for n in self.eval_lengths):
+            raise ValueError(
+                f"text_context must be >= 2 and train_length and every eval length >= 1, got {self.text_context}, "
+                f"{self.train_length} and {list(self.eval_lengths)}: a model trains and is tested on at least a "
+                "symbol (text: a character to predict from another)"
+            )
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(
+                f"learning_rate must be a positive finite number, got {self.learning_rate}; 1e-3 is the CPU presets'"
+            )
         for flag, name in (("--model-dim", "model_dim"), ("--layers", "num_layers"), ("--heads", "num_heads")):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)} ({flag}): a model needs one or more")
@@ -803,8 +818,8 @@ def cell_cost(
 
 def cost(preset: Preset) -> Cost:
     """The cells, FLOPs and evaluation programs of ``preset``: :func:`cell_cost` of every cell
-    that runs, each trained for its whole budget of steps (an upper bound, since training
-    stops once a cell has learned its task).
+    that runs, each trained for its whole budget of steps (what a ``fixed-budget`` run trains; an
+    upper bound for a ``to-criterion`` one, whose cells stop once learned).
 
     Example:
       >>> c = cost(PRESETS["cpu"])
@@ -890,8 +905,8 @@ TPU_ESTIMATE = COLAB_TPU_ON_H200
 
 
 def expected_seconds(preset: Preset, rates: Rates) -> float:
-    """An estimate of a whole run's wall time: :func:`cost` (every cell to its whole budget, so
-    an upper bound) at the ``rates`` of a machine (:data:`CPU_ESTIMATE`, :data:`H200_ESTIMATE`,
+    """An estimate of a whole run's wall time: :func:`cost` (every cell to its whole budget, as a
+    ``fixed-budget`` run trains) at the ``rates`` of a machine (:data:`CPU_ESTIMATE`, :data:`H200_ESTIMATE`,
     :data:`TPU_ESTIMATE`).
 
     Example:
