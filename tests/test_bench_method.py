@@ -456,13 +456,13 @@ def test_the_bench_api_reads_all_seeds_corrects_and_tests_equivalence(tmp_path):
     # learned), so the failed seed's 0.1 beyond counts in the mean (0.42), not dropped (0.5).
     rope = {**{s: (0.99, 0.5) for s in range(4)}, 4: (0.90, 0.1)}
     alibi = {s: (1.0, 0.5 + 0.001 * s) for s in range(5)}
-    nope = {s: (1.0, 0.49 + 0.001 * s) for s in range(5)}
+    nope = {s: (1.0, 0.49 + 0.001 * s + [0.001, -0.001, 0.0, 0.002, -0.002][s]) for s in range(5)}
     _write_folder(tmp_path, {"rope": rope, "alibi": alibi, "nope": nope})
     found = {c.encoding: c for c in bench.cells(tmp_path)}
     assert found["rope"].learned and found["rope"].learned_seeds == (0, 1, 2, 3)
     assert found["rope"].extrapolation.mean == pytest.approx(0.42) and found["rope"].extrapolation.n == 5
     family = bench.compare(tmp_path, "copy")
-    # ALiBi is 0.01 above NoPE on every seed: resolved, and equivalent within the 0.02 margin.
+    # ALiBi is 0.008-0.012 above NoPE on every seed: resolved, and equivalent within the 0.02 margin.
     (pair,) = [o for o in family.orderings if {o.better, o.worse} == {"alibi", "nope"}]
     assert pair.resolved and ("alibi", "nope") in family.equivalent()
     assert bench.holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])

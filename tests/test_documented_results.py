@@ -144,8 +144,9 @@ def test_headline_figures_are_drawn_from_the_committed_rows(tmp_path):
     nope = _summaries("extrapolation-kazemnejad")["copy", "nope"].extrapolation
     assert values["decoder-tasks"]["copy", "nope"] == (nope.mean, nope.low, nope.high)
     randomized = values["randomized"]
-    assert round(randomized["bucket_sort", "RoPE + randomized"][0], 3) == 0.928  # all 5 seeds
-    assert randomized["reverse_string", "RoPE + randomized"] is None
+    assert round(randomized["bucket_sort", "RoPE"][0], 3) == 0.239  # all 5 seeds
+    assert round(randomized["missing_duplicate", "RoPE + randomized"][0], 3) == 0.521
+    assert randomized["bucket_sort", "RoPE + randomized"] is None  # not learned in the 4,000-step run
     assert randomized["bucket_sort", "sinusoidal + randomized"] is None
 
 
@@ -272,7 +273,7 @@ def test_the_cpu_and_text_findings_are_their_orderings():
     assert resolved == {(a, b) for a in ("nope", "alibi") for b in ("rope", "sinusoidal", "learned")} | {
         ("nope", "alibi")
     }
-    assert set(cpu.equivalent()) == {("sinusoidal", "learned")}
+    assert not cpu.equivalent()  # sinusoidal and learned are 0 on every seed: 0.5^5 per side is not enough
     assert "15 pairs, 7 orderings are resolved" in page
     text = comparison(_results("extrapolation-gpu-text"), "text")
     resolved = {(o.better, o.worse) for o in text.resolved}

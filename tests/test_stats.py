@@ -35,8 +35,12 @@ def test_the_paired_t_test_is_scipys():
     assert (diff.low, diff.high) == pytest.approx((low, high), rel=1e-9)
     same = stats.paired_difference({0: 0.3, 1: 0.3}, {0: 0.3, 1: 0.3})
     assert same.equal and same.p_value == 1.0
+    # Seeds that all agree: the exact sign test (2 * 0.5^n), which depends on how many they are.
     shifted = stats.paired_difference({0: 0.5, 1: 0.6}, {0: 0.3, 1: 0.4})
-    assert shifted.equal and shifted.p_value == 0.0 and str(shifted) == "0.200, all 2 seeds"
+    assert shifted.equal and shifted.p_value == 0.5 and str(shifted) == "0.200, all 2 seeds"
+    five = stats.paired_difference(dict.fromkeys(range(5), 0.2), dict.fromkeys(range(5), 0.0))
+    assert five.p_value == pytest.approx(0.0625) and stats.one_sided([0.2] * 5, 0.0, +1) == pytest.approx(1 / 32)
+    assert stats.equivalence(dict.fromkeys(range(5), 0.0), dict.fromkeys(range(5), 0.0), 0.02).p_value == 1 / 32
 
 
 def test_tost_is_two_of_scipys_one_sided_tests():

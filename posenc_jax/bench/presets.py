@@ -652,8 +652,8 @@ PRESETS = {
     ),
     # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, for a Colab TPU
     # (v2-8 or v5e, all cores data-parallel). Sized for about 20 minutes at an assumed 20 TFLOP/s;
-    # at the rates its own cells ran at on an H200 (COLAB_TPU_ON_H200) it takes at most about
-    # 55 minutes (training stops once learned). Not yet run on a TPU.
+    # at the rates its own cells ran at on an H200 (COLAB_TPU_ON_H200) it takes about 55 minutes
+    # (every cell its whole budget). Not yet run on a TPU.
     "colab-tpu": Preset(
         name="colab-tpu",
         encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),

@@ -15,7 +15,7 @@ A results folder holds ``results.jsonl`` (one row per task, encoding, seed and l
 * the learned cells of one task are compared seed by seed (paired differences beyond the
   training length, over all their common seeds), as one family: the paired t-tests' p-values
   are corrected by Holm's method at 0.05, and an ordering is resolved only when its corrected
-  p-value is below that. A tie is claimed only by an equivalence test (TOST) against the
+  p-value is at most that. A tie is claimed only by an equivalence test (TOST) against the
   task's margin (``equivalence_margin``; text ``text_equivalence_margin``);
 * every row records its training protocol: ``fixed-budget`` (every encoding the same steps;
   the steps to criterion a measurement) or ``to-criterion`` (the method of runs made before

@@ -24,7 +24,7 @@ step k depends only on the seed and k), so they are compared seed by seed: the p
 differences d_s = a_s − b_s get a paired t-test (:func:`paired_difference`, with its two-sided
 p-value). A page makes many such comparisons, so they are corrected as a family
 (:func:`holm`, Holm–Bonferroni at 0.05): an ordering is *resolved* only when its corrected
-p-value is below 0.05, and *unresolved* otherwise, which is never read as a tie. A tie is
+p-value is at most 0.05, and *unresolved* otherwise, which is never read as a tie. A tie is
 claimed only by an equivalence test (:func:`equivalence`, two one-sided tests against a margin
 declared before the run).
 """
@@ -172,14 +172,17 @@ def interval(values: Sequence[float], *, bounded: bool, confidence: float = 0.95
 
 def paired_difference(a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95) -> Interval | None:
     """The mean difference ``a − b`` over the seeds both have, with its Student-t interval and the
-    paired t-test's two-sided p-value (0 when every seed's difference is the same non-zero value,
-    1 when it is 0 on every seed); None when they share no seed."""
+    paired t-test's two-sided p-value; None when they share no seed. Where every seed's difference
+    is the same value the t-test has no spread to use, and the p-value is the exact sign test's:
+    2 · 0.5ⁿ when that value is not 0 (at 5 seeds, 0.0625: no single value of seeds that all agree
+    is evidence enough at 0.05), 1 when it is 0."""
     common = sorted(set(a) & set(b))
     if not common:
         return None
     diff = t_interval([a[s] - b[s] for s in common], confidence)
     if diff.equal:
-        diff = dataclasses.replace(diff, p_value=1.0 if diff.mean == 0 else 0.0)
+        # No spread for the t-test: the exact sign test (every seed on one side: 2 * 0.5^n).
+        diff = dataclasses.replace(diff, p_value=1.0 if diff.mean == 0 else min(1.0, 2 * 0.5**diff.n))
     return diff
 
 
@@ -210,8 +213,9 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[float]:
 
 def one_sided(differences: Sequence[float], null: float, direction: int) -> float:
     """The p-value of a one-sided t-test that the mean of ``differences`` is above ``null``
-    (``direction`` +1) or below it (-1). Differences that are all the same value give 0 when that
-    value lies strictly on the claimed side of ``null``, 1 otherwise.
+    (``direction`` +1) or below it (-1). Differences that are all the same value have no spread for
+    a t-test: they get the exact sign test's p-value, 0.5ⁿ when that value lies strictly on the
+    claimed side of ``null``, 1 otherwise.
 
     Example:
       >>> round(one_sided([0.1, 0.2, 0.3], 0.0, +1), 4)  # t = 0.2 / (0.1 / √3) = 3.464, 2 df
@@ -224,7 +228,8 @@ def one_sided(differences: Sequence[float], null: float, direction: int) -> floa
     if array.size < 2:
         return 1.0
     if np.ptp(array) <= 1e-12:
-        return 0.0 if direction * (mean - null) > 0 else 1.0
+        # No spread for the t-test: the exact sign test, every seed on the claimed side (0.5^n).
+        return 0.5**array.size if direction * (mean - null) > 0 else 1.0
     se = float(array.std(ddof=1) / math.sqrt(array.size))
     return float(stdtr(array.size - 1, -direction * (mean - null) / se))
 
@@ -247,7 +252,8 @@ class Equivalence:
 def equivalence(a: Mapping[int, float], b: Mapping[int, float], margin: float) -> Equivalence | None:
     """The paired TOST of ``a`` and ``b`` (seed → value) against ``margin``; None without a common seed.
 
-    Seeds whose differences are all the same value ``d`` give p = 0 when |d| < margin, 1 otherwise.
+    Seeds whose differences are all the same value ``d`` give the exact sign test's p = 0.5ⁿ when
+    |d| < margin, 1 otherwise.
 
     Example:
       >>> e = equivalence({0: 0.50, 1: 0.52, 2: 0.49}, {0: 0.50, 1: 0.50, 2: 0.50}, margin=0.03)
@@ -262,7 +268,8 @@ def equivalence(a: Mapping[int, float], b: Mapping[int, float], margin: float) -
     if diff.n < 2:
         return Equivalence(diff, margin, 1.0)
     if diff.equal:
-        return Equivalence(diff, margin, 0.0 if abs(diff.mean) < margin else 1.0)
+        # No spread: each one-sided test is the exact sign test (0.5^n when every seed is inside).
+        return Equivalence(diff, margin, 0.5**diff.n if abs(diff.mean) < margin else 1.0)
     se = (diff.high - diff.low) / 2 / float(stdtrit(diff.n - 1, 0.5 + diff.confidence / 2))
     lower = float(stdtr(diff.n - 1, -(diff.mean + margin) / se))  # H0: d <= -margin
     upper = float(stdtr(diff.n - 1, (diff.mean - margin) / se))  # H0: d >= margin
