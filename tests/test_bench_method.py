@@ -8,6 +8,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from bench_folders import write_folder
 
 from posenc_jax.bench import baselines, cell, extrapolate, ledger, presets, report, results, stats
 from posenc_jax.bench.ledger import git_state
@@ -139,19 +140,23 @@ def test_text_is_scored_on_the_same_characters_at_every_length():
     assert len(task.validation) > 0 and len(task.train) + len(task.validation) > 20 * len(task.validation) - 20
 
 
-def test_to_criterion_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_path, monkeypatch, standard_promotion):
+def _always_learned(monkeypatch, **settings):
+    """A two-seed NoPE counting-copy preset whose criterion every check meets (checks every 10 steps)."""
     always = cell.Criterion(threshold=0.0, higher_is_better=True)
     monkeypatch.setattr(extrapolate, "criterion", lambda *args: always)
-    preset = dataclasses.replace(
+    return dataclasses.replace(
         presets.PRESETS["smoke"],
         encodings=("nope",),
         tasks=("counting_copy",),
         seeds=(0, 1),
-        steps=400,
         check_every=10,
         checkpoint_every=100,
-        protocol="to-criterion",
+        **settings,
     )
+
+
+def test_to_criterion_stops_once_every_seed_held_the_criterion_at_two_checks(tmp_path, monkeypatch, standard_promotion):
+    preset = _always_learned(monkeypatch, steps=400, protocol="to-criterion")
     lines = []
     extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lines.append)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -170,17 +175,7 @@ def test_to_criterion_stops_once_every_seed_held_the_criterion_at_two_checks(tmp
 def test_a_fixed_budget_trains_every_seed_its_steps_and_records_steps_to_criterion(
     tmp_path, monkeypatch, standard_promotion
 ):
-    always = cell.Criterion(threshold=0.0, higher_is_better=True)
-    monkeypatch.setattr(extrapolate, "criterion", lambda *args: always)
-    preset = dataclasses.replace(
-        presets.PRESETS["smoke"],
-        encodings=("nope",),
-        tasks=("counting_copy",),
-        seeds=(0, 1),
-        steps=50,
-        check_every=10,
-        checkpoint_every=100,
-    )
+    preset = _always_learned(monkeypatch, steps=50)
     assert preset.protocol == "fixed-budget"
     extrapolate.run(preset, tmp_path, progress=False, keep_checkpoints=True, log=lambda line: None)
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -212,35 +207,6 @@ def test_rows_record_their_commit_and_run_json_lists_every_commit(tmp_path, stan
     assert {"commit": "0" * 40, "dirty": False, "rows": 1} in commits
 
 
-def _write_folder(folder, values_by_encoding, *, train_length=8, lengths=(4, 8, 12, 16), preset=None):
-    """A results folder: ``values_by_encoding[encoding][seed] = (at training length, beyond)``."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for encoding, per_seed in values_by_encoding.items():
-        for seed, (inside, beyond) in per_seed.items():
-            for n in lengths:
-                value = 1.0 if n < train_length else inside if n == train_length else beyond
-                rows.append(
-                    {
-                        "task": "copy",
-                        "encoding": encoding,
-                        "seed": seed,
-                        "length": n,
-                        "metric": "exact_match",
-                        "value": value,
-                        "train_length": train_length,
-                        "in_distribution": n <= train_length,
-                        "steps": 100,
-                    }
-                )
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    preset = preset or dataclasses.asdict(presets.PRESETS["cpu"])
-    (folder / "run.json").write_text(json.dumps({"preset": preset}))
-    task = make_task("copy")
-    known = {"copy": {"lengths": {str(n): baselines.algorithmic_baselines(task, n) for n in lengths}}}
-    (folder / "baselines.json").write_text(json.dumps(known))
-
-
 def test_the_gate_hides_an_unlearned_cell_and_every_seed_counts(tmp_path):
     learned = {s: (1.0, 0.2 + 0.01 * s) for s in range(5)}
     # Unlearned: 0.5 at the training length on every seed, yet a high score beyond it.
@@ -250,7 +216,7 @@ def test_the_gate_hides_an_unlearned_cell_and_every_seed_counts(tmp_path):
     # Four seeds at 0.97 and one at 0.3: the mean at the training length (0.836) fails the gate,
     # so the cell is not learned (the seeds that passed are not reported on their own).
     dragged = {**{s: (0.97, 0.9) for s in range(4)}, 4: (0.3, 0.0)}
-    _write_folder(tmp_path, {"rope": learned, "nope": unlearned, "alibi": mostly, "t5": dragged})
+    write_folder(tmp_path, {"rope": learned, "nope": unlearned, "alibi": mostly, "t5": dragged})
     found = {c.encoding: c for c in results.cells(results.read(tmp_path))}
     assert not found["nope"].learned and found["nope"].extrapolation is None
     assert found["alibi"].learned and found["alibi"].learned_seeds == (0, 1, 2, 3)
@@ -282,7 +248,7 @@ def test_plots_by_family_with_baselines_and_unlearned_cells_hollow(tmp_path):
 
     learned = {s: (1.0, 0.2 + 0.01 * s) for s in range(5)}
     rope = ("rope", "rope+yarn@eval", "rope@ft")
-    _write_folder(
+    write_folder(
         tmp_path,
         {**dict.fromkeys(rope, learned), "nope": {s: (0.5, 0.9) for s in range(5)}, "sinusoidal": learned}
         | dict.fromkeys(("alibi", "t5"), learned),
@@ -379,7 +345,7 @@ def test_the_text_criterion_compares_with_the_ngram_on_the_same_characters():
 
 
 def test_partial_rows_are_averaged_over_the_lengths_every_seed_has(tmp_path):
-    _write_folder(tmp_path, {"a": {s: (1.0, 0.5) for s in range(5)}, "b": {s: (1.0, 0.6) for s in range(5)}})
+    write_folder(tmp_path, {"a": {s: (1.0, 0.5) for s in range(5)}, "b": {s: (1.0, 0.6) for s in range(5)}})
     path = tmp_path / "results.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     # Seed 1 of "a" evaluated only up to 12 (a run read mid-evaluation), where it did best.
@@ -457,7 +423,7 @@ def test_the_bench_api_reads_all_seeds_corrects_and_tests_equivalence(tmp_path):
     rope = {**{s: (0.99, 0.5) for s in range(4)}, 4: (0.90, 0.1)}
     alibi = {s: (1.0, 0.5 + 0.001 * s) for s in range(5)}
     nope = {s: (1.0, 0.49 + 0.001 * s + [0.001, -0.001, 0.0, 0.002, -0.002][s]) for s in range(5)}
-    _write_folder(tmp_path, {"rope": rope, "alibi": alibi, "nope": nope})
+    write_folder(tmp_path, {"rope": rope, "alibi": alibi, "nope": nope})
     found = {c.encoding: c for c in bench.cells(tmp_path)}
     assert found["rope"].learned and found["rope"].learned_seeds == (0, 1, 2, 3)
     assert found["rope"].extrapolation.mean == pytest.approx(0.42) and found["rope"].extrapolation.n == 5

@@ -1,14 +1,11 @@
 """The claims page is its declared tests on the committed rows, and the tests mean what they say."""
 
-import dataclasses
 import importlib.util
-import json
 import pathlib
 import sys
 
 import pytest
-
-from posenc_jax.bench import presets
+from bench_folders import write_folder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -27,32 +24,8 @@ def test_the_claims_page_is_its_tests_on_the_committed_rows(claims):
     assert committed == claims.render(claims.CLAIMS), "run `python benchmarks/claims.py` and commit the page"
 
 
-def _folder(folder: pathlib.Path, values: dict) -> None:
-    """A results folder of task copy (train length 8): encoding -> seed -> (at 8, beyond 8)."""
-    folder.mkdir()
-    rows = []
-    for encoding, per_seed in values.items():
-        for seed, (inside, beyond) in per_seed.items():
-            for n, value in ((8, inside), (12, beyond)):
-                rows.append(
-                    {
-                        "task": "copy",
-                        "encoding": encoding,
-                        "seed": seed,
-                        "length": n,
-                        "metric": "exact_match",
-                        "value": value,
-                        "train_length": 8,
-                        "in_distribution": n <= 8,
-                        "steps": 100,
-                    }
-                )
-    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (folder / "run.json").write_text(json.dumps({"preset": dataclasses.asdict(presets.PRESETS["cpu"])}))
-
-
 def test_a_claim_holds_is_contradicted_or_stays_unresolved_on_its_corrected_tests(claims, tmp_path, monkeypatch):
-    _folder(
+    write_folder(
         tmp_path / "run",
         {
             "a": {s: (1.0, 0.80 + 0.01 * s) for s in range(5)},
@@ -62,7 +35,7 @@ def test_a_claim_holds_is_contradicted_or_stays_unresolved_on_its_corrected_test
             "e": {s: (1.0, 0.80 + 0.01 * s + [0.001, -0.002, 0.0, 0.002, -0.001][s]) for s in range(5)},
         },
     )
-    _folder(tmp_path / "other", {"a": {s: (1.0, 0.5) for s in range(5)}})
+    write_folder(tmp_path / "other", {"a": {s: (1.0, 0.5) for s in range(5)}})
     monkeypatch.setattr(claims, "DOCS", tmp_path)
     claims._read.cache_clear()
     claims._summaries.cache_clear()
