@@ -478,6 +478,7 @@ def test_python_settings_the_command_line_refuses_are_refused_from_python_too():
         ({"text_context": 0}, "text_context must be >= 2"),
         ({"seeds": (-1,)}, r"seeds must be integers >= 0, got \[-1\]"),
         ({"learning_rate": 0.0}, "learning_rate must be a positive finite number"),
+        ({"learning_rate": float("inf")}, "learning_rate must be a positive finite number, got inf"),
         ({"eval_lengths": (0, 4)}, "every eval length >= 1"),
     ):
         with pytest.raises(ValueError, match=named):
