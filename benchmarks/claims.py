@@ -190,7 +190,7 @@ def _measure(test: Test) -> Outcome:
     elif test.kind == "no-worse":
         p_claim, p_contrary = stats.one_sided(d, -margin, +1), stats.one_sided(d, -margin, -1)
     else:
-        p_claim = max(stats.one_sided(d, -margin, +1), stats.one_sided(d, margin, -1))
+        p_claim = stats.tost(d, margin)
         p_contrary = min(1.0, 2 * min(stats.one_sided(d, margin, +1), stats.one_sided(d, -margin, -1)))
     pick = max if summary.higher_is_better else min
     return Outcome(

@@ -52,6 +52,7 @@ __all__ = [
     "paired_difference",
     "resolved_orderings",
     "t_interval",
+    "tost",
 ]
 
 
@@ -125,10 +126,8 @@ def t_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
         return degenerate
     n = array.size
     mean = float(array.mean())
-    se = float(array.std(ddof=1) / math.sqrt(n))
-    half = float(stdtrit(n - 1, 0.5 + confidence / 2) * se)
-    p_value = float(2 * stdtr(n - 1, -abs(mean) / se))
-    return Interval(mean, mean - half, mean + half, n, confidence, p_value=p_value)
+    half = float(stdtrit(n - 1, 0.5 + confidence / 2) * array.std(ddof=1) / math.sqrt(n))
+    return Interval(mean, mean - half, mean + half, n, confidence)
 
 
 def bounded_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
@@ -179,11 +178,10 @@ def paired_difference(a: Mapping[int, float], b: Mapping[int, float], confidence
     common = sorted(set(a) & set(b))
     if not common:
         return None
-    diff = t_interval([a[s] - b[s] for s in common], confidence)
-    if diff.equal:
-        # No spread for the t-test: the exact sign test (every seed on one side: 2 * 0.5^n).
-        diff = dataclasses.replace(diff, p_value=1.0 if diff.mean == 0 else min(1.0, 2 * 0.5**diff.n))
-    return diff
+    d = [a[s] - b[s] for s in common]
+    # Two-sided: twice the smaller one-sided p-value (the sign test's where the seeds all agree).
+    p_value = min(1.0, 2 * min(one_sided(d, 0.0, +1), one_sided(d, 0.0, -1)))
+    return dataclasses.replace(t_interval(d, confidence), p_value=p_value)
 
 
 def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[float]:
@@ -209,6 +207,12 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[float]:
         running = max(running, min(1.0, (m - i) * p[index]))
         adjusted[index] = running
     return adjusted.tolist()
+
+
+def tost(differences: Sequence[float], margin: float) -> float:
+    """The p-value of two one-sided tests that the mean of ``differences`` lies within ±``margin``:
+    the larger of :func:`one_sided` above ``-margin`` and below ``margin``."""
+    return max(one_sided(differences, -margin, +1), one_sided(differences, margin, -1))
 
 
 def one_sided(differences: Sequence[float], null: float, direction: int) -> float:
@@ -265,15 +269,8 @@ def equivalence(a: Mapping[int, float], b: Mapping[int, float], margin: float) -
     diff = paired_difference(a, b)
     if diff is None:
         return None
-    if diff.n < 2:
-        return Equivalence(diff, margin, 1.0)
-    if diff.equal:
-        # No spread: each one-sided test is the exact sign test (0.5^n when every seed is inside).
-        return Equivalence(diff, margin, 0.5**diff.n if abs(diff.mean) < margin else 1.0)
-    se = (diff.high - diff.low) / 2 / float(stdtrit(diff.n - 1, 0.5 + diff.confidence / 2))
-    lower = float(stdtr(diff.n - 1, -(diff.mean + margin) / se))  # H0: d <= -margin
-    upper = float(stdtr(diff.n - 1, (diff.mean - margin) / se))  # H0: d >= margin
-    return Equivalence(diff, margin, max(lower, upper))
+    common = sorted(set(a) & set(b))
+    return Equivalence(diff, margin, tost([a[s] - b[s] for s in common], margin))
 
 
 @dataclasses.dataclass(frozen=True)
