@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import pathlib
 
@@ -99,6 +100,12 @@ class Results:
     def protocol(self) -> str:
         """The run's training protocol (:func:`protocol`)."""
         return protocol(self.preset)
+
+    @functools.cached_property
+    def summaries(self) -> tuple:
+        """Every cell's :class:`CellSummary` (:func:`cells`), computed once: a report, its
+        comparisons and its plots all read them."""
+        return tuple(_summarize(self))
 
 
 def protocol(preset: dict) -> str:
@@ -240,6 +247,10 @@ def _by_cell(rows):
 
 def cells(results: Results) -> list[CellSummary]:
     """One :class:`CellSummary` per task × encoding, in the order the rows first name them."""
+    return list(results.summaries)
+
+
+def _summarize(results: Results) -> list[CellSummary]:
     out = []
     for (task, encoding), per_seed in _by_cell(results.rows).items():
         sample = next(iter(next(iter(per_seed.values())).values()))
