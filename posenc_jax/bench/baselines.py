@@ -19,7 +19,8 @@ score at or below it shows that a model used no more than that:
 (its ``support``), which is exact but only feasible for short inputs; the tests hold one to
 the other.
 
-Closed forms (symbols uniform over an alphabet of A = 10, or over bits):
+Closed forms (symbols uniform over the task's alphabet of A symbols (``task.symbols``: 10 in the
+benchmark's own format; the paper formats' 100, 5 or 2), or over bits):
 
 * counting copy, counting replace (exact match): position-only 1/A (the symbol written is a
   guess); content-only 1 (in ``s t s^n`` the symbol seen once is t, and the other's count is
@@ -57,7 +58,6 @@ import numpy as np
 __all__ = ["BASELINE_NAMES", "algorithmic_baselines", "enumerated_baselines", "text_baselines"]
 
 BASELINE_NAMES = ("chance", "position-only", "content-only")
-_ALPHABET = 10
 
 
 def _sequences_with_counts_at_most(n: int, m: int, alphabet: int) -> int:
@@ -102,7 +102,7 @@ def algorithmic_baselines(task, n: int) -> dict[str, float | None]:
     if not isinstance(n, int | np.integer) or n < 1:
         raise ValueError(f"n must be an input length >= 1, got {n!r}")
     n = int(n)
-    a = _ALPHABET
+    a = getattr(task, "symbols", 10)  # the alphabet of x (the task's format decides it)
     name = task.name
     if name in ("counting_copy", "counting_replace"):
         position, content = Fraction(1, a), Fraction(1)
@@ -112,6 +112,8 @@ def algorithmic_baselines(task, n: int) -> dict[str, float | None]:
         position, content = Fraction(1, a), _expected_largest_count(n, a) / n
     elif name == "bucket_sort":
         position, content = _sorted_slot_best(n, a), Fraction(1)
+    elif name == "missing_duplicate" and n == 1 and getattr(task, "format", "ours") == "paper":
+        position, content = Fraction(1), Fraction(1)  # Ruoss et al.'s length 1: the answer is always 1
     elif name in ("parity", "missing_duplicate"):
         position, content = Fraction(1, 2), Fraction(1)
     elif name in ("probe", "probe_boundary"):

@@ -143,7 +143,9 @@ def train_batch(task, preset: Preset, seed: int, step: int, lengths: TaskLengths
     resumed run sees the data an uninterrupted one would."""
     rng = np.random.default_rng([seed, step])
     return task.batch(
-        rng, task.train_lengths(rng, lengths.train, preset.batch_size), pad_to=task.max_tokens(lengths.train)
+        rng,
+        task.train_lengths(rng, lengths.train, preset.batch_size, minimum=lengths.train_min),
+        pad_to=task.max_tokens(lengths.train),
     )
 
 

@@ -158,6 +158,7 @@ def _preset_from(args):
         "text_eval_characters": args.text_eval_characters,
         "learned_threshold": args.learned_threshold,
         "protocol": args.protocol,
+        "task_format": args.task_format,
     }
     preset = dataclasses.replace(preset, **{k: v for k, v in overrides.items() if v is not None})
     if args.text_lengths is not None:
@@ -373,6 +374,7 @@ def main(argv=None) -> int:
         formatter_class=_Catalogue,
     )
     from posenc_jax.bench.presets import PRESETS, PROTOCOLS
+    from posenc_jax.bench.tasks import TASK_FORMATS
 
     ex.add_argument("--preset", default="cpu", help=f"one of {', '.join(PRESETS)} (default cpu; listed below)")
     ex.add_argument(
@@ -422,6 +424,12 @@ def main(argv=None) -> int:
         choices=PROTOCOLS,
         help="fixed-budget (default: every encoding trains the same steps, steps to criterion recorded) or "
         "to-criterion (each seed stops once it has learned; the earlier method, named in every row)",
+    )
+    ex.add_argument(
+        "--task-format",
+        choices=TASK_FORMATS,
+        help="ours (the benchmark's compact task formats) or paper (the formats of the papers' code: instruction "
+        "words, separators and alphabets; decoder and encoder tasks only); default: the preset's",
     )
     ex.add_argument(
         "--no-progress", action="store_true", help="no progress bars (needs no tqdm; bars show only on a terminal)"

@@ -48,7 +48,7 @@ def _tasks(preset: Preset, corpus: str | None) -> dict:
     """The preset's tasks, each checked against its lengths before anything trains."""
     tasks = {}
     for name in preset.tasks:
-        task = make_task(name, corpus=corpus, max_length=max(preset.eval_lengths) + 2)
+        task = make_task(name, corpus=corpus, max_length=max(preset.eval_lengths) + 2, format=preset.task_format)
         lengths = preset.for_task(name).lengths(task)
         task.check_lengths(lengths.train, lengths.eval)
         if lengths.text and len(task.test) < lengths.examples + 1:

@@ -65,6 +65,9 @@ _NOT_HASHED = (
     *("name", "encodings", "tasks", "seeds", "normalizers", "eval_only_tasks"),
     *("description", "target", "paper_protocol"),
 )
+# Settings added after runs were committed: at their default they leave a fingerprint as it was,
+# so those runs' folders stay theirs; any other value is hashed.
+_HASHED_UNLESS_DEFAULT = {"task_format": "ours", "train_min_length": 1}
 
 
 # The benchmark's method: 3 trains every encoding the same steps (the preset's protocol) and
@@ -85,6 +88,9 @@ def fingerprint(preset, data: str | None = None) -> str:
     settings = dataclasses.asdict(preset)
     for key in _NOT_HASHED:
         settings.pop(key)
+    for key, default in _HASHED_UNLESS_DEFAULT.items():
+        if settings.get(key) == default:
+            settings.pop(key)
     settings["method"] = METHOD
     if data is not None:  # the text corpus's digest, when the run has the text task
         settings["data"] = data

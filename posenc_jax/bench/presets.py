@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import math
 
-from posenc_jax.bench.tasks import STDLIB_CORPUS_SHA256, make_task, task_names
+from posenc_jax.bench.tasks import FORMATTED_TASKS, STDLIB_CORPUS_SHA256, TASK_FORMATS, make_task, task_names
 from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_config, encoding_info, encoding_names
 
@@ -55,6 +55,7 @@ class TaskLengths:
     examples: int
     batch: int
     text: bool = False
+    train_min: int = 1
 
     def examples_at(self, length: int) -> int:
         """The test examples (text: windows) at ``length``."""
@@ -153,9 +154,11 @@ PER_TASK = (
 class Preset:
     """Everything that defines a run.
 
-    Algorithmic tasks train on lengths 1..``train_length`` and are tested at
-    ``eval_lengths`` on ``eval_examples`` examples each; the text task trains at
-    ``text_context`` characters and is tested at ``text_context`` times each of
+    Algorithmic tasks train on lengths ``train_min_length``..``train_length`` (drawn
+    uniformly) and are tested at ``eval_lengths`` on ``eval_examples`` examples each, in
+    ``task_format``: ``"ours"`` (the benchmark's compact format) or ``"paper"`` (the format of
+    the authors' code, for the tasks that have one: see :data:`~posenc_jax.bench.tasks.TASK_FORMATS`);
+    the text task trains at ``text_context`` characters and is tested at ``text_context`` times each of
     ``text_multiples``, every length on the same ``text_eval_characters`` characters of the
     test split, cut into non-overlapping windows of that length (Press et al. 2022's
     evaluation). Those windows depend on the corpus and the length alone, the same for every
@@ -256,6 +259,8 @@ class Preset:
     description: str = ""
     target: str = "cpu"
     paper_protocol: str = ""
+    task_format: str = "ours"
+    train_min_length: int = 1
 
     def for_task(self, task_name: str) -> Preset:
         """The settings ``task_name`` trains with: this preset with the task's own overrides
@@ -276,7 +281,11 @@ class Preset:
                 text=True,
             )
         return TaskLengths(
-            train=self.train_length, eval=tuple(self.eval_lengths), examples=self.eval_examples, batch=64
+            train=self.train_length,
+            eval=tuple(self.eval_lengths),
+            examples=self.eval_examples,
+            batch=64,
+            train_min=self.train_min_length,
         )
 
     def eval_variants(self, task_name: str, encoding: str, normalizer: str) -> tuple[EvalVariant, ...]:
@@ -431,6 +440,18 @@ class Preset:
                 dataclasses.replace(self.for_task(task_name), task_overrides=()).validate()
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+        if self.task_format not in TASK_FORMATS:
+            raise ValueError(f"task_format must be one of {', '.join(TASK_FORMATS)}, got {self.task_format!r}")
+        unformatted = [t for t in self.tasks if self.task_format != "ours" and t not in FORMATTED_TASKS]
+        if unformatted:
+            raise ValueError(
+                f"task_format={self.task_format!r}, but {', '.join(unformatted)} have only the benchmark's own format; "
+                f"a paper-format preset runs only {', '.join(FORMATTED_TASKS)}"
+            )
+        if not 1 <= self.train_min_length <= self.train_length:
+            raise ValueError(
+                f"train_min_length must be in 1..train_length ({self.train_length}), got {self.train_min_length}"
+            )
         if self.train_length < 1 or self.text_context < 2:
             raise ValueError(
                 f"train_length must be >= 1 and text_context >= 2, got {self.train_length}, {self.text_context}"
@@ -620,18 +641,46 @@ PRESETS = {
         paper_protocol=_PRESS_PROTOCOL,
         target="accelerator",
     ),
+    # Kazemnejad et al. 2023 on a CPU, under one budget: their five decoder tasks in their format
+    # (instruction words, [NEXT] inside duplicate's answer, 100 symbols) and their five encodings,
+    # their lengths halved (train 2-10 for their 4-20, test 11-20 for 21-40). 4 layers x 64: the
+    # criterion runs had NoPE and ALiBi learn copy, duplicate and reverse at 4 layers in 5,200-8,500
+    # steps, so those tasks train 10,000 steps (every encoding); the counting tasks, learned within
+    # 2,000 at 2 layers, 4,000.
+    "kazemnejad": Preset(
+        name="kazemnejad",
+        encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
+        tasks=_DECODER_TASKS,
+        seeds=_FIVE_SEEDS,
+        num_layers=4,
+        steps=10_000,
+        task_overrides=tuple((task, (("steps", 4000),)) for task in ("counting_copy", "counting_replace")),
+        train_length=10,
+        train_min_length=2,
+        eval_lengths=tuple(range(2, 21)),
+        eval_only_tasks=(),
+        checkpoint_every=500,
+        task_format="paper",
+        description="Kazemnejad et al.'s five decoder tasks in their format, their five encodings, lengths halved "
+        "(train 2-10, test 11-20), one budget per task, 5 seeds",
+        paper_protocol=_KAZEMNEJAD_PROTOCOL,
+    ),
     # Ruoss et al. 2023: randomized positions against the same encoding without them, on their
-    # encoder tasks, tested far past the training length (they train <= 40 and test 41-500;
-    # here train <= 10, test to 10x). cpu-full's model and budgets for these tasks.
+    # encoder tasks in their format (bits; bucket sort over 5 symbols; missing duplicate keeps odd
+    # lengths), every pair trained together with the same seeds and steps, tested to 10x the
+    # training length (they train <= 40 and test 41-500; here train <= 10, test to 100).
     "ruoss": Preset(
         name="ruoss",
-        encodings=("rope", "rope+randomized", "sinusoidal", "sinusoidal+randomized"),
+        encodings=("rope", "rope+randomized", "sinusoidal", "sinusoidal+randomized", "alibi", "alibi+randomized"),
         tasks=_ENCODER_TASKS,
         seeds=_FIVE_SEEDS,
-        steps=4000,
+        steps=16_000,
         eval_lengths=(5, 10, 15, 20, 30, 40, 60, 80, 100),
         eval_only_tasks=(),
-        description="Ruoss et al.'s encoder tasks with and without randomized positions, tested to 10x",
+        checkpoint_every=1000,
+        task_format="paper",
+        description="Ruoss et al.'s encoder tasks in their format, with and without randomized positions, "
+        "one budget (16,000 steps), tested to 10x",
         paper_protocol=_RUOSS_PROTOCOL,
     ),
     # Golovneva et al. 2024 (CoPE): flip-flop (Liu et al. 2023) and the counting task, with CoPE
@@ -747,8 +796,8 @@ class Cost:
 
 
 @functools.cache
-def _task(name: str, max_length: int):
-    return make_task(name, max_length=max_length)
+def _task(name: str, max_length: int, format: str = "ours"):
+    return make_task(name, max_length=max_length, format=format)
 
 
 def _forward_flops_per_token(preset: Preset, context: int, vocab: int) -> float:
@@ -783,7 +832,7 @@ def cell_cost(
       >>> c.cells, round(c.train_flops / 1e12, 2), c.eval_programs  # 5 seeds x 700 steps
       (1, 1.48, 1)
     """
-    task = _task(task_name, max(preset.eval_lengths) + 2)  # as the runner makes it
+    task = _task(task_name, max(preset.eval_lengths) + 2, preset.task_format)  # as the runner makes it
     preset = preset.for_task(task_name)
     lengths = preset.lengths(task)
     steps = preset.steps if steps is None else steps
@@ -828,7 +877,7 @@ def cost(preset: Preset) -> Cost:
     """
     total = Cost(cells=0, train_flops=0.0, eval_flops=0.0, eval_programs=0)
     for name in preset.tasks:
-        task = _task(name, max(preset.eval_lengths) + 2)
+        task = _task(name, max(preset.eval_lengths) + 2, preset.task_format)
         for encoding in preset.encodings:
             if runs_on(task, encoding):
                 for normalizer in preset.normalizers:

@@ -416,9 +416,9 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
 
 
 @functools.cache
-def _task(name: str):
+def _task(name: str, format: str = "ours"):
     try:
-        return make_task(name, max_length=1 << 16)
+        return make_task(name, max_length=1 << 16, format=format)
     except ValueError:  # a task this version does not know: no chance line, default axis
         return None
 
@@ -499,7 +499,7 @@ def figure(task_name: str, results: Results):
 
     summaries = {c.encoding: c for c in cells(results) if c.task == task_name}
     rows = [r for r in results.rows if r["task"] == task_name]
-    task = _task(task_name)
+    task = _task(task_name, (results.preset or {}).get("task_format", "ours"))
     text = task is not None and task.length_family == "text"
     sample = rows[0]
     bounded = sample["metric"] in BOUNDED

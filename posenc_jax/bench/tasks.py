@@ -59,7 +59,9 @@ __all__ = [
     "FlipFlopTask",
     "ProbeTask",
     "STDLIB_CORPUS_SHA256",
+    "FORMATTED_TASKS",
     "TASKS",
+    "TASK_FORMATS",
     "Task",
     "TextTask",
     "load_hub_corpus",
@@ -73,6 +75,7 @@ NUM_SYMBOLS = 10
 SEP, BLANK, PAD, EOS = NUM_SYMBOLS, NUM_SYMBOLS + 1, NUM_SYMBOLS + 2, NUM_SYMBOLS + 3
 ALGO_VOCAB = NUM_SYMBOLS + 4
 MARKER = 2  # missing duplicate's hidden token, outside its binary alphabet
+EMPTY = 3  # missing duplicate's empty token after an odd length (paper format)
 
 
 def _half(n: int) -> int:
@@ -110,8 +113,11 @@ class Task(Protocol):
     def max_tokens(self, n: int) -> int:
         """Model input length for an example of length ``n``."""
 
-    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
-        """The lengths of one training batch's examples."""
+    def train_lengths(
+        self, rng: np.random.Generator, train_length: int, batch_size: int, minimum: int = 1
+    ) -> np.ndarray:
+        """The lengths of one training batch's examples (``minimum``..``train_length`` where the
+        task's lengths vary)."""
 
     def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         """One example of each length in ``lengths`` (``split``: ``"train"`` or ``"test"``)."""
@@ -135,9 +141,11 @@ class _Generated:
     length_family: ClassVar[str] = "algorithmic"
     fixed_eval_shape: ClassVar[bool] = True
 
-    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
-        """Lengths drawn uniformly from 1..``train_length``."""
-        return rng.integers(1, train_length + 1, batch_size)
+    def train_lengths(
+        self, rng: np.random.Generator, train_length: int, batch_size: int, minimum: int = 1
+    ) -> np.ndarray:
+        """Lengths drawn uniformly from ``minimum``..``train_length``."""
+        return rng.integers(minimum, train_length + 1, batch_size)
 
     def check_lengths(self, train_length: int, eval_lengths) -> None:
         lengths = [train_length, *eval_lengths]
@@ -155,61 +163,162 @@ def _pad(rows, length, value):
     return out
 
 
+# The tasks' formats. "ours" is the benchmark's compact form (10 symbols, no instruction words,
+# no separator inside an answer); "paper" follows the authors' code: Kazemnejad et al.'s dataset
+# builders and instance processors (McGill-NLP/length-generalization, scripts/dataset_builders/
+# make_copy_dataset.py and make_reverse_dataset.py, src/data/data_instance_processor/
+# copy_instance_processor.py) for the decoder tasks, Ruoss et al.'s task classes
+# (google-deepmind/randomized_positional_encodings, tasks/) for the encoder tasks.
+TASK_FORMATS = ("ours", "paper")
+# Kazemnejad et al. draw random strings from 100 tokens of T5's vocabulary; here 100 symbols.
+# (Their counting copy gives each example of a length its own token, from several thousand;
+# here a token is drawn uniformly from the same 100.)
+PAPER_DECODER_SYMBOLS = 100
+# Ruoss et al.'s alphabets: binary strings, except bucket sort's 5 symbols.
+PAPER_ENCODER_SYMBOLS = {"reverse_string": 2, "missing_duplicate": 2, "parity": 2, "bucket_sort": 5}
+# The paper format's words, one token each (the authors' T5 tokenizer splits "Copy:" into two
+# pieces; one token per word here): "Copy:", "Reverse:", "Replace", "with", "in", and the
+# separator "[NEXT]" between the two copies of duplicate's answer.
+_WORDS = ("copy", "reverse", "replace", "with", "in", "next")
+
+
+def _check_format(name: str, format: str) -> None:
+    if format not in TASK_FORMATS:
+        raise ValueError(f"{name}: unknown task format {format!r}; use one of {', '.join(TASK_FORMATS)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecoderTask(_Generated):
-    """``x SEP y EOS`` with ``y = f(x)``, causal, exact match over ``y EOS``.
+    """``prompt SEP y EOS`` with ``y = f(x)``, causal, exact match over ``y EOS``.
 
     The end token is part of the answer: knowing when to stop is what makes
     counting copy hard.
+
+    Two formats (``format``):
+
+    * ``"ours"``: the prompt is ``x`` itself over 10 symbols (counting replace: ``s t s^n``),
+      and duplicate's answer is ``x x``.
+    * ``"paper"``: Kazemnejad et al.'s: ``Copy: x`` (copy, counting copy, duplicate),
+      ``Reverse: x``, ``Replace s with t in s^n``; duplicate's answer is ``x [NEXT] x``;
+      symbols from an alphabet of 100.
+
+    Example:
+      >>> task = DecoderTask("duplicate", format="paper")
+      >>> x = np.array([task.copy_word, 7, 42])  # "Copy: 7 42"
+      >>> [task.token_name(t) for t in task.answer(x)]
+      ['7', '42', '[NEXT]', '7', '42']
     """
 
     name: str
+    format: str = "ours"
     kind: ClassVar[str] = "decoder"
     metric: ClassVar[str] = "exact_match"
     higher_is_better: ClassVar[bool] = True
 
+    def __post_init__(self):
+        _check_format(self.name, self.format)
+
+    @property
+    def symbols(self) -> int:
+        """The alphabet of ``x``."""
+        return NUM_SYMBOLS if self.format == "ours" else PAPER_DECODER_SYMBOLS
+
+    # Special tokens follow the symbols: SEP, (BLANK, unused), PAD, EOS, then the paper's words.
+    @property
+    def sep(self) -> int:
+        return self.symbols
+
+    @property
+    def pad(self) -> int:
+        return self.symbols + 2
+
+    @property
+    def eos(self) -> int:
+        return self.symbols + 3
+
+    def _word(self, word: str) -> int:
+        return self.symbols + 4 + _WORDS.index(word)
+
+    @property
+    def copy_word(self) -> int:
+        """The token "Copy:" (paper format)."""
+        return self._word("copy")
+
     @property
     def vocab_size(self) -> int:
-        return ALGO_VOCAB
+        return ALGO_VOCAB if self.format == "ours" else self.symbols + 4 + len(_WORDS)
+
+    def token_name(self, token: int) -> str:
+        """A token as the authors' text writes it (symbols as numbers)."""
+        token = int(token)
+        if token < self.symbols:
+            return str(token)
+        names = ["[SEP]", "[BLANK]", "[PAD]", "[EOS]", "Copy:", "Reverse:", "Replace", "with", "in", "[NEXT]"]
+        return names[token - self.symbols]
+
+    def prompt(self, x: np.ndarray) -> np.ndarray:
+        """The tokens before the separator, for the input string ``x`` (counting replace: ``s t s^n``)."""
+        if self.format == "ours":
+            return np.asarray(x)
+        if self.name == "counting_replace":
+            s, t, rest = x[0], x[1], x[2:]
+            return np.array([self._word("replace"), s, self._word("with"), t, self._word("in"), *rest])
+        word = self._word("reverse" if self.name == "reverse" else "copy")
+        return np.array([word, *x])
 
     def _example(self, rng: np.random.Generator, n: int):
+        a = self.symbols
         if self.name == "counting_copy":
-            x = np.full(n, rng.integers(NUM_SYMBOLS))
+            x = np.full(n, rng.integers(a))
         elif self.name == "counting_replace":
             # Kazemnejad et al.'s "Replace s with t in s s s": the two symbols, then s n times.
-            s = rng.integers(NUM_SYMBOLS)
-            t = (s + 1 + rng.integers(NUM_SYMBOLS - 1)) % NUM_SYMBOLS  # any symbol but s
+            s = rng.integers(a)
+            t = (s + 1 + rng.integers(a - 1)) % a  # any symbol but s
             x = np.array([s, t, *[s] * n])
         elif self.name in ("copy", "duplicate", "reverse"):
-            x = rng.integers(0, NUM_SYMBOLS, n)
+            x = rng.integers(0, a, n)
         else:
             raise ValueError(f"unknown decoder task {self.name!r}")
-        return x, self.answer(x)
+        prompt = self.prompt(x)
+        return prompt, self.answer(prompt)
 
-    def answer(self, x: np.ndarray) -> np.ndarray:
-        """``y = f(x)`` (without the end token)."""
+    def answer(self, prompt: np.ndarray) -> np.ndarray:
+        """``y = f(x)`` (without the end token), from the prompt."""
+        prompt = np.asarray(prompt)
+        if self.format == "ours":
+            x = prompt
+            if self.name == "counting_replace":
+                return np.full(len(x) - 2, x[1])
+        elif self.name == "counting_replace":  # Replace s with t in s^n
+            return np.full(len(prompt) - 5, prompt[3])
+        else:
+            x = prompt[1:]  # after "Copy:" or "Reverse:"
         if self.name == "duplicate":
-            return np.concatenate([x, x])
+            middle = [] if self.format == "ours" else [self._word("next")]
+            return np.concatenate([x, middle, x]).astype(x.dtype)
         if self.name == "reverse":
             return x[::-1]
-        if self.name == "counting_replace":
-            return np.full(len(x) - 2, x[1])
         return x  # copy, counting copy
 
     def support(self, n: int):
-        """Every input ``x`` of length ``n`` with its probability, as ``(x, p)`` pairs (for exact baselines)."""
+        """Every prompt of length ``n`` with its probability, as ``(prompt, p)`` pairs (for exact baselines)."""
+        a = self.symbols
         if self.name == "counting_copy":
-            return [(np.full(n, s), 1 / NUM_SYMBOLS) for s in range(NUM_SYMBOLS)]
-        if self.name == "counting_replace":
-            pairs = [(s, t) for s in range(NUM_SYMBOLS) for t in range(NUM_SYMBOLS) if t != s]
-            return [(np.array([s, t, *[s] * n]), 1 / len(pairs)) for s, t in pairs]
-        return [(np.array(x), NUM_SYMBOLS**-n) for x in itertools.product(range(NUM_SYMBOLS), repeat=n)]
+            xs = [(np.full(n, s), 1 / a) for s in range(a)]
+        elif self.name == "counting_replace":
+            pairs = [(s, t) for s in range(a) for t in range(a) if t != s]
+            xs = [(np.array([s, t, *[s] * n]), 1 / len(pairs)) for s, t in pairs]
+        else:
+            xs = [(np.array(x), float(a) ** -n) for x in itertools.product(range(a), repeat=n)]
+        return [(self.prompt(x), p) for x, p in xs]
 
     def max_tokens(self, n: int) -> int:
-        """Model input length for an example of length n (``x SEP y EOS`` less the last token)."""
-        if self.name == "counting_replace":
-            return (n + 2) + 1 + n
-        return n + 1 + (2 * n if self.name == "duplicate" else n)
+        """Model input length for an example of length n (``prompt SEP y EOS`` less the last token)."""
+        words = 0 if self.format == "ours" else 1  # "Copy:" or "Reverse:"; "[NEXT]" in duplicate's answer
+        # Counting replace's prompt holds s and t besides s^n (the paper's adds "Replace", "with", "in").
+        prompt = n + 2 + 3 * words if self.name == "counting_replace" else n + words
+        answer = 2 * n + words if self.name == "duplicate" else n
+        return prompt + 1 + answer
 
     def batch(self, rng: np.random.Generator, lengths, *, split: str = "train", pad_to: int | None = None) -> dict:
         """A batch with one example of each length in ``lengths``, padded to the longest
@@ -217,10 +326,10 @@ class DecoderTask(_Generated):
         seqs, weights = [], []
         for n in lengths:
             x, y = self._example(rng, int(n))
-            seqs.append(np.concatenate([x, [SEP], y, [EOS]]))
+            seqs.append(np.concatenate([x, [self.sep], y, [self.eos]]))
             weights.append(np.concatenate([np.zeros(len(x)), np.ones(len(y) + 1)]))
         total = max(len(s) for s in seqs) if pad_to is None else pad_to + 1
-        tokens = _pad(seqs, total, PAD)
+        tokens = _pad(seqs, total, self.pad)
         w = np.zeros((len(seqs), total - 1), np.float32)
         for i, row in enumerate(weights):
             w[i, : len(row)] = row  # weight on predicting each y token from its prefix
@@ -244,27 +353,53 @@ class DecoderTask(_Generated):
 
 @dataclasses.dataclass(frozen=True)
 class EncoderTask(_Generated):
-    """``x`` then blanks; the answer is read from the blanks; per-token accuracy."""
+    """``x`` then blanks; the answer is read from the blanks; per-token accuracy.
+
+    Two formats (``format``): ``"ours"`` (reverse string and bucket sort over 10 symbols;
+    missing duplicate rounds an odd length up to the next even one) and ``"paper"``, Ruoss et
+    al.'s: reverse string over bits, bucket sort over 5 symbols, and missing duplicate keeping
+    an odd length n as ``w w`` with ``|w| = n // 2`` followed by an empty token (length 1:
+    the input ``1`` with the answer 1, as their code defines it). Parity is the same in both.
+
+    Example:
+      >>> task = EncoderTask("missing_duplicate", format="paper")
+      >>> task.answer(np.array([1, 0, 1, 1, MARKER, 1, EMPTY]))  # 101 1?1, then the empty token
+      array([0])
+    """
 
     name: str
+    format: str = "ours"
     kind: ClassVar[str] = "encoder"
     metric: ClassVar[str] = "accuracy"
     higher_is_better: ClassVar[bool] = True
+
+    def __post_init__(self):
+        _check_format(self.name, self.format)
+
+    @property
+    def symbols(self) -> int:
+        """The alphabet of ``x`` (missing duplicate: of ``w``, before a token is hidden)."""
+        if self.format == "paper":
+            return PAPER_ENCODER_SYMBOLS.get(self.name, NUM_SYMBOLS)
+        return 2 if self.name in ("parity", "missing_duplicate") else NUM_SYMBOLS
 
     @property
     def vocab_size(self) -> int:
         return ALGO_VOCAB
 
     def _example(self, rng: np.random.Generator, n: int):
-        if self.name in ("reverse_string", "bucket_sort"):
-            x = rng.integers(0, NUM_SYMBOLS, n)
-        elif self.name == "parity":
-            x = rng.integers(0, 2, n)
+        if self.name in ("reverse_string", "bucket_sort", "parity"):
+            x = rng.integers(0, self.symbols, n)
         elif self.name == "missing_duplicate":
-            # A binary string w w (length n, rounded up to even) with one token hidden; say which.
-            w = rng.integers(0, 2, _half(n))
-            x = np.concatenate([w, w])
-            x[rng.integers(len(x))] = MARKER
+            if self.format == "paper" and n == 1:
+                x = np.array([1])  # Ruoss et al.'s length 1: input 1, answer 1
+            else:
+                # A binary string w w with one token hidden; say which.
+                w = rng.integers(0, 2, n // 2 if self.format == "paper" else _half(n))
+                x = np.concatenate([w, w])
+                x[rng.integers(len(x))] = MARKER
+                if self.format == "paper" and n % 2:
+                    x = np.concatenate([x, [EMPTY]])
         else:
             raise ValueError(f"unknown encoder task {self.name!r}")
         return x, self.answer(x)
@@ -285,27 +420,34 @@ class EncoderTask(_Generated):
         if self.name == "parity":
             return np.array([x.sum() % 2])
         if self.name == "missing_duplicate":
-            hidden = int(np.flatnonzero(x == MARKER)[0])
-            return np.array([x[(hidden + len(x) // 2) % len(x)]])  # the hidden token's twin
+            core = x[x != EMPTY] if self.format == "paper" else x
+            if self.format == "paper" and len(x) == 1:
+                return np.array([1])
+            hidden = int(np.flatnonzero(core == MARKER)[0])
+            return np.array([core[(hidden + len(core) // 2) % len(core)]])  # the hidden token's twin
         raise ValueError(f"unknown encoder task {self.name!r}")
 
     def support(self, n: int):
         """Every input ``x`` of length ``n`` with its probability, as ``(x, p)`` pairs (for exact baselines)."""
-        if self.name == "parity":
-            return [(np.array(x), 2.0**-n) for x in itertools.product(range(2), repeat=n)]
         if self.name == "missing_duplicate":
-            half = _half(n)
+            if self.format == "paper" and n == 1:
+                return [(np.array([1]), 1.0)]
+            half = n // 2 if self.format == "paper" else _half(n)
+            tail = [EMPTY] if self.format == "paper" and n % 2 else []
             out = []
             for w in itertools.product(range(2), repeat=half):
                 for hidden in range(2 * half):
-                    x = np.array(w + w)
+                    x = np.array(w + w + tuple(tail))
                     x[hidden] = MARKER
                     out.append((x, 2.0**-half / (2 * half)))
             return out
-        return [(np.array(x), NUM_SYMBOLS**-n) for x in itertools.product(range(NUM_SYMBOLS), repeat=n)]
+        a = self.symbols
+        return [(np.array(x), float(a) ** -n) for x in itertools.product(range(a), repeat=n)]
 
     def max_tokens(self, n: int) -> int:
         """Model input length for an example of length n (x and its answer blanks)."""
+        if self.name == "missing_duplicate" and self.format == "paper":
+            return n + 1
         if self.name in ("parity", "missing_duplicate"):
             return n + 2
         return 2 * n
@@ -338,8 +480,8 @@ class EncoderTask(_Generated):
         return ((predictions == batch["targets"]) * w).sum(-1) / np.maximum(w.sum(-1), 1)
 
     def chance(self, n: int) -> float | None:
-        """Uniform guessing: 1/2 for the binary answers (parity, missing duplicate), 1/10 per symbol."""
-        return 0.5 if self.name in ("parity", "missing_duplicate") else 1.0 / NUM_SYMBOLS
+        """Uniform guessing: 1/2 for the binary answers (parity, missing duplicate), 1/A per symbol."""
+        return 0.5 if self.name in ("parity", "missing_duplicate") else 1.0 / self.symbols
 
 
 @dataclasses.dataclass(frozen=True)
@@ -456,9 +598,12 @@ class FlipFlopTask(_Generated):
                 f"got {self.ignore_probability}"
             )
 
-    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
-        """Lengths drawn uniformly from 2..``train_length`` pairs (a write and a read at least)."""
-        return rng.integers(2, max(train_length, 2) + 1, batch_size)
+    def train_lengths(
+        self, rng: np.random.Generator, train_length: int, batch_size: int, minimum: int = 1
+    ) -> np.ndarray:
+        """Lengths drawn uniformly from max(2, ``minimum``)..``train_length`` pairs (a write and a read at least)."""
+        low = max(minimum, 2)
+        return rng.integers(low, max(train_length, low) + 1, batch_size)
 
     def check_lengths(self, train_length: int, eval_lengths) -> None:
         lengths = [train_length, *eval_lengths]
@@ -1020,8 +1165,10 @@ class TextTask:
     def max_tokens(self, n: int) -> int:
         return n
 
-    def train_lengths(self, rng: np.random.Generator, train_length: int, batch_size: int) -> np.ndarray:
-        """Every window is the training context."""
+    def train_lengths(
+        self, rng: np.random.Generator, train_length: int, batch_size: int, minimum: int = 1
+    ) -> np.ndarray:
+        """Every window is the training context (``minimum`` does not apply)."""
         return np.full(batch_size, train_length)
 
     def chance(self, n: int) -> float | None:
@@ -1099,15 +1246,14 @@ class TextTask:
 
 
 TASKS = {
-    "counting_copy": lambda **kw: DecoderTask("counting_copy"),
-    "counting_replace": lambda **kw: DecoderTask("counting_replace"),
-    "copy": lambda **kw: DecoderTask("copy"),
-    "duplicate": lambda **kw: DecoderTask("duplicate"),
-    "reverse": lambda **kw: DecoderTask("reverse"),
-    "reverse_string": lambda **kw: EncoderTask("reverse_string"),
-    "missing_duplicate": lambda **kw: EncoderTask("missing_duplicate"),
-    "parity": lambda **kw: EncoderTask("parity"),
-    "bucket_sort": lambda **kw: EncoderTask("bucket_sort"),
+    **{
+        name: functools.partial(lambda name, format="ours", **kw: DecoderTask(name, format), name)
+        for name in ("counting_copy", "counting_replace", "copy", "duplicate", "reverse")
+    },
+    **{
+        name: functools.partial(lambda name, format="ours", **kw: EncoderTask(name, format), name)
+        for name in ("reverse_string", "missing_duplicate", "parity", "bucket_sort")
+    },
     "probe": lambda max_length=256, **kw: ProbeTask("probe", boundary=False, max_length=max_length),
     "probe_boundary": lambda max_length=256, **kw: ProbeTask("probe_boundary", boundary=True, max_length=max_length),
     "text": lambda corpus=None, **kw: TextTask(corpus),
@@ -1120,8 +1266,21 @@ def task_names() -> list[str]:
     return list(TASKS)
 
 
-def make_task(name: str, **kwargs):
-    """The task called ``name`` (see :data:`TASKS`)."""
+# The tasks with a paper format (``make_task(name, format="paper")``).
+FORMATTED_TASKS = ("counting_copy", "counting_replace", "copy", "duplicate", "reverse", *PAPER_ENCODER_SYMBOLS)
+
+
+def make_task(name: str, *, format: str = "ours", **kwargs):
+    """The task called ``name`` (see :data:`TASKS`), in ``format`` (:data:`TASK_FORMATS`: the
+    benchmark's own, or the paper's, for the tasks of :data:`FORMATTED_TASKS`)."""
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}")
+    _check_format(name, format)
+    if format != "ours" and name not in FORMATTED_TASKS:
+        raise ValueError(
+            f"task {name!r} has no {format!r} format (only {', '.join(FORMATTED_TASKS)} do); run it with "
+            "task_format='ours'"
+        )
+    if format != "ours":
+        kwargs["format"] = format
     return TASKS[name](**kwargs)
