@@ -180,3 +180,40 @@ def test_training_lengths_start_at_the_preset_minimum():
     drawn = task.train_lengths(np.random.default_rng(0), lengths.train, 2000, minimum=lengths.train_min)
     assert drawn.min() == 2 and drawn.max() == 10
     assert isinstance(preset, Preset) and preset.task_format == "paper"
+
+
+@pytest.mark.parametrize("encoding", ["nope", "t5", "alibi", "rope", "sinusoidal"])
+def test_teacher_forced_exact_match_is_greedy_exact_match(encoding):
+    """The decoder tasks' exact match is read from one teacher-forced pass (every answer token the
+    argmax given the true prefix); that is greedy decoding's exact match: if each step is right
+    given the true prefix, greedy never leaves it, and where greedy first leaves it the
+    teacher-forced argmax is wrong too. Checked with real greedy decoding over the KV cache, on
+    answers the model gets right (its own greedy continuations) and answers one token off."""
+    from posenc_jax.bench.cell import build_model, encodings_for, predict
+    from posenc_jax.generation import generate
+
+    task = make_task("copy", format="paper")
+    preset = dataclasses.replace(PRESETS["kazemnejad"], model_dim=32, num_layers=2, num_heads=2, mlp_dim=64)
+    configs = encodings_for(encoding, 16, task.max_tokens(10), task.max_tokens(20))
+    model = build_model(task, preset, configs, seed=0)
+    n, rows = 13, 16
+    rng = np.random.default_rng(3)
+    batch = task.batch(rng, [n] * rows, split="test")
+    prompt = n + 2  # "Copy:", x, [SEP]
+    answer = n + 1  # y, [EOS]
+    greedy = np.asarray(generate(model, batch["inputs"][:, :prompt], max_new_tokens=answer))[:, prompt:]
+    truth = greedy.copy()
+    off = rows // 2 + np.arange(rows // 2)  # the second half: one answer token changed
+    slots = rng.integers(0, answer, len(off))
+    truth[off, slots] = (truth[off, slots] + 1 + rng.integers(0, task.vocab_size - 1, len(off))) % task.vocab_size
+    tokens = np.concatenate([batch["inputs"][:, :prompt], truth], axis=1)
+    forced = {
+        "inputs": tokens[:, :-1],
+        "targets": tokens[:, 1:],
+        "weights": np.concatenate([np.zeros((rows, prompt - 1)), np.ones((rows, answer))], 1).astype(np.float32),
+        "positions": np.arange(tokens.shape[1] - 1, dtype=np.int32),
+    }
+    teacher_forced = task.score(np.asarray(predict(model, forced)["predictions"]), forced)
+    greedy_match = (greedy == truth).all(axis=1).astype(float)
+    np.testing.assert_array_equal(teacher_forced, greedy_match)
+    assert teacher_forced[: rows // 2].all() and not teacher_forced[rows // 2 :].any()
