@@ -316,7 +316,7 @@ def test_version_help_and_a_missing_bench_extra(monkeypatch, capsys):
     for preset in presets.PRESETS:
         assert re.search(rf"^  {preset} ", text, re.M), preset
     assert re.search(
-        r"cpu-full .*\n.*25 encodings x 12 tasks x 5 seeds \(\d+ cells\); about [\d.]+ h on a 2-core", text
+        r"cpu-full .*\n.*25 encodings x 11 tasks x 5 seeds \(\d+ cells\); about [\d.]+ h on a 2-core", text
     )
     assert "counting_copy      decoder, exact match" in text and "transformer-xl" in text
     assert re.search(r"about \d+ min on a Colab TPU v2-8 \(not run on a TPU: the time its cells took on an H200", text)
