@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import shutil
 import sysconfig
+import warnings
 
 import numpy as np
 import pytest
@@ -124,3 +125,19 @@ def test_a_preset_scoring_fewer_characters_scores_the_first_of_the_same_windows(
     assert np.array_equal(longer[: len(fewer)], fewer)
     with pytest.raises(ValueError, match="cannot score 1000 test characters in windows of 64"):
         make_task("text").window_starts(64, 1000)
+
+
+def test_characters_outside_ascii_are_counted_in_a_warning(tmp_path):
+    """The model's vocabulary is ASCII: a corpus of one's own with other characters is read with
+    each of them as '?', and the run says how many, never silently."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("naïve café " * 200 + "plain ascii text " * 200, encoding="utf-8")
+    task = TextTask(str(path))
+    with pytest.warns(UserWarning, match=r"400 of its 5,600 characters \(7.14%\) are not ASCII .*'éï'.* read as '\?'"):
+        task.train  # noqa: B018 (reading the corpus)
+    assert chr(int(task.train[2])) == "?"  # "na?ve"
+    plain = tmp_path / "plain.txt"
+    plain.write_text("plain ascii text " * 400, encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TextTask(str(plain)).train  # noqa: B018

@@ -48,6 +48,7 @@ import itertools
 import pathlib
 import platform
 import sysconfig
+import warnings
 from typing import ClassVar, Protocol
 
 import numpy as np
@@ -1120,6 +1121,7 @@ class TextTask:
             train, test, _ = stdlib_corpus()
         else:
             train, test = _read_corpus(self.corpus)
+            self._warn_outside_ascii(train + test)
         train = self._encode(train)
         # The last twentieth of the train split is held out: training checks its progress there.
         cut = len(train) - len(train) // 20
@@ -1156,6 +1158,20 @@ class TextTask:
     def digest(self) -> str:
         """The first 12 hexadecimal digits of :attr:`sha256` (results of different texts never mix)."""
         return self.sha256[:12]
+
+    def _warn_outside_ascii(self, text: str) -> None:
+        """Says how many characters the model will read as ``?``: its vocabulary is the 128 ASCII
+        characters, so any other character is one token, ``?``, wherever it occurs."""
+        codes = np.frombuffer(text.encode("utf-32-le"), np.uint32)
+        outside = int((codes > 127).sum())
+        if outside:
+            examples = "".join(sorted({chr(c) for c in codes[codes > 127][:1000]})[:10])
+            warnings.warn(
+                f"--corpus {self.corpus}: {outside:,} of its {len(codes):,} characters ({outside / len(codes):.2%}) "
+                f"are not ASCII (for example {examples!r}) and are read as '?', the model's vocabulary being the "
+                "128 ASCII characters; transliterate the text first if those characters matter",
+                stacklevel=3,
+            )
 
     @staticmethod
     def _encode(text: str) -> np.ndarray:
