@@ -20,7 +20,7 @@ import numpy as np
 import posenc_jax.bench.published as published
 from posenc_jax.bench.results import BOUNDED, Results, cells, comparison, protocol, read, summarize
 from posenc_jax.bench.stats import interval
-from posenc_jax.bench.tasks import make_task
+from posenc_jax.bench.tasks import format_note, make_task
 from posenc_jax.functional.core.registry import encoding_info
 
 __all__ = ["FAMILIES", "PUBLISHED", "TITLES", "family", "figure", "plot", "write_report"]
@@ -117,8 +117,10 @@ def _protocol(preset: dict) -> list[str]:
         )
     if algorithmic:
         line += (
-            f" Algorithmic tasks train on lengths 1-{preset['train_length']} and are tested at "
-            f"{list(preset['eval_lengths'])} ({preset['eval_examples']} examples each)."
+            f" Algorithmic tasks train on lengths {preset.get('train_min_length', 1)}-{preset['train_length']} and "
+            f"are tested at {list(preset['eval_lengths'])} ({preset['eval_examples']} examples each), in "
+            + ("the paper's" if preset.get("task_format") == "paper" else "our own")
+            + " task format."
         )
     if text:
         lengths = [preset["text_context"] * m for m in preset["text_multiples"]]
@@ -402,6 +404,9 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
                 f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
                 "ordering, not the numbers."
             )
+        note = "" if pipeline_check else format_note(task, preset.get("task_format", "ours"))
+        if note:
+            lines.append(note)
         if task == "text":
             lines += ["", *_text_sections(task, results, here)]
             if not pipeline_check:

@@ -61,6 +61,7 @@ __all__ = [
     "ProbeTask",
     "STDLIB_CORPUS_SHA256",
     "FORMATTED_TASKS",
+    "format_note",
     "TASKS",
     "TASK_FORMATS",
     "Task",
@@ -1284,6 +1285,50 @@ def task_names() -> list[str]:
 
 # The tasks with a paper format (``make_task(name, format="paper")``).
 FORMATTED_TASKS = ("counting_copy", "counting_replace", "copy", "duplicate", "reverse", *PAPER_ENCODER_SYMBOLS)
+
+# How each format stands to the paper's, task by task (reports print it beside the published column).
+_OURS_DIFFERS = {
+    "counting_copy": "no instruction word ('Copy:'), 10 symbols (theirs: a token per example from thousands)",
+    "counting_replace": "no instruction words ('Replace s with t in'), 10 symbols (theirs: about 80)",
+    "copy": "no instruction word ('Copy:'), 10 symbols (theirs: 100)",
+    "duplicate": "no instruction word ('Copy:') and no [NEXT] between the copies, 10 symbols (theirs: 100)",
+    "reverse": "no instruction word ('Reverse:'), 10 symbols (theirs: 100)",
+    "reverse_string": "10 symbols (theirs: binary)",
+    "missing_duplicate": "an odd length rounded up to even (theirs: kept, with an empty token)",
+    "parity": "",
+    "bucket_sort": "10 symbols (theirs: 5)",
+}
+_PAPER_SAME = {
+    "counting_copy": "'Copy: s^n [SEP] s^n'; 100 symbols, each example's drawn uniformly (theirs: a different "
+    "token for each example of a length, from thousands of T5 tokens)",
+    "counting_replace": "'Replace s with t in s^n [SEP] t^n'; 100 symbols (theirs: about 80)",
+    "copy": "'Copy: x [SEP] x'; 100 symbols",
+    "duplicate": "'Copy: x [SEP] x [NEXT] x'; 100 symbols",
+    "reverse": "'Reverse: x [SEP] reversed x'; 100 symbols",
+    "reverse_string": "binary strings",
+    "missing_duplicate": "binary w w, one token hidden, an odd length kept with an empty token last",
+    "parity": "binary strings",
+    "bucket_sort": "5 symbols",
+}
+
+
+def format_note(name: str, format: str) -> str:
+    """One sentence on how ``name`` in ``format`` stands to its paper's task (empty for a task
+    without one).
+
+    Example:
+      >>> format_note("bucket_sort", "ours")
+      "Format: ours, not Ruoss et al.'s: 10 symbols (theirs: 5)."
+    """
+    if name not in FORMATTED_TASKS:
+        return ""
+    paper = "Ruoss et al.'s" if name in PAPER_ENCODER_SYMBOLS else "Kazemnejad et al.'s"
+    if format == "paper":
+        words = " (one token per word; their T5 tokenizer splits some words)" if paper.startswith("K") else ""
+        return f"Format: {paper}, {_PAPER_SAME[name]}{words}."
+    if not _OURS_DIFFERS[name]:
+        return f"Format: ours, the same as {paper}."
+    return f"Format: ours, not {paper}: {_OURS_DIFFERS[name]}."
 
 
 def make_task(name: str, *, format: str = "ours", **kwargs):
