@@ -278,8 +278,8 @@ def test_seeds_left_at_different_steps_resume_together(
         (["--tasks", "text", "--eval-lengths", "8,64"], "has only the text task; .* --text-lengths"),
         (
             ["--preset", "huge"],
-            "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, gpu-long, kazemnejad, ruoss, "
-            "cope-tasks, colab-tpu, paper",
+            "unknown preset 'huge'; presets: smoke, cpu, cpu-full, cpu-long, gpu-text, gpu-long, kazemnejad, "
+            "kazemnejad-long, ruoss, cope-tasks, colab-tpu, paper",
         ),
     ],
 )

@@ -350,6 +350,42 @@ def _probe(args) -> int:
     return 0
 
 
+def _queue(args) -> int:
+    _require_bench_extra(progress=not args.no_progress, plots=not (args.no_plots or args.list), command="queue")
+    from posenc_jax.bench import queue
+
+    entries = queue.QUEUE
+    if args.only is not None:
+        entries = tuple(entry for entry in queue.QUEUE if entry.name == args.only)
+        if not entries:
+            names = ", ".join(entry.name for entry in queue.QUEUE)
+            raise SystemExit(f"posenc-bench queue: no entry {args.only!r} in the queue; entries: {names}")
+    if args.budget is not None and not (math.isfinite(args.budget) and args.budget >= 0):
+        raise SystemExit(f"posenc-bench queue: --budget must be a number of seconds >= 0, got {args.budget}")
+    root = pathlib.Path(args.root)
+    try:
+        backend, rates, rates_name = queue.rates_for(args.device)
+        if args.list:
+            plans = queue.plan(entries, root, rates)
+            print(
+                f"posenc-bench queue: pending (cell, seed) units under {root}/, in the order they run, with the cost "
+                f"model's estimate at {rates_name} (jax backend {backend})"
+            )
+            print(queue.describe(plans, rates_name))
+            return 0
+        done = queue.run_queue(
+            entries,
+            root,
+            budget=args.budget,
+            backend=backend,
+            progress=_bars_wanted(args.no_progress),
+            plots=not args.no_plots,
+        )
+    except ValueError as error:
+        raise SystemExit(f"posenc-bench queue: {error}") from None
+    return 1 if done["blocked"] else 0
+
+
 class _Catalogue(argparse.RawDescriptionHelpFormatter):
     """Keeps the epilog's layout; the catalogue is computed only when help is shown."""
 
@@ -503,6 +539,37 @@ def main(argv=None) -> int:
     pr.add_argument("--out", help="output folder (default results/probe)")
     pr.add_argument("--no-progress", action="store_true")
     pr.set_defaults(handler=_probe)
+    qu = sub.add_parser(
+        "queue",
+        help="run the accelerator queue: pending (cell, seed) units in priority order, into folders under docs/",
+        description="Runs the accelerator queue (posenc_jax/bench/queue.py): its entries in priority order (gpu-long "
+        "to 5 seeds; text at 10 seeds for the Press, Kerple/Sandwich and FIRE claims; PI and YaRN fine-tuned against "
+        "the fine-tuned RoPE control; cpu-full's copy, duplicate and reverse; Kazemnejad et al.'s comparison at their "
+        "lengths), each as (cell, seed) units: one task x encoding x seed, trained and evaluated by the runner alone. "
+        "A unit whose rows are all in its folder is skipped, so running the command again goes on where it stopped. "
+        "After each unit it rewrites the folder's report.md and plots and prints what is left, with the cost model's "
+        "estimate for the device it finds (jax.default_backend(): the H200 fit on a GPU, the CPU fit on a CPU).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    qu.add_argument(
+        "--list", action="store_true", help="print every pending unit with its estimate and the total; run nothing"
+    )
+    qu.add_argument(
+        "--budget",
+        type=float,
+        help="SECONDS: start no unit whose estimate does not fit the time left of this many seconds (from the "
+        "command's start), and stop there",
+    )
+    qu.add_argument("--only", help="NAME: run (or list) this entry of the queue alone")
+    qu.add_argument("--root", default="docs", help="the folder the entries' folders are in (default docs)")
+    qu.add_argument(
+        "--device",
+        choices=("cpu", "gpu", "tpu"),
+        help="estimate for this JAX backend instead of the one found (e.g. --list --device gpu on a CPU)",
+    )
+    qu.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
+    qu.add_argument("--no-progress", action="store_true", help="no progress bars")
+    qu.set_defaults(handler=_queue)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     return args.handler(args)
