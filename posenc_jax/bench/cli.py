@@ -351,7 +351,9 @@ def _probe(args) -> int:
 
 
 def _queue(args) -> int:
-    _require_bench_extra(progress=not args.no_progress, plots=not (args.no_plots or args.list), command="queue")
+    _require_bench_extra(
+        progress=not (args.no_progress or args.list), plots=not (args.no_plots or args.list), command="queue"
+    )
     from posenc_jax.bench import queue
 
     entries = queue.QUEUE
@@ -549,7 +551,6 @@ def main(argv=None) -> int:
         "A unit whose rows are all in its folder is skipped, so running the command again goes on where it stopped. "
         "After each unit it rewrites the folder's report.md and plots and prints what is left, with the cost model's "
         "estimate for the device it finds (jax.default_backend(): the H200 fit on a GPU, the CPU fit on a CPU).",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     qu.add_argument(
         "--list", action="store_true", help="print every pending unit with its estimate and the total; run nothing"
@@ -557,11 +558,14 @@ def main(argv=None) -> int:
     qu.add_argument(
         "--budget",
         type=float,
-        help="SECONDS: start no unit whose estimate does not fit the time left of this many seconds (from the "
-        "command's start), and stop there",
+        metavar="SECONDS",
+        help="start no unit whose estimate does not fit the time left of this many seconds (from the command's "
+        "start), and stop there",
     )
-    qu.add_argument("--only", help="NAME: run (or list) this entry of the queue alone")
-    qu.add_argument("--root", default="docs", help="the folder the entries' folders are in (default docs)")
+    qu.add_argument("--only", metavar="NAME", help="run (or list) this entry of the queue alone")
+    qu.add_argument(
+        "--root", default="docs", metavar="DIR", help="the folder the entries' folders are in (default docs)"
+    )
     qu.add_argument(
         "--device",
         choices=("cpu", "gpu", "tpu"),
