@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from posenc_jax.functional import dot_product_attention, t5_bias
+from posenc_jax.functional.core import operations
 from posenc_jax.functional.core.attention import SharedBias
 from posenc_jax.functional.core.hooks import AttentionContext
 from posenc_jax.functional.core.normalizers import URPE
-from posenc_jax.functional.kernels import backend
 from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
 
 
@@ -33,7 +33,9 @@ from posenc_jax.functional.kernels.broadcast import broadcast_to, sum_to_shape
 )
 @pytest.mark.parametrize("cpu_forms", [True, False], ids=["cpu-form", "plain-form"])
 def test_sum_to_shape_is_the_sum_over_the_broadcast_axes(full, shape, rng, cpu_forms, monkeypatch):
-    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)  # the form another backend runs, on the CPU
+    monkeypatch.setattr(
+        operations, "current_backend", lambda: "cpu" if cpu_forms else "gpu"
+    )  # the form another backend runs, on the CPU
     x = jnp.asarray(rng.normal(size=full), jnp.float32)
     padded = (1,) * (len(full) - len(shape)) + shape
     axes = tuple(i for i, (d, t) in enumerate(zip(padded, full, strict=True)) if d == 1 and t != 1)
@@ -46,7 +48,7 @@ def test_sum_to_shape_is_the_sum_over_the_broadcast_axes(full, shape, rng, cpu_f
 @pytest.mark.parametrize(("shape", "full"), [((1, 4, 5, 6), (8, 4, 5, 6)), ((5, 6), (3, 4, 5, 6)), ((3, 1), (3, 7))])
 @pytest.mark.parametrize("cpu_forms", [True, False], ids=["cpu-form", "plain-form"])
 def test_broadcast_to_has_the_values_and_gradient_of_plain_broadcasting(shape, full, rng, cpu_forms, monkeypatch):
-    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)
+    monkeypatch.setattr(operations, "current_backend", lambda: "cpu" if cpu_forms else "gpu")
     x = jnp.asarray(rng.normal(size=shape), jnp.float32)
     weights = jnp.asarray(rng.normal(size=full), jnp.float32)
     np.testing.assert_array_equal(broadcast_to(x, full), jnp.broadcast_to(x, full))

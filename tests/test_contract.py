@@ -26,7 +26,7 @@ from posenc_jax.functional import (
     pytree_dataclass,
     register_encoding,
 )
-from posenc_jax.functional.core import registry
+from posenc_jax.functional.core import operations, registry
 from posenc_jax.functional.core.hooks import (
     PLACEMENTS,
     CarriedLogitsFromContent,
@@ -43,7 +43,6 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
-from posenc_jax.functional.kernels import backend
 from posenc_jax.hf import RoPEOnLastFeatures
 from posenc_jax.nn import Transformer
 from posenc_jax.nn.attention import _stores_rotated_keys
@@ -254,7 +253,7 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
 
 @pytest.mark.parametrize("name", ["transformer-xl", "cope", "shaw", "deberta"])
 def test_plain_forms_of_the_other_backends_equal_the_cpu_forms(rng, name, monkeypatch):
-    """The kernels shaped on XLA:CPU run on the CPU only (``kernels.backend.cpu_forms``); the plain forms
+    """The kernels shaped on XLA:CPU run on the CPU only (``core.operations.current_backend``); the plain forms
     the other backends run give the same values and gradients: Transformer-XL's ladder scores and its
     table-or-identity choice in decoding steps, CoPE's counts and pair reads, Shaw's and DeBERTa's
     gathers by distance in the gradient."""
@@ -278,7 +277,7 @@ def test_plain_forms_of_the_other_backends_equal_the_cpu_forms(rng, name, monkey
     rng_state = rng.bit_generator.state
     cpu = value_and_grads()(hook, q, k, v)
     cpu_decoded = decoded(_model(name, causal=True)) if name == "transformer-xl" else None
-    monkeypatch.setattr(backend, "cpu_forms", lambda: False)
+    monkeypatch.setattr(operations, "current_backend", lambda: "gpu")
     rng.bit_generator.state = rng_state  # the same tokens
     plain = value_and_grads()(hook, q, k, v)  # traced with the plain forms
     for a, b in zip(jax.tree.leaves(cpu), jax.tree.leaves(plain), strict=True):

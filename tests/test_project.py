@@ -85,22 +85,32 @@ def test_no_import_circle_and_the_core_imports_no_encoding():
         if module not in state:
             visit(module)
     assert circles == []
-    # The kernels the core builds on (autodiff, broadcast) sit below it; an encoding's kernel (its fast
-    # forms, which use the core's blocks and gathers) sits above it; no kernel imports an encoding.
-    under_core = {
-        m
-        for module, imported in graph.items()
-        if module.startswith("posenc_jax.functional.core")
-        for m in imported
-        if m.startswith("posenc_jax.functional.kernels")
-    }
-    assert "posenc_jax.functional.kernels.autodiff" in under_core
+    # Core sits below both: it imports neither an encoding nor a kernel (kernels register their forms of
+    # core's operations); no kernel imports an encoding.
     for module, imported in graph.items():
         if module.startswith(("posenc_jax.functional.core", "posenc_jax.functional.kernels")):
             assert not any(m.startswith("posenc_jax.functional.encodings") for m in imported), module
             assert "posenc_jax.functional" not in imported, module  # the package imports every encoding
-        if module in under_core:
-            assert not any(m.startswith("posenc_jax.functional.core") for m in imported), module
+        if module.startswith("posenc_jax.functional.core"):
+            assert not any(m.startswith("posenc_jax.functional.kernels") for m in imported), module
+
+
+def test_core_imports_nothing_from_kernels():
+    """Read from the modules' import statements (at any depth of their code, lazy imports included):
+    ``functional/core/`` names no module of ``functional/kernels/``, not even through ``importlib``."""
+    core = ROOT / "posenc_jax" / "functional" / "core"
+    found = []
+    for path in sorted(core.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or "", *(f"{node.module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("posenc"):
+                names = [node.value]  # a module named as a string, to import_module
+            found += [f"{path.name}: {n}" for n in names if n.startswith("posenc_jax.functional.kernels")]
+    assert found == []
 
 
 _HELP = """

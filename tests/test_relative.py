@@ -25,6 +25,7 @@ from posenc_jax.functional import (
     t5_relative_bucket,
     transformer_xl_logits,
 )
+from posenc_jax.functional.core import operations
 from posenc_jax.functional.core.hooks import AttentionContext
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.products import content_scores
@@ -42,7 +43,6 @@ from posenc_jax.functional.core.relative import (
     toeplitz_where_runs,
 )
 from posenc_jax.functional.encodings.transformer_xl import project_distances
-from posenc_jax.functional.kernels import backend
 from posenc_jax.reference import relative as ref
 
 B, T, S, N, H = 2, 5, 7, 2, 8
@@ -850,7 +850,7 @@ def test_transformer_xl_decoding_choice_is_a_loop_on_the_cpu_and_a_conditional_e
     """The table-or-identity choice of a decoding step: on the CPU a loop of one pass or none, no ``cond`` in
     its program (XLA:CPU ran one beside the whole-cache copies and slowed them); on the other backends the
     plain conditional."""
-    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)
+    monkeypatch.setattr(operations, "current_backend", lambda: "cpu" if cpu_forms else "gpu")
     q, k = _normal(rng, (2, 1, N, H)), _normal(rng, (2, 9, N, H))
     w_r, u, v = (_normal(rng, shape) for shape in ((12, N, H), (N, H), (N, H)))
     kw = dict(position_projection=w_r, content_bias=u, position_bias=v, causal=True)
@@ -1301,7 +1301,7 @@ def test_take_along_last_axis_matches_take_along_axis(transposed, cpu_forms, mon
     other backends run gives the same."""
     from posenc_jax.functional.core.relative import take_along_last_axis
 
-    monkeypatch.setattr(backend, "cpu_forms", lambda: cpu_forms)
+    monkeypatch.setattr(operations, "current_backend", lambda: "cpu" if cpu_forms else "gpu")
 
     rng = np.random.default_rng(int(transposed))
     batch, heads, q_len, k_len, slots = 2, 3, 5, 4, 6

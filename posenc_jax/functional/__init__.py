@@ -9,6 +9,8 @@ importable from their modules (``posenc_jax.functional.core.relative``, ``.posit
 
 # The attention, its hooks and the registry.
 # The encodings, one module each (importing a module registers its encoding).
+# The kernels: importing them registers the fast forms of core's operations.
+from posenc_jax.functional import kernels  # noqa: F401
 from posenc_jax.functional.core.attention import SharedBias, dot_product_attention
 from posenc_jax.functional.core.cache import CachedKeyTerm, KVCache
 from posenc_jax.functional.core.hooks import (

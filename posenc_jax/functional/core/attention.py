@@ -88,6 +88,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.masks import MaskParts, key_padding_mask, sequence_key_counts
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
+from posenc_jax.functional.core.operations import broadcast_to
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.products import (
     as_scores,
@@ -98,7 +99,6 @@ from posenc_jax.functional.core.products import (
 )
 from posenc_jax.functional.core.registry import resolve_encoding
 from posenc_jax.functional.core.validation import check_key
-from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
     "IMPLEMENTATIONS",

@@ -86,9 +86,9 @@ from posenc_jax.functional.core.hooks import (
     rotates_each_token,
     with_per_call_rotations_fixed,
 )
+from posenc_jax.functional.core.operations import broadcast_to
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
 from posenc_jax.functional.core.relative import toeplitz_where_runs
-from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = ["DEFAULT_BLOCK_K", "DEFAULT_BLOCK_Q", "KeyRing", "blockwise_attention", "check_blockwise"]
 

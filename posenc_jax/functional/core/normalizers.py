@@ -46,8 +46,8 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
+from posenc_jax.functional.core.operations import broadcast_to
 from posenc_jax.functional.core.relative import check_max_distance, expand_relative_bias
-from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
     "NORMALIZERS",

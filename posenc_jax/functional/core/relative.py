@@ -18,16 +18,12 @@ hold for any positions and never build a ``[T, S, H]`` tensor:
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.operations import Operation, broadcast_to
 from posenc_jax.functional.core.positions import batched_positions, position_difference, with_batch_axis
-from posenc_jax.functional.kernels import backend
-from posenc_jax.functional.kernels.autodiff import linear_primitives
-from posenc_jax.functional.kernels.broadcast import broadcast_to
 
 __all__ = [
     "bucket_relative",
@@ -105,12 +101,8 @@ def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: boo
     index[..., i, j]]`` for ``values`` ``[..., S, L]`` (a key-side table read per (query,
     key) pair without transposing it).
 
-    One scalar gather from ``values`` laid out flat, at offsets computed from iotas: XLA
-    fuses it into its consumer and writes the output in the consumer's layout.
-    ``take_along_axis`` with a broadcast index is a gather with batch dimensions that
-    XLA:CPU lays out index first (``[T·S, B, N]``) and then transposes: a strided pass over
-    the whole output. On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`);
-    on the other backends, ``take_along_axis``.
+    The plain form is ``take_along_axis``; on the CPU, ``kernels/`` registers one scalar gather
+    from ``values`` laid out flat (:data:`TAKE_ALONG_LAST_AXIS`).
 
     Example:
       >>> take_along_last_axis(jnp.arange(6.0).reshape(2, 3), jnp.array([[2, 0]]))
@@ -118,7 +110,7 @@ def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: boo
              [5., 3.]], dtype=float32)
     """
     values, index = jnp.asarray(values), jnp.asarray(index)
-    lead, length = tuple(values.shape[:-1]), values.shape[-1]
+    lead = tuple(values.shape[:-1])
     index = index.reshape((1,) * (len(lead) + 1 - index.ndim) + index.shape)
     try:
         if transposed:
@@ -135,19 +127,19 @@ def take_along_last_axis(values: jax.Array, index: jax.Array, *, transposed: boo
             + (" (transposed: values [..., S, L] for index [..., T, S])" if transposed else "")
         )
     out_shape = out_lead + tuple(index.shape[-1:])
-    # take_along_axis: past int32 flat offsets, with nothing to read, or off the CPU (a flat layout may be a copy)
-    if values.size >= 2**31 or length == 0 or not backend.cpu_forms():
-        # Clipped first: take_along_axis would read a negative slot from the end, not slot 0.
-        index = jnp.broadcast_to(jnp.clip(index, 0, max(length - 1, 0)), out_shape)
-        if transposed:
-            return jnp.take_along_axis(jnp.swapaxes(values, -1, -2), index, axis=-2, mode="clip")
-        return jnp.take_along_axis(values, index, axis=-1, mode="clip")
-    row = jnp.zeros((), jnp.int32)
-    for axis, size in enumerate(lead):  # the flat row of every output entry, from iotas
-        source = len(out_shape) - 1 if (transposed and axis == len(lead) - 1) else axis
-        row = row * size + (jax.lax.broadcasted_iota(jnp.int32, out_shape, source) if size > 1 else 0)
-    flat = row * length + jnp.clip(index, 0, length - 1).astype(jnp.int32)
-    return values.reshape(-1).at[flat].get(mode=jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+    return TAKE_ALONG_LAST_AXIS(values, index, out_shape=out_shape, transposed=transposed)
+
+
+def _take_along_axis(values, index, *, out_shape: tuple, transposed: bool) -> jax.Array:
+    """:func:`take_along_last_axis`'s plain form, the arguments checked, ``out_shape`` computed."""
+    # Clipped first: take_along_axis would read a negative slot from the end, not slot 0.
+    index = jnp.broadcast_to(jnp.clip(index, 0, max(values.shape[-1] - 1, 0)), out_shape)
+    if transposed:
+        return jnp.take_along_axis(jnp.swapaxes(values, -1, -2), index, axis=-2, mode="clip")
+    return jnp.take_along_axis(values, index, axis=-1, mode="clip")
+
+
+TAKE_ALONG_LAST_AXIS = Operation("take_along_last_axis", _take_along_axis)
 
 
 def gather_relative(per_distance: jax.Array, index: jax.Array) -> jax.Array:
@@ -353,17 +345,15 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
     ``2k+1`` distinct values and expanded by a gather, for any positions.
 
     Gradient: the plain transpose of that gather scatters every one of the ``T·S`` (per
-    batch row) cotangents into the table, one at a time on a CPU. Where every row of
-    query and key positions is a run of consecutive integers (the usual training batch),
-    the bias depends on ``s - t`` alone, so the cotangent is first summed along its
-    ``T + S - 1`` diagonals (a dense pad-reshape-sum, no scatter) and only those sums go
-    to the table; gapped positions keep the scatter. Both give the plain autodiff
-    gradient (``tests/test_relative.py`` compares them).
+    batch row) cotangents into the table. The form ``kernels/`` registers
+    (:data:`EXPAND_RELATIVE_BIAS`) first sums the cotangent along its ``T + S - 1`` diagonals
+    where every row of positions is a run of consecutive integers (the usual training batch);
+    both give the plain autodiff gradient (``tests/test_relative.py`` compares them).
     """
     k = check_max_distance(max_distance)
     q = batched_positions(query_positions, "query_positions")
     kp = batched_positions(key_positions, "key_positions")
-    return _expand(per_distance.astype(jnp.float32), q, kp, k)
+    return EXPAND_RELATIVE_BIAS(per_distance.astype(jnp.float32), q, kp, k)
 
 
 def clipped_at_distances(per_distance: jax.Array, distance: jax.Array, max_distance: int) -> jax.Array:
@@ -389,42 +379,8 @@ def _expand_by_gather(per_distance, query_positions, key_positions, k: int) -> j
     return jnp.moveaxis(bias, 0, 1)
 
 
-def _expand_by_diagonals(per_distance, query_positions, key_positions, k: int) -> jax.Array:
-    """:func:`_expand_by_gather` where every row of positions is a run of consecutive integers.
-
-    Then the bias depends on ``s - t`` alone: the ``T + S - 1`` diagonals' values are read from the
-    table (a gather of ``T + S - 1`` entries, not ``T·S``) and laid out by :func:`toeplitz`. Its
-    transpose, which reverse mode takes, sums the cotangent along its diagonals (a dense
-    pad-reshape-sum) and only those sums reach the table.
-    """
-    q_len, k_len = query_positions.shape[-1], key_positions.shape[-1]
-    # Row b's diagonal c is at distance (key_pos[b, 0] - query_pos[b, 0]) + c - (T - 1); clipping the
-    # offset first keeps the sum in int32 and changes no slot.
-    reach = k + q_len + k_len
-    offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)
-    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
-    return toeplitz(clipped_at_distances(per_distance, distance, k), q_len, k_len)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _expand(per_distance, query_positions, key_positions, k: int) -> jax.Array:
-    return _expand_by_gather(per_distance, query_positions, key_positions, k)
-
-
-@_expand.defjvp
-def _expand_jvp(k: int, primals, tangents):
-    # The bias is linear in the table: its tangent is the same expansion of the table's tangent, by
-    # diagonals when the positions are runs (so that reverse mode sums diagonals instead of scattering
-    # T·S cotangents into the table), by the gather otherwise.
-    per_distance, query_positions, key_positions = primals
-    runs = _consecutive_rows(query_positions) & _consecutive_rows(key_positions)
-    tangent = jax.lax.cond(
-        runs,
-        lambda t: _expand_by_diagonals(t, query_positions, key_positions, k),
-        lambda t: _expand_by_gather(t, query_positions, key_positions, k),
-        tangents[0],
-    )
-    return _expand(per_distance, query_positions, key_positions, k), tangent
+# The plain form: autodiff's gradient scatters into the table (kernels/ registers one that sums diagonals).
+EXPAND_RELATIVE_BIAS = Operation("expand_relative_bias", _expand_by_gather)
 
 
 def consecutive_rows(positions) -> jax.Array:
@@ -492,7 +448,8 @@ def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, 
     the ``T + S - 1`` distances (float32 ``[B|1, T + S - 1]``, each the exact distance of a pair
     on its diagonal rounded once, as ``relative_positions(..., dtype=jnp.float32)``; it returns
     ``[B|1, N, T + S - 1]``) and laid out by :func:`toeplitz`. Otherwise ``plain()``, the bias
-    computed pair by pair. One conditional on a check of ``T + S`` positions: a blockwise
+    computed pair by pair (the plain form: always; the diagonals' form is the one ``kernels/``
+    registers for :data:`TOEPLITZ_WHERE_RUNS`). One conditional on a check of ``T + S`` positions: a blockwise
     tile evaluates its bias at ``bq + bk - 1`` distances instead of ``bq · bk``. ``also``: a further
     run-time condition for the diagonals' form (a bias that depends on the distance alone only
     where it holds, FIRE's below its threshold). Either way the bias is a buffer of its own, the
@@ -506,44 +463,13 @@ def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, 
              [-1., -0., -1.]], dtype=float32)
     """
     q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
-    q_len, k_len = q.shape[-1], k.shape[-1]
-    shape = jax.eval_shape(plain).shape
-
-    # Diagonal c holds the pairs with s - t = c - (T - 1); its first pair is (t, s) below. The values are
-    # made outside the conditional, so that XLA cannot fuse their making into the tile's copy (it would
-    # evaluate them T · S times again).
-    diagonal = jnp.arange(q_len + k_len - 1)
-    t, s = jnp.maximum(q_len - 1 - diagonal, 0), jnp.maximum(diagonal - (q_len - 1), 0)
-    distance = position_difference(k[:, s], q[:, t], dtype=jnp.float32)  # [B|1, T + S - 1]
-    values = per_distance(distance).astype(jnp.float32)  # [B|1, N, T + S - 1]
-    runs = _consecutive_rows(q) & _consecutive_rows(k) & also
-    return jax.lax.cond(
-        runs,
-        lambda values: jnp.broadcast_to(_toeplitz_tile(values, q_len, k_len), shape),
-        lambda values: plain().astype(jnp.float32),
-        values,
-    )
+    return TOEPLITZ_WHERE_RUNS(per_distance, plain, q, k, also=also)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _toeplitz_tile(diagonals: jax.Array, rows: int, cols: int) -> jax.Array:
-    """:func:`toeplitz` as ``rows`` slices of ``cols`` consecutive diagonals, so that the tile is one copy.
-
-    Row t is ``diagonals[..., rows - 1 - t :][..., :cols]``: one gather of contiguous slices,
-    not ``rows · cols`` scalar reads nor :func:`toeplitz`'s copies ``rows + cols`` wide. Its
-    tangent is :func:`toeplitz` of the tangent (linear), whose transpose, which reverse mode
-    takes, is :func:`diagonal_sums`: no scatter.
-    """
-    *lead, width = diagonals.shape
-    flat = diagonals.reshape(-1, width)  # one slice per row of each leading row, laid out [..., rows, cols]
-    starts = (rows - 1) - jnp.arange(rows, dtype=jnp.int32)
-    row_slices = jax.vmap(lambda row, start: jax.lax.dynamic_slice_in_dim(row, start, cols), in_axes=(None, 0))
-    return jax.vmap(row_slices, in_axes=(0, None))(flat, starts).reshape(*lead, rows, cols)
-
-
-@_toeplitz_tile.defjvp
-def _toeplitz_tile_jvp(rows: int, cols: int, primals, tangents):
-    return _toeplitz_tile(primals[0], rows, cols), toeplitz(tangents[0], rows, cols)
+# The plain form computes the bias pair by pair; kernels/ registers the diagonals' form.
+TOEPLITZ_WHERE_RUNS = Operation(
+    "toeplitz_where_runs", lambda per_distance, plain, q, k, *, also: plain().astype(jnp.float32)
+)
 
 
 def distance_slots(query_positions, key_positions, *, sign: int, offset: int, slots: int) -> jax.Array:
@@ -594,7 +520,9 @@ def gather_by_distance(
     ``d = key_pos[0] - query_pos[0]``, so the gradient is a gather of the cotangent and the
     two end slots are masked row sums (:func:`sum_by_distance`); gapped positions keep the
     scatter. Both are plain autodiff's gradient (``tests/test_relative.py``); forward mode is
-    the gather of the tangent (:func:`~posenc_jax.functional.kernels.autodiff.linear_primitives`).
+    the gather of the tangent. That gradient is the form ``kernels/`` registers
+    (:data:`GATHER_BY_DISTANCE`, :mod:`posenc_jax.functional.kernels.relative`); the plain
+    form's is autodiff's scatter.
 
     Args:
       per_distance: ``[B, N, T, R]`` values per query and slot (``[B, N, S, R]`` per key
@@ -619,7 +547,7 @@ def gather_by_distance(
     k = batched_positions(key_positions, "key_positions")
     if q.shape[1] == 0 or k.shape[1] == 0:
         return _gather_plain(per_distance, q, k, sign, offset, key_side)
-    return _gather_by_distance(per_distance, q, k, sign, offset, key_side)
+    return GATHER_BY_DISTANCE(per_distance, q, k, sign, offset, key_side)
 
 
 def sum_by_distance(
@@ -659,9 +587,7 @@ def sum_by_distance(
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
     if weights.shape[-2] == 0 or weights.shape[-1] == 0:  # no query or no key: every sum is empty
         return jnp.zeros((*weights.shape[:-1], slots), weights.dtype)
-    return _sum_primitive(
-        weights, q, k, *(() if mask is None else (mask,)), **_slot_map(sign, offset, slots, False, block_elements)
-    )
+    return SUM_BY_DISTANCE(weights, q, k, mask, sign=sign, offset=offset, slots=slots, block_elements=block_elements)
 
 
 def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
@@ -669,77 +595,6 @@ def _gather_plain(per_distance, q, k, sign, offset, key_side, flat=False):
     if flat:
         return take_along_last_axis(per_distance, index[:, None], transposed=key_side)
     return (gather_relative_transposed if key_side else gather_relative)(per_distance, index)
-
-
-def _slot_map(sign, offset, slots, key_side, block_elements=_SCATTER_BLOCK) -> dict:
-    return dict(sign=sign, offset=offset, slots=slots, key_side=key_side, block_elements=block_elements)
-
-
-def _gathered(per_distance, q, k, *mask, sign, offset, slots, key_side, block_elements):
-    """The gather by slot (:func:`take_along_last_axis`, on the CPU the flat gather: in a program with the
-    gradient, XLA:CPU does not fuse the gather into the scores and stores it, and take_along_axis's
-    index-first layout then costs a transposing pass: DeBERTa's attention with gradient, B=8, 2.8x
-    plain's time against 1.7x); entries the mask hides are zero."""
-    out = _gather_plain(per_distance, q, k, sign, offset, key_side, flat=True)
-    return jnp.where(mask[0], out, jnp.zeros((), out.dtype)) if mask else out
-
-
-def _summed(weights, q, k, *mask, sign, offset, slots, key_side, block_elements):
-    """The sums by slot, its transpose (key-side: the same map seen from the keys, distances negated)."""
-    mask = mask[0] if mask else None
-    if key_side:
-        mask = None if mask is None else jnp.swapaxes(mask, -1, -2)
-        return _sums(jnp.swapaxes(weights, -1, -2), k, q, -sign, offset, slots, block_elements, mask)
-    return _sums(weights, q, k, sign, offset, slots, block_elements, mask)
-
-
-# The gather by slot and the sum by slot, each the other's transpose: reverse mode gathers where plain
-# autodiff would scatter (a gather's transpose), and forward mode works.
-_gather_primitive, _sum_primitive = linear_primitives("gather_by_distance", _gathered, _summed)
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5))
-def _gather_by_distance(per_distance, q, k, sign, offset, key_side):
-    # Without a derivative, take_along_axis, which XLA:CPU fuses into the consumer.
-    return _gather_plain(per_distance, q, k, sign, offset, key_side)
-
-
-@_gather_by_distance.defjvp
-def _gather_by_distance_jvp(sign, offset, key_side, primals, tangents):
-    per_distance, q, k = primals
-    slot_map = _slot_map(sign, offset, per_distance.shape[-1], key_side)
-    return _gather_primitive(per_distance, q, k, **slot_map), _gather_primitive(tangents[0], q, k, **slot_map)
-
-
-def _sums_over_runs(weights, q, k, sign: int, offset: int, slots: int, mask=None):
-    """:func:`sum_by_distance` where every row of positions is a run: no scatter."""
-    if mask is not None:
-        weights = jnp.where(mask, weights, jnp.zeros((), weights.dtype))
-    if slots == 1:
-        return weights.sum(axis=-1, keepdims=True)
-    _, _, q_len, k_len = weights.shape
-    reach = q_len + k_len + slots  # a row offset beyond this puts every pair in one end slot either way
-    row_offset = jnp.clip(position_difference(k[:, :1], q[:, :1]), -reach, reach)[:, :, None]  # [B|1, 1, 1]
-    t = jnp.arange(q_len, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
-    s = jnp.arange(k_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-    r = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, R]
-    # The slot before clipping, sign·(key_pos - query_pos) + offset, at every (t, s): [B|1, T, S].
-    value = sign * (row_offset + s - t) + offset
-    zero = jnp.zeros((), weights.dtype)
-    # Both end slots in one reduction with two outputs: as two reductions, XLA:CPU stored the weights
-    # once more (their third and fourth readers besides the value product and the gather).
-    low, high = jax.lax.reduce(
-        (jnp.where((value <= 0)[:, None], weights, zero), jnp.where((value >= slots - 1)[:, None], weights, zero)),
-        (zero, zero),
-        lambda x, y: (x[0] + y[0], x[1] + y[1]),
-        (3,),
-    )  # [B, N, T] each
-    key = t + sign * (r - offset) - row_offset  # the key of slot r in row t: [B|1, T, R]
-    inside = (key >= 0) & (key < k_len) & (r > 0) & (r < slots - 1)
-    interior = take_along_last_axis(weights, key[:, None])  # clipped into [0, S)
-    interior = jnp.where(inside[:, None], interior, zero)
-    r = r[:, None]  # [1, 1, 1, R]
-    return interior + jnp.where(r == 0, low[..., None], zero) + jnp.where(r == slots - 1, high[..., None], zero)
 
 
 def _sums_by_scatter(weights, q, k, sign: int, offset: int, slots: int, block_elements: int, mask=None):
@@ -750,18 +605,12 @@ def _sums_by_scatter(weights, q, k, sign: int, offset: int, slots: int, block_el
     return bucket_relative(weights, index_rows, slots, mask=mask, block_elements=block_elements)
 
 
-def _sums(weights, q, k, sign, offset, slots, block_elements=_SCATTER_BLOCK, mask=None):
-    """Float32 sums by slot, by runs or by scatter as the positions allow; the weights' dtype.
-
-    The mask goes into the conditional as it is and is applied inside each branch, where it
-    fuses: a masked copy of the weights as the conditional's operand would be stored whole.
-    """
-    runs = _consecutive_rows(q) & _consecutive_rows(k)
-    summed = jax.lax.cond(
-        runs,
-        lambda w, m: _sums_over_runs(w, q, k, sign, offset, slots, m),
-        lambda w, m: _sums_by_scatter(w, q, k, sign, offset, slots, block_elements, m),
-        weights.astype(jnp.float32),
-        mask,
-    )
+def _plain_sums(weights, q, k, mask=None, *, sign, offset, slots, block_elements):
+    summed = _sums_by_scatter(weights.astype(jnp.float32), q, k, sign, offset, slots, block_elements, mask)
     return summed.astype(weights.dtype)
+
+
+# The plain forms, autodiff's gradients (a scatter, and a gather); kernels/ registers a pair of linear
+# primitives, each the other's transpose, that gather where positions are runs.
+GATHER_BY_DISTANCE = Operation("gather_by_distance", _gather_plain)
+SUM_BY_DISTANCE = Operation("sum_by_distance", _plain_sums)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from posenc_jax.functional.kernels.broadcast import sum_to_shape
+from posenc_jax.functional.core.operations import sum_to_shape
 
 __all__ = ["linear_primitives"]
 

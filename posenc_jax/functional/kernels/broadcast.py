@@ -4,12 +4,11 @@ A bias shared by the batch (``[1, N, T, S]``: T5, learned clipped bias, Kerple, 
 factor shared by it (URPE's Toeplitz ``C``) is broadcast over the batch when it meets the
 scores; the gradient of its parameters then sums the ``[B, N, T, S]`` cotangent over the
 batch. Autodiff writes that sum as one reduction over a non-minor axis, which XLA:CPU reads
-with a stride: at B = 8, N = 4, T = S = 512 it took 70 ms, five times a copy of the array,
-and made a training step with a learned bias 1.2-1.5x one without. Summed as the
-elementwise sum of its slices, the same reduction is one fused pass (1.2 ms there).
+with a stride, several times slower than a copy of the array. Summed as the elementwise sum
+of its slices, the same reduction is one fused pass.
 :func:`broadcast_to` is ``jnp.broadcast_to`` with that transpose. Both are forms shaped on
-XLA:CPU, used on the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`); on
-the other backends they are the plain broadcast and the plain sum.
+XLA:CPU, registered for the CPU only (:mod:`posenc_jax.functional.core.operations`); on
+the other backends the plain broadcast and the plain sum run.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.kernels import backend
+from posenc_jax.functional.core import operations
+from posenc_jax.functional.core.operations import broadcast_axes, broadcast_to, sum_to_shape
 
 __all__ = ["broadcast_to", "sum_to_shape"]
 
@@ -27,64 +27,17 @@ __all__ = ["broadcast_to", "sum_to_shape"]
 _SLICE_SUM_LIMIT = 64
 
 
-def _broadcast_axes(shape: tuple, target: tuple) -> tuple[int, ...]:
-    """Axes of ``target`` along which an array of ``shape`` is broadcast (checked)."""
-    if len(shape) > len(target) or any(d not in (1, t) for d, t in zip(shape[::-1], target[::-1], strict=False)):
-        raise ValueError(f"an array of shape {tuple(shape)} does not broadcast to {tuple(target)}")
-    padded = (1,) * (len(target) - len(shape)) + tuple(shape)
-    return tuple(axis for axis, (d, t) in enumerate(zip(padded, target, strict=True)) if d == 1 and t != 1)
-
-
-def sum_to_shape(x: jax.Array, shape: tuple) -> jax.Array:
-    """``x`` summed over the axes along which an array of ``shape`` is broadcast to ``x.shape``.
-
-    The transpose of ``jnp.broadcast_to(y, x.shape)`` for ``y`` of ``shape``: the same sums
-    as ``x.sum(axes, keepdims=True)``. Axes of up to 64 entries (a batch, the heads) are
-    summed as an elementwise sum of their slices, which XLA fuses into one pass.
-
-    Args:
-      x: the array to reduce, ``[..., B, N, T, S]`` say.
-      shape: a shape that broadcasts to ``x.shape``.
-
-    Returns:
-      An array of ``shape`` and ``x``'s dtype.
-
-    Example:
-      >>> sum_to_shape(jnp.arange(6.0).reshape(3, 2), (1, 2)).tolist()
-      [[6.0, 9.0]]
-    """
-    shape = tuple(shape)
-    if not backend.cpu_forms():
-        return x.sum(axis=_broadcast_axes(shape, x.shape), keepdims=True).reshape(shape)
-    for axis in _broadcast_axes(shape, x.shape):
+@operations.SUM_TO_SHAPE.implement(backend="cpu")
+def _sum_of_slices(x: jax.Array, shape: tuple) -> jax.Array:
+    """:func:`sum_to_shape` with axes of up to 64 entries (a batch, the heads) summed as an elementwise
+    sum of their slices, which XLA:CPU fuses into one pass."""
+    for axis in broadcast_axes(shape, x.shape):
         size = x.shape[axis]
         if size <= _SLICE_SUM_LIMIT:
             x = functools.reduce(jnp.add, [jax.lax.slice_in_dim(x, i, i + 1, axis=axis) for i in range(size)])
         else:
             x = x.sum(axis=axis, keepdims=True)
     return x.reshape(shape)
-
-
-def broadcast_to(x: jax.Array, shape: tuple) -> jax.Array:
-    """``jnp.broadcast_to(x, shape)`` whose gradient sums the broadcast axes as :func:`sum_to_shape` does.
-
-    Use it where a term shared by the batch meets ``[B, N, T, S]`` scores or weights
-    (``scores + broadcast_to(bias, scores.shape)``): the values and gradients are those of
-    plain broadcasting; only the form of the gradient's reduction differs. Forward mode
-    (``jax.jvp``) works too: the tangent is broadcast as copies laid side by side along each
-    short broadcast axis, whose transpose, in reverse mode, is the sum of the cotangent's
-    slices.
-
-    Example:
-      >>> bias = jnp.array([[1.0, 2.0]])  # [1, S], shared by 3 rows
-      >>> jax.grad(lambda b: (broadcast_to(b, (3, 2)) * jnp.arange(6.0).reshape(3, 2)).sum())(bias).tolist()
-      [[6.0, 9.0]]
-    """
-    shape = tuple(shape)
-    if tuple(x.shape) == shape:
-        return x
-    _broadcast_axes(x.shape, shape)  # checked here, before any derivative is traced
-    return _broadcast(x, shape) if backend.cpu_forms() else jnp.broadcast_to(x, shape)
 
 
 def _copies(x: jax.Array, shape: tuple) -> jax.Array:
@@ -94,7 +47,7 @@ def _copies(x: jax.Array, shape: tuple) -> jax.Array:
     the sum of slices of :func:`sum_to_shape`, one fused pass on XLA:CPU.
     """
     x = x.reshape((1,) * (len(shape) - x.ndim) + tuple(x.shape))
-    for axis in _broadcast_axes(x.shape, shape):
+    for axis in broadcast_axes(x.shape, shape):
         size = shape[axis]
         if size <= _SLICE_SUM_LIMIT:
             x = jnp.concatenate([x] * size, axis=axis)
@@ -103,8 +56,11 @@ def _copies(x: jax.Array, shape: tuple) -> jax.Array:
     return x
 
 
+@operations.BROADCAST_TO.implement(backend="cpu")
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _broadcast(x, shape):
+    """:func:`broadcast_to` whose tangent is copies laid side by side along each short broadcast axis:
+    its transpose, in reverse mode, is the sum of the cotangent's slices (forward mode works too)."""
     return jnp.broadcast_to(x, shape)
 
 

@@ -17,8 +17,8 @@ interpolated at them. Here, with the plain form of each beside it:
   and added.
 
 Backends: every form here runs on every backend. The first two were shaped on XLA:CPU and
-are used on the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`), the plain
-forms on the others.
+are registered for the CPU only (:class:`~posenc_jax.functional.core.operations.Operation`),
+the plain forms run on the others.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.operations import Operation
 from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
-from posenc_jax.functional.kernels import backend
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = [
@@ -62,21 +62,25 @@ def reverse_cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
     ``[block, block]`` triangle of ones (a matrix product, at full float32 precision on
     every backend), and the totals of the later blocks, a cumulative sum over S / block
     values, are added. The same sums as ``jnp.flip(jnp.cumsum(jnp.flip(x, -1), -1), -1)``
-    up to rounding, the form XLA:CPU runs as a tree of reduce-windows (about 5× slower on
+    up to rounding, the form XLA:CPU runs as a tree of reduce-windows (slower on
     CoPE's gates, and the same again in the gradient, which is a forward cumulative sum,
     here a product with the transposed triangle). For finite values: an infinite or NaN
     entry makes its whole block NaN (CoPE's gates are in [0, 1], or NaN where a visible
-    key's score already is). On the CPU only
-    (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`); on the other backends, the
-    plain reversed cumulative sum.
+    key's score already is). On the CPU only (:data:`REVERSE_CUMSUM`); on the other backends,
+    the plain reversed cumulative sum.
 
     Example:
       >>> reverse_cumsum(jnp.array([1.0, 2.0, 3.0]))
       Array([6., 5., 3.], dtype=float32)
     """
-    x = jnp.asarray(x, jnp.float32)
-    if not backend.cpu_forms():
-        return jax.lax.cumsum(x, axis=x.ndim - 1, reverse=True)
+    return REVERSE_CUMSUM(jnp.asarray(x, jnp.float32), block=block)
+
+
+REVERSE_CUMSUM = Operation("reverse_cumsum", lambda x, *, block: jax.lax.cumsum(x, axis=x.ndim - 1, reverse=True))
+
+
+@REVERSE_CUMSUM.implement(backend="cpu")
+def _reverse_cumsum_by_blocks(x: jax.Array, *, block: int) -> jax.Array:
     *lead, length = x.shape
     num_blocks = -(-length // block)
     padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_blocks * block - length)])
@@ -101,17 +105,14 @@ def interpolate_pairs(per_position: jax.Array, lower: jax.Array, weight: jax.Arr
     the values laid out flat, by offsets, and the values' gradient is one scatter of pairs, a
     window of two, into that flat array. As ``take_along_axis`` on ``[..., P]`` (gathers with
     batch dimensions), the gradient was two scatters with batch dimensions, which XLA:CPU ran
-    about 3× slower (CoPE's ``[8, 4, 512, 514]`` values: 300 ms against 80–110 ms for value
-    and gradient). On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`);
-    on the other backends, the plain form (:func:`interpolate_pairs_plain`).
+    slower. On the CPU only (:data:`INTERPOLATE_PAIRS`); on the other backends, the
+    plain form (:func:`interpolate_pairs_plain`).
 
     Example:
       >>> interpolate_pairs(jnp.array([0.0, 10.0, 20.0]), jnp.array([0, 1]), jnp.array([0.5, 0.25]))
       Array([ 5. , 12.5], dtype=float32)
     """
-    if per_position.size >= 2**31 or not backend.cpu_forms():  # flat offsets past int32, or not XLA:CPU
-        return interpolate_pairs_plain(per_position, lower, weight)
-    return _interpolate(per_position, lower, weight)
+    return INTERPOLATE_PAIRS(per_position, lower, weight)
 
 
 def interpolate_pairs_plain(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
@@ -121,10 +122,20 @@ def interpolate_pairs_plain(per_position: jax.Array, lower: jax.Array, weight: j
     return at_lower * (1.0 - weight) + at_upper * weight
 
 
+INTERPOLATE_PAIRS = Operation("interpolate_pairs", interpolate_pairs_plain)
+
+
+@INTERPOLATE_PAIRS.implement(backend="cpu")
+def _interpolate_flat(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
+    if per_position.size >= 2**31:  # flat offsets past int32
+        return interpolate_pairs_plain(per_position, lower, weight)
+    return _interpolate(per_position, lower, weight)
+
+
 @jax.custom_jvp
 def _interpolate(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
-    """Without a derivative, ``take_along_axis``, which XLA:CPU fuses into the consumer: CoPE's
-    attention (B=1, N=8, T=1024) took 2.03× plain's time with the flat gathers, 1.68× with these."""
+    """Without a derivative, ``take_along_axis``, which XLA:CPU fuses into the consumer (faster there
+    than the flat gathers the derivative uses)."""
     return interpolate_pairs_plain(per_position, lower, weight)
 
 
@@ -161,7 +172,7 @@ def _pairs(per_position, lower, *, positions: int):
 def _pairs_back(pairs, lower, *, positions: int):
     """The transpose: one scatter of (lower, upper) pairs, a window of two, into the flat values (half
     the updates of two scalar scatters; with batch dimensions, as autodiff makes of take_along_axis,
-    XLA:CPU ran it about 3x slower). ``[..., P]`` for ``positions`` P, the pairs' leading axes."""
+    XLA:CPU ran it slower). ``[..., P]`` for ``positions`` P, the pairs' leading axes."""
     shape = (*pairs.shape[:-2], positions)
     flat, start = _flat_starts(jnp.zeros(shape, pairs.dtype), lower)
     numbers = jax.lax.ScatterDimensionNumbers(

@@ -22,9 +22,9 @@ The plain forms beside them: the identity (the encoding's, which every way falls
 :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift`, and the float64 reference
 :func:`posenc_jax.reference.relative.transformer_xl_logits`; the tests hold each way to them.
 
-Backends: every form here runs on every backend. Two were shaped on XLA:CPU and are used on
-the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`), the plain form on the
-others: the ladder's scores written as the content score's batched product
+Backends: every form here runs on every backend. Two were shaped on XLA:CPU and are registered
+for the CPU only (:class:`~posenc_jax.functional.core.operations.Operation`), the plain form runs
+on the others: the ladder's scores written as the content score's batched product
 (:func:`_scores_against`; elsewhere the plain product) and the table-or-identity choice as a
 loop of one pass or none (:func:`_identity_unless`; elsewhere a conditional).
 """
@@ -37,6 +37,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.functional.core.operations import Operation
 from posenc_jax.functional.core.positions import position_difference
 from posenc_jax.functional.core.relative import (
     _consecutive_rows,
@@ -44,7 +45,6 @@ from posenc_jax.functional.core.relative import (
     by_query_blocks,
     take_along_last_axis,
 )
-from posenc_jax.functional.kernels import backend
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = ["shift_ladder_scores", "transformer_xl_terms"]
@@ -177,19 +177,27 @@ def _identity_unless(position_scores, key_sinusoids, use_identity, by_table, ope
 
     A loop of one pass or none, not a conditional: in a decoding step, XLA:CPU ran the
     conditional beside the whole-cache copies of the score and value products, which then
-    took longer (a step 1.46× and 1.51× NoPE's at 684 and 1024 cache slots, paired, 15 rounds;
-    1.05× and 1.03× as this loop). The loop's counter (0 in its one pass) is added to the
+    took longer. The loop's counter (0 in its one pass) is added to the
     positions, so XLA cannot hoist the identity out of the loop and run it every step. A loop
     with a run-time trip count has no reverse-mode derivative: the derivatives are those of a
     selection between the two (below), so ``jax.grad`` and ``jax.jvp`` work as they would
     through a conditional.
 
-    On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`); on the other
-    backends, the conditional.
+    On the CPU only (:data:`IDENTITY_UNLESS`); on the other backends, the conditional.
     """
-    if not backend.cpu_forms():
-        identity = lambda: _identity_at(position_scores, key_sinusoids, 0, *operands)
-        return jax.lax.cond(use_identity, identity, lambda: by_table)
+    return IDENTITY_UNLESS(position_scores, key_sinusoids, use_identity, by_table, operands)
+
+
+def _identity_by_conditional(position_scores, key_sinusoids, use_identity, by_table, operands):
+    identity = lambda: _identity_at(position_scores, key_sinusoids, 0, *operands)
+    return jax.lax.cond(use_identity, identity, lambda: by_table)
+
+
+IDENTITY_UNLESS = Operation("transformer_xl_identity_unless", _identity_by_conditional)
+
+
+@IDENTITY_UNLESS.implement(backend="cpu")
+def _identity_by_loop(position_scores, key_sinusoids, use_identity, by_table, operands):
     body = lambda i, current: _identity_at(position_scores, key_sinusoids, i, *operands)
     return jax.lax.fori_loop(0, use_identity.astype(jnp.int32), body, by_table)
 
@@ -213,12 +221,20 @@ def _scores_against(shifted_q, projected) -> jax.Array:
 
     Written as the content score's product, with ``projected`` broadcast over the batch (a copy
     of B·L·N·H values, as many as the keys): XLA:CPU computes ``'BTNH,LNH->BNTL'`` (or its
-    heads-first form) as ``[N, L, T]`` and then transposes the whole product, ~1.7× its time
-    at T = L = 1024. On the CPU only (:func:`~posenc_jax.functional.kernels.backend.cpu_forms`);
-    on the other backends, the plain product.
+    heads-first form) as ``[N, L, T]`` and then transposes the whole product. On the CPU only
+    (:data:`SCORES_AGAINST`); on the other backends, the plain product.
     """
-    if not backend.cpu_forms():
-        return jnp.einsum("BTNH,LNH->BNTL", shifted_q, projected, preferred_element_type=jnp.float32)
+    return SCORES_AGAINST(shifted_q, projected)
+
+
+SCORES_AGAINST = Operation(
+    "transformer_xl_scores_against",
+    lambda shifted_q, projected: jnp.einsum("BTNH,LNH->BNTL", shifted_q, projected, preferred_element_type=jnp.float32),
+)
+
+
+@SCORES_AGAINST.implement(backend="cpu")
+def _scores_against_batched(shifted_q, projected) -> jax.Array:
     keys = jnp.broadcast_to(projected[None], (shifted_q.shape[0], *projected.shape))
     return jnp.einsum("BTNH,BLNH->BNTL", shifted_q, keys, preferred_element_type=jnp.float32)
 
