@@ -8,6 +8,12 @@ own rows. The plain reference is :func:`posenc_jax.training.train_step`, one see
 time; ``tests/test_bench.py`` checks that the two agree to float32 rounding (they are not
 bitwise equal: XLA batches the seeds' matrix products, which rounds differently), and
 ``benchmarks/seed_vmap.py`` measures the speed-up.
+
+Batches are made on the host, one jitted step a call (``Preset.batches="host"``), or inside
+the jitted program (``"device"``, :mod:`posenc_jax.bench.device_batches`), where one call runs
+``Preset.steps_per_dispatch`` steps (:meth:`SeedGroup.train`, a ``lax.scan`` over steps): an
+accelerator then no longer waits on the host between steps. ``benchmarks/train_dispatch.py``
+measures the three side by side.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from posenc_jax.bench.device_batches import DeviceBatches, seed_key, step_key
 from posenc_jax.bench.ledger import checkpoint_dir, write_text
 from posenc_jax.bench.presets import Preset, TaskLengths, finetune_batch
 from posenc_jax.checkpoint import Checkpointer, CheckpointError
@@ -331,31 +338,69 @@ def _slice(tree, i):
     return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
 
 
+def _one_step(graphdef, state, batch):
+    """One optimisation step of one seed: its new state and the loss before the update."""
+    model, optimizer = nnx.merge(graphdef, state)
+    loss, grads = nnx.value_and_grad(lambda m: cross_entropy_loss(m, batch))(model)
+    # optax mixes Python floats with int32 step counts, which strict dtype promotion refuses.
+    with jax.numpy_dtype_promotion("standard"):
+        optimizer.update(model, grads)
+    return nnx.split((model, optimizer))[1], loss
+
+
+def _keep_frozen(new, state, frozen):
+    """``new``, except the seeds where ``frozen`` (``[S]`` bool), which keep ``state``."""
+
+    def keep(updated, old):
+        mask = frozen.reshape(frozen.shape + (1,) * (updated.ndim - 1))
+        return jax.lax.select(jnp.broadcast_to(mask, updated.shape), old, updated)
+
+    return jax.tree.map(keep, new, state)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _train_step(graphdef, state, batch, batched: bool, frozen):
     """One optimisation step of every seed: ``state`` and ``batch`` carry a leading seed axis.
     ``batched``: the seeds as one batched computation (``jax.vmap``), else one after another
     inside the same program (``jax.lax.map``). Seeds where ``frozen`` (a ``[S]`` bool array)
     keep their state: a seed that has learned its task stops there while the others train on."""
-
-    def one(state, batch):
-        model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(lambda m: cross_entropy_loss(m, batch))(model)
-        # optax mixes Python floats with int32 step counts, which strict dtype promotion refuses.
-        with jax.numpy_dtype_promotion("standard"):
-            optimizer.update(model, grads)
-        return nnx.split((model, optimizer))[1], loss
-
+    one = functools.partial(_one_step, graphdef)
     if batched:
         new, losses = jax.vmap(one)(state, batch)
     else:
         new, losses = jax.lax.map(lambda pair: one(*pair), (state, batch))
+    return _keep_frozen(new, state, frozen), losses
 
-    def keep(updated, old):
-        mask = frozen.reshape(frozen.shape + (1,) * (updated.ndim - 1))
-        return jax.lax.select(jnp.broadcast_to(mask, updated.shape), old, updated)
 
-    return jax.tree.map(keep, new, state), losses
+def _shard_batch(batch: dict, mesh) -> dict:
+    """A batch made inside the program, split along its examples over a data-parallel mesh (as
+    :func:`_place` places a host batch); the shared positions replicated."""
+    if mesh is None:
+        return batch
+    spec = lambda x: NamedSharding(mesh, PartitionSpec("data") if x.ndim >= 2 else PartitionSpec())
+    return {name: jax.lax.with_sharding_constraint(x, spec(x)) for name, x in batch.items()}
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 6, 7, 9))
+def _train_steps(graphdef, state, data, make_batch, keys, first_step, steps: int, batched: bool, frozen, mesh):
+    """``steps`` optimisation steps of every seed in one program (a ``lax.scan`` over steps), each
+    seed's batch of step k made here by ``make_batch(data, key)`` from its key (``keys``, ``[S]``)
+    folded with k. Returns the new state and the losses, ``[steps, S]``. ``batched`` and
+    ``frozen`` as for :func:`_train_step`."""
+
+    def one(state, key, step):
+        batch = _shard_batch(make_batch(data, step_key(key, step)), mesh)
+        return _one_step(graphdef, state, batch)
+
+    def step(state, k):
+        at = first_step + k
+        if batched:
+            new, losses = jax.vmap(one, in_axes=(0, 0, None))(state, keys, at)
+        else:
+            new, losses = jax.lax.map(lambda pair: one(*pair, at), (state, keys))
+        return _keep_frozen(new, state, frozen), losses
+
+    return jax.lax.scan(step, state, jnp.arange(steps, dtype=jnp.int32))
 
 
 def default_batched() -> bool:
@@ -414,6 +459,33 @@ class SeedGroup:
         Seeds marked in ``frozen`` (a sequence of bools, one per seed) keep their state."""
         frozen = jnp.zeros(self.size, bool) if frozen is None else jnp.asarray(frozen, bool)
         self.state, losses = _train_step(self.graphdef, self.state, _place(batch, self.mesh), self.batched, frozen)
+        return losses
+
+    def replicate(self, tree):
+        """``tree``'s arrays on the device(s), whole on each device of the mesh."""
+        if self.mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, NamedSharding(self.mesh, PartitionSpec()))
+
+    @reraise_check_errors()
+    def train(self, make_batch: DeviceBatches, data, keys, first_step: int, steps: int, frozen=None) -> jax.Array:
+        """Steps ``first_step`` to ``first_step + steps`` of every seed in one dispatch, each batch
+        made on the device: ``make_batch(data, key)`` with the seed's key (``keys``, one per seed,
+        :func:`~posenc_jax.bench.device_batches.seed_key`) folded with the step. Returns the losses,
+        ``[steps, S]``. Seeds marked in ``frozen`` keep their state throughout."""
+        frozen = jnp.zeros(self.size, bool) if frozen is None else jnp.asarray(frozen, bool)
+        self.state, losses = _train_steps(
+            self.graphdef,
+            self.state,
+            data,
+            make_batch,
+            keys,
+            jnp.int32(first_step),
+            steps,
+            self.batched,
+            frozen,
+            self.mesh,
+        )
         return losses
 
     def seed(self, i: int):
@@ -669,7 +741,11 @@ def _train_group(
 
     Under the ``fixed-budget`` protocol (``preset.protocol``) no seed stops: every seed trains
     exactly ``preset.steps`` steps, and the checks only record when each met the criterion
-    (its steps to criterion, a measurement)."""
+    (its steps to criterion, a measurement).
+
+    With ``preset.batches == "device"`` each call runs ``preset.steps_per_dispatch`` steps, their
+    batches made on the device (:meth:`SeedGroup.train`); :func:`fit` then counts dispatches,
+    and the checks, checkpoints and steps it reports are converted back to steps."""
     stops = preset.protocol == "to-criterion"
     record = {
         "task": cell.task_name,
@@ -683,7 +759,17 @@ def _train_group(
     }
     if first_step >= preset.steps or (stops and all(held(checks[seed], criterion) is not None for seed in group)):
         return record
+    per_dispatch = preset.steps_per_dispatch
+    if first_step % per_dispatch:
+        raise ValueError(
+            f"{cell.task_name} / {cell.label}: resuming at step {first_step}, which is not a multiple of "
+            f"steps_per_dispatch={per_dispatch}; checkpoints of these settings are saved between dispatches"
+        )
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
+    on_device = preset.batches == "device"
+    if on_device:
+        make_batch = DeviceBatches(cell.task, cell.lengths, preset.batch_size)
+        data, keys = seeds.replicate((make_batch.data, jnp.stack([seed_key(s) for s in group])))
     held_out = {seed: check_batch(cell, preset, seed) for seed in group}
     pending = []  # the losses of the steps since the last look at them (left on the device until then)
     looked = first_step  # the steps whose losses were looked at
@@ -692,6 +778,11 @@ def _train_group(
     began = time.perf_counter()
 
     def batches():
+        """What each call of ``step_fn`` trains on: the seeds' stacked host batches of one step,
+        or (device batches) the first step of a dispatch."""
+        if on_device:
+            yield from itertools.count(first_step, per_dispatch)
+            return
         for step in itertools.count(first_step):
             per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in group]
             yield {name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]}
@@ -703,29 +794,34 @@ def _train_group(
 
     def step_fn(group_, _, batch):
         nonlocal began, progress
-        losses = group_.step(batch, frozen)
+        if on_device:
+            losses = group_.train(make_batch, data, keys, batch, per_dispatch, frozen)  # [steps, seeds]
+        else:
+            losses = group_.step(batch, frozen)
         pending.append(losses)
-        if progress is None and record["compile_seconds"] == 0.0:  # the first step: its time is compilation
+        if progress is None and record["compile_seconds"] == 0.0:  # the first call: its time is compilation
             jax.block_until_ready(losses)
             record["compile_seconds"] = time.perf_counter() - began
             began = time.perf_counter()
             if bar is not None:
-                progress = bar(preset.steps, first_step + 1, f"{cell.task_name} / {cell.label} / seeds {seed_list}")
+                progress = bar(
+                    preset.steps, first_step + per_dispatch, f"{cell.task_name} / {cell.label} / seeds {seed_list}"
+                )
         elif progress is not None:
-            progress.update(1)
+            progress.update(per_dispatch)
         return losses
 
     def finite() -> None:
         """Stops the cell at a non-finite loss (before it is checked or saved), naming the step."""
         nonlocal looked
-        for offset, loss in enumerate(pending):
-            values = np.atleast_1d(np.asarray(loss))
-            bad = np.flatnonzero(~np.isfinite(values))
-            if bad.size:
-                if progress is not None:
-                    progress.close()
-                raise DivergedError(cell, preset, [group[i] for i in bad], looked + offset + 1, float(values[bad[0]]))
-        looked += len(pending)
+        for loss in pending:
+            for values in np.asarray(loss).reshape(-1, len(group)):  # one row of the seeds' losses a step
+                bad = np.flatnonzero(~np.isfinite(values))
+                if bad.size:
+                    if progress is not None:
+                        progress.close()
+                    raise DivergedError(cell, preset, [group[i] for i in bad], looked + 1, float(values[bad[0]]))
+                looked += 1
         pending.clear()
 
     def check(step) -> bool:
@@ -758,26 +854,28 @@ def _train_group(
         paused += time.perf_counter() - started
 
     seed_list = ",".join(map(str, group))
+    # fit counts calls of step_fn: dispatches of per_dispatch steps (one step with host batches).
     losses = fit(
         seeds,
         None,
         batches(),
-        steps=preset.steps,
-        start_step=first_step,
+        steps=preset.steps // per_dispatch,
+        start_step=first_step // per_dispatch,
         log=None,
         step_fn=step_fn,
-        save=save,
-        checkpoint_every=preset.checkpoint_every,
-        check_every=preset.check_every,
-        check=check,
+        save=lambda dispatch: save(dispatch * per_dispatch),
+        checkpoint_every=preset.checkpoint_every // per_dispatch,
+        check_every=preset.check_every // per_dispatch,
+        check=lambda dispatch: check(dispatch * per_dispatch),
     )
     jax.block_until_ready(seeds.state)
     finite()
     record["train_seconds"] = time.perf_counter() - began - paused
     record["checkpoint_seconds"] = paused
-    record["final_loss"] = [float(x) for x in np.asarray(losses[-1])]
+    record["final_loss"] = [float(x) for x in np.asarray(losses[-1]).reshape(-1, len(group))[-1]]
     record["steps"] = {
-        seed: (held(checks[seed], criterion) if stops else None) or first_step + len(losses) for seed in group
+        seed: (held(checks[seed], criterion) if stops else None) or first_step + len(losses) * per_dispatch
+        for seed in group
     }
     if progress is not None:
         progress.close()

@@ -67,7 +67,12 @@ _NOT_HASHED = (
 )
 # Settings added after runs were committed: at their default they leave a fingerprint as it was,
 # so those runs' folders stay theirs; any other value is hashed.
-_HASHED_UNLESS_DEFAULT = {"task_format": "ours", "train_min_length": 1}
+_HASHED_UNLESS_DEFAULT = {
+    "task_format": "ours",
+    "train_min_length": 1,
+    "batches": "host",
+    "steps_per_dispatch": 1,
+}
 
 
 # The benchmark's method: 3 trains every encoding the same steps (the preset's protocol) and

@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import math
 
+from posenc_jax.bench.device_batches import DEVICE_TASKS
 from posenc_jax.bench.tasks import FORMATTED_TASKS, STDLIB_CORPUS_SHA256, TASK_FORMATS, make_task, task_names
 from posenc_jax.functional.core.normalizers import NORMALIZERS
 from posenc_jax.functional.core.registry import encoding_config, encoding_info, encoding_names
@@ -121,6 +122,8 @@ def why_not_run(task, encoding: str) -> str | None:
 
 # The training protocols: every encoding the same steps, or each seed stopped at its criterion.
 PROTOCOLS = ("fixed-budget", "to-criterion")
+# Where training batches are made: numpy on the host, or jax.random inside the jitted step.
+BATCHES = ("host", "device")
 
 # The settings a task may have of its own (Preset.task_overrides): those of its model, its
 # training and its gate; which cells, seeds and variants run is the preset's alone.
@@ -211,6 +214,14 @@ class Preset:
     and ``target`` (what it is sized for: ``"cpu"``, ``"colab-tpu"`` or ``"accelerator"``) are
     documentation only, and so is ``paper_protocol``: the protocol of the paper a preset
     reproduces, which its report prints beside ours.
+
+    **Batches and dispatches.** ``batches="host"`` makes each training batch on the host with
+    numpy (the task's ``batch``), one jitted step at a time; ``"device"`` makes them with
+    ``jax.random`` inside the jitted program (:mod:`posenc_jax.bench.device_batches`: the same
+    distribution and layout, another random stream), and ``steps_per_dispatch`` steps run in one
+    call (a ``lax.scan`` over steps), for an accelerator that the host would otherwise keep
+    waiting. Checks and checkpoints fall on dispatch boundaries: the steps per dispatch divide
+    ``steps``, ``check_every`` and ``checkpoint_every``.
     """
 
     name: str
@@ -261,6 +272,8 @@ class Preset:
     paper_protocol: str = ""
     task_format: str = "ours"
     train_min_length: int = 1
+    batches: str = "host"
+    steps_per_dispatch: int = 1
 
     def for_task(self, task_name: str) -> Preset:
         """The settings ``task_name`` trains with: this preset with the task's own overrides
@@ -447,6 +460,35 @@ class Preset:
             raise ValueError(
                 f"task_format={self.task_format!r}, but {', '.join(unformatted)} have only the benchmark's own format; "
                 f"a paper-format preset runs only {', '.join(FORMATTED_TASKS)}"
+            )
+        if self.batches not in BATCHES:
+            raise ValueError(
+                f"batches must be one of {', '.join(BATCHES)}, got {self.batches!r}; host makes training batches "
+                "with numpy, device with jax.random inside the jitted step"
+            )
+        if self.batches == "device":
+            hostbound = [t for t in self.tasks if t not in DEVICE_TASKS]
+            if hostbound:
+                raise ValueError(
+                    f"batches='device', but {', '.join(hostbound)} have no device generator (only "
+                    f"{', '.join(DEVICE_TASKS)} do); run them with batches='host'"
+                )
+        k = self.steps_per_dispatch
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"steps_per_dispatch must be an integer >= 1, got {k!r}")
+        if k > 1 and self.batches != "device":
+            raise ValueError(
+                f"steps_per_dispatch={k} needs batches='device' (host batches are made one step at a time)"
+            )
+        undivided = [
+            f"{name}={getattr(self, name)}"
+            for name in ("steps", "check_every", "checkpoint_every")
+            if getattr(self, name) % k
+        ]
+        if undivided:
+            raise ValueError(
+                f"steps_per_dispatch={k} must divide steps, check_every and checkpoint_every (checks and "
+                f"checkpoints fall between dispatches), not {', '.join(undivided)}"
             )
         if not 1 <= self.train_min_length <= self.train_length:
             raise ValueError(
@@ -740,7 +782,9 @@ PRESETS = {
     # Kazemnejad et al. 2023's decoder tasks and encodings, lengths and seeds, for a Colab TPU
     # (v2-8 or v5e, all cores data-parallel). Sized for about 20 minutes at an assumed 20 TFLOP/s;
     # at the rates its own cells ran at on an H200 (COLAB_TPU_ON_H200) it takes about 55 minutes
-    # (every cell its whole budget). Not yet run on a TPU.
+    # (every cell its whole budget). Not yet run on a TPU. Its batches are made on the device, 50
+    # steps a dispatch (the H200 cells of docs/extrapolation-colab-tpu-partial/ made them on the
+    # host, one step a call: those rows are of other settings, and a run starts afresh).
     "colab-tpu": Preset(
         name="colab-tpu",
         encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
@@ -758,12 +802,15 @@ PRESETS = {
         eval_examples=256,
         checkpoint_every=1500,
         eval_only_tasks=(),
+        batches="device",
+        steps_per_dispatch=50,
         description="four of Kazemnejad et al.'s five decoder tasks (train <= 20, test to 40) with a 4 x 256 model",
         paper_protocol=_KAZEMNEJAD_PROTOCOL,
         target="colab-tpu",
     ),
     # Kazemnejad et al. 2023: 12 x 768, 12 heads, AdamW 3e-5, wd 0.05, batch 64, 40K steps,
-    # 6% warmup, dropout 0.1, train <= 20, test 21-40 (they ran 3 seeds; intervals need 5). For a GPU or TPU.
+    # 6% warmup, dropout 0.1, train <= 20, test 21-40 (they ran 3 seeds; intervals need 5). For a GPU or TPU:
+    # batches made on the device, 50 steps a dispatch.
     "paper": Preset(
         name="paper",
         encodings=("nope", "t5", "alibi", "rope", "sinusoidal"),
@@ -782,6 +829,8 @@ PRESETS = {
         eval_lengths=tuple(range(1, 41)),
         eval_examples=256,
         checkpoint_every=2000,
+        batches="device",
+        steps_per_dispatch=50,
         description="Kazemnejad et al. 2023's protocol (12 x 768, 40K steps); for a GPU or TPU",
         paper_protocol=_KAZEMNEJAD_PROTOCOL,
         target="accelerator",
