@@ -317,3 +317,10 @@ def test_compiled_causal_attention_stores_no_mask():
     stored = re.findall(rf"= pred\[[0-9,]*{length},{length}\]", entry)
     assert not stored, stored
     assert "conditional(" not in entry  # the non-finite values term is the same program for every input
+
+
+def test_cond_over_batch_is_in_control_and_its_old_name_warns():
+    from posenc_jax.functional.core import attention, control
+
+    with pytest.warns(DeprecationWarning, match=r"import it from posenc_jax\.functional\.core\.control"):
+        assert attention.cond_over_batch is control.cond_over_batch

@@ -137,3 +137,10 @@ def test_shared_bias_gradient_sums_the_batch_without_a_leading_axis_reduction(rn
     assert reductions, "expected the program's reductions to be found (the pattern may need updating)"
     big = [dims for dims, shape in reductions if shape == f"{B}x{N}x{T}x{T}" and "0" in dims.split(", ")]
     assert not big, f"a reduction over the batch axis of the [B, N, T, S] cotangent: {big}"
+
+
+def test_cpu_forms_is_deprecated_for_the_one_place_the_backend_is_read():
+    from posenc_jax.functional.kernels import backend
+
+    with pytest.warns(DeprecationWarning, match=r"operations\.current_backend\(\) == \"cpu\""):
+        assert backend.cpu_forms() == (operations.current_backend() == "cpu")

@@ -63,7 +63,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
-from posenc_jax.functional.core.control import cond_over_batch  # exported here before it moved
 from posenc_jax.functional.core.hooks import (
     ATTENTION_HOOKS,
     AddsLogits,
@@ -108,12 +107,28 @@ __all__ = [
     "attention_scores",
     "attend",
     "attention_weights",
-    "cond_over_batch",
     "dot_product_attention",
     "forward_terms",
     "goes_blockwise",
     "masked_value_product",
 ]
+
+
+def __getattr__(name: str):
+    # Deprecated: cond_over_batch moved to posenc_jax.functional.core.control.
+    if name == "cond_over_batch":
+        import warnings
+
+        from posenc_jax.functional.core import control
+
+        warnings.warn(
+            "posenc_jax.functional.core.attention.cond_over_batch is deprecated: import it from "
+            "posenc_jax.functional.core.control",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return control.cond_over_batch
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 IMPLEMENTATIONS = ("auto", "materialize", "blockwise")
@@ -340,7 +355,7 @@ def attention_scores(
     joined = [h for h in hooks if joinable and isinstance(h, ScoreFeatures)]
     # Joining copies every key with its features (S·(H + F) values per head) to spare storing the
     # term (T·S per head): worth it from T > H + F on, not when decoding a few tokens against a
-    # cache (there the copy of the whole cache each step made a step 2.8x NoPE's).
+    # cache (there the copy of the whole cache each step slowed the step).
     widths = sum(jax.eval_shape(lambda h=h: h.score_features(query, key, context))[1].shape[-1] for h in joined)
     if query.shape[1] <= key.shape[-1] + widths:
         joined = []

@@ -68,12 +68,7 @@ from posenc_jax.functional.core.registry import resolve_encoding
 
 __all__ = ["sequence_parallel_attention"]
 
-if hasattr(jax, "shard_map"):
-    _shard_map = functools.partial(jax.shard_map, check_vma=False)
-else:  # jax < 0.6.1 (the project's floor, 0.7.1, has jax.shard_map)
-    from jax.experimental.shard_map import shard_map as _experimental_shard_map
-
-    _shard_map = functools.partial(_experimental_shard_map, check_rep=False)
+_shard_map = functools.partial(jax.shard_map, check_vma=False)
 
 
 def _mesh_axis(mesh, axis_name: str | None) -> str:
