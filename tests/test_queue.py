@@ -56,7 +56,8 @@ def _rows(folder) -> list[dict]:
 
 
 def _queue(root, *args) -> int:
-    return main(["queue", "--root", str(root), "--no-progress", "--no-plots", *args])
+    """The queue one seed a unit (--unit-seconds 0), as on a device where a cell's seeds do not fit together."""
+    return main(["queue", "--root", str(root), "--no-progress", "--no-plots", "--unit-seconds", "0", *args])
 
 
 def test_list_prints_every_pending_unit_and_an_estimate(tiny, capsys):
@@ -167,11 +168,47 @@ def test_the_queue_is_the_issues_and_its_folders_hold_no_other_settings():
     assert [found.blocked for found in plans] == [""] * len(plans)
     # The RoPE units are run once, in the first entry that has them.
     rope = {found.entry.name: found for found in plans}["rope-finetune"]
-    assert set(rope.shared.values()) <= {"text-claims"} and not {u.key for u in rope.units} & set(rope.shared)
+    assert set(rope.shared.values()) <= {"text-claims"}
+    assert not {(str(u.folder), u.task, u.encoding, s) for u in rope.units for s in u.seeds} & set(rope.shared)
+    # Every unit fits the unit limit, or is one seed; a unit's seeds are one cell's.
+    for found in plans:
+        assert all(u.seconds <= queue.UNIT_SECONDS or len(u.seeds) == 1 for u in found.units), found.entry.name
     # kazemnejad-long: the paper's lengths, a few minutes a unit on an H200; the paper's own size out of reach.
     long = PRESETS["kazemnejad-long"]
     assert (long.train_min_length, long.train_length, long.task_format) == (4, 20, "paper")
     assert set(range(21, 41)) | {20} <= set(long.eval_lengths)
     units = {found.entry.name: found for found in plans}["kazemnejad-long"].units
-    assert all(60 < unit.seconds < 5 * 60 for unit in units)
+    assert all(60 < unit.seconds <= queue.UNIT_SECONDS for unit in units)
     assert 40 < expected_seconds(PRESETS["paper"], H200_ESTIMATE) / 3600 < 65  # "some 40-60 H200-hours"
+
+
+def test_a_cells_seeds_run_together_when_they_fit(tiny, capsys):
+    """By default a unit holds as many of a cell's seeds as fit the unit limit by the estimate:
+    the tiny cells' two seeds fit, so each cell is one unit and trains its seeds together."""
+    folder = tiny / "extrapolation-tiny"
+    # A limit below one seed's estimate splits the cells seed by seed.
+    split = queue.plan((ENTRY,), tiny, H200_ESTIMATE, unit_seconds=0)[0].units
+    assert [(u.encoding, u.seeds) for u in split] == [(e, (s,)) for e, s in UNITS]
+    assert main(["queue", "--root", str(tiny), "--no-progress", "--no-plots", "--list", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert re.findall(r"^   counting_copy (\w+) seeds 0, 1 +about", out, re.M) == ["nope", "alibi"]
+    assert main(["queue", "--root", str(tiny), "--no-progress", "--no-plots"]) == 0
+    ran = re.findall(
+        r"^posenc-bench queue: done tiny: counting_copy (\w+) seeds 0, 1 in ", capsys.readouterr().out, re.M
+    )
+    assert ran == ["nope", "alibi"]
+    rows = _rows(folder)
+    assert {(r["encoding"], r["seed"]) for r in rows} == {(e, s) for e in ("nope", "alibi") for s in (0, 1)}
+    record = json.loads((folder / "run.json").read_text())
+    assert [cell["seeds"] for cell in record["cells"]] == [[0, 1], [0, 1]]  # one training of both seeds per cell
+    with pytest.raises(SystemExit, match="--unit-seconds must be a number of seconds >= 0, got -5"):
+        main(["queue", "--root", str(tiny), "--unit-seconds", "-5"])
+
+
+def test_chunks_keep_the_seeds_order_within_the_limit():
+    def cost(seeds):
+        return 10.0 * len(seeds)
+
+    assert queue._chunks([0, 1, 2, 3, 4], cost, 30) == [(0, 1, 2), (3, 4)]
+    assert queue._chunks([0, 1, 2], cost, 0) == [(0,), (1,), (2,)]
+    assert queue._chunks([], cost, 30) == []

@@ -364,14 +364,18 @@ def _queue(args) -> int:
             raise SystemExit(f"posenc-bench queue: no entry {args.only!r} in the queue; entries: {names}")
     if args.budget is not None and not (math.isfinite(args.budget) and args.budget >= 0):
         raise SystemExit(f"posenc-bench queue: --budget must be a number of seconds >= 0, got {args.budget}")
+    unit_seconds = queue.UNIT_SECONDS if args.unit_seconds is None else args.unit_seconds
+    if not (math.isfinite(unit_seconds) and unit_seconds >= 0):
+        raise SystemExit(f"posenc-bench queue: --unit-seconds must be a number of seconds >= 0, got {unit_seconds}")
     root = pathlib.Path(args.root)
     try:
         backend, rates, rates_name = queue.rates_for(args.device)
         if args.list:
-            plans = queue.plan(entries, root, rates)
+            plans = queue.plan(entries, root, rates, unit_seconds=unit_seconds)
             print(
-                f"posenc-bench queue: pending (cell, seed) units under {root}/, in the order they run, with the cost "
-                f"model's estimate at {rates_name} (jax backend {backend})"
+                f"posenc-bench queue: pending units (a cell's seeds, up to {unit_seconds:g} s together) under "
+                f"{root}/, in the order they run, with the cost model's estimate at {rates_name} "
+                f"(jax backend {backend})"
             )
             print(queue.describe(plans, rates_name))
             return 0
@@ -382,6 +386,7 @@ def _queue(args) -> int:
             backend=backend,
             progress=_bars_wanted(args.no_progress),
             plots=not args.no_plots,
+            unit_seconds=unit_seconds,
         )
     except ValueError as error:
         raise SystemExit(f"posenc-bench queue: {error}") from None
@@ -543,11 +548,12 @@ def main(argv=None) -> int:
     pr.set_defaults(handler=_probe)
     qu = sub.add_parser(
         "queue",
-        help="run the accelerator queue: pending (cell, seed) units in priority order, into folders under docs/",
+        help="run the accelerator queue: pending units (a cell's seeds) in priority order, into folders under docs/",
         description="Runs the accelerator queue (posenc_jax/bench/queue.py): its entries in priority order (gpu-long "
         "to 5 seeds; text at 10 seeds for the Press, Kerple/Sandwich and FIRE claims; PI and YaRN fine-tuned against "
         "the fine-tuned RoPE control; cpu-full's copy, duplicate and reverse; Kazemnejad et al.'s comparison at their "
-        "lengths), each as (cell, seed) units: one task x encoding x seed, trained and evaluated by the runner alone. "
+        "lengths), each as units: one task x encoding and as many of its seeds as train together within "
+        "--unit-seconds by the estimate, trained and evaluated by the runner alone. "
         "A unit whose rows are all in its folder is skipped, so running the command again goes on where it stopped. "
         "After each unit it rewrites the folder's report.md and plots and prints what is left, with the cost model's "
         "estimate for the device it finds (jax.default_backend(): the H200 fit on a GPU, the CPU fit on a CPU).",
@@ -563,6 +569,12 @@ def main(argv=None) -> int:
         "start), and stop there",
     )
     qu.add_argument("--only", metavar="NAME", help="run (or list) this entry of the queue alone")
+    qu.add_argument(
+        "--unit-seconds",
+        type=float,
+        metavar="SECONDS",
+        help="the longest a unit of several seeds may be by the estimate (default 240; 0: one seed a unit)",
+    )
     qu.add_argument(
         "--root", default="docs", metavar="DIR", help="the folder the entries' folders are in (default docs)"
     )

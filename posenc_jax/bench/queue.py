@@ -1,9 +1,12 @@
-"""The accelerator queue: the runs that need an accelerator, as (cell, seed) units in priority order.
+"""The accelerator queue: the runs that need an accelerator, as units of a few minutes in priority order.
 
 An accelerator is lent for minutes at a time and nothing on it survives the loan, so the unit of
-work is one (cell, seed): one task x encoding x seed, trained and evaluated by the ordinary runner
-(:func:`posenc_jax.bench.extrapolate.run`) with the preset restricted to it, its rows written to
-the entry's folder under ``docs/`` as they are measured. :data:`QUEUE` declares the entries, in
+work is one cell's seeds: one task x encoding and as many of its pending seeds as the cost model
+puts within :data:`UNIT_SECONDS` together (the seeds of a cell train in one compiled program, so
+on an accelerator five cost little more than one; a cell too long for that goes seed by seed),
+trained and evaluated by the ordinary runner (:func:`posenc_jax.bench.extrapolate.run`) with the
+preset restricted to it, its rows written to the entry's folder under ``docs/`` as they are
+measured. :data:`QUEUE` declares the entries, in
 priority order; :func:`plan` finds each entry's units whose rows are not all in its folder (the
 runner's own :func:`~posenc_jax.bench.extrapolate.plan` decides, so a unit counts as done exactly
 when the runner would skip it), each with the cost model's estimate (:func:`~posenc_jax.bench.presets.cell_cost`
@@ -17,9 +20,9 @@ the runner resumes the unit from its checkpoints when they are there (and trains
 they are not, as after a loan), and ``run.json`` asks for the unit's rows before it starts, so
 the folder's report reads the rows of a unit cut short.
 
-Within an entry the units go seed by seed (every cell at seed 0, then at seed 1, ...), so a queue
-stopped part way leaves every cell of an entry with the same seeds, not some cells finished and
-others missing. A unit two entries share (the text RoPE cell, whose fine-tuned scalings are their
+Within an entry the units go chunk by chunk (every cell's first seeds, then its next ones), so a
+queue stopped part way leaves the cells of an entry with the same seeds, not some cells finished
+and others missing. A unit two entries share (the text RoPE cell, whose fine-tuned scalings are their
 own entry) is run and counted once, in the first.
 """
 
@@ -146,24 +149,43 @@ def rates_for(backend: str | None = None) -> tuple[str, Rates, str]:
     return (backend, *RATES[backend])
 
 
+# The longest a unit may be, by the cost model, when it holds more than one seed: a command on a
+# lent accelerator runs at most 10 minutes, and a unit cut short there loses what it trained.
+UNIT_SECONDS = 240.0
+
+
 @dataclasses.dataclass(frozen=True)
 class Unit:
-    """One (cell, seed) left to run: ``seconds`` is the cost model's estimate of training and
-    evaluating it alone (its own compilation included)."""
+    """One cell's seeds left to run, trained together (the seeds of a cell share one compiled
+    program, so on an accelerator k seeds cost little more than one): ``seconds`` is the cost
+    model's estimate of training and evaluating them (compilation included)."""
 
     entry: str
     folder: pathlib.Path
     task: str
     encoding: str
-    seed: int
+    seeds: tuple[int, ...]
     seconds: float
 
     @property
     def key(self) -> tuple:
-        return (str(self.folder), self.task, self.encoding, self.seed)
+        return (str(self.folder), self.task, self.encoding, self.seeds)
 
     def __str__(self) -> str:
-        return f"{self.task} {self.encoding} seed {self.seed}"
+        seeds = ", ".join(map(str, self.seeds))
+        return f"{self.task} {self.encoding} seed{'s' if len(self.seeds) > 1 else ''} {seeds}"
+
+
+def _chunks(seeds: Sequence[int], cost: Callable[[tuple[int, ...]], float], limit: float) -> list[tuple[int, ...]]:
+    """``seeds`` cut, in order, into runs as long as the cost model keeps each within ``limit``
+    seconds (one seed at least)."""
+    chunks: list[tuple[int, ...]] = []
+    for seed in seeds:
+        if chunks and cost((*chunks[-1], seed)) <= limit:
+            chunks[-1] = (*chunks[-1], seed)
+        else:
+            chunks.append((seed,))
+    return chunks
 
 
 @dataclasses.dataclass
@@ -250,9 +272,11 @@ def plan(
     rates: Rates = H200_ESTIMATE,
     *,
     presets: Mapping[str, Preset] = PRESETS,
+    unit_seconds: float = UNIT_SECONDS,
 ) -> list[EntryPlan]:
-    """Each entry's pending (cell, seed) units under ``root``, in the order they run, with their
-    estimates at ``rates``; a unit an earlier entry holds is listed there alone."""
+    """Each entry's pending units under ``root``, in the order they run, with their estimates at
+    ``rates``: a cell's pending seeds, as many together as fit ``unit_seconds`` by the estimate (0:
+    one seed a unit). A cell-seed an earlier entry holds is run there alone."""
     from posenc_jax.bench import extrapolate
 
     root = pathlib.Path(root)
@@ -272,29 +296,37 @@ def plan(
                 "point the entry at a new folder"
             )
         cells = extrapolate.plan(preset, tasks, rows, log=lambda line: None)
-        seconds: dict[tuple, float] = {}
+        pending: dict[tuple, set] = {}  # (task, trained encoding) -> seeds with a row to measure
+        normalizers: dict[tuple, str] = {}
         for cell, todo in cells:
-            one = preset.for_task(cell.task_name)
-            for seed in todo:
-                single = dataclasses.replace(one, seeds=(seed,))
-                key = (cell.task_name, cell.encoding, seed)
-                cost = cell_cost(single, cell.task_name, cell.encoding, cell.normalizer)
-                seconds[key] = seconds.get(key, 0.0) + cost.seconds(rates)
+            pending.setdefault((cell.task_name, cell.encoding), set()).update(todo)
+            normalizers[cell.task_name, cell.encoding] = cell.normalizer
         order = {
-            "seed": {s: i for i, s in enumerate(entry.seeds)},
             "task": {t: i for i, t in enumerate(entry.tasks)},
             "encoding": {e: i for i, e in enumerate(entry.encodings)},
         }
         found = EntryPlan(entry, folder, settings, [], blocked=blocked)
-        for task, encoding, seed in sorted(
-            seconds, key=lambda k: (order["seed"][k[2]], order["task"][k[0]], order["encoding"][k[1]])
-        ):
-            unit = Unit(entry.name, folder, task, encoding, seed, seconds[task, encoding, seed])
-            if unit.key in seen:
-                found.shared[unit.key] = seen[unit.key]
-            else:
-                seen[unit.key] = entry.name
-                found.units.append(unit)
+        units = []
+        for task, encoding in sorted(pending, key=lambda k: (order["task"][k[0]], order["encoding"][k[1]])):
+            one = preset.for_task(task)
+
+            def cost(seeds, one=one, task=task, encoding=encoding, normalizer=normalizers[task, encoding]):
+                run = dataclasses.replace(one, seeds=seeds)
+                return cell_cost(run, task, encoding, normalizer).seconds(rates)
+
+            mine = []
+            for seed in (s for s in entry.seeds if s in pending[task, encoding]):
+                key = (str(folder), task, encoding, seed)
+                if key in seen:
+                    found.shared[key] = seen[key]
+                else:
+                    seen[key] = entry.name
+                    mine.append(seed)
+            for index, chunk in enumerate(_chunks(mine, cost, unit_seconds)):
+                units.append((index, Unit(entry.name, folder, task, encoding, chunk, cost(chunk))))
+        # Chunk by chunk (every cell's first seeds, then its next ones), so a queue stopped part
+        # way leaves the cells of an entry with the same seeds.
+        found.units = [unit for _, unit in sorted(units, key=lambda pair: pair[0])]
         plans.append(found)
     return plans
 
@@ -386,7 +418,7 @@ def _run_unit(unit: Unit, found: EntryPlan, preset: Preset, *, progress: bool, p
     from posenc_jax.bench import report as reporting
     from posenc_jax.bench.ledger import FolderLock, check_writable
 
-    single = dataclasses.replace(preset, tasks=(unit.task,), encodings=(unit.encoding,), seeds=(unit.seed,))
+    single = dataclasses.replace(preset, tasks=(unit.task,), encodings=(unit.encoding,), seeds=unit.seeds)
     check_writable(found.folder)
     with FolderLock(found.folder):
         tasks = extrapolate._tasks(single, None)
@@ -409,21 +441,23 @@ def run_queue(
     plots: bool = True,
     log: Callable[[str], None] = print,
     clock: Callable[[], float] = time.monotonic,
+    unit_seconds: float = UNIT_SECONDS,
 ) -> dict:
     """Runs the pending units of ``entries`` in order, each alone (:func:`_run_unit`), printing
     after each what is left with the cost model's estimate for the device found (``backend``:
     ``jax.default_backend()`` unless given).
 
     With ``budget`` (seconds from the call), no unit starts whose estimate does not fit the time
-    left: the queue stops there. The estimate used is the cost model's times how much slower than
-    it this sitting's units have run, when they have (never less than the model's).
+    left: the queue stops there. The estimate used is the cost model's times the ratio of this
+    sitting's measured time to the model's for the units run so far (at least half the model's: a
+    unit cut short by the end of a loan loses what it trained).
 
     Returns:
       ``{"ran": [units], "left": [units], "blocked": [entry names], "stopped": reason or ""}``.
     """
     began = clock()
     backend, rates, rates_name = rates_for(backend)
-    plans = plan(entries, root, rates, presets=presets)
+    plans = plan(entries, root, rates, presets=presets, unit_seconds=unit_seconds)
     blocked = [found.entry.name for found in plans if found.blocked]
     for found in plans:
         if found.blocked:
@@ -435,7 +469,7 @@ def run_queue(
     )
     ran, measured, modelled, stopped = [], 0.0, 0.0, ""
     for index, (unit, found) in enumerate(queue):
-        pace = max(1.0, measured / modelled) if modelled else 1.0
+        pace = max(0.5, measured / modelled) if modelled else 1.0
         needed = unit.seconds * pace
         if budget is not None and needed > budget - (clock() - began):
             left = max(0.0, budget - (clock() - began))
