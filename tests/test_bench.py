@@ -778,3 +778,17 @@ def test_a_finished_cell_leaves_no_checkpoints_unless_asked(tmp_path, standard_p
     printed = capsys.readouterr()
     assert "report.md in" in printed.out and "plots" not in printed.out.splitlines()[-1]
     assert "it/s" not in printed.err
+
+
+def test_ctrl_c_says_in_one_line_that_running_again_resumes(monkeypatch, capsys, tmp_path):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(extrapolate, "run", interrupted)
+    code = main(["extrapolate", "--preset", "smoke", "--no-progress", "--no-plots", "--out", str(tmp_path / "run")])
+    assert code == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "posenc-bench extrapolate: interrupted; the rows measured so far and the last checkpoints are kept: run the "
+        "same command again to resume"
+    ]

@@ -588,7 +588,18 @@ def main(argv=None) -> int:
     qu.set_defaults(handler=_queue)
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except KeyboardInterrupt:  # Ctrl-C: one line that says what is kept and how to go on, not a traceback
+        if args.command in ("extrapolate", "queue"):
+            said = (
+                "interrupted; the rows measured so far and the last checkpoints are kept: run the same command "
+                "again to resume"
+            )
+        else:
+            said = "interrupted: run the same command again"
+        print(f"\nposenc-bench {args.command}: {said}", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
