@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import jax
 import numpy as np
@@ -792,3 +793,13 @@ def test_ctrl_c_says_in_one_line_that_running_again_resumes(monkeypatch, capsys,
         "posenc-bench extrapolate: interrupted; the rows measured so far and the last checkpoints are kept: run the "
         "same command again to resume"
     ]
+
+
+def test_the_time_left_scales_the_cost_model_of_the_cells_left_by_the_pace_so_far():
+    """A short first cell (counting copy) says little of a long one (text) at its own pace: the
+    time left is the model's estimate of the cells left, times measured over modelled so far."""
+    cells = [types.SimpleNamespace(task_name=name) for name in ("counting_copy", "counting_copy", "text")]
+    shown = extrapolate._Progress(cells, bars=False, modelled=[10.0, 10.0, 100.0])
+    assert shown.finished(0, 20.0).endswith("about 3m40s left")  # twice the model: 2 x (10 + 100)
+    assert shown.finished(1, 10.0).endswith("about 2m30s left")  # 30 s for 20 modelled: 1.5 x 100
+    assert shown.finished(2, 150.0).endswith("about 0s left")

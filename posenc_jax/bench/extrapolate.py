@@ -36,7 +36,16 @@ from posenc_jax.bench.ledger import (
     git_state,
     write_json,
 )
-from posenc_jax.bench.presets import PRESETS, Preset, runs_on, why_not_run
+from posenc_jax.bench.presets import (
+    CPU_ESTIMATE,
+    H200_ESTIMATE,
+    PRESETS,
+    TPU_ESTIMATE,
+    Preset,
+    cell_cost,
+    runs_on,
+    why_not_run,
+)
 from posenc_jax.bench.tasks import make_task
 from posenc_jax.functional.core.validation import reraise_check_errors
 from posenc_jax.training import data_parallel_mesh
@@ -193,14 +202,17 @@ def _duration(seconds: float) -> str:
 
 
 class _Progress:
-    """Overall progress: cell i of N, elapsed time, and the time left estimated from the finished
-    cells (the mean of the same task's finished cells, else of all of them); with ``bars``, a tqdm
-    bar over the cells and one per cell's training steps."""
+    """Overall progress: cell i of N, elapsed time, and the time left: the cost model's estimate of
+    the cells left (``modelled``, seconds per cell), times how long the finished cells took against
+    their own estimates, so a run whose first cells are short ones (counting copy) does not promise
+    its long ones (text) at their pace; with ``bars``, a tqdm bar over the cells and one per cell's
+    training steps."""
 
-    def __init__(self, cells: list[Cell], *, bars: bool):
+    def __init__(self, cells: list[Cell], *, bars: bool, modelled: list[float]):
         self.tasks = [cell.task_name for cell in cells]
+        self.modelled = modelled
         self.began = time.perf_counter()
-        self.seconds: dict[str, list[float]] = {}
+        self.measured = 0.0
         self.overall = None
         if bars:
             from tqdm.auto import tqdm
@@ -215,11 +227,9 @@ class _Progress:
 
     def finished(self, index: int, seconds: float) -> str:
         """Records cell ``index`` as done; returns ``cell i of N, elapsed, about T left``."""
-        self.seconds.setdefault(self.tasks[index], []).append(seconds)
-        every = [s for times in self.seconds.values() for s in times]
-        left = sum(
-            sum(self.seconds.get(task, every)) / len(self.seconds.get(task, every)) for task in self.tasks[index + 1 :]
-        )
+        self.measured += seconds
+        pace = self.measured / max(sum(self.modelled[: index + 1]), 1e-9)
+        left = pace * sum(self.modelled[index + 1 :])
         if self.overall is not None:
             self.overall.update(1)
         return (
@@ -330,7 +340,17 @@ def _run_locked(
     mesh = None
     if jax.local_device_count() > 1 and preset.batch_size % jax.local_device_count() == 0:
         mesh = data_parallel_mesh()
-    shown = _Progress([cell for cell, _ in cells], bars=progress)
+    rates = {"gpu": H200_ESTIMATE, "tpu": TPU_ESTIMATE}.get(jax.default_backend(), CPU_ESTIMATE)
+    modelled = [
+        cell_cost(
+            dataclasses.replace(preset.for_task(cell.task_name), seeds=tuple(sorted(todo))),
+            cell.task_name,
+            cell.encoding,
+            cell.normalizer,
+        ).seconds(rates)
+        for cell, todo in cells
+    ]
+    shown = _Progress([cell for cell, _ in cells], bars=progress, modelled=modelled)
     for index, (cell, todo) in enumerate(cells):
         began = time.perf_counter()
         with reraise_check_errors():  # a check failing in a step (read later on an accelerator) raises itself
