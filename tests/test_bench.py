@@ -803,3 +803,18 @@ def test_the_time_left_scales_the_cost_model_of_the_cells_left_by_the_pace_so_fa
     assert shown.finished(0, 20.0).endswith("about 3m40s left")  # twice the model: 2 x (10 + 100)
     assert shown.finished(1, 10.0).endswith("about 2m30s left")  # 30 s for 20 modelled: 1.5 x 100
     assert shown.finished(2, 150.0).endswith("about 0s left")
+
+
+def test_the_readmes_preset_times_are_the_cost_models_as_help_prints_them(capsys):
+    from posenc_jax.bench.cli import estimate
+
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", readme, re.M))
+    assert set(presets.PRESETS) <= set(rows)
+    for name, preset in presets.PRESETS.items():
+        assert rows[name].startswith(estimate(preset)), (name, rows[name], estimate(preset))
+    with pytest.raises(SystemExit):
+        main(["extrapolate", "--help"])
+    text = capsys.readouterr().out
+    for preset in presets.PRESETS.values():
+        assert estimate(preset) in text

@@ -98,9 +98,28 @@ def _minutes(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def estimate(preset) -> str:
+    """The time ``preset`` is expected to take, every cell to its whole budget, on the machine it is
+    sized for (``about 48 min on a 2-core CPU``): what ``extrapolate --help`` and the README's table say.
+
+    Example:
+      >>> from posenc_jax.bench.presets import PRESETS
+      >>> estimate(PRESETS["ruoss"])
+      'about 3.9 h on a 2-core CPU'
+    """
+    from posenc_jax.bench.presets import CPU_ESTIMATE, H200_ESTIMATE, TPU_ESTIMATE, cost
+
+    c = cost(preset)
+    if preset.target == "cpu":
+        return f"about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
+    if preset.target == "colab-tpu":
+        return f"about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8"
+    return f"about {_minutes(c.seconds(H200_ESTIMATE))} on an H200"
+
+
 def _catalogue() -> str:
     """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
-    from posenc_jax.bench.presets import CPU_ESTIMATE, H200_ESTIMATE, PRESETS, TPU_ESTIMATE, cost
+    from posenc_jax.bench.presets import PRESETS, cost
     from posenc_jax.bench.tasks import make_task, task_names
     from posenc_jax.functional.core.registry import encoding_names
 
@@ -112,16 +131,11 @@ def _catalogue() -> str:
         c = cost(p)
         size = f"{p.num_layers} x {p.model_dim}, {p.steps} steps, batch {p.batch_size}"
         shape = f"{len(p.encodings)} encodings x {len(p.tasks)} tasks x {len(p.seeds)} seeds ({c.cells} cells)"
-        if p.target == "cpu":
-            when = f"about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
-        elif p.target == "colab-tpu":
-            when = (
-                f"about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8 (not run on a TPU: "
-                f"the time its cells took on an H200, assumed the same there)"
-            )
-        else:
-            h200 = _minutes(c.seconds(H200_ESTIMATE))
-            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training; about {h200} on an H200"
+        when = estimate(p)
+        if p.target == "colab-tpu":
+            when += " (not run on a TPU: the time its cells took on an H200, assumed the same there)"
+        elif p.target != "cpu":
+            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training; {when}"
         lines.append(f"  {name:10s} {p.description}")
         lines.append(f"  {'':10s} {size}; {shape}; {when}")
     lines.append("")

@@ -720,7 +720,7 @@ PRESETS = {
         paper_protocol=_KAZEMNEJAD_PROTOCOL,
     ),
     # The same comparison at the paper's lengths (train 4-20, test 21-40) for the accelerator queue
-    # (posenc_jax/bench/queue.py), one (cell, seed) at a time: 4 x 256 keeps a unit to a few minutes
+    # (posenc_jax/bench/queue.py): 4 x 256 keeps a unit to a few minutes
     # on an H200 (cost model: about 2-3.5 min). The paper's own 12 x 768 for 40,000 steps (preset
     # `paper`) is some 40-60 H200-hours by the cost model (3 to 5 seeds), out of reach of loans of 15 minutes.
     "kazemnejad-long": Preset(
@@ -744,7 +744,7 @@ PRESETS = {
         checkpoint_every=2000,
         task_format="paper",
         description="Kazemnejad et al.'s five decoder tasks in their format and their five encodings at their "
-        "lengths (train 4-20, test 21-40), 4 x 256, one budget per task, 5 seeds, one (cell, seed) a few minutes on "
+        "lengths (train 4-20, test 21-40), 4 x 256, one budget per task, 5 seeds, a few minutes a queue unit on "
         "an H200; their 12 x 768 x 40,000 steps is some 40-60 H200-hours: out of reach",
         paper_protocol=_KAZEMNEJAD_PROTOCOL,
         target="accelerator",
