@@ -53,6 +53,9 @@ class _PRoPE(ParameterFree):
     description="RoPE on the highest-frequency fraction p of its dimension pairs; the rest carry no position.",
     source=BARBERO,
     small_settings=dict(proportion=0.5),
+    tiled=(),
+    cached=("rotation",),  # its keys rotate by their own positions alone: a cache stores them rotated
+    prepared=None,
 )
 @pytree_dataclass
 class PRoPE(_PRoPE):

@@ -27,15 +27,14 @@ from posenc_jax.functional import (
     register_encoding,
 )
 from posenc_jax.functional.core import operations, registry
+from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     PLACEMENTS,
     CarriedLogitsFromContent,
     DistanceBias,
     ParameterFree,
     PerCallRotation,
-    PerTokenRotation,
     Placement,
-    RotatesAbout,
     TiledLogits,
     TiledScores,
     TiledValues,
@@ -392,6 +391,9 @@ def test_a_new_encoding_is_one_registered_class(rng, scratch_registry):
         description="A parameter-free bias that forbids nothing but prefers keys within a window.",
         source=registry.Source.paper("test", title="A test encoding", authors="Nobody", year=2024, arxiv="2401.00001"),
         small_settings=dict(window=2),
+        tiled=(),
+        cached=(),
+        prepared="bias",
     )
     @pytree_dataclass
     class WindowBias(BiasHook, ParameterFree):
@@ -456,7 +458,7 @@ def _rotates_each_token_alone(hook, rng) -> bool:
 
 
 def _declares_per_token(hook) -> bool:
-    return (isinstance(hook, PerTokenRotation) and hook.rotates_per_token) or isinstance(hook, RotatesAbout)
+    return rotates_each_token(hook) or forms_of(hook).has("cached", "rotation_about")
 
 
 _ROTATIONS = [n for n in encoding_names() if "rotate" in encoding_info(n).hooks]
@@ -465,15 +467,60 @@ _ROTATIONS = [n for n in encoding_names() if "rotate" in encoding_info(n).hooks]
 @pytest.mark.parametrize("name", _ROTATIONS)
 def test_a_rotation_that_rotates_per_token_declares_it(rng, name):
     """A KV cache stores keys rotated only for a rotation that says it rotates each token by its own
-    position (PerTokenRotation); one that does without saying so makes every decoding step re-rotate
+    position (the form cached.rotation); one that does without saying so makes every decoding step re-rotate
     the whole cache, with equal outputs, so only this test notices."""
     hook = _built(name)
-    if isinstance(hook, RotatesAbout):  # xPos: per token given its fixed centre, which the cache keeps
+    if forms_of(hook).has("cached", "rotation_about"):  # xPos: per token given its fixed centre, which the cache keeps
         return
     assert _rotates_each_token_alone(hook, rng) == _declares_per_token(hook), (
         f"{name}: rotates each token alone: {_rotates_each_token_alone(hook, rng)}; declares it: "
-        f"{_declares_per_token(hook)} (fill PerTokenRotation: rotates_per_token)"
+        f'{_declares_per_token(hook)} (declare cached=("rotation",) and define rotates_per_token)'
     )
+
+
+_SOURCE = registry.Source.paper("test", title="A test encoding", authors="Nobody", year=2024, arxiv="2401.00001")
+
+
+def test_a_declared_form_the_hook_does_not_define_fails_at_registration(scratch_registry):
+    @pytree_dataclass
+    class Bias(BiasHook, ParameterFree):
+        def bias(self, context):
+            return jnp.zeros((1, 1, 1, 1), jnp.float32)
+
+    declare = dict(description="d", source=_SOURCE, tiled=("distance",), cached=(), prepared="bias")
+    with pytest.raises(
+        ValueError, match=r"declares the form tiled\.distance, but its hook Bias does not define distance_bias"
+    ):
+        register_encoding("test-undefined-form", **declare)(Bias)
+    assert "test-undefined-form" not in encoding_names()
+
+
+def test_a_form_the_hook_defines_but_does_not_declare_fails_at_registration(scratch_registry):
+    @pytree_dataclass
+    class Rotation(ParameterFree):
+        rotates_per_token: ClassVar[bool] = True
+
+        def rotate(self, q, k, context):
+            return q, k
+
+    with pytest.raises(ValueError, match=r"defines rotates_per_token but does not declare the form cached\.rotation"):
+        register_encoding("test-undeclared", description="d", source=_SOURCE, tiled=(), cached=(), prepared=None)(
+            Rotation
+        )
+    with pytest.raises(ValueError, match=r"declares some of its forms but not cached, prepared"):
+        register_encoding("test-partly-declared", description="d", source=_SOURCE, tiled=())
+    with pytest.raises(ValueError, match=r"unknown cached form 'rotated'; the cached forms are"):
+        register_encoding("test-unknown", description="d", source=_SOURCE, tiled=(), cached=("rotated",), prepared=None)
+
+
+def test_every_registered_encoding_declares_its_forms_on_its_hook_class():
+    """Registration recorded the checked declaration on the built hook's class, and the attention reads it
+    there (a class of its own, not a reading of the hook's methods)."""
+    for name in encoding_names():
+        hook = _built(name)
+        owner = next(c for c in type(hook).__mro__ if "_declared_forms" in c.__dict__)
+        assert forms_of(hook) is owner.__dict__["_declared_forms"], name
+        assert encoding_info(name).blockwise == (forms_of(hook).tiled is not None), name
 
 
 def test_a_rope_variant_is_one_file(rng, scratch_registry):

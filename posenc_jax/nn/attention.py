@@ -26,13 +26,13 @@ import numpy as np
 from flax import nnx
 
 from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, forward_terms
-from posenc_jax.functional.core.cache import CachedKeyTerm, CachedTable, KVCache
+from posenc_jax.functional.core.cache import KVCache
+from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     EncodingConfig,
     Normalize,
     PreparedRotation,
     Rotate,
-    RotatesAbout,
     attention_context,
     hook_names,
     one_or_more,
@@ -51,7 +51,7 @@ def _stores_rotated_keys(hooks: Sequence) -> bool:
     """Whether a cache may hold keys rotated: every rotate hook rotates by each token's own position alone
     (``rotates_per_token``), or does given a fixed reference position (``rotate_about``, xPos's centre)."""
     return all(
-        (rotates_each_token(hook) or isinstance(hook, RotatesAbout)) and hook_names(hook) == ("rotate",)
+        (rotates_each_token(hook) or forms_of(hook).has("cached", "rotation_about")) and hook_names(hook) == ("rotate",)
         for hook in hooks
         if isinstance(hook, Rotate)
     )
@@ -61,12 +61,12 @@ def _cached_terms(hooks: Sequence) -> list:
     """The hooks whose per-key terms a cache stores (only where keys are stored as the hooks see them)."""
     if not _stores_rotated_keys(hooks):
         return []
-    return [hook for hook in hooks if isinstance(hook, CachedKeyTerm)]
+    return [hook for hook in hooks if forms_of(hook).has("cached", "key_term")]
 
 
 def _table_maker(hook, capacity: int, stored):
     """How a cache makes ``hook``'s table when it has none yet (None: the cache keeps no table for it)."""
-    if stored is None or not isinstance(hook, CachedTable):
+    if stored is None or not forms_of(hook).has("cached", "table"):
         return None
     return functools.partial(hook.cache_table, capacity)
 
@@ -434,7 +434,7 @@ class MultiHeadAttention(nnx.Module):
             num_heads=self.num_heads,
         )
         for hook in rotations:
-            if isinstance(hook, RotatesAbout):
+            if forms_of(hook).has("cached", "rotation_about"):
                 q, k = hook.rotate_about(q, k, context, reference)
             else:
                 q, k = hook.rotate(q, k, context)
@@ -451,7 +451,9 @@ class MultiHeadAttention(nnx.Module):
         positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
         features = tuple(jax.eval_shape(hook.key_features, key, positions) for hook in terms)
         tables = tuple(
-            jax.eval_shape(functools.partial(hook.cache_table, max_length)) if isinstance(hook, CachedTable) else None
+            jax.eval_shape(functools.partial(hook.cache_table, max_length))
+            if forms_of(hook).has("cached", "table")
+            else None
             for hook in terms
         )
         return KVCache.empty(

@@ -63,19 +63,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
+from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
 from posenc_jax.functional.core.hooks import (
     ATTENTION_HOOKS,
-    AddsLogits,
-    AddsLogitsToContent,
     AttentionContext,
     BiasHook,
     EncodingConfig,
     Logits,
     Normalize,
     ParameterFree,
-    PreparesTables,
     Rotate,
-    ScoreFeatures,
     ScoreScale,
     Values,
     attention_context,
@@ -152,6 +149,9 @@ class SharedBias(BiasHook):
 
     def bias(self, context: AttentionContext) -> jax.Array:
         return self.value
+
+
+declare_forms(SharedBias, Forms(prepared="bias"))
 
 
 def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
@@ -352,7 +352,7 @@ def attention_scores(
     # Terms that split into per-query and per-key features join the content product (exact:
     # the same sums, one contraction), so they are never a [B, N, T, S] buffer of their own.
     joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32 and context.scale != 0
-    joined = [h for h in hooks if joinable and isinstance(h, ScoreFeatures)]
+    joined = [h for h in hooks if joinable and forms_of(h).has("fused", "features")]
     # Joining copies every key with its features (S·(H + F) values per head) to spare storing the
     # term (T·S per head): worth it from T > H + F on, not when decoding a few tokens against a
     # cache (there the copy of the whole cache each step slowed the step).
@@ -377,8 +377,8 @@ def attention_scores(
     for hook in hooks:
         if any(hook is j for j in joined):
             continue
-        if isinstance(hook, AddsLogits):
-            if scores is None and not joined and isinstance(hook, AddsLogitsToContent):
+        if forms_of(hook).has("fused", "rows"):
+            if scores is None and not joined and forms_of(hook).has("fused", "rows_from_content"):
                 # The first term, on scores that are exactly scale · q·k: the hook makes them itself.
                 scores = hook.add_logits_to_content(content, query, key, context)
             else:
@@ -879,7 +879,7 @@ def forward_terms(
     shared = [bias if tiled else SharedBias(bias.bias(context)) for bias in biases]
     prepared = [
         hook.prepare(context, head_dim)
-        if isinstance(hook, ParameterFree) and isinstance(hook, PreparesTables)
+        if isinstance(hook, ParameterFree) and forms_of(hook).has("prepared", "tables")
         else None
         for hook in hooks
     ]

@@ -68,20 +68,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
-    CarriedLogits,
-    CarriedLogitsFromContent,
     DistanceBias,
-    KeyFeatures,
     Logits,
-    MaterializeOnly,
     Rotate,
-    ScoreFeatures,
-    TiledLogits,
     TiledNormalize,
-    TiledScores,
-    TiledValues,
     Values,
     rotates_each_token,
     with_per_call_rotations_fixed,
@@ -126,9 +119,9 @@ class _Keys(NamedTuple):
 def check_blockwise(hooks: Sequence, normalizer) -> None:
     """Raises a ValueError naming the first hook or normaliser that cannot run in tiles."""
     for hook in hooks:
-        if isinstance(hook, MaterializeOnly):
+        if forms_of(hook).tiled is None:
             raise ValueError(
-                f"{type(hook).__name__} cannot be computed per tile (it is MaterializeOnly); use "
+                f"{type(hook).__name__} cannot be computed per tile (its forms: tiled=None); use "
                 f"implementation='materialize' for it"
             )
     if not isinstance(normalizer, TiledNormalize):
@@ -276,11 +269,11 @@ def blockwise_attention(
         extra = extra.reshape((1,) * (4 - extra.ndim) + extra.shape)
         extra = _pad_to(extra, q_pad, 2) if extra.shape[2] != 1 else extra
 
-    carried = [hook for hook in hooks if isinstance(hook, CarriedLogits)]
+    carried = [hook for hook in hooks if forms_of(hook).has("tiled", "carried")]
     # Terms that split into per-query and per-key features join the tile's content product (as in the
     # materialising path): one contraction, and no [B, N, bq, bk] term of their own to add.
     joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32
-    joined = [joinable and isinstance(hook, ScoreFeatures) for hook in hooks]
+    joined = [joinable and forms_of(hook).has("fused", "features") for hook in hooks]
     values_hooks = [hook for hook in hooks if isinstance(hook, Values)]
     key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
     causal = context.causal
@@ -315,7 +308,9 @@ def blockwise_attention(
             # Per-key arrays a hook read from a KV cache (DeBERTa's key projections, Transformer-XL's u·k, the
             # functional encoding's key sinusoids): the same keys', padded as the keys are.
             hooks=[
-                hook.map_key_features(lambda x: _pad_to(cut(x, 1), k_pad, 1)) if isinstance(hook, KeyFeatures) else hook
+                hook.map_key_features(lambda x: _pad_to(cut(x, 1), k_pad, 1))
+                if forms_of(hook).has("cached", "key_features")
+                else hook
                 for hook in hooks
             ],
         )
@@ -368,12 +363,14 @@ def blockwise_attention(
             tile_context = context.tile(q_positions, k_positions, mask=tile_mask)
 
             tile_hooks = [
-                hook.map_key_features(lambda x: _tile(x, kj, block_k, 1)) if isinstance(hook, KeyFeatures) else hook
+                hook.map_key_features(lambda x: _tile(x, kj, block_k, 1))
+                if forms_of(hook).has("cached", "key_features")
+                else hook
                 for hook in keys.hooks
             ]
             # Hooks that form the scores with the content product (a term that is a shift of q or k on some
             # tiles) are composed around it; the others' terms are added to what it gives.
-            scoring = [joinable and not any(joined) and isinstance(hook, TiledScores) for hook in tile_hooks]
+            scoring = [joinable and not any(joined) and forms_of(hook).has("tiled", "scores") for hook in tile_hooks]
             if any(joined):
                 s = _joined_scores(q, k, [h for h, j in zip(tile_hooks, joined, strict=True) if j], tile_context)
             else:
@@ -387,16 +384,16 @@ def blockwise_attention(
             for hook, is_joined, scores in zip(tile_hooks, joined, scoring, strict=True):
                 if is_joined or scores:
                     continue
-                if isinstance(hook, CarriedLogits):
+                if forms_of(hook).has("tiled", "carried"):
                     hook_state = hook_carry[len(new_hook_carry)]
-                    if content_only and isinstance(hook, CarriedLogitsFromContent):
+                    if content_only and forms_of(hook).has("tiled", "carried_from_content"):
                         term, c = hook.carried_logits_from_content(s, q, k, tile_context, hook_state)
                     else:
                         term, c = hook.carried_logits(q, k, tile_context, hook_state)
                     new_hook_carry.append(c)
-                elif isinstance(hook, TiledLogits):
+                elif forms_of(hook).has("tiled", "logits"):
                     term = hook.tile_logits(q, k, tile_context)
-                elif isinstance(hook, DistanceBias):
+                elif forms_of(hook).has("tiled", "distance"):
                     term = _distance_tile(hook, q, k, tile_context)
                 else:
                     term = hook.logits(q, k, tile_context) if isinstance(hook, Logits) else None
@@ -415,7 +412,9 @@ def blockwise_attention(
             terms = []
             for hook in values_hooks:
                 term = (
-                    hook.tile_values(p, tile_context) if isinstance(hook, TiledValues) else hook.values(p, tile_context)
+                    hook.tile_values(p, tile_context)
+                    if forms_of(hook).has("tiled", "values")
+                    else hook.values(p, tile_context)
                 )
                 terms.append(jnp.zeros_like(acc) if term is None else term.astype(jnp.float32))
             if correction is not None:

@@ -29,20 +29,20 @@ slots with a far-future position instead would fail for queries at or beyond it.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import FormInterface
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.validation import check_count, check_values
 
 __all__ = ["CachedKeyTerm", "CachedTable", "KVCache"]
 
 
-@runtime_checkable
-class CachedKeyTerm(Protocol):
+class CachedKeyTerm(metaclass=FormInterface):
     """A ``logits`` hook with a per-key part that a KV cache can store.
 
     ``key_features(k, key_positions)`` gives, for keys ``[B, S, K, H]`` at positions
@@ -52,13 +52,14 @@ class CachedKeyTerm(Protocol):
     recomputing them from the keys. The two must give the same logits.
     """
 
+    _form: ClassVar[str] = "cached.key_term"
+
     def key_features(self, k: jax.Array, key_positions: jax.Array): ...
 
     def with_key_features(self, features): ...
 
 
-@runtime_checkable
-class CachedTable(Protocol):
+class CachedTable(metaclass=FormInterface):
     """A :class:`CachedKeyTerm` with a part that depends on no key, which a KV cache computes once.
 
     ``cache_table(capacity)`` gives a pytree of arrays for a cache of ``capacity`` slots,
@@ -68,6 +69,8 @@ class CachedTable(Protocol):
     ``with_cache_table(table)`` is the same hook reading it. With and without the table the
     hook must give the same logits (for the parameters the table was computed with).
     """
+
+    _form: ClassVar[str] = "cached.table"
 
     def cache_table(self, capacity: int): ...
 

@@ -14,10 +14,13 @@ hook            signature                                    encodings
 ``normalize``   ``normalize(scores, mask, context)``         softmax, L2, relu²/n, URPE
 ==============  ===========================================  ==================================
 
-Two more protocols say how a hook may be used: a :class:`PositionBias` is a ``logits``
-term that depends on positions alone (``bias(context)``), so a model computes it once per
-forward and shares it across layers; a :class:`ScoreScale` prescribes the content-score
-scale (DeBERTa's ``1/√(3H)``).
+Beyond the hooks, an encoding declares its forms when it registers, from a closed list
+(:mod:`posenc_jax.functional.core.forms`): tiled (its term for one tile), cached (what decoding
+keeps per key), prepared (computed once per forward and shared by the layers: a
+:class:`PositionBias`'s ``bias(context)``, RoPE's tables), fused (faster materialising forms).
+The classes named after them here (:class:`TiledLogits`, :class:`PositionBias`, ...) list a
+form's methods; ``isinstance`` against one reads the declaration. A :class:`ScoreScale`
+prescribes the content-score scale (DeBERTa's ``1/√(3H)``).
 
 Every attention hook receives one :class:`AttentionContext`: the query and key positions,
 the boolean mask, the score scale, the head dim and head count, whether the attention is
@@ -41,6 +44,7 @@ from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from posenc_jax.functional.core.forms import FormInterface, forms_of
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.validation import check_init_sizes
 
@@ -391,18 +395,18 @@ class Logits(Protocol):
     def logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
 
 
-@runtime_checkable
-class AddsLogits(Protocol):
+class AddsLogits(metaclass=FormInterface):
     """A ``logits`` hook that adds its term into the scores itself: ``add_logits(scores, q, k, context)``
     returns ``scores + logits(q, k, context)``, the term built by blocks of query rows and never
     stored whole (FIRE's MLP bias, Transformer-XL's terms, CoPE's term). ``logits`` stays the
     reference, and blockwise attention calls it per tile."""
 
+    _form: ClassVar[str] = "fused.rows"
+
     def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array: ...
 
 
-@runtime_checkable
-class AddsLogitsToContent(Protocol):
+class AddsLogitsToContent(metaclass=FormInterface):
     """An :class:`AddsLogits` hook that also makes the content scores when it adds the first term.
 
     ``add_logits_to_content(content, q, k, context)`` is called instead of ``add_logits`` when the
@@ -412,13 +416,14 @@ class AddsLogitsToContent(Protocol):
     run-time conditional, which would copy scores given to it.
     """
 
+    _form: ClassVar[str] = "fused.rows_from_content"
+
     def add_logits_to_content(
         self, content: Callable[[], jax.Array], q: jax.Array, k: jax.Array, context: AttentionContext
     ) -> jax.Array: ...
 
 
-@runtime_checkable
-class ScoreFeatures(Protocol):
+class ScoreFeatures(metaclass=FormInterface):
     """A ``logits`` term that splits into per-query and per-key features.
 
     ``score_features(q, k, context) -> (fq [B, T, N, F], fk [B|1, S, F])`` with
@@ -427,14 +432,17 @@ class ScoreFeatures(Protocol):
     relative encoding's sinusoid identity).
     """
 
+    _form: ClassVar[str] = "fused.features"
+
     def score_features(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
 
 
-@runtime_checkable
-class KeyFeatures(Protocol):
+class KeyFeatures(metaclass=FormInterface):
     """A hook holding per-key arrays ``[B, S, ...]`` (read from a KV cache: DeBERTa's key projections,
     Transformer-XL's ``u·k``): ``map_key_features(fn)`` is the hook with ``fn`` applied to each, which
     blockwise attention uses to pad them and cut them to each key tile."""
+
+    _form: ClassVar[str] = "cached.key_features"
 
     def map_key_features(self, fn: Callable[[jax.Array], jax.Array]) -> Any: ...
 
@@ -445,11 +453,13 @@ class CausalOnly:
 
 
 class MaterializeOnly:
-    """Base of a hook that cannot be computed per tile: blockwise attention refuses it by name."""
+    """Base of a hook that cannot be computed per tile: blockwise attention refuses it by name (its
+    forms: ``tiled=None``, :mod:`posenc_jax.functional.core.forms`)."""
+
+    _materialize_only: ClassVar[bool] = True
 
 
-@runtime_checkable
-class PerTokenRotation(Protocol):
+class PerTokenRotation(metaclass=FormInterface):
     """A ``rotate`` hook that says whether it rotates each token by that token's position alone.
 
     When ``rotates_per_token`` is True (RoPE and its fixed scalings, axial RoPE) a KV cache may
@@ -458,6 +468,8 @@ class PerTokenRotation(Protocol):
     token (correct, but the cache re-rotates every stored key at each step).
     """
 
+    _form: ClassVar[str] = "cached.rotation"
+
     @property
     def rotates_per_token(self) -> bool: ...
 
@@ -465,11 +477,10 @@ class PerTokenRotation(Protocol):
 def rotates_each_token(hook) -> bool:
     """Whether ``hook`` is a ``rotate`` hook that declares it rotates each token by its own position alone
     (:class:`PerTokenRotation`): a cache may store its keys rotated, and a tile may rotate its own tokens."""
-    return isinstance(hook, Rotate) and isinstance(hook, PerTokenRotation) and hook.rotates_per_token
+    return isinstance(hook, Rotate) and forms_of(hook).has("cached", "rotation") and hook.rotates_per_token
 
 
-@runtime_checkable
-class PerCallRotation(Protocol):
+class PerCallRotation(metaclass=FormInterface):
     """A ``rotate`` hook whose rotation depends on the whole call through one value (xPos's centre, the
     length a length-dependent RoPE scaling follows) and, that value fixed, on each token's own position.
 
@@ -479,6 +490,8 @@ class PerCallRotation(Protocol):
     k is stored.
     """
 
+    _form: ClassVar[str] = "fused.per_call"
+
     def per_token_for(self, context: AttentionContext) -> Rotate: ...
 
 
@@ -486,23 +499,25 @@ def with_per_call_rotations_fixed(hooks: Sequence, context: AttentionContext) ->
     """``hooks`` with each :class:`PerCallRotation` that does not yet rotate each token by its own position
     replaced by its per-token form for the call of ``context`` (:meth:`PerCallRotation.per_token_for`)."""
     return [
-        hook.per_token_for(context) if isinstance(hook, PerCallRotation) and not rotates_each_token(hook) else hook
+        hook.per_token_for(context)
+        if forms_of(hook).has("fused", "per_call") and not rotates_each_token(hook)
+        else hook
         for hook in hooks
     ]
 
 
-@runtime_checkable
-class RotatesAbout(Protocol):
+class RotatesAbout(metaclass=FormInterface):
     """A ``rotate`` hook that rotates per token given a fixed reference position (xPos's centre):
     ``rotate_about(q, k, context, reference)``; a KV cache stores its keys rotated about it."""
+
+    _form: ClassVar[str] = "cached.rotation_about"
 
     def rotate_about(
         self, q: jax.Array, k: jax.Array, context: AttentionContext, reference: jax.Array | None
     ) -> tuple[jax.Array, jax.Array]: ...
 
 
-@runtime_checkable
-class PreparesTables(Protocol):
+class PreparesTables(metaclass=FormInterface):
     """A parameter-free ``rotate`` hook whose tables depend on positions alone.
 
     ``prepare(positions, head_dim)`` returns a :class:`PreparedRotation`: the rotation by tables
@@ -511,26 +526,29 @@ class PreparesTables(Protocol):
     shares the result across its layers (RoPE and its scalings).
     """
 
+    _form: ClassVar[str] = "prepared.tables"
+
     def prepare(self, positions: jax.Array | AttentionContext, head_dim: int) -> PreparedRotation: ...
 
 
-@runtime_checkable
-class PreparedRotation(Protocol):
+class PreparedRotation:
     """A ``rotate`` hook with its tables computed for one array of positions (:class:`PreparesTables`).
 
     ``rotate_prepared(q, k)`` rotates queries and keys that are both at those positions: a
     model's layer calls it for its own tokens (self-attention at the forward's positions, a
     decoding step's new tokens), so no positions are compared. As a plain ``rotate`` hook it
-    must stay right for any context it is given.
+    must stay right for any context it is given. The base class of what a ``prepare`` returns
+    (RoPE's :class:`~posenc_jax.functional.encodings.rope.RotaryTable`).
     """
 
-    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]: ...
+    def rotate(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError(f"{type(self).__name__} does not define rotate()")
 
-    def rotate_prepared(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]: ...
+    def rotate_prepared(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
+        raise NotImplementedError(f"{type(self).__name__} does not define rotate_prepared()")
 
 
-@runtime_checkable
-class CarriedLogits(Protocol):
+class CarriedLogits(metaclass=FormInterface):
     """A ``logits`` term whose tile also depends on the key tiles after it (CoPE's gate sums).
 
     Blockwise attention visits the key tiles of a query block last first: ``init_carry``
@@ -540,6 +558,8 @@ class CarriedLogits(Protocol):
     materialising path.
     """
 
+    _form: ClassVar[str] = "tiled.carried"
+
     def init_carry(self, q: jax.Array, context: AttentionContext) -> Any: ...
 
     def carried_logits(
@@ -547,8 +567,7 @@ class CarriedLogits(Protocol):
     ) -> tuple[jax.Array, Any]: ...
 
 
-@runtime_checkable
-class CarriedLogitsFromContent(Protocol):
+class CarriedLogitsFromContent(metaclass=FormInterface):
     """A :class:`CarriedLogits` hook whose tile reads the content scores (CoPE's gates are ``σ(q·k)``).
 
     ``carried_logits_from_content(content, q, k, context, carry)`` is called instead of
@@ -557,20 +576,22 @@ class CarriedLogitsFromContent(Protocol):
     rather than compute ``q·k`` again; it returns what ``carried_logits`` returns.
     """
 
+    _form: ClassVar[str] = "tiled.carried_from_content"
+
     def carried_logits_from_content(
         self, content: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext, carry: Any
     ) -> tuple[jax.Array, Any]: ...
 
 
-@runtime_checkable
-class PositionBias(Protocol):
+class PositionBias(metaclass=FormInterface):
     """A ``logits`` term that depends on positions alone: computed once per forward, shared by layers."""
+
+    _form: ClassVar[str] = "prepared.bias"
 
     def bias(self, context: AttentionContext) -> jax.Array: ...
 
 
-@runtime_checkable
-class DistanceBias(Protocol):
+class DistanceBias(metaclass=FormInterface):
     """A :class:`PositionBias` whose value at a (query, key) pair depends on the distance j − i alone (Kerple).
 
     ``distance_bias(distance, context)`` gives it for float32 distances ``[B|1, D]`` (each the
@@ -579,20 +600,22 @@ class DistanceBias(Protocol):
     them out as a Toeplitz tile; ``bias`` stays the reference, used for other tiles.
     """
 
+    _form: ClassVar[str] = "tiled.distance"
+
     def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array: ...
 
 
-@runtime_checkable
-class TiledLogits(Protocol):
+class TiledLogits(metaclass=FormInterface):
     """A ``logits`` hook with a form of its own for one blockwise tile, cheaper where the tile's positions
     allow: ``tile_logits(q, k, context)`` equals ``logits(q, k, context)`` for a tile's context (Shaw's and
     DeBERTa's tiles wholly past their clip read one table row). ``logits`` stays the reference."""
 
+    _form: ClassVar[str] = "tiled.logits"
+
     def tile_logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array | None: ...
 
 
-@runtime_checkable
-class TiledScores(Protocol):
+class TiledScores(metaclass=FormInterface):
     """A ``logits`` hook that can form one blockwise tile's scores together with the content product:
     ``tile_scores(q, k, context, content)`` equals ``content(q, k) + logits(q, k, context)``, where
     ``content(q, k)`` gives the tile's float32 content scores ``[B, N, bq, bk]`` of whatever queries and
@@ -602,14 +625,17 @@ class TiledScores(Protocol):
     and keys when no term is joined to the content product (``ScoreFeatures``). ``logits`` stays the
     reference."""
 
+    _form: ClassVar[str] = "tiled.scores"
+
     def tile_scores(self, q: jax.Array, k: jax.Array, context: AttentionContext, content) -> jax.Array: ...
 
 
-@runtime_checkable
-class TiledValues(Protocol):
+class TiledValues(metaclass=FormInterface):
     """A ``values`` hook with a form of its own for one blockwise tile: ``tile_values(weights, context)``
     equals ``values(weights, context)`` for a tile's context (Shaw's R_V past its clip: each row's weights
     summed into one table row). ``values`` stays the reference."""
+
+    _form: ClassVar[str] = "tiled.values"
 
     def tile_values(self, weights: jax.Array, context: AttentionContext) -> jax.Array | None: ...
 

@@ -2,25 +2,33 @@
 
 Each encoding registers itself where it is defined::
 
-    @register_encoding("t5", description="...", source=Source(...), small_settings=dict(num_buckets=8))
+    @register_encoding(
+        "t5", description="...", source=Source(...), small_settings=dict(num_buckets=8),
+        hook=T5Bias, tiled=("distance",), cached=(), prepared="bias",
+    )
     @pytree_dataclass
     class T5Config(EncodingConfig):
         ...
 
 ``encoding_config("t5", num_buckets=64)`` then returns a frozen config with ``init``
 (its parameters) and ``build`` (its hook object), ``encoding_names()`` lists every name,
-and ``encoding_info("t5")`` says what it is, where it acts, and where it comes from.
+and ``encoding_info("t5")`` says what it is, where it acts, and where it comes from. The
+forms (``tiled``, ``cached``, ``prepared``, ``fused``: :mod:`posenc_jax.functional.core.forms`)
+are checked against the hook class when it registers: a declared form it does not define, or
+one it defines and does not declare, is an error naming the form.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from collections.abc import Callable, Mapping
 
 import jax
 
-from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, MaterializeOnly, hook_names
+from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
+from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, ParameterFree, hook_names
 
 __all__ = [
     "EncodingInfo",
@@ -33,6 +41,7 @@ __all__ = [
 ]
 
 FORMS = ("causal", "bidirectional")
+_UNDECLARED = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +139,11 @@ def register_encoding(
     factory: Callable | None = None,
     settings: tuple[str, ...] | None = None,
     required: tuple[str, ...] = (),
+    hook: type | None = None,
+    tiled: tuple[str, ...] | None | object = _UNDECLARED,
+    cached: tuple[str, ...] | object = _UNDECLARED,
+    prepared: str | None | object = _UNDECLARED,
+    fused: tuple[str, ...] = (),
 ):
     """Registers an encoding config class under ``name`` (a class decorator).
 
@@ -142,10 +156,32 @@ def register_encoding(
       factory: ``factory(**settings) -> config`` when the name is not the class itself
         (the RoPE scalings); then ``settings`` lists what it accepts and ``required`` what
         it cannot do without.
+      hook: the class of the hook ``build`` returns (a parameter-free encoding is its own
+        hook: then leave it out).
+      tiled, cached, prepared, fused: the hook's declared forms
+        (:class:`~posenc_jax.functional.core.forms.Forms`); ``tiled``, ``cached`` and
+        ``prepared`` are required (``()`` or None where the hook has none of the group).
     """
     fixed = dict(fixed or {})
     if not set(forms) <= set(FORMS) or not forms:
         raise ValueError(f"forms must be a non-empty subset of {FORMS}, got {forms!r}")
+    groups = dict(tiled=tiled, cached=cached, prepared=prepared)
+    missing = [group for group, value in groups.items() if value is _UNDECLARED]
+    declared = None
+    if len(missing) == len(groups):
+        warnings.warn(
+            f"register_encoding({name!r}) without its forms is deprecated: declare tiled=, cached= and prepared= "
+            f"(posenc_jax.functional.core.forms); until then they are read off the hook's methods",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    elif missing:
+        raise ValueError(
+            f"register_encoding({name!r}) declares some of its forms but not {', '.join(missing)}: declare "
+            f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none)"
+        )
+    else:
+        declared = Forms(tiled=tiled, cached=cached, prepared=prepared, fused=fused)
 
     def add(config_type):
         if name in _REGISTRY:
@@ -154,6 +190,14 @@ def register_encoding(
             raise TypeError(f"register_encoding({name!r}) decorates an EncodingConfig subclass, got {config_type!r}")
         if config_type.acts_on not in PLACEMENTS:
             raise ValueError(f"{config_type.__name__}.acts_on must be one of {PLACEMENTS}, got {config_type.acts_on!r}")
+        hook_type = hook if hook is not None else config_type
+        if hook is None and declared is not None and not issubclass(config_type, ParameterFree):
+            raise ValueError(
+                f"register_encoding({name!r}): {config_type.__name__} builds a hook of another class; pass hook= (the "
+                f"class its build returns) so its forms can be checked"
+            )
+        if declared is not None:
+            declare_forms(hook_type, declared, name=name)
         make = factory if factory is not None else functools.partial(config_type, **fixed) if fixed else config_type
         names, needed = (
             (tuple(settings), tuple(required)) if factory is not None else dataclass_settings(config_type, fixed)
@@ -245,7 +289,7 @@ def encoding_info(name: str) -> EncodingInfo:
 
     def build(key):
         hook = config.build(config.init(key, num_heads=2, head_dim=8, model_dim=16))
-        read.update(hooks=hook_names(hook), blockwise=not isinstance(hook, MaterializeOnly))
+        read.update(hooks=hook_names(hook), blockwise=forms_of(hook).tiled is not None)
 
     jax.eval_shape(build, jax.random.key(0))
     return EncodingInfo(name=name, acts_on=entry.config_type.acts_on, **read, **entry.metadata)

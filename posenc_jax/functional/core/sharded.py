@@ -51,10 +51,9 @@ from posenc_jax.functional.core.attention import (
     dot_product_attention,
 )
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, KeyRing, _pad_to, blockwise_attention
+from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
-    CarriedLogits,
-    KeyFeatures,
     Logits,
     Normalize,
     Rotate,
@@ -125,7 +124,8 @@ def _gathered(x: jax.Array, axis: str) -> jax.Array:
 def _rotations(hooks: list) -> list:
     rotations = [hook for hook in hooks if isinstance(hook, Rotate)]
     for hook in rotations:
-        if isinstance(hook, (Logits, Values, CarriedLogits, KeyFeatures)):
+        forms = forms_of(hook)
+        if isinstance(hook, (Logits, Values)) or forms.has("tiled", "carried") or forms.has("cached", "key_features"):
             raise ValueError(
                 f"{type(hook).__name__} both rotates q and k and adds a term; sequence_parallel_attention applies "
                 f"rotations before splitting the queries and cannot split such a hook: use "
@@ -295,7 +295,9 @@ def sequence_parallel_attention(
         if mask is not None and mask.shape[3] != 1:
             mask = _pad_to(mask, k_padded, 3)
         hooks = [
-            hook.map_key_features(lambda x: _pad_to(x, k_padded, 1)) if isinstance(hook, KeyFeatures) else hook
+            hook.map_key_features(lambda x: _pad_to(x, k_padded, 1))
+            if forms_of(hook).has("cached", "key_features")
+            else hook
             for hook in hooks
         ]
         k_len = k_padded

@@ -104,6 +104,9 @@ def alibi_bias(num_heads: int, query_positions, key_positions, *, bidirectional:
     "alibi",
     description="A per-head penalty linear in the distance, slopes a geometric sequence (no parameters).",
     source=ALIBI,
+    tiled=(),
+    cached=(),
+    prepared="bias",
 )
 @pytree_dataclass
 class ALiBi(BiasHook, ParameterFree):

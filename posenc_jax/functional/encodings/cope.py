@@ -292,6 +292,11 @@ class CoPE(CausalOnly):
     source=COPE,
     forms=("causal",),
     small_settings=dict(num_positions=6),
+    hook=CoPE,
+    tiled=("carried", "carried_from_content"),
+    cached=(),
+    prepared=None,
+    fused=("rows", "rows_from_content"),
 )
 @pytree_dataclass
 class CoPEConfig(CausalOnly, EncodingConfig):

@@ -409,6 +409,10 @@ class DeBERTa:
     description="Disentangled content-to-position and position-to-content terms over (log-)bucketed distances.",
     source=DEBERTA,
     small_settings=dict(span=4),
+    hook=DeBERTa,
+    tiled=("logits", "scores"),
+    cached=("key_term", "key_features"),
+    prepared=None,
 )
 @pytree_dataclass
 class DeBERTaConfig(EncodingConfig):

@@ -170,6 +170,11 @@ class Fire(CausalOnly, BiasHook):
     source=FIRE,
     forms=("causal",),
     small_settings=dict(hidden=4),
+    hook=Fire,
+    tiled=("logits",),
+    cached=(),
+    prepared="bias",
+    fused=("rows",),
 )
 @pytree_dataclass
 class FireConfig(CausalOnly, EncodingConfig):

@@ -130,12 +130,20 @@ _DESCRIPTION = "A learned conditionally positive definite kernel of the distance
     description=_DESCRIPTION.format("log(1 + r2 |j - i|)"),
     source=KERPLE,
     fixed=dict(variant="log"),
+    hook=Kerple,
+    tiled=("distance",),
+    cached=(),
+    prepared="bias",
 )
 @register_encoding(
     "kerple-power",
     description=_DESCRIPTION.format("|j - i|^r2"),
     source=KERPLE,
     fixed=dict(variant="power"),
+    hook=Kerple,
+    tiled=("distance",),
+    cached=(),
+    prepared="bias",
 )
 @pytree_dataclass
 class KerpleConfig(EncodingConfig):

@@ -100,6 +100,10 @@ class LearnedAbsolute:
     description="A learned table of absolute position embeddings (BERT); cannot go past its length.",
     source=BERT,
     small_settings=dict(max_positions=32),
+    hook=LearnedAbsolute,
+    tiled=(),
+    cached=(),
+    prepared=None,
 )
 @pytree_dataclass
 class LearnedAbsoluteConfig(EncodingConfig):

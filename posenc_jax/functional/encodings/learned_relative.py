@@ -93,6 +93,10 @@ class ClippedRelativeBias(BiasHook):
     description="A learned scalar per head and distance, distances clipped to [-k, k].",
     source=SHAW,
     small_settings=dict(max_distance=3),
+    hook=ClippedRelativeBias,
+    tiled=("distance",),
+    cached=(),
+    prepared="bias",
 )
 @pytree_dataclass
 class ClippedBiasConfig(EncodingConfig):

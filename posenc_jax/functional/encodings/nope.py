@@ -21,6 +21,9 @@ NOPE = Source.paper(
     "nope",
     description="No positional encoding, as an explicit choice; a causal mask still lets a decoder infer positions.",
     source=NOPE,
+    tiled=(),
+    cached=(),
+    prepared=None,
 )
 @pytree_dataclass
 class NoPE(ParameterFree):

@@ -27,9 +27,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     ParameterFree,
+    PreparedRotation,
     parameter,
     pytree_dataclass,
     rotation_context,
@@ -331,6 +333,10 @@ class FrequencyScaling(Protocol):
     "rope",
     description="Rotary position embedding: queries and keys rotated by angles proportional to their positions.",
     source=ROFORMER,
+    tiled=(),
+    cached=("rotation",),
+    prepared="tables",
+    fused=("per_call",),
 )
 @pytree_dataclass
 class RoPE(ParameterFree):
@@ -532,7 +538,7 @@ class RoPEAtLength:
 
 
 @pytree_dataclass
-class RotaryTable:
+class RotaryTable(PreparedRotation):
     """RoPE with its ``[..., T, R]`` table computed for one array of positions (:meth:`RoPE.prepare`).
 
     A model's layers rotate their own tokens, at ``positions``, by the stored table
@@ -596,3 +602,8 @@ class RotaryTable:
                 f"(shape {q.shape}); prepare it with head_dim={q.shape[-1]}"
             )
         return _rotate_by_table(q, self.table, self.rope.layout), _rotate_by_table(k, self.table, self.rope.layout)
+
+
+# Hooks that RoPE makes (unregistered: a prepared table, a length fixed for a call) declare their forms too.
+declare_forms(RoPEAtLength, Forms(cached=("rotation",)))
+declare_forms(RotaryTable, Forms(cached=("rotation",), fused=("per_call",)))

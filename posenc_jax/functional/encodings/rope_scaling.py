@@ -450,4 +450,8 @@ for _name, _type, _description, _source, _small in _SCALINGS:
         length_dependent=_type.length_dependent,
         kv_cache=not _type.length_dependent,
         small_settings=_small,
+        tiled=(),
+        cached=("rotation",),
+        prepared="tables",
+        fused=("per_call",),
     )(RoPE)

@@ -162,6 +162,9 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
     description="The dot product of two sinusoidal embeddings minus its maximum, compressed per head (no parameters).",
     source=SANDWICH,
     forms=("causal", "bidirectional"),
+    tiled=(),
+    cached=(),
+    prepared="bias",
 )
 @pytree_dataclass
 class Sandwich(BiasHook, ParameterFree):

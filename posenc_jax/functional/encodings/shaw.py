@@ -218,6 +218,10 @@ class Shaw:
     description="Learned vectors per clipped distance added to the keys (R_K) and to the values (R_V).",
     source=SHAW,
     small_settings=dict(max_distance=3),
+    hook=Shaw,
+    tiled=("logits", "scores", "values"),
+    cached=(),
+    prepared=None,
 )
 @pytree_dataclass
 class ShawConfig(EncodingConfig):

@@ -69,6 +69,9 @@ def sinusoidal_encoding(positions, dim: int, *, base: float = 10000.0) -> jax.Ar
     "sinusoidal",
     description="Fixed sinusoids of the position added to the token embeddings (sin on even, cos on odd columns).",
     source=VASWANI,
+    tiled=(),
+    cached=(),
+    prepared=None,
 )
 @pytree_dataclass
 class Sinusoidal(ParameterFree):

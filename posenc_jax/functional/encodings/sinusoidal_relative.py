@@ -138,6 +138,10 @@ def key_sinusoids(key_positions, dim: int, *, base: float = 10000.0) -> jax.Arra
     "functional-relative",
     description="The query dotted with the sinusoidal table of j - i (Shaw's R as a fixed function).",
     source=VASWANI,
+    tiled=(),
+    cached=("key_term",),
+    prepared=None,
+    fused=("features",),
 )
 @pytree_dataclass
 class SinusoidalRelative(ParameterFree):

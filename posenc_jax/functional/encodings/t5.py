@@ -198,6 +198,10 @@ class T5Bias(BiasHook):
     description="A learned scalar per head and log-spaced bucket of the distance, shared by all layers.",
     source=T5,
     small_settings=dict(num_buckets=8, max_distance=16),
+    hook=T5Bias,
+    tiled=("distance",),
+    cached=(),
+    prepared="bias",
 )
 @pytree_dataclass
 class T5Config(EncodingConfig):

@@ -305,6 +305,11 @@ class TransformerXL:
     "transformer-xl",
     description="Relative sinusoids of i - j projected per head, with global content and position biases u, v.",
     source=TRANSFORMER_XL,
+    hook=TransformerXL,
+    tiled=(),
+    cached=("key_term", "table", "key_features"),
+    prepared=None,
+    fused=("rows", "rows_from_content"),
 )
 @pytree_dataclass
 class TransformerXLConfig(EncodingConfig):

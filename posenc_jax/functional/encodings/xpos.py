@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     CausalOnly,
@@ -147,6 +148,10 @@ def apply_xpos_qk(
     description="RoPE with a per-frequency exponential decay of the scores with distance.",
     source=XPOS,
     forms=("causal",),
+    tiled=(),
+    cached=("rotation_about",),
+    prepared=None,
+    fused=("per_call",),
 )
 @pytree_dataclass
 class XPos(CausalOnly, ParameterFree):
@@ -222,3 +227,6 @@ class XPosAbout:
     def rotate(self, q: jax.Array, k: jax.Array, context) -> tuple[jax.Array, jax.Array]:
         """:meth:`XPos.rotate_about` the fixed :attr:`centre`."""
         return self.xpos.rotate_about(q, k, context, self.centre)
+
+
+declare_forms(XPosAbout, Forms(cached=("rotation",)))  # the per-token form per_token_for returns
