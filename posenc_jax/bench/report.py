@@ -298,6 +298,22 @@ def _devices(cells) -> str | None:
     )
 
 
+def _missing_cells(record: dict, rows: list[dict]) -> list[str]:
+    """A line naming the cells the run asked for (``run.json``'s ``asked``) that have no rows yet:
+    a run still going, or stopped, is read as partial, never as complete."""
+    asked = record.get("asked")
+    if not isinstance(asked, dict):
+        return []
+    have = {(row["task"], row["encoding"]) for row in rows}
+    missing = [f"{task} {label}" for task, labels in asked.items() for label in labels if (task, label) not in have]
+    if not missing:
+        return []
+    total = sum(len(labels) for labels in asked.values())
+    named = ", ".join(missing[:12]) + (f" and {len(missing) - 12} more" if len(missing) > 12 else "")
+    have_rows = total - len(missing)
+    return [f"**Partial.** {have_rows} of the {total} cells the run asked for have rows; none yet: {named}.", ""]
+
+
 def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None = None, *, plots: bool = True) -> str:
     """Writes ``report.md`` into ``out`` (default: the results folder) and returns its text."""
     if not isinstance(results, Results):
@@ -338,6 +354,7 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
         ]
     summaries = cells(results)
     tasks = list(dict.fromkeys(c.task for c in summaries))
+    lines += _missing_cells(record, results.rows)
     if len(tasks) > 1 and not pipeline_check:
         lines += [
             "## Overview",
