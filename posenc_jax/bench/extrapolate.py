@@ -43,6 +43,7 @@ from posenc_jax.bench.presets import (
     TPU_ESTIMATE,
     Preset,
     cell_cost,
+    duration,
     runs_on,
     why_not_run,
 )
@@ -190,15 +191,7 @@ def criterion(preset: Preset, task, task_baselines: dict) -> Criterion:
     return Criterion(min(1.0, preset.learned_threshold + preset.criterion_margin), higher_is_better=True)
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m{seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
+_duration = duration
 
 
 class _Progress:

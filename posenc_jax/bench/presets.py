@@ -1058,3 +1058,20 @@ def expected_seconds(preset: Preset, rates: Rates) -> float:
       True
     """
     return cost(preset).seconds(rates)
+
+
+def duration(seconds: float) -> str:
+    """A time as runs print it: ``42s``, ``3m05s``, ``2h10m``.
+
+    Example:
+      >>> duration(185), duration(7800)
+      ('3m05s', '2h10m')
+    """
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    minutes, seconds = divmod(seconds, 60)
+    if minutes < 60:
+        return f"{minutes}m{seconds:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m"

@@ -41,6 +41,7 @@ from posenc_jax.bench.presets import (
     Preset,
     Rates,
     cell_cost,
+    duration,
 )
 
 __all__ = ["QUEUE", "RATES", "Entry", "EntryPlan", "Unit", "describe", "plan", "rates_for", "run_queue"]
@@ -329,18 +330,6 @@ def plan(
         found.units = [unit for _, unit in sorted(units, key=lambda pair: pair[0])]
         plans.append(found)
     return plans
-
-
-def duration(seconds: float) -> str:
-    """``42s``, ``3m05s``, ``2h10m``."""
-    seconds = int(round(seconds))
-    if seconds < 60:
-        return f"{seconds}s"
-    minutes, seconds = divmod(seconds, 60)
-    if minutes < 60:
-        return f"{minutes}m{seconds:02d}s"
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h{minutes:02d}m"
 
 
 def describe(plans: Sequence[EntryPlan], rates_name: str, *, units: bool = True) -> str:
