@@ -67,6 +67,7 @@ def run(
     from posenc_jax.bench import report as reporting
     from posenc_jax.bench.ledger import FolderLock, check_writable
     from posenc_jax.bench.presets import PRESETS, Preset
+    from posenc_jax.functional.core.registry import encoding_labels
 
     if isinstance(preset, str):
         if preset not in PRESETS:
@@ -77,6 +78,7 @@ def run(
     unknown = sorted(set(settings) - {f.name for f in dataclasses.fields(Preset)})
     if unknown:
         raise ValueError(f"unknown preset settings {unknown}; see posenc_jax.bench.presets.Preset for the fields")
+    settings = {k: encoding_labels(v) if k == "encodings" else v for k, v in settings.items()}
     preset = dataclasses.replace(preset, **settings)
     out = pathlib.Path(out or f"results/extrapolation/{preset.name}")
     if host is not None:
@@ -120,12 +122,14 @@ def run_probe(preset="default", out=None, *, progress: bool = False, plots: bool
     """
     from posenc_jax.bench import extrapolate, results
     from posenc_jax.bench import probe as probing
+    from posenc_jax.functional.core.registry import encoding_labels
 
     unknown = sorted(set(settings) - {"encodings", "normalizers", "seeds", "steps", "query_init_scale"})
     if unknown:
         raise ValueError(
             f"unknown probe settings {unknown}; the probe takes encodings, normalizers, seeds, steps, query_init_scale"
         )
+    settings = {k: encoding_labels(v) if k == "encodings" and v is not None else v for k, v in settings.items()}
     chosen = probing.preset_with(preset, **settings)
     chosen.validate()
     out = pathlib.Path(out or f"results/{chosen.name}")

@@ -35,11 +35,11 @@ from posenc_jax.functional.core.hooks import (
     Rotate,
     attention_context,
     hook_names,
-    one_or_more,
     rotates_each_token,
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.functional.core.sharded import sequence_parallel_attention
 from posenc_jax.functional.core.validation import check_count
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size
@@ -195,7 +195,7 @@ class MultiHeadAttention(nnx.Module):
         self.encodings = nnx.List(
             [
                 PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs)
-                for e in one_or_more(encodings)
+                for e in resolve_encodings(encodings)
             ]
         )
         for module in self.encodings:

@@ -32,6 +32,7 @@ from flax import nnx
 
 from posenc_jax.functional.core.attention import SharedBias, dot_product_attention
 from posenc_jax.functional.core.hooks import ATTENTION_HOOKS, EncodingConfig, ParameterFree, hook_names
+from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
 __all__ = ["AttentionFunction", "call_positions", "make_attention_fn"]
@@ -106,7 +107,7 @@ def _attend(
 
 def _fixed_hooks(encodings: Sequence) -> list:
     hooks = []
-    for encoding in encodings:
+    for encoding in resolve_encodings(encodings):
         if not isinstance(encoding, (str, EncodingConfig)) and set(hook_names(encoding)) & set(ATTENTION_HOOKS):
             hooks.append(encoding)  # a built hook with its arrays (e.g. T5Bias(table))
             continue
@@ -210,7 +211,7 @@ class AttentionFunction(nnx.Module):
         self.encodings = nnx.List(
             [
                 PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=num_heads * head_dim, rngs=rngs)
-                for e in encodings
+                for e in resolve_encodings(encodings)
             ]
         )
         for module in self.encodings:

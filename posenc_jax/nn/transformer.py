@@ -35,9 +35,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.core.cache import KVCache
-from posenc_jax.functional.core.hooks import check_together, one_or_more
+from posenc_jax.functional.core.hooks import check_together
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
+from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.functional.core.validation import check_values, reraise_check_errors
 from posenc_jax.nn.attention import MultiHeadAttention
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size, resolve_config
@@ -197,7 +198,7 @@ class Transformer(nnx.Module):
         check_dropout_rate(dropout_rate)
         if not isinstance(causal, bool):
             raise TypeError(f"causal must be True or False, got {causal!r}")
-        configs = [resolve_config(e) for e in one_or_more(encoding)]
+        configs = [resolve_config(e) for e in resolve_encodings(encoding)]
         check_together(configs, causal=causal)
         if model_dim % num_heads:
             raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}")

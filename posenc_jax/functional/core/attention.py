@@ -78,7 +78,6 @@ from posenc_jax.functional.core.hooks import (
     attention_context,
     check_together,
     hook_names,
-    one_or_more,
     parameter,
     pytree_dataclass,
 )
@@ -93,7 +92,7 @@ from posenc_jax.functional.core.products import (
     masked_value_product,
     value_product,
 )
-from posenc_jax.functional.core.registry import resolve_encoding
+from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.functional.core.validation import check_key
 
 __all__ = [
@@ -161,8 +160,7 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     skips the check of causal-only forms (the dispatch rule, before the call is checked).
     """
     hooks = []
-    for encoding in one_or_more(encodings):
-        encoding = resolve_encoding(encoding)
+    for encoding in resolve_encodings(encodings):
         names = hook_names(encoding)
         if isinstance(encoding, EncodingConfig) and not isinstance(encoding, ParameterFree):
             raise ValueError(

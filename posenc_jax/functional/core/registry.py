@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
@@ -36,8 +36,10 @@ __all__ = [
     "encoding_config",
     "encoding_info",
     "encoding_names",
+    "encoding_labels",
     "register_encoding",
     "resolve_encoding",
+    "resolve_encodings",
 ]
 
 FORMS = ("causal", "bidirectional")
@@ -262,14 +264,73 @@ def encoding_config(name: str, **settings) -> EncodingConfig:
 def resolve_encoding(encoding):
     """The config registered as ``encoding`` when it is a name, else ``encoding`` as it is (a config or a hook).
 
-    How the attention and the modules read an encoding given by name, so a name means the same
-    thing everywhere.
+    One encoding; :func:`resolve_encodings` reads every way of naming several.
 
     Example:
       >>> resolve_encoding("rope")
       RoPE(base=10000.0, rotary_dim=None, layout='interleaved', scaling=None)
     """
     return encoding_config(encoding) if isinstance(encoding, str) else encoding
+
+
+def resolve_encodings(encodings) -> list:
+    """Encodings as the attention, the modules and the benchmark take them, as a list of configs and hooks.
+
+    The one reading of every way to name them: a registered name (``"rope"``, one name, never
+    its characters), names joined by ``+`` (``"rope+alibi"``), a config or a built hook, an
+    object that carries its encodings (``from_hf_config``'s result), or a list or tuple of any
+    of these (``["rope", "alibi"]``, ``["rope+alibi", T5Bias(table)]``); ``None`` or ``()``
+    for none. An unknown name is an error listing the known ones.
+
+    Example:
+      >>> [type(e).__name__ for e in resolve_encodings("rope+alibi")]
+      ['RoPE', 'ALiBi']
+      >>> [type(e).__name__ for e in resolve_encodings(["rope", encoding_config("alibi")])]
+      ['RoPE', 'ALiBi']
+    """
+    if encodings is None:
+        return []
+    carried = getattr(encodings, "encodings", None)
+    if isinstance(carried, tuple) and not isinstance(encodings, EncodingConfig):
+        encodings = carried  # e.g. posenc_jax.hf.HFEncoding
+    if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
+        encodings = [encodings]
+    resolved = []
+    for encoding in encodings:
+        if isinstance(encoding, str):
+            parts = [part.strip() for part in encoding.split("+")]
+            if not all(parts):
+                raise ValueError(
+                    f"bad encoding name {encoding!r}: join registered names with '+', e.g. 'rope+alibi'; "
+                    f"known encodings: {', '.join(encoding_names())}"
+                )
+            resolved.extend(encoding_config(part) for part in parts)
+        elif isinstance(encoding, Sequence):
+            raise TypeError(f"encodings nest one list deep: got {encoding!r} inside a list; flatten it")
+        else:
+            resolved.append(encoding)
+    return resolved
+
+
+def encoding_labels(encodings) -> tuple[str, ...]:
+    """The benchmark's encodings as labels: each a registered name or names joined by ``+``.
+
+    A bare string is one label (``"rope+alibi"``: one hybrid cell), a list or tuple one
+    label each; every name is checked as :func:`resolve_encodings` checks it.
+
+    Example:
+      >>> encoding_labels("rope"), encoding_labels(["rope", "rope + alibi"])
+      (('rope',), ('rope', 'rope+alibi'))
+    """
+    labels = [encodings] if isinstance(encodings, str) else encodings
+    if not isinstance(labels, (list, tuple)) or not all(isinstance(label, str) for label in labels):
+        raise TypeError(
+            f"the benchmark names its encodings: a name, 'a+b', or a list of them (e.g. ['rope', 'rope+alibi']), "
+            f"got {encodings!r}"
+        )
+    for label in labels:
+        resolve_encodings(label)
+    return tuple("+".join(part.strip() for part in label.split("+")) for label in labels)
 
 
 @functools.cache

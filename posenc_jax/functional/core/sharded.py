@@ -58,12 +58,11 @@ from posenc_jax.functional.core.hooks import (
     Normalize,
     Rotate,
     Values,
-    one_or_more,
     rotates_each_token,
     with_per_call_rotations_fixed,
 )
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
-from posenc_jax.functional.core.registry import resolve_encoding
+from posenc_jax.functional.core.registry import resolve_encodings
 
 __all__ = ["sequence_parallel_attention"]
 
@@ -237,7 +236,7 @@ def sequence_parallel_attention(
     if unbatched:
         query, key, value = query[None], key[None], value[None]
     batch, q_len, num_heads, head_dim = query.shape
-    hooks = [resolve_encoding(encoding) for encoding in one_or_more(encodings)]
+    hooks = resolve_encodings(encodings)
     rotations = _rotations(hooks)
     # Resolved here, from every hook (a rotation may prescribe it): the devices are given the result.
     settings["scale"] = _score_scale(hooks, head_dim, scale)
