@@ -1,4 +1,10 @@
-"""MkDocs hooks: the encodings page from the registry, and checks of the built site.
+"""MkDocs hooks: the encodings page from the registry, sectioned API pages, and checks of the built site.
+
+An API page may group its entries under ``## `` section headings (``api/functional.md`` does: the
+attention, then one section per encoding family, the contract for adding an encoding last). An
+entry (``::: posenc_jax.functional.RoPE``) under such a heading is rendered one level down, under its
+short name, so that each section holds its entries in the page's table of contents, and the section
+opens with a list of its entries and their one-line summaries (``section_markdown``).
 
 The checks (``on_post_build``): every public name has its API entry, no Sphinx role
 (``:func:`name```) is left literal in a page, and every cross-reference link points to an
@@ -114,7 +120,56 @@ def _encodings_markdown() -> str:
     return "\n".join(parts)
 
 
+def _summary(identifier: str) -> str:
+    """The first sentence of the docstring of the object ``identifier`` names, its Sphinx roles links."""
+    obj = _griffe_modules()[identifier]
+    text = obj.docstring.value if obj.docstring is not None else ""
+    if not text:  # an instance (``softmax_weights = Softmax()``): its class's docstring
+        module_name, _, name = identifier.rpartition(".")
+        value = getattr(importlib.import_module(module_name), name)
+        if type(value).__module__.startswith("posenc_jax."):
+            text = inspect.getdoc(type(value)) or ""
+    paragraph = inspect.cleandoc(text).split("\n\n")[0].replace("\n", " ").strip()
+    first = re.split(r"(?<=[.!?])\s+(?=[A-Z`(])", paragraph, maxsplit=1)[0]  # its first sentence
+    return rewrite_roles(first, obj.parent if obj.parent is not None else obj)
+
+
+SECTION_ENTRY = re.compile(r"^::: (posenc_jax(?:\.\w+)+)\s*$")
+
+
+def section_markdown(markdown: str) -> str:
+    """``markdown`` with the entries under each ``## `` heading one level down and listed at the section's start.
+
+    An entry with options of its own (indented lines after it), and an entry that is a whole module
+    (``::: posenc_jax.hf`` below the hf page's tables), are left as they are.
+    """
+    lines = markdown.split("\n")
+    sections = []  # [index of the "## " line, [(index, identifier), ...]]
+    for i, line in enumerate(lines):
+        if line.startswith("## "):
+            sections.append((i, []))
+        match = SECTION_ENTRY.match(line)
+        own_options = i + 1 < len(lines) and lines[i + 1].startswith(" ")
+        if match and sections and not own_options and not _griffe_modules()[match[1]].is_module:
+            sections[-1][1].append((i, match[1]))
+    replace = {}
+    for start, entries in sections:
+        if not entries:
+            continue
+        replace[start] = [f"{lines[start]} {{ .api-section }}"]  # set apart by docs/site/css/api.css
+        listing = [f"- [`{ident.rpartition('.')[2]}`][{ident}]: {_summary(ident)}" for _, ident in entries]
+        for n, (i, ident) in enumerate(entries):
+            entry = [f"::: {ident}", "    options:", "      heading_level: 3", "      show_root_full_path: false"]
+            replace[i] = ([*listing, ""] if n == 0 else []) + entry
+    out = []
+    for i, line in enumerate(lines):
+        out += replace.get(i, [line])
+    return "\n".join(out)
+
+
 def on_page_markdown(markdown, page, config, files):
+    if page.file.src_uri.startswith("api/"):
+        markdown = section_markdown(markdown)
     if page.file.src_uri == "encodings.md":
         return markdown.replace("<!-- encodings -->", _encodings_markdown())
     if page.file.src_uri == "api/helpers.md":
