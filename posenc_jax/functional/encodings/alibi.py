@@ -13,7 +13,7 @@ information at all in a bidirectional encoder (a bias linear in j shifts a whole
 equally), so the hook follows the attention it is in: ``bidirectional=None`` (the
 default) is symmetric in bidirectional attention and causal in causal attention; an
 explicit ``True`` or ``False`` wins. The bias is computed in float32 from positions, so it
-has no length ceiling.
+has no length ceiling. :class:`ALiBiSlopes` takes a checkpoint's own slopes (Falcon's, MPT's).
 
 Reference: Press, Smith and Lewis, "Train Short, Test Long: Attention with Linear
 Biases Enables Input Length Extrapolation", ICLR 2022, arXiv:2108.12409.
@@ -28,11 +28,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import AttentionContext, BiasHook, ParameterFree, Placement, pytree_dataclass
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import relative_positions
 
-__all__ = ["ALiBi", "alibi_bias", "alibi_slopes"]
+__all__ = ["ALiBi", "ALiBiSlopes", "alibi_bias", "alibi_slopes"]
 
 ALIBI = Source.paper(
     "press2022train",
@@ -134,3 +135,45 @@ class ALiBi(BiasHook, ParameterFree):
             context.key_positions,
             bidirectional=context.bidirectional(self.bidirectional),
         )
+
+
+@pytree_dataclass
+class ALiBiSlopes(BiasHook, ParameterFree):
+    """ALiBi with given per-head slopes, ``logits[n, t, s] += m_n · (j - i)`` (causal form).
+
+    For checkpoints whose slopes are not Press et al.'s ``get_slopes(N)``: Falcon adds the
+    bias before dividing the scores by √H, so its slopes are ``get_slopes(N) / √H``; MPT
+    with ``alibi_bias_max`` b has ``2^(-b·k/N')``. ``bidirectional`` as in
+    :class:`posenc_jax.functional.ALiBi`.
+
+    Example:
+      >>> from posenc_jax.functional import dot_product_attention
+      >>> x = jnp.ones((1, 4, 2, 8)); pos = jnp.arange(4)
+      >>> dot_product_attention(x, x, x, query_positions=pos, key_positions=pos,
+      ...                       encodings=[ALiBiSlopes((0.25, 0.0625))], causal=True).shape
+      (1, 4, 2, 8)
+    """
+
+    slopes: tuple[float, ...] = ()
+    bidirectional: bool | None = None
+    acts_on: ClassVar[Placement] = "shared_bias"
+
+    def __post_init__(self):
+        slopes = np.asarray(self.slopes, np.float64)
+        if slopes.ndim != 1 or slopes.size == 0 or not np.all(np.isfinite(slopes)):
+            raise ValueError(f"slopes must be a non-empty tuple of finite numbers, one per head, got {self.slopes!r}")
+
+    def bias(self, context: AttentionContext) -> jax.Array:
+        """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
+        context.check_heads(len(self.slopes), f"ALiBiSlopes ({len(self.slopes)} slopes)")
+        return alibi_bias(
+            len(self.slopes),
+            context.query_positions,
+            context.key_positions,
+            bidirectional=context.bidirectional(self.bidirectional),
+            slopes=np.asarray(self.slopes, np.float64),
+        )
+
+
+# Not registered (a checkpoint's own slopes, built by posenc_jax.hf); its forms are ALiBi's.
+declare_forms(ALiBiSlopes, Forms(prepared="bias"))

@@ -251,27 +251,17 @@ def apply_rope_qk(
       [(1, 8, 4, 32), (1, 8, 2, 32)]
     """
     _check_layout(layout)
-    rotary_dim, query_positions, key_positions = _checked_qk(q, k, query_positions, key_positions, rotary_dim)
-    inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
-    return _rotate_qk(
-        q,
-        k,
-        query_positions,
-        key_positions,
-        lambda positions: _position_angles(positions, inverse_frequency),
-        layout,
-        attention_factor,
-    )
-
-
-def _checked_qk(q, k, query_positions, key_positions, rotary_dim):
-    """Validates q, k and their positions; returns the rotary dim and int32 positions (one array if shared)."""
-    same_positions = query_positions is key_positions
+    same_positions = query_positions is key_positions  # then one table serves both
     rotary_dim = _check_qk_heads(q, k, rotary_dim)
     query_positions = check_positions(query_positions, "query_positions")
     key_positions = query_positions if same_positions else check_positions(key_positions, "key_positions")
     _check_qk_fit(q, k, query_positions, key_positions)
-    return rotary_dim, query_positions, key_positions
+    inverse_frequency = _frequencies(inverse_frequency, rotary_dim, base)
+
+    def angles_of(positions):
+        return _position_angles(positions, inverse_frequency)
+
+    return _rotate_qk(q, k, query_positions, key_positions, angles_of, layout, attention_factor)
 
 
 def _check_qk_heads(q, k, rotary_dim) -> int:
