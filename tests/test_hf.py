@@ -23,6 +23,7 @@ from posenc_jax.functional.encodings.deberta import DeBERTaConfig
 from posenc_jax.functional.encodings.learned_absolute import LearnedAbsoluteConfig
 from posenc_jax.functional.encodings.t5 import T5Config
 from posenc_jax.hf import (
+    ALiBiSlopes,
     FixedScoreScale,
     RoPEOnLastFeatures,
     deberta_position_tables,
@@ -1849,3 +1850,20 @@ def test_config_values_that_would_load_as_a_wrong_answer_are_refused_naming_the_
     with pytest.raises(ValueError, match=message) as error:
         from_hf_config(config)
     assert "\n" not in str(error.value)
+
+
+def test_the_hooks_the_loader_builds_declare_their_forms():
+    """They live beside their encodings and declare their forms there, as registered encodings do:
+    ALiBiSlopes' bias is computed once per forward and shared across layers, RoPEOnLastFeatures'
+    keys are cached rotated (as its RoPE's), FixedScoreScale adds no term to fuse or tile."""
+    from posenc_jax.functional import RoPE
+    from posenc_jax.functional.core.forms import Forms, forms_of
+
+    declared = {
+        FixedScoreScale(2.0): Forms(),
+        ALiBiSlopes((0.5, 0.25)): Forms(prepared="bias"),
+        RoPEOnLastFeatures(RoPE(), num_features=8): Forms(cached=("rotation",)),
+    }
+    for hook, forms in declared.items():
+        assert type(hook).__dict__.get("_declared_forms") == forms, type(hook).__name__
+        assert forms_of(hook) == forms, type(hook).__name__
