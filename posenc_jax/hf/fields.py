@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-# --- reading a config ---------------------------------------------------------------------------
+# --- the fields families read and the defaults they fill in -------------------------------------
 
 # A field whose name says it bears on positions or the score scale; one that the family's
 # loader does not read is an error, never ignored.
@@ -229,6 +229,9 @@ def _check_values(fields: dict) -> None:
             _check_value(f"attn_config.{key}", attn.get(key), rule)
 
 
+# --- a config's fields, and what a family's reader reads of them --------------------------------
+
+
 def _as_dict(config) -> dict:
     """A transformers config object or dict as a plain dict of its fields."""
     if config is None:
@@ -320,6 +323,9 @@ def _grouped(kv_heads: int | None, name: str, num_heads: int, heads_name: str) -
             f"group of query heads; give one of {divisors}, as in the model's config.json"
         )
     return int(kv_heads)
+
+
+# --- a checkpoint's state dict ------------------------------------------------------------------
 
 
 def _array(value) -> np.ndarray:
