@@ -48,22 +48,31 @@ def test_notebooks_and_readme_agree_with_pyproject():
     assert not changed, f"run python tools/sync_notebooks.py: {[str(p.relative_to(ROOT)) for p in changed]}"
 
 
-def test_the_url_is_a_placeholder_until_pyproject_sets_it():
+COLAB_GITHUB = "colab.research.google.com/github/"
+
+
+def test_no_colab_link_until_pyproject_sets_the_url():
+    # While pyproject.toml has no Repository URL, nothing links to Colab (no placeholder link anywhere: README,
+    # notebooks, docs); each notebook's first cell says how to run it on Colab by uploading it with a wheel.
     url = sync.repository_url()
     readme = (ROOT / "README.md").read_text()
+    docs = {path: path.read_text() for path in (ROOT / "docs" / "site").rglob("*.md")}
     for stem in STEMS:
         notebook = _notebook(stem)
-        text = json.dumps(notebook)
+        first = _text(_cell(notebook, sync.BADGE_CELL_ID))
         if url is None:
-            # One greppable placeholder, once in the badge and once in the install cell, nowhere else.
-            assert text.count(sync.PLACEHOLDER) == 2, stem
-            assert sync.PLACEHOLDER in _text(_cell(notebook, sync.BADGE_CELL_ID))
-            assert sync.PLACEHOLDER in _text(_cell(notebook, sync.INSTALL_CELL_ID))
+            assert COLAB_GITHUB not in json.dumps(notebook), stem
+            assert first.startswith("**Run on Colab:** upload this notebook") and "pip wheel --no-deps ." in first
+            assert f"| [{sync.NOTEBOOKS[STEMS.index(stem)].title}](colabs/{stem}.ipynb) |" in readme
         else:
-            assert sync.PLACEHOLDER not in text
-            assert sync.github_path(url) in _text(_cell(notebook, sync.BADGE_CELL_ID))
-        assert f"{sync.badge(stem, url)} [" in readme, f"the README lists {stem} with its badge"
-    assert (sync.PLACEHOLDER in readme) == (url is None)
+            assert first == sync.badge(stem, url)
+            assert f"{sync.badge(stem, url)} [" in readme, f"the README lists {stem} with its badge"
+    links = re.findall(rf"https://{re.escape(COLAB_GITHUB)}\S*", readme + "".join(docs.values()))
+    if url is None:
+        assert not links, links
+    else:
+        assert links and all(link.startswith(sync.colab_link("", url).rsplit("/", 2)[0]) for link in links), links
+    assert "REPOSITORY_URL_NOT_SET" not in readme + "".join(docs.values())
 
 
 def _with_url(tmp_path, url):
@@ -91,12 +100,10 @@ def test_setting_the_url_rewrites_every_badge_install_cell_and_the_readme(tmp_pa
     assert sync.out_of_step(root) == {}
     for stem in STEMS:
         before, after = _notebook(stem), _notebook(stem, root)
-        assert sync.PLACEHOLDER not in json.dumps(after)
         link = f"https://colab.research.google.com/github/example-owner/example-repo/blob/main/colabs/{stem}.ipynb"
         assert _text(_cell(after, sync.BADGE_CELL_ID)) == f"[![Open In Colab]({sync.BADGE_IMAGE})]({link})"
-        assert '"POSENC_JAX_SOURCE", "git+https://github.com/example-owner/example-repo.git"' in _text(
-            _cell(after, sync.INSTALL_CELL_ID)
-        )
+        install = _text(_cell(after, sync.INSTALL_CELL_ID))
+        assert 'REPOSITORY = "git+https://github.com/example-owner/example-repo.git"\n' in install
         # Every other cell, saved outputs included, is untouched; so is the install cell but for its source.
         for old_cell, new_cell in zip(before["cells"], after["cells"], strict=True):
             if old_cell["id"] != sync.BADGE_CELL_ID:
@@ -104,7 +111,8 @@ def test_setting_the_url_rewrites_every_badge_install_cell_and_the_readme(tmp_pa
             if old_cell["id"] not in (sync.BADGE_CELL_ID, sync.INSTALL_CELL_ID):
                 assert old_cell == new_cell
     readme = (root / "README.md").read_text()
-    assert sync.PLACEHOLDER not in readme and readme.count("github/example-owner/example-repo/blob/main") == 5
+    assert readme.count("colab.research.google.com/github/example-owner/example-repo/blob/main/colabs/") == 5
+    assert "upload it (*File → Upload notebook*)" not in readme  # the badge replaces the upload instructions
 
 
 def test_a_url_colab_cannot_open_is_refused(tmp_path):
@@ -113,34 +121,58 @@ def test_a_url_colab_cannot_open_is_refused(tmp_path):
         sync.out_of_step(root)
 
 
-def _install_logic(url, environ):
-    """Runs the install cell up to its ``%pip`` line; returns what it would install."""
+def _install_logic(url, environ, cwd, monkeypatch):
+    """Runs the install cell up to its ``%pip`` line in folder ``cwd``; returns what it would install."""
     code = sync.install_cell(url)
     body, pip_line = code.rsplit("\n", 1)
     assert pip_line == '%pip install --quiet "posenc_jax[bench] @ {source}"'  # one non-editable install
     namespace = {}
-    old = os.environ.copy()
-    try:
-        os.environ.clear()
-        os.environ.update(environ)
-        exec(body, namespace)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
+    monkeypatch.chdir(cwd)
+    for name in ("POSENC_JAX_SOURCE",):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    exec(body, namespace)
     return namespace["source"]
 
 
-def test_install_cell_honours_posenc_jax_source_and_refuses_the_placeholder(tmp_path):
-    with pytest.raises(RuntimeError, match="cannot install posenc_jax from 'REPOSITORY_URL_NOT_SET'.*POSENC_JAX"):
-        _install_logic(None, {})
-    assert _install_logic(None, {"POSENC_JAX_SOURCE": str(ROOT)}) == ROOT.as_uri()
-    wheel = tmp_path / "posenc_jax-0.1.0-py3-none-any.whl"
-    wheel.write_bytes(b"")
-    assert _install_logic(None, {"POSENC_JAX_SOURCE": str(wheel)}) == wheel.as_uri()
-    with pytest.raises(RuntimeError, match="cannot install posenc_jax from '/no/such/checkout'"):
-        _install_logic(None, {"POSENC_JAX_SOURCE": "/no/such/checkout"})
+def test_install_cell_installs_from_source_then_repository_then_upload(tmp_path, monkeypatch):
     url = "https://github.com/example-owner/example-repo"
-    assert _install_logic(url, {}) == "git+https://github.com/example-owner/example-repo.git"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    uploads = tmp_path / "uploads"
+    uploads.mkdir()
+    wheel = uploads / "posenc_jax-0.1.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    # 1. POSENC_JAX_SOURCE (a checkout or a wheel; CI and the tests) comes first.
+    assert _install_logic(None, {"POSENC_JAX_SOURCE": str(ROOT)}, uploads, monkeypatch) == ROOT.as_uri()
+    assert _install_logic(url, {"POSENC_JAX_SOURCE": str(wheel)}, empty, monkeypatch) == wheel.as_uri()
+    # 2. The repository, when pyproject.toml names one.
+    assert _install_logic(url, {}, uploads, monkeypatch) == "git+https://github.com/example-owner/example-repo.git"
+    # 3. A wheel or source archive uploaded to the kernel's folder: the newest.
+    assert _install_logic(None, {}, uploads, monkeypatch) == wheel.as_uri()
+    archive = uploads / "posenc_jax-0.2.0.tar.gz"
+    archive.write_bytes(b"")
+    os.utime(wheel, (1, 1))
+    assert _install_logic(None, {}, uploads, monkeypatch) == archive.as_uri()
+
+
+def _stop_line(url, environ, cwd, monkeypatch):
+    """The install cell stops: the one line IPython shows for it (its ``_render_traceback_``)."""
+    with pytest.raises(Exception) as stopped:  # the cell's own InstallStopped
+        _install_logic(url, environ, cwd, monkeypatch)
+    assert type(stopped.value).__name__ == "InstallStopped"
+    (line,) = stopped.value._render_traceback_()
+    assert "\n" not in line
+    return line
+
+
+def test_install_cell_without_anything_to_install_stops_with_one_line_saying_what_to_upload(tmp_path, monkeypatch):
+    line = _stop_line(None, {}, tmp_path, monkeypatch)
+    assert line == sync.NOTHING_TO_INSTALL
+    assert "pip wheel --no-deps ." in line and "`posenc_jax-*.whl`" in line and "Files pane" in line
+    line = _stop_line(None, {"POSENC_JAX_SOURCE": "/no/such/checkout"}, tmp_path, monkeypatch)
+    assert line.startswith("POSENC_JAX_SOURCE='/no/such/checkout' does not exist: set it to a checkout or a wheel")
 
 
 def test_a_tiny_run_is_never_saved(monkeypatch):
@@ -203,3 +235,29 @@ def test_notebook_runs_top_to_bottom_in_a_fresh_kernel(stem, monkeypatch, checko
     assert all(c["execution_count"] for c in code)
     device = _printed(_cell(executed, "device"))
     assert "CPU" in device or "GPU" in device or "TPU" in device
+
+
+def test_install_cell_in_a_fresh_kernel_without_anything_to_install_shows_one_line(tmp_path):
+    # What a Colab user sees who runs the notebook with nothing uploaded: one line, no traceback.
+    import nbclient.exceptions
+    import nbformat
+
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(sync.install_cell(None))])
+    empty = tmp_path / "nothing.txt"
+    empty.write_text("")  # the kernel's folder holds this file only: no wheel
+    with pytest.raises(nbclient.exceptions.CellExecutionError) as stopped:
+        sync.execute(notebook, upload=empty)
+    assert stopped.value.ename == "InstallStopped"
+    assert stopped.value.evalue == sync.NOTHING_TO_INSTALL
+    # What the notebook shows below the cell (nbclient quotes the cell, then the traceback): this line alone.
+    assert stopped.value.traceback.rpartition("\n------------------\n")[2].strip() == sync.NOTHING_TO_INSTALL
+
+
+@pytest.mark.long
+def test_install_cell_installs_a_wheel_uploaded_beside_it_in_a_fresh_kernel(checkout_wheel):
+    # A fresh kernel and environment whose folder holds only the wheel, no POSENC_JAX_SOURCE, no repository URL:
+    # the install cell finds the wheel, installs it, and posenc_jax imports from the kernel's environment and runs.
+    printed = sync.install_uploaded(checkout_wheel)
+    assert f"installing posenc_jax from {checkout_wheel.name}" not in printed  # the path is the kernel's folder's
+    assert re.search(rf"installing posenc_jax from \S+/work/{re.escape(checkout_wheel.name)}\n", printed), printed
+    assert "attention (1, 4, 2, 8)" in printed, printed

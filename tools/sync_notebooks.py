@@ -3,18 +3,24 @@
 The repository URL lives in one place: ``[project.urls] Repository`` in pyproject.toml. This
 script writes it into every notebook's Open-in-Colab badge and install cell and into the README's
 "Notebooks" section; ``tests/test_notebooks.py`` checks that they agree. While pyproject.toml has
-no Repository URL, each of those places carries the placeholder ``REPOSITORY_URL_NOT_SET`` instead,
-and the install cell installs only what ``POSENC_JAX_SOURCE`` names (a local checkout or a wheel).
+no Repository URL there is no badge anywhere: the notebooks' first cell and the README say how to
+run a notebook on Colab by uploading it with a posenc_jax wheel. The install cell installs the first
+of: ``POSENC_JAX_SOURCE`` (a checkout, a wheel or a pip URL; the tests and CI set it), the
+repository, a posenc_jax wheel or source archive uploaded to the runtime (the kernel's folder or
+``/content``); with none of them it stops with one line saying what to upload and how.
 
     python tools/sync_notebooks.py                  # rewrite badges, install cells and the README section
     python tools/sync_notebooks.py --check          # exit 1, naming what is out of step, if anything is
     python tools/sync_notebooks.py --execute [STEM ...]   # run notebooks top to bottom, save their outputs
+    python tools/sync_notebooks.py --install-uploaded WHEEL   # the install cell, a wheel beside it, a fresh kernel
 
 ``--execute`` runs each notebook in a fresh kernel of a fresh virtual environment (see
 :func:`kernel_python`) whose install cell installs ``POSENC_JAX_SOURCE`` (default: this checkout),
 and saves the outputs into the notebook. With ``--here --no-save`` the kernel runs in the calling
 interpreter's own environment (CI's clean one, which has ipykernel and no posenc_jax) and nothing is
-written.
+written. ``--install-uploaded`` runs the notebooks' install cell as a Colab user with an uploaded
+wheel does (:func:`install_uploaded`): a fresh kernel in a folder holding only the wheel, no
+``POSENC_JAX_SOURCE``, dependencies from the package index; then imports posenc_jax and runs it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import site
 import subprocess
 import sys
@@ -34,7 +41,8 @@ import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLABS = ROOT / "colabs"
-PLACEHOLDER = "REPOSITORY_URL_NOT_SET"
+# What the install cell looks for in the kernel's folder and in /content (where Colab's Files pane uploads).
+UPLOAD_PATTERNS = ("posenc_jax-*.whl", "posenc_jax-*.tar.gz")
 BRANCH = "main"  # the branch the Colab badges open
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
 BADGE_CELL_ID = "colab-badge"
@@ -104,43 +112,89 @@ def github_path(url: str) -> str:
     return f"{match[1]}/{match[2]}"
 
 
-def colab_link(stem: str, url: str | None) -> str:
+def colab_link(stem: str, url: str) -> str:
     """Where the badge of ``colabs/<stem>.ipynb`` points."""
-    where = PLACEHOLDER if url is None else f"{github_path(url)}/blob/{BRANCH}"
-    return f"https://colab.research.google.com/github/{where}/colabs/{stem}.ipynb"
+    return f"https://colab.research.google.com/github/{github_path(url)}/blob/{BRANCH}/colabs/{stem}.ipynb"
 
 
-def badge(stem: str, url: str | None) -> str:
+def badge(stem: str, url: str) -> str:
     return f"[![Open In Colab]({BADGE_IMAGE})]({colab_link(stem, url)})"
 
 
-def install_source(url: str | None) -> str:
-    """What the install cell installs when ``POSENC_JAX_SOURCE`` is not set."""
-    return PLACEHOLDER if url is None else f"git+https://github.com/{github_path(url)}.git"
+UPLOAD_HOWTO = (
+    "build a wheel in a checkout of posenc_jax with `pip wheel --no-deps .` (or `python -m build`) and upload "
+    "the `posenc_jax-*.whl` with Colab's Files pane (the folder icon on the left) into /content, or put it in "
+    "the notebook's folder under Jupyter"
+)
+
+
+NOTHING_TO_INSTALL = (
+    f"posenc_jax is not installed and there is nothing to install it from: {UPLOAD_HOWTO}, then run this cell again."
+)
+
+
+def _string_literal_lines(text: str, indent: int, width: int = 100) -> str:
+    """``text`` as adjacent string literals, one a line, each line within ``width`` characters."""
+    words, lines, line = text.split(" "), [], ""
+    for word in words:
+        if line and len(json.dumps(f"{line} {word} ", ensure_ascii=False)) + indent > width:
+            lines.append(line + " ")
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    lines.append(line)
+    return "".join(" " * indent + json.dumps(part, ensure_ascii=False) + "\n" for part in lines)
+
+
+def badge_cell(stem: str, url: str | None) -> str:
+    """The notebook's first cell: its Open-in-Colab badge, or how to run it on Colab without one."""
+    if url is not None:
+        return badge(stem, url)
+    return (
+        f"**Run on Colab:** upload this notebook (*File → Upload notebook*), then {UPLOAD_HOWTO}; the first code "
+        "cell installs the wheel."
+    )
 
 
 def install_cell(url: str | None) -> str:
-    """The install cell: a non-editable ``%pip install``, before anything imports jax."""
-    if url is None:
-        where = (
-            "# posenc_jax has no public repository URL yet: set POSENC_JAX_SOURCE to a local checkout or a wheel of\n"
-            "# it (CI does), or replace the default below with where to install it from."
-        )
-    else:
-        where = "# POSENC_JAX_SOURCE, if set, installs a local checkout or a wheel instead (CI does)."
+    """The install cell: a non-editable ``%pip install`` before anything imports jax, from the first source found."""
+    repository = (
+        "None  # no public repository: upload a wheel"
+        if url is None
+        else json.dumps(f"git+https://github.com/{github_path(url)}.git")
+    )
     return (
-        "# Installs posenc_jax (not editable) before anything imports jax, so the kernel needs no restart.\n"
-        f"{where}\n"
+        "# Installs posenc_jax (not editable) before anything imports jax, so the kernel needs no restart, from the\n"
+        "# first of: POSENC_JAX_SOURCE (a checkout, a wheel or a pip URL), the project's repository, a posenc_jax\n"
+        "# wheel or source archive uploaded to this runtime (this notebook's folder, or /content on Colab).\n"
         "import os\n"
         "import pathlib\n"
         "\n"
-        f'source = os.environ.get("POSENC_JAX_SOURCE", "{install_source(url)}")\n'
-        'if "://" not in source and not os.path.exists(source):\n'
-        "    raise RuntimeError(\n"
-        '        f"cannot install posenc_jax from {source!r}: set POSENC_JAX_SOURCE to a local checkout or a wheel "\n'
-        '        "of posenc_jax, or to a pip URL such as git+https://..."\n'
-        "    )\n"
-        "if os.path.exists(source):\n"
+        f"REPOSITORY = {repository}\n"
+        "\n"
+        "\n"
+        "class InstallStopped(Exception):\n"
+        "    def _render_traceback_(self):  # IPython shows this one line instead of a traceback\n"
+        "        return [str(self)]\n"
+        "\n"
+        "\n"
+        'source = os.environ.get("POSENC_JAX_SOURCE") or REPOSITORY\n'
+        "if not source:\n"
+        '    folders = dict.fromkeys([pathlib.Path.cwd(), pathlib.Path("/content")])\n'
+        f"    patterns = ({', '.join(json.dumps(p) for p in UPLOAD_PATTERNS)})\n"
+        "    uploaded = [path for folder in folders for pattern in patterns for path in folder.glob(pattern)]\n"
+        "    if not uploaded:\n"
+        "        raise InstallStopped(\n"
+        f"{_string_literal_lines(NOTHING_TO_INSTALL, 12)}"
+        "        )\n"
+        "    source = str(max(uploaded, key=lambda path: path.stat().st_mtime))  # the newest upload\n"
+        '    print(f"installing posenc_jax from {source}")\n'
+        'if "://" not in source:\n'
+        "    if not os.path.exists(source):\n"
+        "        raise InstallStopped(\n"
+        '            f"POSENC_JAX_SOURCE={source!r} does not exist: set it to a checkout or a wheel of "\n'
+        '            "posenc_jax, or to a pip URL such as git+https://..."\n'
+        "        )\n"
         "    source = pathlib.Path(source).resolve().as_uri()\n"
         '%pip install --quiet "posenc_jax[bench] @ {source}"'
     )
@@ -148,12 +202,13 @@ def install_cell(url: str | None) -> str:
 
 def readme_section(url: str | None) -> str:
     """The README's "Notebooks" section (between the markers)."""
+    opening = "an Open-in-Colab badge" if url is not None else "how to run it on Colab"
     lines = [
         README_START,
         "## Notebooks",
         "",
         textwrap.fill(
-            "Each notebook in `colabs/` opens with an Open-in-Colab badge, one install cell (a non-editable "
+            f"Each notebook in `colabs/` opens with {opening}, one install cell (a non-editable "
             "`%pip install` of posenc_jax) and a device cell that reports the TPU, GPU or CPU and sizes the work "
             "to it. The saved outputs come from a run on a CPU, so the plots are there without running anything; "
             "`python -m pytest tests/test_notebooks.py` runs every notebook top to bottom in a fresh kernel "
@@ -169,17 +224,19 @@ def readme_section(url: str | None) -> str:
         "|---|---|",
     ]
     for notebook in NOTEBOOKS:
-        lines.append(
-            f"| {badge(notebook.stem, url)} [{notebook.title}](colabs/{notebook.stem}.ipynb) | {notebook.shows} |"
-        )
+        link = f"[{notebook.title}](colabs/{notebook.stem}.ipynb)"
+        if url is not None:
+            link = f"{badge(notebook.stem, url)} {link}"
+        lines.append(f"| {link} | {notebook.shows} |")
     lines.append("")
     if url is None:
         lines += [
             textwrap.fill(
-                f"The project has no public repository URL yet, so the badges point at `{PLACEHOLDER}`. Once "
-                "`[project.urls] Repository` is set in pyproject.toml, `python tools/sync_notebooks.py` writes it "
-                "into every badge and install cell and into this section. Until then, run a notebook locally with "
-                "`POSENC_JAX_SOURCE=/path/to/posenc_jax` (a checkout or a wheel) set for its kernel.",
+                f"To run one on Colab, upload it (*File → Upload notebook*), then {UPLOAD_HOWTO}. Its install "
+                "cell installs the wheel it finds there, and without one stops with a line saying what to upload. "
+                "Setting `[project.urls] Repository` in pyproject.toml and running `python tools/sync_notebooks.py` "
+                "puts an Open-in-Colab badge on every notebook and in this list, and the install cells then "
+                "install from the repository.",
                 90,
                 break_on_hyphens=False,
             ),
@@ -206,7 +263,7 @@ def synced_notebook(notebook: dict, stem: str, url: str | None) -> dict:
         raise ValueError(f"colabs/{stem}.ipynb: the install cell must be the first code cell")
     notebook = json.loads(json.dumps(notebook))  # a copy
     cells = {cell.get("id"): cell for cell in notebook["cells"]}
-    cells[BADGE_CELL_ID]["source"] = _source_lines(badge(stem, url))
+    cells[BADGE_CELL_ID]["source"] = _source_lines(badge_cell(stem, url))
     # The install cell keeps no outputs (see save_executed), so a new URL leaves nothing stale behind.
     cells[INSTALL_CELL_ID]["source"] = _source_lines(install_cell(url))
     return notebook
@@ -287,16 +344,23 @@ def kernel_python(where: pathlib.Path) -> pathlib.Path:
 
 
 def execute(
-    path: pathlib.Path, *, source: str | None = None, python: pathlib.Path | None = None, timeout: int = 900
+    path: pathlib.Path | dict,
+    *,
+    source: str | None = None,
+    python: pathlib.Path | None = None,
+    timeout: int = 900,
+    upload: pathlib.Path | None = None,
 ) -> dict:
     """Runs ``path`` top to bottom in a fresh kernel; returns the executed notebook.
 
     Args:
-      path: the notebook.
+      path: the notebook, or a notebook already read (nbformat).
       source: what the install cell installs (``POSENC_JAX_SOURCE``); default this checkout.
       python: the kernel's interpreter, in an environment without posenc_jax and with ipykernel
         (a fresh virtual environment); default a new one from :func:`kernel_python`.
       timeout: seconds allowed for one cell.
+      upload: a file to put in the kernel's folder, as a user uploads a wheel to a Colab runtime; the
+        kernel then has no ``POSENC_JAX_SOURCE``, so the install cell installs what it finds there.
 
     Returns:
       The executed notebook (nbformat). A cell that raises raises ``nbclient``'s ``CellExecutionError``
@@ -307,7 +371,10 @@ def execute(
     from jupyter_client.kernelspec import KernelSpecManager
     from nbclient import NotebookClient
 
-    notebook = nbformat.read(path, as_version=4)
+    if upload is not None and source is not None:
+        raise ValueError("give source= (POSENC_JAX_SOURCE) or upload= (a file for the kernel's folder), not both")
+    notebook = nbformat.read(path, as_version=4) if isinstance(path, pathlib.Path) else nbformat.from_dict(path)
+    name = path.name if isinstance(path, pathlib.Path) else "the notebook"
     with tempfile.TemporaryDirectory(prefix="posenc-notebook-") as tmp:
         tmp = pathlib.Path(tmp)
         python = kernel_python(tmp) if python is None else pathlib.Path(python)
@@ -318,10 +385,13 @@ def execute(
         work = tmp / "work"  # not the checkout, so `import posenc_jax` finds only what the install cell installed
         work.mkdir()
         # The kernel's environment as if activated: its own scripts (posenc-bench) first on PATH.
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "POSENC_JAX_SOURCE")}
         env["VIRTUAL_ENV"] = str(python.parent.parent)
         env["PATH"] = f"{python.parent}{os.pathsep}{env.get('PATH', '')}"
-        env["POSENC_JAX_SOURCE"] = source or os.environ.get("POSENC_JAX_SOURCE") or str(ROOT)
+        if upload is None:
+            env["POSENC_JAX_SOURCE"] = source or os.environ.get("POSENC_JAX_SOURCE") or str(ROOT)
+        else:
+            shutil.copy(upload, work / pathlib.Path(upload).name)  # the folder holds this file alone
         env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
         km = KernelManager(
             kernel_name="posenc-notebook", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)])
@@ -343,10 +413,46 @@ def execute(
             ).stdout.strip()
         )
         if not (installed / "posenc_jax" / "__init__.py").exists():
-            raise RuntimeError(
-                f"{path.name}: its install cell did not install posenc_jax into the kernel's environment"
-            )
+            raise RuntimeError(f"{name}: its install cell did not install posenc_jax into the kernel's environment")
     return notebook
+
+
+# What the kernel runs after the install cell in install_uploaded: posenc_jax imports from the kernel's own
+# environment (not from a checkout) and computes.
+AFTER_UPLOADED_INSTALL = """\
+import sys
+
+import jax.numpy as jnp
+import posenc_jax
+from posenc_jax.functional import RoPE, dot_product_attention
+
+assert posenc_jax.__file__.startswith(sys.prefix), (posenc_jax.__file__, sys.prefix)
+x = jnp.ones((1, 4, 2, 8))
+pos = jnp.arange(4)
+out = dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, encodings=[RoPE()], causal=True)
+print("import posenc_jax", posenc_jax.__version__, "from", posenc_jax.__file__, "; attention", out.shape)"""
+
+
+def install_uploaded(wheel: pathlib.Path, *, python: pathlib.Path | None = None, timeout: int = 900) -> str:
+    """Runs the notebooks' install cell as a Colab user who uploaded ``wheel`` does; returns what the kernel printed.
+
+    A fresh kernel (of ``python``'s environment, default a new one from :func:`kernel_python`) in a folder
+    holding only ``wheel``, no ``POSENC_JAX_SOURCE`` and no repository URL in the cell (pyproject.toml's, when
+    set, is replaced by none): the install cell finds the wheel and installs it with its dependencies from the
+    package index pip is configured with; then posenc_jax is imported from the kernel's environment and runs.
+    """
+    import nbformat
+
+    cell = install_cell(None)
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell(AFTER_UPLOADED_INSTALL)]
+    )
+    executed = execute(notebook, python=python, timeout=timeout, upload=wheel)
+    outputs = [output for cell in executed["cells"] for output in cell["outputs"]]
+    printed = "".join(output.get("text", "") for output in outputs if output["output_type"] == "stream")
+    if "import posenc_jax" not in printed:
+        raise RuntimeError(f"the install cell ran, but the kernel did not import posenc_jax: {printed!r}")
+    return printed
 
 
 def save_executed(path: pathlib.Path, notebook: dict) -> None:
@@ -374,12 +480,22 @@ def main(argv=None) -> int:
         help="with --execute: the kernel runs in this interpreter's environment (a fresh one, without posenc_jax)",
     )
     parser.add_argument("--no-save", action="store_true", help="with --execute: run only, keep the saved outputs")
+    parser.add_argument(
+        "--install-uploaded",
+        metavar="WHEEL",
+        type=pathlib.Path,
+        help="run the install cell in a fresh kernel whose folder holds only this wheel, then import posenc_jax",
+    )
     args = parser.parse_args(argv)
     if args.execute is not None and os.environ.get("POSENC_JAX_TINY") == "1" and not args.no_save:
         raise SystemExit(
             "POSENC_JAX_TINY=1 runs the notebooks at the test suite's size, whose numbers mean nothing: "
             "unset it to save outputs, or add --no-save"
         )
+    if args.install_uploaded is not None:
+        printed = install_uploaded(args.install_uploaded, python=pathlib.Path(sys.executable) if args.here else None)
+        print(printed.strip().splitlines()[-1], flush=True)
+        return 0
     changed = {} if args.no_save else out_of_step()
     if args.check:
         for path in changed:
