@@ -219,7 +219,7 @@ CASES = [
     # facts of the data: checked at once for concrete arrays (under jit: tests/test_boundary.py)
     ("token id == vocab_size", forward([[8, 1, 2, 3]]), ValueError, r"token id 8 is outside the vocabulary \[0, 8\)"),
     ("negative token id", forward([[0, -1, 2, 3]]), ValueError, r"token id -1 is outside the vocabulary \[0, 8\)"),
-    ("decode past the cache", decoding(caches=lambda m: m.decode(jnp.zeros((1, 7), jnp.int32), jnp.arange(7)[None], m.init_cache(1, 8))[1]), ValueError, r"the KV cache holds 8 tokens; 7 are filled and 3 more do not fit"),
+    ("decode past the cache", decoding(caches=lambda m: m.decode(jnp.zeros((1, 7), jnp.int32), jnp.arange(7)[None], m.init_cache(1, 8))[1]), ValueError, r"the KV cache holds 8 tokens; 7 are filled and 3 more \(at positions 0 to 2\) do not fit: .*max_length >= 10"),
     # the benchmark's command line: one line, no traceback
     ("posenc-bench --heads 0", extrapolate("--heads", "0"), SystemExit, r"num_heads must be >= 1, got 0 \(--heads\)"),
     ("posenc-bench --model-dim 0", extrapolate("--model-dim", "0"), SystemExit, r"model_dim must be >= 1, got 0 \(--model-dim\)"),

@@ -71,7 +71,7 @@ def test_decoding_past_the_cache_is_an_error_under_jit_too():
     model = _small_model()
     step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
     _, caches = step(model, jnp.zeros((1, 4), jnp.int32), jnp.arange(4)[None], model.init_cache(1, 4))
-    with pytest.raises(Exception, match=r"the KV cache holds 4 tokens; 4 are filled and 1 more do not fit"):
+    with pytest.raises(Exception, match=r"holds 4 tokens; 4 are filled and 1 more \(at position 4\) do not fit"):
         jax.block_until_ready(step(model, jnp.zeros((1, 1), jnp.int32), jnp.full((1, 1), 4), caches))
 
 

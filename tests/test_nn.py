@@ -233,11 +233,11 @@ def test_cache_overflow_is_an_error(rng):
     model = _model("rope")
     caches = model.init_cache(1, 4)
     _, caches = model.decode(_tokens(rng, 1, 3), jnp.arange(3)[None], caches)
-    with pytest.raises(ValueError, match="the KV cache holds 4 tokens; 3 are filled and 2 more do not fit"):
+    with pytest.raises(ValueError, match=r"holds 4 tokens; 3 are filled and 2 more \(at positions 3 to 4\) do not fit"):
         model.decode(_tokens(rng, 1, 2), jnp.arange(3, 5)[None], caches)
     step = nnx.jit(lambda m, t, p, c: m.decode(t, p, c))
     _, caches = step(model, _tokens(rng, 1, 1), jnp.full((1, 1), 3), caches)
-    with pytest.raises(Exception, match="the KV cache holds 4 tokens; 4 are filled and 1 more do not fit"):
+    with pytest.raises(Exception, match=r"holds 4 tokens; 4 are filled and 1 more \(at position 4\) do not fit"):
         jax.block_until_ready(step(model, _tokens(rng, 1, 1), jnp.full((1, 1), 4), caches))
 
 

@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, forward_terms
-from posenc_jax.functional.core.cache import KVCache
+from posenc_jax.functional.core.cache import CacheRecord, KVCache, check_cache_dtype, show_encodings
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     EncodingConfig,
@@ -262,6 +262,14 @@ class MultiHeadAttention(nnx.Module):
             or (positions.ndim == 2 and positions.shape[0] not in (1, batch))
         ):
             raise ValueError(f"positions must be [T] or [B, T] for x of shape {x.shape}, got shape {positions.shape}")
+        made_for = getattr(cache, "made_for", None)
+        if made_for is not None and made_for.model is not None:
+            # A model's layer attends with the model's shared biases and prepared rotations as well as its own.
+            raise ValueError(
+                f"this cache was made by a Transformer for its layer {made_for.layer} (encodings "
+                f"{show_encodings(made_for.model)}), not for this layer alone: decode with that model's decode, or "
+                f"make the cache with this layer's init_cache(batch, max_length)"
+            )
         return self._attend(
             x,
             positions,
@@ -340,6 +348,7 @@ class MultiHeadAttention(nnx.Module):
                 raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
+            self._check_cache(cache)
             positions = jnp.broadcast_to(positions, (batch, length))
             encodings, terms = own + list(shared), []
             if _stores_rotated_keys(encodings):
@@ -440,12 +449,39 @@ class MultiHeadAttention(nnx.Module):
                 q, k = hook.rotate(q, k, context)
         return q, k
 
+    def _cache_record(self, max_length: int, dtype) -> CacheRecord:
+        """What a cache of this layer is made for (:class:`CacheRecord`): its encodings and heads."""
+        return CacheRecord(
+            encodings=tuple(repr(module.config) for module in self.encodings),
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            dtype=np.dtype(dtype).name,
+            max_length=max_length,
+        )
+
+    def _check_cache(self, cache, what: str = "this cache", fix: str = "") -> None:
+        """Refuses a cache made for another layer (encodings, heads, head size) or of integer keys, naming
+        what differs (static facts: before tracing, nothing inside ``jit``)."""
+        if not isinstance(cache, KVCache):
+            raise TypeError(
+                f"cache must be a KVCache made by init_cache(batch, max_length), got {type(cache).__name__}"
+            )
+        fix = fix or "make the cache with this layer's init_cache(batch, max_length)"
+        self._cache_record(cache.key.shape[1], cache.key.dtype).check(cache, what, fix)
+
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
         """An empty :class:`KVCache` of ``max_length`` slots for this layer, with room for its encodings'
         per-key terms (DeBERTa's key projections, Transformer-XL's ``u·k``) and tables (Transformer-XL's
-        projected relative sinusoids, computed by the first call that writes the cache)."""
+        projected relative sinusoids, computed by the first call that writes the cache).
+
+        ``dtype``: the cached keys' and values' dtype, a floating one (``jnp.bfloat16`` halves the
+        cache); an integer or boolean dtype is refused. The cache records what it is made for (this
+        layer's encodings, heads and head size: :class:`~posenc_jax.functional.core.cache.CacheRecord`),
+        and a layer given a cache made for another refuses it, naming what differs."""
         check_count("batch", batch)
         check_count("max_length", max_length, fix="the number of tokens the cache holds: prompt and new tokens")
+        dtype = check_cache_dtype(dtype)
         terms = _cached_terms(self._hooks())
         key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
         positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
@@ -457,5 +493,12 @@ class MultiHeadAttention(nnx.Module):
             for hook in terms
         )
         return KVCache.empty(
-            batch, max_length, self.num_kv_heads, self.head_dim, dtype, features=features, tables=tables
+            batch,
+            max_length,
+            self.num_kv_heads,
+            self.head_dim,
+            dtype,
+            features=features,
+            tables=tables,
+            made_for=self._cache_record(max_length, dtype),
         )

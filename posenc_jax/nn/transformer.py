@@ -26,6 +26,7 @@ model's split state, the caches donated).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
@@ -34,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from posenc_jax.functional.core.cache import KVCache
+from posenc_jax.functional.core.cache import KVCache, show_encodings
 from posenc_jax.functional.core.hooks import check_together
 from posenc_jax.functional.core.normalizers import NORMALIZERS, softmax_weights
 from posenc_jax.functional.core.positions import check_positions
@@ -389,21 +390,46 @@ class Transformer(nnx.Module):
         return logits
 
     def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> list[KVCache]:
-        """Empty per-layer caches of ``max_length`` slots, for :meth:`decode`."""
+        """Empty per-layer caches of ``max_length`` slots, for :meth:`decode`.
+
+        ``dtype``: the cached keys' and values' dtype, a floating one (``jnp.bfloat16`` halves the
+        caches); an integer or boolean dtype is refused. Each cache records what it is made for (this
+        model's encodings, its layer, the layer's heads and head size), and :meth:`decode` refuses a
+        cache made for another model or layer, naming what differs.
+        """
         if not self.causal:
             raise ValueError(
                 "this Transformer is a bidirectional encoder; only a causal decoder can decode step by step"
             )
-        return [block.attention.init_cache(batch, max_length, dtype) for block in self.blocks]
+        encodings = self._encodings()
+        caches = []
+        for i, block in enumerate(self.blocks):
+            cache = block.attention.init_cache(batch, max_length, dtype)
+            made_for = dataclasses.replace(cache.made_for, model=encodings, layer=i)
+            caches.append(cache._replace(made_for=made_for))
+        return caches
+
+    def _encodings(self) -> tuple[str, ...]:
+        """This model's encodings, all of them, as their configs' reprs (as :meth:`describe` lists them)."""
+        return dict(self._settings)["encodings"]
 
     def _check_caches(self, caches, batch: int, length: int) -> None:
-        """One cache per layer, each of this model's batch size, made by :meth:`init_cache` (static facts)."""
+        """One cache per layer, each of this model's batch size, made by :meth:`init_cache` for this model
+        and layer (static facts: before tracing)."""
         if not isinstance(caches, (list, tuple)) or not all(isinstance(c, KVCache) for c in caches):
             raise TypeError(f"caches must be the list of KVCache that init_cache returns, got {type(caches).__name__}")
         if len(caches) != len(self.blocks):
             raise ValueError(
                 f"caches has {len(caches)} entries but the model has {len(self.blocks)} layers; pass one cache per "
                 f"layer, as model.init_cache(batch, max_length) makes them"
+            )
+        fix = f"make the caches with this model's init_cache({batch}, max_length)"
+        encodings = self._encodings()
+        slots = {cache.key.shape[1] for cache in caches}
+        if len(slots) > 1:
+            raise ValueError(
+                f"the caches hold {', '.join(str(c.key.shape[1]) for c in caches)} slots, layer by layer: one "
+                f"model's caches are of one size; {fix}"
             )
         for i, (cache, block) in enumerate(zip(caches, self.blocks, strict=True)):
             layer = block.attention
@@ -420,6 +446,36 @@ class Transformer(nnx.Module):
                     f"{length} tokens are given at once but the caches hold {cache.key.shape[1]}; make them larger "
                     f"with init_cache({batch}, max_length) with max_length >= {length} (prompt and new tokens)"
                 )
+            made = cache.made_for
+            if made is not None and made.model is None:
+                raise ValueError(
+                    f"caches[{i}] was made by a layer's init_cache, not by a model's: a model's layers attend with "
+                    f"its shared encodings too; {fix}"
+                )
+            if made is not None and made.model != encodings:
+                raise ValueError(
+                    f"caches[{i}] was made for another model: encodings {show_encodings(made.model)} there, "
+                    f"{show_encodings(encodings)} here; {fix}"
+                )
+            layer._check_cache(cache, f"caches[{i}]", fix)
+            if made is not None and made.layer is not None and made.layer != i:
+                raise ValueError(
+                    f"caches[{i}] was made for layer {made.layer} of this model, not layer {i}: pass the caches in "
+                    f"the order init_cache returns them, one per layer"
+                )
+        if len(caches) > 1:
+            # The layers share one set of key positions (the first cache's): caches filled to different
+            # lengths (one kept from an earlier step) would give some layers another sequence's positions.
+            lengths = jnp.stack([cache.length for cache in caches])
+
+            def check(lengths):
+                if (lengths != lengths[0]).any():
+                    raise ValueError(
+                        f"the caches are filled to {lengths.tolist()} tokens, layer by layer: one model's caches are "
+                        f"filled together; pass the caches the last decode returned"
+                    )
+
+            check_values(check, lengths, within=(lengths[0], lengths[0] + 1))
 
     def decode(self, tokens, positions, caches: list[KVCache], *, key_mask=None):
         """Runs ``tokens`` ``[B, t]`` at ``positions`` ``[B, t]`` against the caches and appends to them.

@@ -25,10 +25,17 @@ Which slots hold a real token is tracked explicitly (``valid``), and the attenti
 takes it as a key mask: an empty slot, or a padding token appended with
 ``valid=False`` (left padding), is never attended to, at any position. (Marking empty
 slots with a far-future position instead would fail for queries at or beyond it.)
+
+A cache carries what it was made for (``made_for``, a :class:`CacheRecord`: the layer's
+encodings and heads, and the model's encodings and layer when a model made it), a static
+part of the pytree, so a layer or model given a cache made for another one refuses it
+before tracing (:meth:`CacheRecord.check`), at no cost inside ``jit``: the keys of a RoPE
+layer read by a layer without RoPE would otherwise give wrong outputs without a word.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import ClassVar, NamedTuple
 
 import jax
@@ -39,7 +46,7 @@ from posenc_jax.functional.core.forms import FormInterface
 from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.validation import check_count, check_values
 
-__all__ = ["CachedKeyTerm", "CachedTable", "KVCache"]
+__all__ = ["CacheRecord", "CachedKeyTerm", "CachedTable", "KVCache", "check_cache_dtype", "show_encodings"]
 
 
 class CachedKeyTerm(metaclass=FormInterface):
@@ -77,6 +84,104 @@ class CachedTable(metaclass=FormInterface):
     def with_cache_table(self, table): ...
 
 
+def check_cache_dtype(dtype):
+    """``dtype`` as a NumPy dtype, or an error naming it: a cache stores keys and values, which are
+    floating point (``float32``, ``bfloat16``, ``float16``); an integer or boolean cache would round
+    them to whole numbers and decode wrong logits without a word."""
+    try:
+        resolved = np.dtype(jnp.dtype(dtype))
+    except TypeError:
+        raise TypeError(
+            f"dtype must be a floating dtype for the cached keys and values, got {dtype!r}; pass jnp.float32 "
+            f"(or jnp.bfloat16 to halve the cache)"
+        ) from None
+    if not jnp.issubdtype(resolved, jnp.floating):
+        raise ValueError(
+            f"dtype must be a floating dtype for the cached keys and values, got {resolved.name}: the keys and "
+            f"values would be rounded to {resolved.name} and decode wrong logits; pass jnp.float32 (or jnp.bfloat16 "
+            f"to halve the cache)"
+        )
+    return resolved
+
+
+def show_encodings(encodings) -> str:
+    """Encodings (configs' reprs) as a message shows them: ``[RoPE(...), ALiBi(...)]``."""
+    return f"[{', '.join(encodings)}]"
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class CacheRecord:
+    """What a :class:`KVCache` was made for: a static part of its pytree (no arrays), compared before tracing.
+
+    Attributes:
+      encodings: the layer's own encodings, as their configs' reprs (``("RoPE(...)",)``; ``()``: none).
+      num_heads, num_kv_heads, head_dim: the layer's query heads, key/value heads and head size.
+      dtype: the cached keys' and values' dtype, by name.
+      max_length: the slots the cache was made with.
+      model: the encodings of the :class:`~posenc_jax.nn.Transformer` that made it (all of them,
+        those outside the attention included), or None when a layer made it.
+      layer: the model's layer it was made for (None when a layer made it).
+
+    Example:
+      >>> record = CacheRecord(("RoPE(theta=10000.0)",), 4, 2, 8, "float32", 16)
+      >>> record.differences(CacheRecord((), 4, 2, 8, "float32", 16))
+      ['encodings [RoPE(theta=10000.0)] there, [] here']
+    """
+
+    encodings: tuple[str, ...]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    max_length: int
+    model: tuple[str, ...] | None = None
+    layer: int | None = None
+
+    def differences(self, here: CacheRecord, fields=("encodings", "num_heads", "num_kv_heads", "head_dim")) -> list:
+        """``field <this record's> there, <here's> here`` for each of ``fields`` that differs."""
+        show = lambda value: show_encodings(value) if isinstance(value, tuple) else value
+        return [
+            f"{name} {show(getattr(self, name))} there, {show(getattr(here, name))} here"
+            for name in fields
+            if getattr(self, name) != getattr(here, name)
+        ]
+
+    def check(self, cache: KVCache, what: str, fix: str) -> None:
+        """Refuses ``cache`` (one line naming what differs, then ``fix``) when it was made for another layer
+        than the one this record describes, or when its arrays are not those it was made with.
+
+        ``what`` names the cache in the message (``"this cache"``, ``"caches[1]"``). A cache made by
+        :meth:`KVCache.empty` without a record carries none: only its arrays are checked then (a
+        floating dtype; the shapes are the caller's to check).
+        """
+        check_cache_arrays(cache, what, fix)
+        if cache.made_for is None:
+            return
+        differences = cache.made_for.differences(self)
+        if differences:
+            raise ValueError(f"{what} was made for another layer: {'; '.join(differences)}; {fix}")
+
+
+def check_cache_arrays(cache: KVCache, what: str, fix: str) -> None:
+    """A cache's keys and values are floating point, and have the dtype and slots its record says (static facts)."""
+    dtype = np.dtype(cache.key.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or cache.value.dtype != cache.key.dtype:
+        raise ValueError(
+            f"{what} holds keys of dtype {dtype.name} and values of dtype {np.dtype(cache.value.dtype).name}: a "
+            f"cache's keys and values are of one floating dtype (rounded to whole numbers they would decode wrong "
+            f"logits); {fix}"
+        )
+    record = cache.made_for
+    if record is None:
+        return
+    if record.dtype != dtype.name or record.max_length != cache.key.shape[1]:
+        raise ValueError(
+            f"{what} was made with {record.max_length} slots of {record.dtype} but holds {cache.key.shape[1]} of "
+            f"{dtype.name}: its arrays were changed after init_cache made it; {fix}"
+        )
+
+
 class KVCache(NamedTuple):
     """Keys and values decoded so far: ``key``/``value`` ``[B, L, K, H]``, ``positions`` ``[B, L]``,
     ``valid`` ``[B, L]`` (True where a slot holds a real token: the key mask of the cache),
@@ -86,7 +191,9 @@ class KVCache(NamedTuple):
     is empty or padding. ``tables``: one entry per entry of ``features``, the hook's
     :class:`CachedTable` pytree (None for a hook without one), computed by the first
     :meth:`append` that supplies them and unchanged after; ``tables_ready`` (boolean
-    scalar): whether they have been computed (until then they hold zeros).
+    scalar): whether they have been computed (until then they hold zeros). ``made_for``: the
+    :class:`CacheRecord` of the layer (and model) the cache was made for, a static part of the
+    pytree (``init_cache`` writes it; None for a cache made by hand with :meth:`empty`).
 
     Example:
       >>> cache = KVCache.empty(batch=1, max_length=4, num_kv_heads=2, head_dim=8)
@@ -126,6 +233,7 @@ class KVCache(NamedTuple):
     features: tuple = ()
     tables: tuple = ()
     tables_ready: jax.Array | bool = False
+    made_for: CacheRecord | None = None
 
     @classmethod
     def empty(
@@ -137,18 +245,33 @@ class KVCache(NamedTuple):
         dtype=jnp.float32,
         features=(),
         tables=(),
+        made_for: CacheRecord | None = None,
     ) -> KVCache:
         """An empty cache of ``max_length`` slots.
 
-        ``features``: a tuple of pytrees of ``jax.ShapeDtypeStruct`` ``[B, 1, ...]`` (the
-        per-key terms of one key, e.g. from ``jax.eval_shape``), each stored ``[B, L, ...]``.
-        ``tables``: empty, or one pytree of ``jax.ShapeDtypeStruct`` (or None) per entry of
-        ``features``, the shapes of the :class:`CachedTable` parts (zeros until the first write).
+        ``dtype``: the keys' and values' dtype, a floating one (an integer or boolean dtype is
+        refused: it would round them). ``features``: a tuple of pytrees of
+        ``jax.ShapeDtypeStruct`` ``[B, 1, ...]`` (the per-key terms of one key, e.g. from
+        ``jax.eval_shape``), each stored ``[B, L, ...]``. ``tables``: empty, or one pytree of
+        ``jax.ShapeDtypeStruct`` (or None) per entry of ``features``, the shapes of the
+        :class:`CachedTable` parts (zeros until the first write). ``made_for``: the layer's
+        :class:`CacheRecord` (a layer's ``init_cache`` gives it; by hand, None).
         """
         check_count("batch", batch)
         check_count("max_length", max_length, fix="the number of tokens the cache holds: prompt and new tokens")
         check_count("num_kv_heads", num_kv_heads)
         check_count("head_dim", head_dim)
+        dtype = check_cache_dtype(dtype)
+        if made_for is not None:
+            if not isinstance(made_for, CacheRecord):
+                raise TypeError(f"made_for must be a CacheRecord (or None), got {type(made_for).__name__}")
+            made = (made_for.num_kv_heads, made_for.head_dim, made_for.dtype, made_for.max_length)
+            if made != (num_kv_heads, head_dim, dtype.name, max_length):
+                raise ValueError(
+                    f"made_for records {made_for.num_kv_heads} key/value heads of {made_for.head_dim}, "
+                    f"{made_for.max_length} slots of {made_for.dtype}, but the cache has {num_kv_heads} of {head_dim}, "
+                    f"{max_length} of {dtype.name}; give the record of the cache made here"
+                )
         if tables and len(tables) != len(features):
             raise ValueError(
                 f"tables needs one entry per entry of features ({len(features)}), got {len(tables)}; pass None "
@@ -168,6 +291,7 @@ class KVCache(NamedTuple):
             stored,
             tuple(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), spec) for spec in tables),
             jnp.zeros((), jnp.bool_),
+            made_for,
         )
 
     def append(
@@ -225,14 +349,16 @@ class KVCache(NamedTuple):
             )
         valid = jnp.broadcast_to(jnp.asarray(valid), key.shape[:2])
 
-        def check(length):
+        def check(length, positions):
             if int(length) + new > capacity:
+                first, last = int(positions.min()), int(positions.max())
+                at = f"position {first}" if first == last else f"positions {first} to {last}"
                 raise ValueError(
-                    f"the KV cache holds {capacity} tokens; {int(length)} are filled and {new} more do not fit: "
-                    f"make it larger with init_cache(batch, max_length)"
+                    f"the KV cache holds {capacity} tokens; {int(length)} are filled and {new} more (at {at}) do not "
+                    f"fit: make it larger with init_cache(batch, max_length) with max_length >= {int(length) + new}"
                 )
 
-        check_values(check, self.length, within=(0, capacity - new + 1))
+        check_values(check, self.length, within=(0, capacity - new + 1), context=(positions,))
 
         # Positions say where each token is, and a key is seen by the queries at or after it: a new
         # token placed at or before one already cached would hide it, or be hidden by it, silently.
@@ -287,4 +413,5 @@ class KVCache(NamedTuple):
             tuple(jax.tree.map(update_feature, old, fresh) for old, fresh in zip(self.features, features, strict=True)),
             kept,
             ready,
+            self.made_for,
         )

@@ -1,0 +1,207 @@
+"""KV caches carry what they were made for, and a model or layer refuses a cache made for another.
+
+* Each cache records its layer's encodings, heads and head size, its dtype and slots, and (made by a
+  model) the model's encodings and its layer; a cache made for another encoding, head layout, model or
+  layer is refused before tracing, one line naming what differs and the fix.
+* ``init_cache`` refuses a dtype that is not floating (an int32 or bool cache rounded the keys and
+  values and decoded wrong logits without a word).
+* Decoding past the cache's end is one line naming the slots and the positions, in and out of jit.
+* Caches × models: a generator of caches made for other encodings, head layouts, head sizes, layer
+  counts, dtypes and lengths, fed to each model and layer kind; each is refused naming what differs,
+  or (made for the same model) decodes as the full forward pass does.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from posenc_jax.functional import KVCache
+from posenc_jax.functional.core.cache import CacheRecord
+from posenc_jax.functional.core.validation import reraise_check_errors
+from posenc_jax.nn import MultiHeadAttention, Transformer, decode_step, with_encoding
+from small_encodings import small_config
+
+VOCAB = 16
+
+
+def _model(encoding="rope", num_layers=2, num_heads=2, head_dim=8, num_kv_heads=None, seed=0):
+    return Transformer(
+        vocab_size=VOCAB,
+        model_dim=num_heads * head_dim,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        mlp_dim=32,
+        encoding=encoding,
+        causal=True,
+        rngs=nnx.Rngs(seed),
+    )
+
+
+def _layer(encodings=("rope",), num_heads=2, head_dim=8, num_kv_heads=None, model_dim=16, seed=0):
+    return MultiHeadAttention(
+        model_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, encodings=encodings, rngs=nnx.Rngs(seed)
+    )
+
+
+def _one_line(error) -> str:
+    message = str(error.value)
+    assert "\n" not in message and len(message) < 600, message
+    return message
+
+
+TOKENS = jnp.asarray([[3, 1, 4, 1, 5]], jnp.int32)
+POSITIONS = jnp.arange(5)[None]
+
+
+# ---------------------------------------------------------------- dtypes
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.bool_, jnp.uint8, jnp.int8, "int16"])
+def test_a_cache_of_integers_or_booleans_is_refused_naming_the_dtype(dtype):
+    name = np.dtype(dtype).name
+    message = rf"dtype must be a floating dtype for the cached keys and values, got {name}: .* pass jnp.float32"
+    for make in (
+        lambda: _model().init_cache(1, 8, dtype=dtype),
+        lambda: _layer().init_cache(1, 8, dtype=dtype),
+        lambda: KVCache.empty(1, 8, 2, 8, dtype=dtype),
+    ):
+        with pytest.raises(ValueError, match=message) as error:
+            make()
+        _one_line(error)
+    with pytest.raises(TypeError, match=r"dtype must be a floating dtype .* got 'floaty'"):
+        _model().init_cache(1, 8, dtype="floaty")
+
+
+def test_a_cache_whose_arrays_became_integers_is_refused():
+    model = _model()
+    caches = model.init_cache(1, 8)
+    caches[1] = caches[1]._replace(key=caches[1].key.astype(jnp.int32), value=caches[1].value.astype(jnp.int32))
+    with pytest.raises(ValueError, match=r"caches\[1\] holds keys of dtype int32 and values of dtype int32") as error:
+        model.decode(TOKENS, POSITIONS, caches)
+    assert "init_cache(1, max_length)" in _one_line(error)
+    plain = [KVCache.empty(1, 8, 2, 8)._replace(key=jnp.zeros((1, 8, 2, 8), jnp.bool_)) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"caches\[0\] holds keys of dtype bool"):
+        model.decode(TOKENS, POSITIONS, plain)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_a_half_precision_cache_decodes_close_to_the_full_forward(dtype):
+    model = _model()
+    full = model(TOKENS, POSITIONS)
+    caches = model.init_cache(1, 8, dtype=dtype)
+    assert caches[0].key.dtype == dtype and caches[0].made_for.dtype == np.dtype(dtype).name
+    first, caches = model.decode(TOKENS[:, :3], POSITIONS[:, :3], caches)
+    then, caches = model.decode(TOKENS[:, 3:], POSITIONS[:, 3:], caches)
+    np.testing.assert_allclose(jnp.concatenate([first, then], 1), full, atol=5e-2)
+
+
+# ---------------------------------------------------------------- what a cache was made for
+
+
+def test_a_cache_records_what_it_was_made_for():
+    model = _model(["rope", "alibi"], num_heads=4, num_kv_heads=2)
+    caches = model.init_cache(1, 8, dtype=jnp.bfloat16)
+    rope = repr(model.blocks[0].attention.encodings[0].config)
+    assert [cache.made_for.layer for cache in caches] == [0, 1]
+    record = caches[1].made_for
+    assert record == CacheRecord((rope,), 4, 2, 8, "bfloat16", 8, tuple(model.describe()["encodings"]), 1)
+    # Static: no leaf of the pytree, and kept through jit, appends and tree maps.
+    assert len(jax.tree.leaves(caches[0])) == len(jax.tree.leaves(caches[0]._replace(made_for=None)))
+    _, after = jax.jit(lambda c: model.decode(TOKENS, POSITIONS, c))(caches)
+    assert [cache.made_for for cache in after] == [cache.made_for for cache in caches]
+    assert jax.tree.map(lambda x: x, caches[0]).made_for == caches[0].made_for
+    layer = _layer(num_heads=4, num_kv_heads=1)
+    assert layer.init_cache(2, 6).made_for == CacheRecord((rope,), 4, 1, 8, "float32", 6)
+    assert KVCache.empty(1, 4, 1, 2).made_for is None
+
+
+def test_a_cache_made_by_a_rope_model_is_refused_by_a_nope_model():
+    rope, nope = _model("rope"), _model("nope")
+    _, caches = rope.decode(TOKENS[:, :3], POSITIONS[:, :3], rope.init_cache(1, 8))
+    for decode in (nope.decode, decode_step(nope)):
+        with pytest.raises(
+            ValueError, match=r"caches\[0\] was made for another model: encodings \[RoPE\(base"
+        ) as error:
+            decode(TOKENS[:, 3:], POSITIONS[:, 3:], caches)
+        assert "[NoPE()] here; make the caches with this model's init_cache(1, max_length)" in _one_line(error)
+
+
+def test_a_layer_refuses_a_cache_made_for_another_layer_naming_what_differs():
+    x = jnp.ones((1, 3, 16))
+    cases = [
+        (_layer(["rope"]), _layer([]), r"encodings \[RoPE\(.*\)\] there, \[\] here"),
+        (_layer(["rope"]), _layer(["xpos"]), r"encodings \[RoPE\(.*\)\] there, \[XPos\(.*\)\] here"),
+        # The same keys' shape, another number of query heads: the record tells them apart.
+        (_layer(num_heads=4, num_kv_heads=2), _layer(num_heads=2), r"num_heads 4 there, 2 here"),
+    ]
+    for maker, taker, differs in cases:
+        _, cache = maker(x, jnp.arange(3), causal=True, cache=maker.init_cache(1, 8))
+        with pytest.raises(ValueError, match=rf"this cache was made for another layer: {differs}") as error:
+            taker(x[:, :1], jnp.arange(3, 4), causal=True, cache=cache)
+        assert _one_line(error).endswith("make the cache with this layer's init_cache(batch, max_length)")
+
+
+def test_a_models_cache_and_a_layers_cache_are_not_interchangeable():
+    model = _model("rope")
+    layer = model.blocks[0].attention
+    x = jnp.ones((1, 3, 16))
+    with pytest.raises(ValueError, match=r"this cache was made by a Transformer for its layer 0 .*decode with that"):
+        layer(x, jnp.arange(3), causal=True, cache=model.init_cache(1, 8)[0])
+    own = [block.attention.init_cache(1, 8) for block in model.blocks]
+    with pytest.raises(ValueError, match=r"caches\[0\] was made by a layer's init_cache, not by a model's"):
+        model.decode(TOKENS, POSITIONS, own)
+    # A cache made by hand (KVCache.empty) records nothing: only its shapes and dtype are checked.
+    logits, _ = model.decode(TOKENS, POSITIONS, [KVCache.empty(1, 8, 2, 8) for _ in range(2)])
+    np.testing.assert_allclose(logits, model(TOKENS, POSITIONS), atol=2e-4, rtol=1e-4)
+
+
+def test_caches_out_of_order_or_filled_apart_are_refused_in_and_out_of_jit():
+    model = _model("rope")
+    step = decode_step(model, donate=False)
+    _, early = step(TOKENS[:, :3], POSITIONS[:, :3], model.init_cache(1, 8))
+    _, late = step(TOKENS[:, 3:4], POSITIONS[:, 3:4], early)
+    for decode in (model.decode, step):
+        with pytest.raises(ValueError, match=r"caches\[0\] was made for layer 1 of this model, not layer 0"):
+            decode(TOKENS[:, 4:], POSITIONS[:, 4:], late[::-1])
+        with pytest.raises(ValueError, match=r"the caches are filled to \[4, 3\] tokens, layer by layer") as error:
+            decode(TOKENS[:, 4:], POSITIONS[:, 4:], [late[0], early[1]])
+        _one_line(error)
+    with pytest.raises(ValueError, match=r"the caches hold 8, 6 slots, layer by layer"):
+        model.decode(TOKENS, POSITIONS, [model.init_cache(1, 8)[0], model.init_cache(1, 6)[1]])
+
+
+def test_a_model_after_an_encoding_swap_refuses_the_caches_made_before():
+    trained = _model("rope")
+    swapped = with_encoding(trained, small_config("rope-yarn"))
+    _, caches = trained.decode(TOKENS[:, :3], POSITIONS[:, :3], trained.init_cache(1, 8))
+    with pytest.raises(ValueError, match=r"caches\[0\] was made for another model: encodings \[RoPE\(base"):
+        swapped.decode(TOKENS[:, 3:], POSITIONS[:, 3:], caches)
+
+
+# ---------------------------------------------------------------- past the end
+
+
+def test_decoding_past_the_cache_names_its_slots_and_the_position_in_and_out_of_jit():
+    model = _model("rope")
+    step = decode_step(model, donate=False)
+    for decode in (model.decode, step):
+        _, caches = decode(TOKENS[:, :4], POSITIONS[:, :4], model.init_cache(1, 4))
+        with pytest.raises(ValueError) as error:  # the library's own error, not JAX's runtime error
+            decode(TOKENS[:, 4:], POSITIONS[:, 4:], caches)
+        assert _one_line(error) == (
+            "the KV cache holds 4 tokens; 4 are filled and 1 more (at position 4) do not fit: make it larger with "
+            "init_cache(batch, max_length) with max_length >= 5"
+        )
+    # One's own model of the library's layers, under one's own jit: the same line, first, inside
+    # reraise_check_errors (without it JAX's runtime error carries it further down).
+    layer = _layer()
+    attend = nnx.jit(lambda layer, x, positions, cache: layer(x, positions, causal=True, cache=cache))
+    _, cache = attend(layer, jnp.ones((1, 3, 16)), jnp.arange(3, 6), layer.init_cache(1, 4))
+    with pytest.raises(ValueError) as error, reraise_check_errors():
+        jax.block_until_ready(attend(layer, jnp.ones((1, 2, 16)), jnp.arange(7, 9), cache))
+    assert _one_line(error).startswith(
+        "the KV cache holds 4 tokens; 3 are filled and 2 more (at positions 7 to 8) do not fit"
+    )
