@@ -10,13 +10,17 @@ Each step is a folder of three orbax items: ``model``, ``optimizer`` (when saved
 
 * ``model``: the model's ``describe()`` (a :class:`~posenc_jax.nn.Transformer`'s settings
   and encoding configs), when the model has that method;
+* ``encodings``: for any model, one's own included, each of its encoding modules
+  (:class:`~posenc_jax.nn.PositionEncoding`, by path: its config) and attention layers
+  (:class:`~posenc_jax.nn.MultiHeadAttention`: its heads and head size), since an encoding
+  without parameters (RoPE) or another head layout leaves the arrays' shapes unchanged;
 * ``config``: the dict the caller passed to ``save(..., config=...)``;
 * ``arrays``: for every saved array, its path, shape, dtype and the sha256 of its bytes,
   computed on the host as it is saved.
 
 Before :meth:`Checkpointer.restore` changes anything it checks, in order, that the step
-exists; that the model's ``describe()`` and the ``config`` it is given equal the
-recorded ones; that the arrays have the recorded paths, shapes and dtypes; and, after
+exists; that the model's ``describe()``, its encodings and attention layers and the
+``config`` it is given equal the recorded ones; that the arrays have the recorded paths, shapes and dtypes; and, after
 reading them, that every array has its recorded sha256 and that none holds NaN or inf
 (a run that had diverged; ``allow_nonfinite=True`` loads it to look at). A mismatch is a
 :class:`CheckpointError`, a damaged step a :class:`DamagedCheckpointError` (both are
@@ -51,6 +55,8 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from posenc_jax.functional.core.validation import check_count
+from posenc_jax.nn.attention import MultiHeadAttention
+from posenc_jax.nn.encoding import PositionEncoding
 
 __all__ = ["CheckpointError", "Checkpointer", "DamagedCheckpointError", "check_finite"]
 
@@ -300,6 +306,22 @@ class Checkpointer:
     def _description(model):
         return _as_json(model.describe(), "the model's describe()") if isinstance(model, Describes) else None
 
+    @staticmethod
+    def _encodings(model) -> dict[str, str]:
+        """Each encoding module of ``model`` (its config's repr) and attention layer (its heads and head
+        size), by path: what restoring into another model would change without changing an array's shape."""
+        found = {}
+        for path, module in nnx.iter_modules(model):
+            name = "/".join(map(str, path)) or "the model"
+            if isinstance(module, PositionEncoding):
+                found[name] = repr(module.config)
+            elif isinstance(module, MultiHeadAttention):
+                found[name] = (
+                    f"MultiHeadAttention(num_heads={module.num_heads}, num_kv_heads={module.num_kv_heads}, "
+                    f"head_dim={module.head_dim})"
+                )
+        return dict(sorted(found.items()))
+
     def save(
         self, step: int, model: nnx.Module, optimizer: nnx.Optimizer | None = None, *, config: Mapping | None = None
     ) -> None:
@@ -318,6 +340,7 @@ class Checkpointer:
         meta = {
             "format": _FORMAT,
             "model": self._description(model),
+            "encodings": self._encodings(model),
             "config": None if config is None else _as_json(dict(config), "config"),
         }
         state = self._state(model, optimizer)
@@ -439,6 +462,14 @@ class Checkpointer:
                 f"{self._where(step)} was saved from another model: "
                 f"{_listed(_differences(meta['model'], described))}; restore into a model built as it was "
                 f"saved (copy its parameters with nnx.update to try another)"
+            )
+        recorded = meta.get("encodings")  # absent from checkpoints saved before it was recorded
+        encodings = self._encodings(model)
+        if recorded is not None and recorded != encodings:
+            raise CheckpointError(
+                f"{self._where(step)} was saved from a model with other encodings or attention layers: "
+                f"{_listed(_differences(recorded, encodings))}; restore into a model built with the encodings it "
+                f"was saved with (copy its parameters with nnx.update to try another)"
             )
         if config is not None:
             wanted = _as_json(dict(config), "config")

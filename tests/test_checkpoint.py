@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from posenc_jax.checkpoint import Checkpointer, check_finite
-from posenc_jax.nn import Transformer
+from posenc_jax.nn import MultiHeadAttention, Transformer
 from posenc_jax.training import make_optimizer
 
 KW = dict(vocab_size=16, model_dim=16, num_layers=2, num_heads=2, mlp_dim=32, causal=True)
@@ -153,6 +153,49 @@ def test_another_encoding_of_the_same_shapes_is_refused_naming_both(tmp_path):
         ckpt.restore(_model(encoding="alibi"))
     message = _one_line(error)
     assert "RoPE(base=10000.0" in message and "ALiBi(bidirectional=None)" in message
+
+
+class OwnModel(nnx.Module):
+    """One's own model of the library's attention (no describe()): a checkpoint of it records its encodings."""
+
+    def __init__(self, encodings=("rope",), num_heads=2, num_kv_heads=None, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.embed = nnx.Embed(16, 16, rngs=rngs)
+        self.attention = MultiHeadAttention(16, num_heads, num_kv_heads=num_kv_heads, encodings=encodings, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.attention(self.embed(tokens), np.arange(tokens.shape[1]), causal=True)
+
+
+def test_ones_own_model_is_refused_a_checkpoint_of_other_encodings_or_heads_of_the_same_shapes(tmp_path):
+    ckpt = Checkpointer(tmp_path / "own")
+    saved = OwnModel()
+    ckpt.save(1, saved)
+    meta = json.loads((tmp_path / "own" / "1" / "meta" / "metadata").read_text())
+    assert meta["encodings"] == {
+        "attention": "MultiHeadAttention(num_heads=2, num_kv_heads=2, head_dim=8)",
+        "attention/encodings/0": repr(saved.attention.encodings[0].config),
+    }
+    # RoPE and NoPE, xPos, or 2 heads of 8 and 4 of 4, hold arrays of the same shapes: the layout check passes them.
+    for other, named in (
+        (OwnModel(encodings=()), r"attention/encodings/0=\"RoPE\(base=10000.0.*\" there, '<unset>' here"),
+        (OwnModel(encodings=("xpos",)), r"attention/encodings/0=\"RoPE\(base.*\" there, \"XPos\(.*\" here"),
+        (OwnModel(num_heads=4), r"attention='MultiHeadAttention\(num_heads=2, .*' there, '.*num_heads=4, "),
+    ):
+        before = _outputs_of(other)
+        with pytest.raises(ValueError, match=r"step 1 in .*own was saved from a model with other encodings") as error:
+            ckpt.restore(other)
+        message = _one_line(error)
+        assert re.search(named, message), message
+        assert "restore into a model built with the encodings it was saved with" in message
+        np.testing.assert_array_equal(_outputs_of(other), before)  # nothing changed
+    fresh = OwnModel(seed=1)
+    assert ckpt.restore(fresh) == 1
+    np.testing.assert_array_equal(_outputs_of(fresh), _outputs_of(saved))
+
+
+def _outputs_of(model):
+    return np.asarray(model(TOKENS[:1]))
 
 
 def test_the_callers_config_is_recorded_and_checked(tmp_path):
