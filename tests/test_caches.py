@@ -11,13 +11,15 @@
   or (made for the same model) decodes as the full forward pass does.
 """
 
+import random
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from posenc_jax.functional import KVCache
+from posenc_jax.functional import KVCache, encoding_info, encoding_names
 from posenc_jax.functional.core.cache import CacheRecord
 from posenc_jax.functional.core.validation import reraise_check_errors
 from posenc_jax.nn import MultiHeadAttention, Transformer, decode_step, with_encoding
@@ -205,3 +207,147 @@ def test_decoding_past_the_cache_names_its_slots_and_the_position_in_and_out_of_
     assert _one_line(error).startswith(
         "the KV cache holds 4 tokens; 3 are filled and 2 more (at positions 7 to 8) do not fit"
     )
+
+
+# ---------------------------------------------------------------- caches × models
+
+FUZZ_DRAWS = 40
+DECODED = 4  # draws that decode and compare with the full forward; the others taken are traced only
+FLOATS = ("float32", "bfloat16", "float16")
+NOT_FLOATS = ("int32", "bool", "uint8")
+# What a draw may change between the cache's maker and the model or layer given the cache, and the words the
+# refusal must use for it: the model's side (encodings, heads, head size, layers, model or layer) must be
+# refused; the cache's own side (slots, a floating dtype) decodes.
+NAMED = {
+    "encoding": ("encodings",),
+    "heads": ("heads",),
+    "head_dim": ("head",),
+    "layers": ("layer",),
+    "kind": ("Transformer", "layer's init_cache"),
+}
+
+
+def _draw_side(rng: random.Random, kind: str) -> dict:
+    """One model or layer, drawn: its encoding (from every registered one, so a new encoding is drawn
+    without being listed), heads (query and key/value), head size and layers."""
+    names = [
+        n
+        for n in encoding_names()
+        if "causal" in encoding_info(n).forms
+        and (kind == "model" or encoding_info(n).acts_on in ("attention", "shared_bias"))
+    ]
+    num_heads = rng.choice((2, 4))
+    return {
+        "kind": kind,
+        "encoding": rng.choice(names),
+        "heads": (num_heads, rng.choice([k for k in (1, 2, 4) if num_heads % k == 0])),
+        "head_dim": rng.choice((8, 16)),
+        "layers": rng.choice((1, 2)) if kind == "model" else 1,
+    }
+
+
+def _draws(rng: random.Random):
+    """(maker, taker, cache's dtype, cache's slots, what differs): a cache made for ``maker`` given to ``taker``,
+    equal to it or differing in one or two things."""
+    for _ in range(FUZZ_DRAWS):
+        maker = _draw_side(rng, rng.choice(("model", "layer")))
+        taker = dict(maker)
+        changes = rng.choice((0, 1, 1, 2, 2))
+        for field in rng.sample(sorted(NAMED), changes):
+            kind = taker["kind"] if field != "kind" else {"model": "layer", "layer": "model"}[taker["kind"]]
+            other = _draw_side(rng, kind)
+            taker[field] = other[field]
+            if field == "kind":
+                taker["layers"], taker["encoding"] = other["layers"], other["encoding"]
+        dtype = rng.choice(FLOATS * 3 + NOT_FLOATS)
+        differs = sorted(field for field in NAMED if taker[field] != maker[field])
+        yield maker, taker, dtype, rng.choice((5, 8)), differs
+
+
+def _build(side: dict):
+    config = small_config(side["encoding"])
+    num_heads, num_kv_heads = side["heads"]
+    if side["kind"] == "model":
+        return _model(config, side["layers"], num_heads, side["head_dim"], num_kv_heads)
+    return _layer([config], num_heads, side["head_dim"], num_kv_heads)
+
+
+def _inputs(side: dict):
+    """The tokens (a model's) or the layer's input ``[1, 5, 16]``, the same for every draw."""
+    if side["kind"] == "model":
+        return TOKENS
+    return jnp.asarray(np.random.default_rng(56).normal(size=(1, 5, 16)), jnp.float32)
+
+
+def _decode(module, inputs, positions, cache):
+    """A model's decode, or a layer's call with a cache, on a cache (a model's list, or one)."""
+    if isinstance(module, Transformer):
+        caches = cache if isinstance(cache, list) else [cache] * len(module.blocks)
+        return module.decode(inputs, positions, caches)
+    return module(inputs, positions, causal=True, cache=cache[0] if isinstance(cache, list) else cache)
+
+
+def _full(module, inputs):
+    if isinstance(module, Transformer):
+        return module(inputs, POSITIONS)
+    return module(inputs, POSITIONS, causal=True)
+
+
+# Compiled: a draw that decodes runs three programs, each once (an eager model call compiles every operation).
+_decode_jit, _full_jit = nnx.jit(_decode), nnx.jit(_full)
+
+
+def _traced(module, inputs, positions, cache):
+    """Whether the module takes the cache: its decode traced only (every check of a static fact runs, nothing
+    computes), so a draw that is refused costs no compilation."""
+    graphdef, state = nnx.split(module)
+    jax.eval_shape(lambda state, cache: _decode(nnx.merge(graphdef, state), inputs, positions, cache), state, cache)
+
+
+@pytest.mark.long
+def test_fuzz_caches_made_for_another_model_or_layer_are_refused_naming_it():
+    rng = random.Random(56)
+    seen = {"refused": 0, "taken": 0, "decoded": 0, "skipped": 0, "dtype": 0}
+    for maker_side, taker_side, dtype, slots, differs in _draws(rng):
+        where = f"cache of {dtype}, {slots} slots, made for {maker_side}, given to {taker_side}"
+        try:
+            maker, taker = _build(maker_side), _build(taker_side)
+        except ValueError:  # a setting the encoding refuses at this size (LongRoPE's factors, say): no draw
+            seen["skipped"] += 1
+            continue
+        if dtype in NOT_FLOATS:
+            with pytest.raises(ValueError, match=rf"dtype must be a floating dtype .* got {dtype}") as error:
+                maker.init_cache(1, slots, dtype=dtype)
+            _one_line(error)
+            seen["dtype"] += 1
+            continue
+        prompt, rest = _inputs(maker_side), _inputs(taker_side)
+        own = taker.init_cache(1, slots, dtype=dtype)
+        try:  # an encoding that never decodes with a cache (randomized positions, say) says so: no draw
+            _traced(taker, rest[:, 3:], POSITIONS[:, 3:], own)
+            _traced(maker, prompt[:, :3], POSITIONS[:, :3], maker.init_cache(1, slots, dtype=dtype))
+        except ValueError:
+            seen["skipped"] += 1
+            continue
+        cache = maker.init_cache(1, slots, dtype=dtype)
+        if differs:
+            with pytest.raises((ValueError, TypeError)) as error:
+                _traced(taker, rest[:, 3:], POSITIONS[:, 3:], cache)
+            message = _one_line(error)
+            assert "init_cache" in message, f"{where}: {message}"
+            assert any(word in message for field in differs for word in NAMED[field]), f"{where}: {message}"
+            seen["refused"] += 1
+            continue
+        # Made for this very model (the same settings, the same seed): the cache's own slots and dtype
+        # aside, it is taken, and (the first few, each three compilations) decodes a prompt and the tokens
+        # after it as the full forward pass does.
+        _traced(taker, rest[:, 3:], POSITIONS[:, 3:], cache)
+        seen["taken"] += 1
+        if seen["decoded"] == DECODED:
+            continue
+        _, cache = _decode_jit(maker, prompt[:, :3], POSITIONS[:, :3], cache)
+        out, _ = _decode_jit(taker, rest[:, 3:], POSITIONS[:, 3:], cache)
+        tolerance = 2e-4 if dtype == "float32" else 5e-2
+        np.testing.assert_allclose(out, _full_jit(taker, rest)[:, 3:], atol=tolerance, rtol=1e-4, err_msg=where)
+        seen["decoded"] += 1
+    assert seen["refused"] >= 12 and seen["decoded"] == DECODED and seen["dtype"] >= 4, seen
