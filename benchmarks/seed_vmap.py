@@ -30,13 +30,12 @@ from posenc_jax.training import train_step
 
 
 def _cell(preset, task_name: str, encoding: str) -> Cell:
-    task = make_task(task_name)
-    return Cell(task_name, task, encoding, "softmax", preset.lengths(task))
+    return Cell(preset.resolve(make_task(task_name)), encoding, "softmax")
 
 
 def _models(cell, preset, seeds):
-    configs = encodings_for(cell.encoding, preset.model_dim // preset.num_heads, cell.train_tokens, cell.max_tokens)
-    return [build(cell, preset, configs, seed) for seed in seeds]
+    configs = encodings_for(cell.encoding, cell.settings.head_dim, cell.train_tokens, cell.max_tokens)
+    return [build(cell, configs, seed) for seed in seeds]
 
 
 def _one_by_one(cell, preset, seeds, pairs, steps, first):
@@ -45,7 +44,7 @@ def _one_by_one(cell, preset, seeds, pairs, steps, first):
     loss = None
     for seed, (model, optimizer) in zip(seeds, pairs, strict=True):
         for step in range(first, first + steps):
-            batch = {k: np.asarray(v) for k, v in train_batch(cell.task, preset, seed, step, cell.lengths).items()}
+            batch = {k: np.asarray(v) for k, v in train_batch(cell.settings, seed, step).items()}
             loss = train_step(model, optimizer, batch)
     jax.block_until_ready(loss)
     return time.perf_counter() - began
@@ -55,7 +54,7 @@ def _together(cell, preset, seeds, group, steps, first):
     began = time.perf_counter()
     losses = None
     for step in range(first, first + steps):
-        per_seed = [train_batch(cell.task, preset, seed, step, cell.lengths) for seed in seeds]
+        per_seed = [train_batch(cell.settings, seed, step) for seed in seeds]
         losses = group.step({name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]})
     jax.block_until_ready(losses)
     return time.perf_counter() - began

@@ -57,10 +57,8 @@ def _preset(cell: str, small: bool):
 
 def _cell(cell: str, preset, corpus: str | None) -> Cell:
     if cell == "text":
-        task = make_task("text", corpus=corpus)
-        return Cell("text", task, "rope", "softmax", preset.lengths(task))
-    task = make_task("copy", format="paper")
-    return Cell("copy", task, "rope", "softmax", preset.lengths(task))
+        return Cell(preset.resolve(make_task("text", corpus=corpus)), "rope", "softmax")
+    return Cell(preset.resolve(make_task("copy", format="paper")), "rope", "softmax")
 
 
 class Way:
@@ -71,9 +69,8 @@ class Way:
         self.cell, self.preset, self.seeds = cell, preset, list(seeds)
         self.batches, self.per_call = batches, per_call
         self.name = f"{batches}, {per_call}"
-        head_dim = preset.model_dim // preset.num_heads
-        configs = encodings_for(cell.encoding, head_dim, cell.train_tokens, cell.max_tokens)
-        pairs = [build(cell, preset, configs, seed) for seed in self.seeds]
+        configs = encodings_for(cell.encoding, cell.settings.head_dim, cell.train_tokens, cell.max_tokens)
+        pairs = [build(cell, configs, seed) for seed in self.seeds]
         self.group = SeedGroup([m for m, _ in pairs], [o for _, o in pairs])
         if batches == "device":
             self.make = DeviceBatches(cell.task, cell.lengths, preset.batch_size)
@@ -89,7 +86,7 @@ class Way:
             if self.batches == "device":
                 losses = self.group.train(self.make, self.data, self.keys, step, self.per_call)
             else:
-                per_seed = [train_batch(self.cell.task, self.preset, s, step, self.cell.lengths) for s in self.seeds]
+                per_seed = [train_batch(self.cell.settings, s, step) for s in self.seeds]
                 losses = self.group.step({name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]})
         jax.block_until_ready((losses, self.group.state))
         return time.perf_counter() - began

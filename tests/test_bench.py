@@ -124,12 +124,10 @@ def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
     assert _values(interrupted / "results.jsonl") == _values(reference / "results.jsonl")
 
 
-def _tiny_cell(encoding="rope+randomized"):
-    preset = dataclasses.replace(presets.PRESETS["smoke"], dropout_rate=0.1)
-    task = make_task("counting_copy")
-    cell = bench_cell.Cell("counting_copy", task, encoding, "softmax", preset.lengths(task))
-    head_dim = preset.model_dim // preset.num_heads
-    configs = bench_cell.encodings_for(encoding, head_dim, cell.train_tokens, cell.max_tokens)
+def _tiny_cell(encoding="rope+randomized", preset=None):
+    preset = preset or dataclasses.replace(presets.PRESETS["smoke"], dropout_rate=0.1)
+    cell = bench_cell.Cell(preset.resolve(make_task("counting_copy")), encoding, "softmax")
+    configs = bench_cell.encodings_for(encoding, cell.settings.head_dim, cell.train_tokens, cell.max_tokens)
     return preset, cell, configs
 
 
@@ -143,17 +141,17 @@ def _seeds_together_against_one_by_one(batched):
     seeds, steps = (0, 1, 2), 4
     reference = {}
     for seed in seeds:
-        model, optimizer = bench_cell.build(cell, preset, configs, seed)
-        batches = [bench_cell.train_batch(cell.task, preset, seed, k, cell.lengths) for k in range(steps)]
+        model, optimizer = bench_cell.build(cell, configs, seed)
+        batches = [bench_cell.train_batch(cell.settings, seed, k) for k in range(steps)]
         losses = [float(train_step(model, optimizer, batch)) for batch in batches]
         reference[seed] = (np.array(losses, np.float32), _leaves(model))
     # Not vacuous: the seeds' models differ from one another.
     assert not all(np.array_equal(a, b) for a, b in zip(reference[0][1], reference[1][1], strict=True))
-    pairs = [bench_cell.build(cell, preset, configs, seed) for seed in seeds]
+    pairs = [bench_cell.build(cell, configs, seed) for seed in seeds]
     group = bench_cell.SeedGroup([m for m, _ in pairs], [o for _, o in pairs], batched=batched)
     together = []
     for k in range(steps):
-        per_seed = [bench_cell.train_batch(cell.task, preset, seed, k, cell.lengths) for seed in seeds]
+        per_seed = [bench_cell.train_batch(cell.settings, seed, k) for seed in seeds]
         together.append(np.asarray(group.step({n: np.stack([b[n] for b in per_seed]) for n in per_seed[0]})))
     together = np.array(together)
     for i, seed in enumerate(seeds):
@@ -192,7 +190,7 @@ def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotio
 
 def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_promotion):
     preset = dataclasses.replace(presets.PRESETS["smoke"], steps=5, checkpoint_every=5)
-    _, cell, _ = _tiny_cell("alibi")
+    _, cell, _ = _tiny_cell("alibi", preset)
     bars = []
 
     class Bar:
@@ -213,11 +211,10 @@ def test_the_first_step_is_not_in_the_cells_progress_bar(tmp_path, standard_prom
     todo = {0: [(None, 2)], 1: [(None, 6)]}
     records = bench_cell.train_and_evaluate(
         cell,
-        preset,
         [0, 1],
         todo,
         out=tmp_path,
-        settings="test",
+        fingerprint="test",
         write=rows.append,
         criterion=bench_cell.Criterion(0.95, higher_is_better=True),
         bar=Bar,
@@ -756,10 +753,12 @@ def test_hybrids_with_randomized_positions_run_and_are_sized_from_the_sampler(tm
 
 def test_eval_only_variants_are_structured_and_sized_per_length():
     preset = presets.PRESETS["cpu-full"]
-    variants = preset.eval_variants("copy", "rope", "softmax")
+    copy = preset.resolve(preset.task("copy"))
+    variants = copy.variants("rope", "softmax")
     assert [v.label for v in variants] == ["rope+pi@eval", "rope+ntk@eval", "rope+yarn@eval"]
-    assert preset.eval_variants("copy", "alibi", "softmax") == () and preset.eval_variants("copy", "rope", "l2") == ()
-    assert presets.PRESETS["cpu"].eval_variants("counting_copy", "rope", "softmax") == ()
+    assert copy.variants("alibi", "softmax") == () and copy.variants("rope", "l2") == ()
+    cpu = presets.PRESETS["cpu"]
+    assert cpu.resolve(cpu.task("counting_copy")).variants("rope", "softmax") == ()
     yarn = variants[2].config(train_tokens=21, eval_tokens=84, head_dim=16)
     assert (yarn.scaling.factor, yarn.scaling.original_context) == (4.0, 21)
 
@@ -806,7 +805,7 @@ def test_the_time_left_scales_the_cost_model_of_the_cells_left_by_the_pace_so_fa
 
 
 def test_the_readmes_preset_times_are_the_cost_models_as_help_prints_them(capsys):
-    from posenc_jax.bench.cli import estimate
+    from posenc_jax.bench.cost import estimate
 
     readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
     rows = dict(re.findall(r"^\| `([a-z-]+)` \|.*\| ([^|]+) \|$", readme, re.M))

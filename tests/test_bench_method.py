@@ -288,6 +288,9 @@ def test_preset_settings_of_the_method_are_checked():
         dataclasses.replace(cpu, warmup_fraction=1.0).validate()
     tuned = dataclasses.replace(cpu, task_overrides=(("text", (("steps", 77),)),))
     assert tuned.for_task("text").steps == 77 and tuned.for_task("counting_copy").steps == cpu.steps
+    # The runner's resolved settings carry them, once: the cells read nothing else of the preset.
+    assert tuned.resolve(tuned.task("text")).steps == 77
+    assert tuned.resolve(tuned.task("counting_copy")).steps == cpu.steps
 
 
 def test_fine_tuned_scalings_follow_the_published_protocol(standard_promotion):
@@ -296,15 +299,17 @@ def test_fine_tuned_scalings_follow_the_published_protocol(standard_promotion):
     from posenc_jax.bench.presets import EvalVariant
 
     preset = dataclasses.replace(presets.PRESETS["smoke"], finetune_steps=2, finetune_multiple=4)
-    labels = [v.label for v in preset.eval_variants("text", "rope", "softmax")]
-    assert labels[-4:] == ["rope@ft", "rope+pi@ft", "rope+ntk@ft", "rope+yarn@ft"]
-    assert not any(v.protocol == "finetune" for v in preset.eval_variants("counting_copy", "rope", "softmax"))
     task = make_task("text")
-    here = cell.Cell("text", task, "rope", "softmax", preset.lengths(task))
-    configs = cell.encodings_for("rope", preset.model_dim // preset.num_heads, here.train_tokens, here.max_tokens)
-    model = cell.build_model(task, preset, configs, seed=0)
+    settings = preset.resolve(task)
+    labels = [v.label for v in settings.variants("rope", "softmax")]
+    assert labels[-4:] == ["rope@ft", "rope+pi@ft", "rope+ntk@ft", "rope+yarn@ft"]
+    counting = preset.resolve(make_task("counting_copy"))
+    assert not any(v.protocol == "finetune" for v in counting.variants("rope", "softmax"))
+    here = cell.Cell(settings, "rope", "softmax")
+    configs = cell.encodings_for("rope", settings.head_dim, here.train_tokens, here.max_tokens)
+    model = cell.build_model(task, settings, configs, seed=0)
     before = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
-    tuned = cell.finetuned(model, here, preset, EvalVariant("rope", "rope-pi", "finetune"), seed=0)
+    tuned = cell.finetuned(model, here, EvalVariant("rope", "rope-pi", "finetune"), seed=0)
     after = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))  # the trained model is untouched
     changed = [np.asarray(x) for x in jax.tree.leaves(nnx.state(tuned, nnx.Param))]
@@ -318,13 +323,12 @@ def test_a_seed_that_learned_keeps_its_state_while_the_others_train_on(standard_
     from flax import nnx
 
     preset = presets.PRESETS["smoke"]
-    task = make_task("counting_copy")
-    here = cell.Cell("counting_copy", task, "nope", "softmax", preset.lengths(task))
-    configs = cell.encodings_for("nope", preset.model_dim // preset.num_heads, here.train_tokens, here.max_tokens)
-    built = [cell.build(here, preset, configs, seed) for seed in (0, 1)]
+    here = cell.Cell(preset.resolve(make_task("counting_copy")), "nope", "softmax")
+    configs = cell.encodings_for("nope", here.settings.head_dim, here.train_tokens, here.max_tokens)
+    built = [cell.build(here, configs, seed) for seed in (0, 1)]
     group = cell.SeedGroup([m for m, _ in built], [o for _, o in built])
     before = [jax.tree.leaves(nnx.state(group.seed(i)[0], nnx.Param)) for i in (0, 1)]
-    batches = [cell.train_batch(task, preset, seed, 0, here.lengths) for seed in (0, 1)]
+    batches = [cell.train_batch(here.settings, seed, 0) for seed in (0, 1)]
     group.step({k: np.stack([b[k] for b in batches]) for k in batches[0]}, frozen=[True, False])
     after = [jax.tree.leaves(nnx.state(group.seed(i)[0], nnx.Param)) for i in (0, 1)]
     assert all(np.array_equal(a, b) for a, b in zip(before[0], after[0], strict=True))
@@ -334,12 +338,12 @@ def test_a_seed_that_learned_keeps_its_state_while_the_others_train_on(standard_
 def test_the_text_criterion_compares_with_the_ngram_on_the_same_characters():
     task = make_task("text")
     known = {"ngram": [{"order": 3, "smoothing": "kneser_ney", "bits_per_char": 2.5}]}
-    text = extrapolate.criterion(presets.PRESETS["cpu"], task, known)
+    text = extrapolate.criterion(presets.PRESETS["cpu"].resolve(task), known)
     # Trains until 0.2 bits per character below the n-gram model (text_margin), not merely below it.
     assert text.threshold == -0.2 and not text.higher_is_better and text.reference.shape == task.validation.shape
     assert text.met(-0.21) and not text.met(-0.19) and not text.met(0.0)
-    here = cell.Cell("text", task, "nope", "softmax", presets.PRESETS["smoke"].lengths(task))
-    batch = cell.check_batch(here, presets.PRESETS["smoke"], seed=0)
+    here = cell.Cell(presets.PRESETS["smoke"].resolve(task), "nope", "softmax")
+    batch = cell.check_batch(here, seed=0)
     window = batch["starts"][0]
     assert np.array_equal(batch["targets"][0], task.validation[window + 1 : window + 17])
 
@@ -376,10 +380,11 @@ def test_training_runs_a_margin_past_the_gate_it_is_read_by():
     # test examples (the budget search saw 4 of 10 such seeds fall below): the criterion asks
     # for learned_threshold + criterion_margin, the gate for learned_threshold alone.
     preset = presets.PRESETS["cpu"]
-    stop = extrapolate.criterion(preset, make_task("counting_copy"), {})
+    stop = extrapolate.criterion(preset.resolve(make_task("counting_copy")), {})
     assert stop.threshold == pytest.approx(0.98) and stop.met(0.98) and not stop.met(0.96)
     exact = dataclasses.replace(preset, learned_threshold=0.99, criterion_margin=0.03)
-    assert extrapolate.criterion(exact, make_task("counting_copy"), {}).threshold == 1.0  # capped at a perfect score
+    capped = extrapolate.criterion(exact.resolve(make_task("counting_copy")), {})
+    assert capped.threshold == 1.0  # capped at a perfect score
     with pytest.raises(ValueError, match="criterion_margin must be in"):
         dataclasses.replace(preset, criterion_margin=-0.1).validate()
     with pytest.raises(ValueError, match="text_margin must be in"):

@@ -161,7 +161,8 @@ def test_the_queue_is_the_issues_and_its_folders_hold_no_other_settings():
     assert len(entries["text-claims"].seeds) >= 10 and len(entries["rope-finetune"].seeds) >= 10
     assert entries["text-claims"].encodings == PRESETS["gpu-text"].encodings
     # PI and YaRN fine-tuned, and their control, are variants of the text RoPE cell.
-    labels = [v.label for v in PRESETS["gpu-text"].eval_variants("text", "rope", "softmax")]
+    text = PRESETS["gpu-text"].resolve(PRESETS["gpu-text"].task("text"))
+    labels = [v.label for v in text.variants("rope", "softmax")]
     assert {"rope@ft", "rope+pi@ft", "rope+yarn@ft"} <= set(labels)
     assert entries["cpu-full-decoder"].tasks == ("copy", "duplicate", "reverse")
     plans = queue.plan(rates=H200_ESTIMATE)

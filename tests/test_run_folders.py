@@ -49,10 +49,9 @@ def _finished_folder(out, *, rows_only=False):
     tasks = extrapolate._tasks(PRESET, None)
     book = Ledger(out, SETTINGS)
     record = book.start_record(PRESET, corpus=None, asked=extrapolate.asked(PRESET, tasks))
-    task = tasks["counting_copy"]
     for label in record["asked"]["counting_copy"]:
         for seed in PRESET.seeds:
-            for n in PRESET.for_task("counting_copy").lengths(task).eval:
+            for n in tasks["counting_copy"].lengths.eval:
                 book.write({"task": "counting_copy", "encoding": label, "seed": seed, "length": n, "value": 0.5})
     if not rows_only:
         record["cells"].append({"task": "counting_copy", "label": "nope", "seeds": list(PRESET.seeds)})

@@ -15,15 +15,15 @@ import warnings
 import numpy as np
 import pytest
 
-from posenc_jax.bench import cell, extrapolate, presets, tasks
+from posenc_jax.bench import cell, extrapolate, presets
 from posenc_jax.bench.ledger import Ledger
-from posenc_jax.bench.tasks import STDLIB_CORPUS_SHA256, TextTask, make_task, stdlib_corpus
+from posenc_jax.bench.tasks import STDLIB_CORPUS_SHA256, TextTask, corpus, make_task, stdlib_corpus
 
 
 def _copy_pinned_files(root):
     """The pinned files of this interpreter's standard library, copied under ``root``."""
     stdlib = sysconfig.get_paths()["stdlib"]
-    for _, _, path in tasks._pinned_files():
+    for _, _, path in corpus._pinned_files():
         (root / path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(f"{stdlib}/{path}", root / path)
 
@@ -33,7 +33,7 @@ def test_the_default_corpus_is_the_pinned_one_in_every_preset():
     assert task.sha256 == STDLIB_CORPUS_SHA256
     assert {p.text_corpus_sha256 for p in presets.PRESETS.values()} == {STDLIB_CORPUS_SHA256}
     # Every pinned file is read, each into the split the list gives it.
-    files = tasks._pinned_files()
+    files = corpus._pinned_files()
     train, test, test_paths = stdlib_corpus()
     assert test_paths == [path for _, split, path in files if split == "test"]
     assert len(test_paths) == 18 and len(files) == 78
@@ -65,7 +65,7 @@ def test_a_changed_or_missing_standard_library_file_is_refused_by_name(tmp_path)
 
 def test_the_pinned_hashes_are_those_of_the_files_read_here():
     stdlib = sysconfig.get_paths()["stdlib"]
-    for sha256, _, path in tasks._pinned_files():
+    for sha256, _, path in corpus._pinned_files():
         with open(f"{stdlib}/{path}", "rb") as file:
             assert hashlib.sha256(file.read()).hexdigest() == sha256, path
 

@@ -35,12 +35,11 @@ def standard_promotion():
 
 def _cell(preset):
     task = make_task("counting_copy", format=preset.task_format)
-    return bench_cell.Cell("counting_copy", task, "rope", "softmax", preset.lengths(task))
+    return bench_cell.Cell(preset.resolve(task), "rope", "softmax")
 
 
-def _configs(cell, preset):
-    head_dim = preset.model_dim // preset.num_heads
-    return bench_cell.encodings_for(cell.encoding, head_dim, cell.train_tokens, cell.max_tokens)
+def _configs(cell):
+    return bench_cell.encodings_for(cell.encoding, cell.settings.head_dim, cell.train_tokens, cell.max_tokens)
 
 
 def _run(preset, out, lengths=()):
@@ -49,11 +48,10 @@ def _run(preset, out, lengths=()):
     rows = []
     (record,) = bench_cell.train_and_evaluate(
         _cell(preset),
-        preset,
         list(SEEDS),
         {seed: [(None, length) for length in lengths] for seed in SEEDS},
         out=out,
-        settings="test",
+        fingerprint="test",
         write=rows.append,
         criterion=bench_cell.Criterion(0.95, higher_is_better=True),
     )
@@ -68,7 +66,7 @@ def _leaves(state):
 def _saved(preset, out, seed, step):
     """The leaves of seed ``seed``'s checkpoint at ``step``."""
     cell = _cell(preset)
-    model, optimizer = bench_cell.build(cell, preset, _configs(cell, preset), seed)
+    model, optimizer = bench_cell.build(cell, _configs(cell), seed)
     directory = ledger.checkpoint_dir(out, "test", cell.task_name, cell.label, seed)
     Checkpointer(directory).restore(model, optimizer, step)
     return _leaves(nnx.state((model, optimizer)))
@@ -78,7 +76,7 @@ def _plain_loop(preset, batch_of):
     """The seeds trained by SeedGroup.step, one call a step on ``batch_of(seed, step)``: the
     losses ``[steps, S]`` and each seed's final leaves."""
     cell = _cell(preset)
-    pairs = [bench_cell.build(cell, preset, _configs(cell, preset), seed) for seed in SEEDS]
+    pairs = [bench_cell.build(cell, _configs(cell), seed) for seed in SEEDS]
     group = bench_cell.SeedGroup([m for m, _ in pairs], [o for _, o in pairs])
     losses = []
     for step in range(preset.steps):
@@ -92,7 +90,7 @@ def test_host_batches_one_step_a_call_train_exactly_as_a_plain_loop_of_host_batc
     bit for bit (the runs on the CPU made before device batches resume with this code)."""
     record, _ = _run(HOST, tmp_path)
     cell = _cell(HOST)
-    losses, leaves = _plain_loop(HOST, lambda seed, k: bench_cell.train_batch(cell.task, HOST, seed, k, cell.lengths))
+    losses, leaves = _plain_loop(HOST, lambda seed, k: bench_cell.train_batch(cell.settings, seed, k))
     assert record["final_loss"] == [float(x) for x in losses[-1]]
     for i, seed in enumerate(SEEDS):
         for got, want in zip(_saved(HOST, tmp_path, seed, 8), leaves[i], strict=True):
@@ -202,6 +200,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"  # simulated CPU devices, also on a GPU mach
 import dataclasses
 import jax, jax.numpy as jnp, numpy as np
 from posenc_jax.bench import cell as bc
+from posenc_jax.bench import seeds
 from posenc_jax.bench.device_batches import DeviceBatches, seed_key
 from posenc_jax.bench.presets import PRESETS
 from posenc_jax.bench.tasks import make_task
@@ -209,18 +208,18 @@ from posenc_jax.training import data_parallel_mesh
 assert len(jax.devices()) == 2, jax.devices()
 preset = PRESETS["smoke"]
 task = make_task("copy")
-cell = bc.Cell("copy", task, "rope", "softmax", preset.lengths(task))
+cell = bc.Cell(preset.resolve(task), "rope", "softmax")
 configs = bc.encodings_for("rope", 16, cell.train_tokens, cell.max_tokens)
 make = DeviceBatches(task, cell.lengths, preset.batch_size)
 losses = {}
 with jax.numpy_dtype_promotion("standard"):
     for mesh in (None, data_parallel_mesh()):
-        pairs = [bc.build(cell, preset, configs, seed) for seed in (0, 1)]
+        pairs = [bc.build(cell, configs, seed) for seed in (0, 1)]
         group = bc.SeedGroup([m for m, _ in pairs], [o for _, o in pairs], mesh=mesh, batched=True)
         data, keys = group.replicate((make.data, jnp.stack([seed_key(0), seed_key(1)])))
         losses[mesh is None] = np.asarray(group.train(make, data, keys, 0, 3))
         if mesh is not None:  # the examples split over the two devices: the gradients summed across them
-            text = bc._train_steps.lower(group.graphdef, group.state, data, make, keys, jnp.int32(0), 3, True,
+            text = seeds._train_steps.lower(group.graphdef, group.state, data, make, keys, jnp.int32(0), 3, True,
                                          jnp.zeros(2, bool), mesh).compile().as_text()
             assert "all-reduce" in text
 np.testing.assert_allclose(losses[False], losses[True], rtol=1e-5)

@@ -11,7 +11,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 __all__ = ["main"]
@@ -88,66 +87,6 @@ def _require_bench_extra(*, progress: bool, plots: bool, command: str) -> None:
             f"posenc-bench {command}: {what} not installed; install the bench extra:\n    {_INSTALL}\n"
             f"or run without them: --no-progress --no-plots"
         )
-
-
-def _minutes(seconds: float) -> str:
-    if seconds < 90:
-        return f"{seconds:.0f} s"
-    if seconds < 90 * 60:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def estimate(preset) -> str:
-    """The time ``preset`` is expected to take, every cell to its whole budget, on the machine it is
-    sized for (``about 48 min on a 2-core CPU``): what ``extrapolate --help`` and the README's table say.
-
-    Example:
-      >>> from posenc_jax.bench.presets import PRESETS
-      >>> estimate(PRESETS["ruoss"])
-      'about 3.9 h on a 2-core CPU'
-    """
-    from posenc_jax.bench.presets import CPU_ESTIMATE, H200_ESTIMATE, TPU_ESTIMATE, cost
-
-    c = cost(preset)
-    if preset.target == "cpu":
-        return f"about {_minutes(c.seconds(CPU_ESTIMATE))} on a 2-core CPU"
-    if preset.target == "colab-tpu":
-        return f"about {_minutes(c.seconds(TPU_ESTIMATE))} on a Colab TPU v2-8"
-    return f"about {_minutes(c.seconds(H200_ESTIMATE))} on an H200"
-
-
-def _catalogue() -> str:
-    """The epilog of ``extrapolate --help``: presets with sizes and expected times, tasks, encodings."""
-    from posenc_jax.bench.presets import PRESETS, cost
-    from posenc_jax.bench.tasks import make_task, task_names
-    from posenc_jax.functional.core.registry import encoding_names
-
-    lines = [
-        "presets (seeds train together; times are estimates, every cell to its whole budget, from each preset's",
-        "FLOPs at rates fitted to the project's measured runs, posenc_jax/bench/costmodel.py):",
-    ]
-    for name, p in PRESETS.items():
-        c = cost(p)
-        size = f"{p.num_layers} x {p.model_dim}, {p.steps} steps, batch {p.batch_size}"
-        shape = f"{len(p.encodings)} encodings x {len(p.tasks)} tasks x {len(p.seeds)} seeds ({c.cells} cells)"
-        when = estimate(p)
-        if p.target == "colab-tpu":
-            when += " (not run on a TPU: the time its cells took on an H200, assumed the same there)"
-        elif p.target != "cpu":
-            when = f"{c.train_flops / 1e15:,.0f} PFLOP of training; {when}"
-        lines.append(f"  {name:10s} {p.description}")
-        lines.append(f"  {'':10s} {size}; {shape}; {when}")
-    lines.append("")
-    lines.append("tasks:")
-    for name in task_names():
-        task = make_task(name)
-        family = "characters of context" if task.length_family == "text" else "symbols"
-        lines.append(f"  {name:18s} {task.kind}, {task.metric.replace('_', ' ')}; lengths in {family}")
-    lines.append("")
-    lines.append("encodings (a+b for a hybrid, e.g. rope+randomized):")
-    lines += textwrap.wrap(", ".join(encoding_names()), width=100, initial_indent="  ", subsequent_indent="  ")
-    return "\n".join(lines)
 
 
 def _preset_from(args):
@@ -412,7 +351,9 @@ class _Catalogue(argparse.RawDescriptionHelpFormatter):
 
     def _format_text(self, text):
         if text == "<catalogue>":
-            text = _catalogue()
+            from posenc_jax.bench.presets import catalogue
+
+            text = catalogue()
         return super()._format_text(text)
 
 

@@ -3,7 +3,7 @@
 Every cell of a run records its seconds in the run's ``run.json``: the first training step
 (compilation), the other steps, the checks and checkpoints, and evaluation (fine-tuning of the
 RoPE text variants included), with the steps each seed trained. :func:`read_cells` pairs them
-with :func:`~posenc_jax.bench.presets.cell_cost` of the steps the cell ran, and
+with :func:`~posenc_jax.bench.cost.cell_cost` of the steps the cell ran, and
 :func:`fit_rates` fits the :class:`~posenc_jax.bench.presets.Rates` of one machine by
 non-negative least squares, stage by stage:
 
@@ -39,7 +39,8 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from posenc_jax.bench.presets import Cost, Preset, Rates, cell_cost
+from posenc_jax.bench.cost import Cost, Rates, cell_cost
+from posenc_jax.bench.presets import Preset
 
 __all__ = ["CONTENDED", "FITTED_FROM", "CellRun", "Fit", "fit_rates", "fit_runs", "read_cells"]
 
@@ -58,7 +59,7 @@ CONTENDED = 2.0
 
 @dataclasses.dataclass(frozen=True)
 class CellRun:
-    """One measured cell: where it ran, its cost (:func:`~posenc_jax.bench.presets.cell_cost` of
+    """One measured cell: where it ran, its cost (:func:`~posenc_jax.bench.cost.cell_cost` of
     the steps it ran: those of its slowest seed, since learned seeds are computed on, frozen)
     and the seconds its run recorded."""
 
@@ -126,7 +127,7 @@ def read_cells(folder) -> list[CellRun]:
         if cell["resumed_from_step"] or not cell.get("steps"):
             continue
         encoding, _, normalizer = cell["encoding"].partition("|")
-        here = dataclasses.replace(preset, seeds=tuple(cell["seeds"]))
+        here = preset.resolve(preset.task(cell["task"])).with_seeds(cell["seeds"])
         steps = max(cell["steps"].values())
         cells.append(
             CellRun(
@@ -134,7 +135,7 @@ def read_cells(folder) -> list[CellRun]:
                 device=device,
                 task=cell["task"],
                 encoding=cell["encoding"],
-                cost=cell_cost(here, cell["task"], encoding, normalizer or "softmax", steps=steps),
+                cost=cell_cost(here, encoding, normalizer or "softmax", steps=steps),
                 compile_seconds=cell["compile_seconds"],
                 train_seconds=cell["train_seconds"],
                 checkpoint_seconds=cell["checkpoint_seconds"],
@@ -210,7 +211,7 @@ def fit_rates(cells: Sequence[CellRun], *, contended: float = CONTENDED) -> Fit:
     more than ``contended`` times the seconds a fit of the others gives them.
 
     Example:
-      >>> from posenc_jax.bench.presets import Cost
+      >>> from posenc_jax.bench.cost import Cost
       >>> def cell(flops):  # trained at 20 GFLOP/s; 5 s compiling, 5 s checking, 1 s evaluating
       ...     return CellRun("run", "cpu", "copy", "rope", Cost(1, flops, 0.0, 1, train_steps=100),
       ...                    5.0, flops / 2e10, 5.0, 1.0)

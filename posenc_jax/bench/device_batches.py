@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.bench.tasks import BLANK, EMPTY, MARKER, PAD, DecoderTask, EncoderTask, TextTask, _half
+from posenc_jax.bench.tasks import BLANK, EMPTY, MARKER, PAD, DecoderTask, EncoderTask, TextTask
+from posenc_jax.bench.tasks.encoder import half_length
 
 __all__ = ["DEVICE_TASKS", "DeviceBatches", "seed_key", "step_key", "supports"]
 
@@ -191,9 +192,9 @@ def missing_duplicate(task: EncoderTask, key, n, width: int):
     hidden token. "ours": ``|w| = ceil(n / 2)``; "paper": ``|w| = n // 2`` and an empty token
     after an odd n, and length 1 is the input ``1`` with the answer 1."""
     w_key, hide_key = jax.random.split(key)
-    rows, k = n.shape[0], _columns(2 * _half(width) + 1)
+    rows, k = n.shape[0], _columns(2 * half_length(width) + 1)
     half = jnp.maximum(1, (n + 1) // 2) if task.format == "ours" else n // 2
-    w = jax.random.randint(w_key, (rows, _half(width)), 0, 2)
+    w = jax.random.randint(w_key, (rows, half_length(width)), 0, 2)
     safe = jnp.maximum(half, 1)[:, None]  # (paper length 1 has no w)
     hidden = jax.random.randint(hide_key, (rows,), 0, jnp.maximum(2 * half, 1))[:, None]
     x = jnp.where(k < 2 * half[:, None], _take(w, k % safe), EMPTY)  # paper: EMPTY after an odd n

@@ -11,6 +11,11 @@ The pieces live where they change: presets in :mod:`~posenc_jax.bench.presets`, 
 results ledger and provenance in :mod:`~posenc_jax.bench.ledger`, one cell's training and
 evaluation in :mod:`~posenc_jax.bench.cell`, tasks behind one protocol in
 :mod:`posenc_jax.bench.tasks`. This module only plans the cells, shows progress and runs them.
+
+The settings flow one way: the runner resolves each task's settings once
+(:meth:`Preset.resolve <posenc_jax.bench.presets.Preset.resolve>`, a
+:class:`~posenc_jax.bench.settings.TaskSettings`), and the plan, the baselines, the criterion,
+the cost model and every cell read those; nothing past this point goes back to the preset.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import time
 
 import jax
 
-from posenc_jax.bench.baselines import algorithmic_baselines, text_baselines
 from posenc_jax.bench.cell import SUPPORTED_IMPLEMENTATIONS, Cell, Criterion, row_label, train_and_evaluate
+from posenc_jax.bench.cost import CPU_ESTIMATE, H200_ESTIMATE, TPU_ESTIMATE, cell_cost, duration
 from posenc_jax.bench.hosts import runs_here
 from posenc_jax.bench.ledger import (
     FolderLock,
@@ -36,30 +41,21 @@ from posenc_jax.bench.ledger import (
     git_state,
     write_json,
 )
-from posenc_jax.bench.presets import (
-    CPU_ESTIMATE,
-    H200_ESTIMATE,
-    PRESETS,
-    TPU_ESTIMATE,
-    Preset,
-    cell_cost,
-    duration,
-    runs_on,
-    why_not_run,
-)
-from posenc_jax.bench.tasks import make_task
+from posenc_jax.bench.presets import PRESETS, Preset
+from posenc_jax.bench.settings import TaskSettings, runs_on, why_not_run
 from posenc_jax.functional.core.validation import reraise_check_errors
 from posenc_jax.training import data_parallel_mesh
 
 __all__ = ["PRESETS", "Preset", "baselines", "fingerprint", "pin_corpus", "plan", "row_label", "run"]
 
 
-def _tasks(preset: Preset, corpus: str | None) -> dict:
-    """The preset's tasks, each checked against its lengths before anything trains."""
-    tasks = {}
+def _tasks(preset: Preset, corpus: str | None) -> dict[str, TaskSettings]:
+    """Each task of the preset with its settings, resolved once (:meth:`Preset.resolve`) and
+    checked against its lengths before anything trains."""
+    resolved = {}
     for name in preset.tasks:
-        task = make_task(name, corpus=corpus, max_length=max(preset.eval_lengths) + 2, format=preset.task_format)
-        lengths = preset.for_task(name).lengths(task)
+        settings = preset.resolve(preset.task(name, corpus))
+        task, lengths = settings.task, settings.lengths
         task.check_lengths(lengths.train, lengths.eval)
         if lengths.text and len(task.test) < lengths.examples + 1:
             raise ValueError(
@@ -68,15 +64,15 @@ def _tasks(preset: Preset, corpus: str | None) -> dict:
                 "(--text-corpus) or score fewer characters (--text-eval-characters)"
             )
         for n in lengths.eval:
-            implementation = preset.implementation_at(task.max_tokens(n))
+            implementation = settings.implementation_at(task.max_tokens(n))
             if implementation not in SUPPORTED_IMPLEMENTATIONS:
                 raise ValueError(
                     f"preset {preset.name} evaluates {name} at {n} with {implementation} attention "
                     f"(blockwise_from={preset.blockwise_from}), which the benchmark's model cannot run yet "
                     f"(it runs {', '.join(SUPPORTED_IMPLEMENTATIONS)}); use shorter --text-lengths"
                 )
-        tasks[name] = task
-    return tasks
+        resolved[name] = settings
+    return resolved
 
 
 def pin_corpus(preset: Preset, tasks: dict, corpus: str | None) -> Preset:
@@ -85,7 +81,8 @@ def pin_corpus(preset: Preset, tasks: dict, corpus: str | None) -> Preset:
     The default corpus (``corpus`` None) must hash to the preset's pin, or the run stops here,
     before anything trains, naming both hashes. A corpus passed explicitly (``--corpus PATH``)
     is the caller's own: its hash becomes the preset's (recorded in ``run.json`` and part of
-    the results' fingerprint, so a folder's rows never mix two texts).
+    the results' fingerprint, so a folder's rows never mix two texts). ``tasks``: the run's tasks
+    by name (task objects).
     """
     if "text" not in tasks:
         return preset
@@ -103,15 +100,15 @@ def pin_corpus(preset: Preset, tasks: dict, corpus: str | None) -> Preset:
 
 def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print, host=None) -> list[tuple[Cell, dict]]:
     """Every cell of ``preset`` that has rows left to measure, with each seed's ``(variant, length)``
-    still to do (variant None for the trained encoding itself). With ``host=(i, H)``, only the
-    cells this host trains: every H-th of the preset's cells in their fixed order, from the
-    i-th (:mod:`posenc_jax.bench.hosts`)."""
+    still to do (variant None for the trained encoding itself). ``tasks``: each task's resolved
+    settings (:func:`_tasks`); ``preset`` says which encodings, normalisers and seeds run. With
+    ``host=(i, H)``, only the cells this host trains: every H-th of the preset's cells in their
+    fixed order, from the i-th (:mod:`posenc_jax.bench.hosts`)."""
     cells = []
     position = -1
-    for task_name, task in tasks.items():
-        lengths = preset.for_task(task_name).lengths(task)
+    for task_name, settings in tasks.items():
         for encoding in preset.encodings:
-            why = why_not_run(task, encoding)
+            why = why_not_run(settings.task, encoding)
             if why:
                 log(f"{encoding} {why}: not run on the encoder task {task_name}")
                 continue
@@ -119,13 +116,13 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print, host=None) -> l
                 position += 1
                 if not runs_here(position, host):
                     continue
-                cell = Cell(task_name, task, encoding, normalizer, lengths)
-                variants = (None, *preset.for_task(task_name).eval_variants(task_name, encoding, normalizer))
+                cell = Cell(settings, encoding, normalizer)
+                variants = (None, *settings.variants(encoding, normalizer))
                 todo = {
                     seed: [
                         (v, n)
                         for v in variants
-                        for n in lengths.eval
+                        for n in settings.lengths.eval
                         if not ledger.done(task_name, cell.label if v is None else v.label, seed, n)
                     ]
                     for seed in preset.seeds
@@ -138,60 +135,58 @@ def plan(preset: Preset, tasks: dict, ledger: Ledger, log=print, host=None) -> l
 
 def asked(preset: Preset, tasks: dict) -> dict[str, list[str]]:
     """Per task, the row labels (``encoding`` fields) ``preset`` asks for: each encoding that runs
-    on it with each normaliser, and their evaluation variants. ``run.json`` keeps them, and the
-    report reads rows of these alone."""
+    on it with each normaliser, and their evaluation variants (``tasks``: each task's resolved
+    settings). ``run.json`` keeps them, and the report reads rows of these alone."""
     labels = {}
-    for task_name, task in tasks.items():
+    for task_name, settings in tasks.items():
         found = []
         for encoding in preset.encodings:
-            if not runs_on(task, encoding):
+            if not runs_on(settings.task, encoding):
                 continue
             for normalizer in preset.normalizers:
                 found.append(row_label(encoding, normalizer))
-                found += [v.label for v in preset.for_task(task_name).eval_variants(task_name, encoding, normalizer)]
+                found += [v.label for v in settings.variants(encoding, normalizer)]
         labels[task_name] = sorted(set(found))
     return labels
 
 
-def baselines(preset: Preset, tasks: dict, out: pathlib.Path | None = None) -> dict:
-    """Per task, what its scores are read against: for an algorithmic task, chance, position-only
-    and content-only at each evaluation length (:func:`~posenc_jax.bench.baselines.algorithmic_baselines`);
-    for text, n-gram models on the scored characters (:func:`~posenc_jax.bench.baselines.text_baselines`).
-    Kept in ``out/baselines.json`` (the n-gram fits take seconds), keyed by what they depend on."""
+def baselines(tasks: dict, out: pathlib.Path | None = None) -> dict:
+    """Per task (``tasks``: each task's resolved settings), what its scores are read against: the
+    task's own baselines (its ``baselines`` method). For an algorithmic task, chance, position-only
+    and content-only at each evaluation length; for text, n-gram models on the scored characters,
+    kept in ``out/baselines.json`` (the n-gram fits take seconds), keyed by what they depend on."""
     path = None if out is None else pathlib.Path(out) / "baselines.json"
     stored = json.loads(path.read_text()) if path is not None and path.exists() else {}
     result = {}
-    for name, task in tasks.items():
-        lengths = preset.for_task(name).lengths(task)
+    for name, settings in tasks.items():
+        task, lengths = settings.task, settings.lengths
         if lengths.text:
             key = f"{task.corpus_description} | SHA-256 {task.sha256} | {lengths.examples} characters"
             if stored.get(name, {}).get("key") != key:
-                stored[name] = {"key": key, "ngram": text_baselines(task, lengths.examples)}
+                stored[name] = {"key": key, "ngram": task.baselines(lengths.examples)}
             result[name] = stored[name]
         else:
-            result[name] = {"lengths": {str(n): algorithmic_baselines(task, n) for n in lengths.eval}}
+            result[name] = {"lengths": {str(n): task.baselines(n) for n in lengths.eval}}
     if path is not None:
         write_json(path, {**stored, **result})  # whole or not at all; a full disk names the file
     return result
 
 
-def criterion(preset: Preset, task, task_baselines: dict) -> Criterion:
-    """When a seed of ``task`` has met its criterion (recorded as its steps to criterion; under the
-    ``to-criterion`` protocol it stops there): ``preset.learned_threshold +
-    preset.criterion_margin`` (at most 1) at the longest training length; for text,
-    ``preset.text_margin`` fewer bits per character than the best n-gram baseline on the same
-    characters (the checks compare on the validation split's characters). The gate a result
-    passes afterwards is read off the test examples, on the mean over all seeds."""
+def criterion(settings: TaskSettings, task_baselines: dict) -> Criterion:
+    """When a seed of the task of ``settings`` has met its criterion (recorded as its steps to
+    criterion; under the ``to-criterion`` protocol it stops there): ``learned_threshold +
+    criterion_margin`` (at most 1) at the longest training length; for text, ``text_margin``
+    fewer bits per character than the best n-gram baseline on the same characters (the checks
+    compare on the validation split's characters). The gate a result passes afterwards is read
+    off the test examples, on the mean over all seeds."""
+    task = settings.task
     if "ngram" in task_baselines:
         from posenc_jax.bench.ngram import NGramModel
 
         best = min(task_baselines["ngram"], key=lambda b: b["bits_per_char"])
         model = NGramModel.fit(task.train, best["order"], smoothing=best["smoothing"], vocab_size=task.vocab_size)
-        return Criterion(-preset.text_margin, higher_is_better=False, reference=-model.log2_probs(task.validation))
-    return Criterion(min(1.0, preset.learned_threshold + preset.criterion_margin), higher_is_better=True)
-
-
-_duration = duration
+        return Criterion(-settings.text_margin, higher_is_better=False, reference=-model.log2_probs(task.validation))
+    return Criterion(min(1.0, settings.learned_threshold + settings.criterion_margin), higher_is_better=True)
 
 
 class _Progress:
@@ -226,8 +221,8 @@ class _Progress:
         if self.overall is not None:
             self.overall.update(1)
         return (
-            f"cell {index + 1} of {len(self.tasks)}, {_duration(time.perf_counter() - self.began)} elapsed, "
-            f"about {_duration(left)} left"
+            f"cell {index + 1} of {len(self.tasks)}, {duration(time.perf_counter() - self.began)} elapsed, "
+            f"about {duration(left)} left"
         )
 
     def close(self):
@@ -312,22 +307,22 @@ def _run_locked(
     preset: Preset, out: pathlib.Path, *, corpus, progress, keep_checkpoints, log, host=None, repair=False
 ) -> dict:
     tasks = _tasks(preset, corpus)
-    preset = pin_corpus(preset, tasks, corpus)
-    settings = fingerprint(preset, data=tasks["text"].digest if "text" in tasks else None)
+    preset = pin_corpus(preset, {name: settings.task for name, settings in tasks.items()}, corpus)
+    settings = fingerprint(preset, data=tasks["text"].task.digest if "text" in tasks else None)
     ledger = Ledger(out, settings, repair=repair)
     record = ledger.start_record(preset, corpus=corpus, asked=asked(preset, tasks))
     if host is not None:
         record["host"] = list(host)
-    for task in tasks.values():
-        description = getattr(task, "corpus_description", None)
+    for resolved in tasks.values():
+        description = getattr(resolved.task, "corpus_description", None)
         if description:
             record["text_corpus"] = description
     if progress and log is print:
         from tqdm.auto import tqdm
 
         log = tqdm.write  # lines above the bars, not through them
-    known = baselines(preset, tasks, out)
-    criteria = {name: criterion(preset.for_task(name), task, known[name]) for name, task in tasks.items()}
+    known = baselines(tasks, out)
+    criteria = {name: criterion(resolved, known[name]) for name, resolved in tasks.items()}
     stamp = git_state()
     cells = plan(preset, tasks, ledger, log, host=host)
     mesh = None
@@ -335,12 +330,7 @@ def _run_locked(
         mesh = data_parallel_mesh()
     rates = {"gpu": H200_ESTIMATE, "tpu": TPU_ESTIMATE}.get(jax.default_backend(), CPU_ESTIMATE)
     modelled = [
-        cell_cost(
-            dataclasses.replace(preset.for_task(cell.task_name), seeds=tuple(sorted(todo))),
-            cell.task_name,
-            cell.encoding,
-            cell.normalizer,
-        ).seconds(rates)
+        cell_cost(cell.settings.with_seeds(sorted(todo)), cell.encoding, cell.normalizer).seconds(rates)
         for cell, todo in cells
     ]
     shown = _Progress([cell for cell, _ in cells], bars=progress, modelled=modelled)
@@ -349,11 +339,10 @@ def _run_locked(
         with reraise_check_errors():  # a check failing in a step (read later on an accelerator) raises itself
             records = train_and_evaluate(
                 cell,
-                preset.for_task(cell.task_name),
                 sorted(todo),
                 todo,
                 out=out,
-                settings=settings,
+                fingerprint=settings,
                 write=ledger.write,
                 criterion=criteria[cell.task_name],
                 stamp=stamp,
@@ -369,8 +358,7 @@ def _run_locked(
         # LLVM's mapped code memory ("Unable to allocate section memory").
         jax.clear_caches()
         where = shown.finished(index, time.perf_counter() - began)
-        budget = preset.for_task(cell.task_name).steps
-        log(f"[{where}] {cell.task_name:14s} {cell.label:12s} {_summary(records, budget)}")
+        log(f"[{where}] {cell.task_name:14s} {cell.label:12s} {_summary(records, cell.settings.steps)}")
     shown.close()
     ledger.save_record(record)
     if not keep_checkpoints:

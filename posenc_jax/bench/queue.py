@@ -9,7 +9,7 @@ preset restricted to it, its rows written to the entry's folder under ``docs/`` 
 measured. :data:`QUEUE` declares the entries, in
 priority order; :func:`plan` finds each entry's units whose rows are not all in its folder (the
 runner's own :func:`~posenc_jax.bench.extrapolate.plan` decides, so a unit counts as done exactly
-when the runner would skip it), each with the cost model's estimate (:func:`~posenc_jax.bench.presets.cell_cost`
+when the runner would skip it), each with the cost model's estimate (:func:`~posenc_jax.bench.cost.cell_cost`
 of one seed at the rates of the device found: :func:`rates_for`); :func:`run_queue` runs them in
 order, rewriting the folder's ``report.md`` and plots after each and saying what is left.
 
@@ -33,16 +33,8 @@ import pathlib
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from posenc_jax.bench.presets import (
-    CPU_ESTIMATE,
-    H200_ESTIMATE,
-    PRESETS,
-    TPU_ESTIMATE,
-    Preset,
-    Rates,
-    cell_cost,
-    duration,
-)
+from posenc_jax.bench.cost import CPU_ESTIMATE, H200_ESTIMATE, TPU_ESTIMATE, Rates, cell_cost, duration
+from posenc_jax.bench.presets import PRESETS, Preset
 
 __all__ = ["QUEUE", "RATES", "Entry", "EntryPlan", "Unit", "describe", "plan", "rates_for", "run_queue"]
 
@@ -96,7 +88,7 @@ QUEUE: tuple[Entry, ...] = (
         "(margin 0.05 bits per character)",
     ),
     # PI and YaRN fine-tuned, and plain RoPE fine-tuned the same way as their control, are the
-    # variants of gpu-text's RoPE cell (Preset.eval_variants, finetune_scalings): its units are
+    # variants of gpu-text's RoPE cell (TaskSettings.variants, finetune_scalings): its units are
     # those of text-claims' RoPE cell, run once, there; `--only rope-finetune` runs them first.
     Entry(
         name="rope-finetune",
@@ -248,7 +240,7 @@ class _Rows:
 
 
 def _tasks_and_settings(preset: Preset) -> tuple[dict, str]:
-    """The preset's tasks (checked against its lengths, as a run checks them) and the results
+    """The preset's tasks' resolved settings (checked against their lengths, as a run checks them) and the results
     fingerprint its rows carry; every task of an entry must give the same fingerprint, since a unit
     runs one task and a folder holds rows of one fingerprint."""
     from posenc_jax.bench.extrapolate import _tasks, pin_corpus
@@ -256,7 +248,8 @@ def _tasks_and_settings(preset: Preset) -> tuple[dict, str]:
 
     tasks = _tasks(preset, None)
     found = {}
-    for name, task in tasks.items():
+    for name, resolved in tasks.items():
+        task = resolved.task
         alone = pin_corpus(dataclasses.replace(preset, tasks=(name,)), {name: task}, None)
         found[name] = fingerprint(alone, data=task.digest if name == "text" else None)
     if len(set(found.values())) > 1:
@@ -298,10 +291,10 @@ def plan(
             )
         cells = extrapolate.plan(preset, tasks, rows, log=lambda line: None)
         pending: dict[tuple, set] = {}  # (task, trained encoding) -> seeds with a row to measure
-        normalizers: dict[tuple, str] = {}
+        planned: dict[tuple, object] = {}  # (task, trained encoding) -> its cell
         for cell, todo in cells:
             pending.setdefault((cell.task_name, cell.encoding), set()).update(todo)
-            normalizers[cell.task_name, cell.encoding] = cell.normalizer
+            planned[cell.task_name, cell.encoding] = cell
         order = {
             "task": {t: i for i, t in enumerate(entry.tasks)},
             "encoding": {e: i for i, e in enumerate(entry.encodings)},
@@ -309,11 +302,9 @@ def plan(
         found = EntryPlan(entry, folder, settings, [], blocked=blocked)
         units = []
         for task, encoding in sorted(pending, key=lambda k: (order["task"][k[0]], order["encoding"][k[1]])):
-            one = preset.for_task(task)
 
-            def cost(seeds, one=one, task=task, encoding=encoding, normalizer=normalizers[task, encoding]):
-                run = dataclasses.replace(one, seeds=seeds)
-                return cell_cost(run, task, encoding, normalizer).seconds(rates)
+            def cost(seeds, cell=planned[task, encoding]):
+                return cell_cost(cell.settings.with_seeds(seeds), cell.encoding, cell.normalizer).seconds(rates)
 
             mine = []
             for seed in (s for s in entry.seeds if s in pending[task, encoding]):

@@ -380,30 +380,24 @@ def load_results(path):
     return pd.DataFrame(out)
 
 
-_SHORT = {
-    "counting_copy": "counting copy",
-    "counting_replace": "counting replace",
-    "reverse_string": "reverse string (enc)",
-    "missing_duplicate": "missing dup. (enc)",
-    "parity": "parity (enc)",
-    "bucket_sort": "bucket sort (enc)",
-    "probe": "probe (enc)",
-    "probe_boundary": "probe + [CLS]/[SEP] (enc)",
-    "text": "text, bits/char",
-}
+def _short(task_name: str) -> str:
+    """A task's column in the overview table: its registered short name, or its name."""
+    from posenc_jax.bench.tasks import TASKS
+
+    return (TASKS[task_name].short if task_name in TASKS else "") or task_name
 
 
 def _can_run(task_name: str, label: str) -> bool:
     """Whether the encoding of a row label (``enc``, ``enc|normaliser``, ``rope+pi@eval``) can run
     ``task_name`` at all (:func:`~posenc_jax.bench.presets.runs_on`); True when unknown."""
     from posenc_jax.bench.presets import runs_on
-    from posenc_jax.bench.tasks import make_task
+    from posenc_jax.bench.tasks import task
 
     encoding = label.split("|")[0]
     if encoding.endswith("@eval"):
         encoding = encoding.split("+")[0]
     try:
-        return runs_on(make_task(task_name, max_length=8), encoding)
+        return runs_on(task(task_name, max_length=8), encoding)
     except ValueError:
         return True
 
@@ -421,7 +415,7 @@ def summarize(results) -> str:
     encodings = list(dict.fromkeys(c.encoding for c in summaries))
     found = {(c.task, c.encoding): c for c in summaries}
     lines = [
-        "| encoding | " + " | ".join(_SHORT.get(t, t) for t in tasks) + " |",
+        "| encoding | " + " | ".join(_short(t) for t in tasks) + " |",
         "|---|" + "---|" * len(tasks),
     ]
     for encoding in encodings:
