@@ -256,8 +256,8 @@ def test_install_cell_in_a_fresh_kernel_without_anything_to_install_shows_one_li
 @pytest.mark.long
 def test_install_cell_installs_a_wheel_uploaded_beside_it_in_a_fresh_kernel(checkout_wheel):
     # A fresh kernel and environment whose folder holds only the wheel, no POSENC_JAX_SOURCE, no repository URL:
-    # the install cell finds the wheel, installs it, and posenc_jax imports from the kernel's environment and runs.
-    printed = sync.install_uploaded(checkout_wheel)
-    assert f"installing posenc_jax from {checkout_wheel.name}" not in printed  # the path is the kernel's folder's
+    # the install cell finds the wheel and installs it, and posenc_jax imports from the kernel's environment and
+    # runs. (CI runs the whole quickstart this way: tools/sync_notebooks.py --install-uploaded.)
+    printed = sync.install_uploaded(checkout_wheel, None)
     assert re.search(rf"installing posenc_jax from \S+/work/{re.escape(checkout_wheel.name)}\n", printed), printed
     assert "attention (1, 4, 2, 8)" in printed, printed

@@ -12,15 +12,16 @@ repository, a posenc_jax wheel or source archive uploaded to the runtime (the ke
     python tools/sync_notebooks.py                  # rewrite badges, install cells and the README section
     python tools/sync_notebooks.py --check          # exit 1, naming what is out of step, if anything is
     python tools/sync_notebooks.py --execute [STEM ...]   # run notebooks top to bottom, save their outputs
-    python tools/sync_notebooks.py --install-uploaded WHEEL   # the install cell, a wheel beside it, a fresh kernel
+    python tools/sync_notebooks.py --install-uploaded WHEEL   # the quickstart with only a wheel beside it
 
 ``--execute`` runs each notebook in a fresh kernel of a fresh virtual environment (see
 :func:`kernel_python`) whose install cell installs ``POSENC_JAX_SOURCE`` (default: this checkout),
 and saves the outputs into the notebook. With ``--here --no-save`` the kernel runs in the calling
 interpreter's own environment (CI's clean one, which has ipykernel and no posenc_jax) and nothing is
-written. ``--install-uploaded`` runs the notebooks' install cell as a Colab user with an uploaded
-wheel does (:func:`install_uploaded`): a fresh kernel in a folder holding only the wheel, no
-``POSENC_JAX_SOURCE``, dependencies from the package index; then imports posenc_jax and runs it.
+written. ``--install-uploaded`` runs the quickstart as a Colab user who uploaded it with a wheel
+does (:func:`install_uploaded`): a fresh kernel in a folder holding only the wheel, no
+``POSENC_JAX_SOURCE``, dependencies from the package index; every cell runs, and posenc_jax
+imports from the kernel's environment.
 """
 
 from __future__ import annotations
@@ -350,6 +351,7 @@ def execute(
     python: pathlib.Path | None = None,
     timeout: int = 900,
     upload: pathlib.Path | None = None,
+    environ: dict[str, str] | None = None,
 ) -> dict:
     """Runs ``path`` top to bottom in a fresh kernel; returns the executed notebook.
 
@@ -361,6 +363,7 @@ def execute(
       timeout: seconds allowed for one cell.
       upload: a file to put in the kernel's folder, as a user uploads a wheel to a Colab runtime; the
         kernel then has no ``POSENC_JAX_SOURCE``, so the install cell installs what it finds there.
+      environ: variables to set for the kernel, beside this process's own.
 
     Returns:
       The executed notebook (nbformat). A cell that raises raises ``nbclient``'s ``CellExecutionError``
@@ -393,6 +396,7 @@ def execute(
         else:
             shutil.copy(upload, work / pathlib.Path(upload).name)  # the folder holds this file alone
         env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
+        env.update(environ or {})
         km = KernelManager(
             kernel_name="posenc-notebook", kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec.parent)])
         )
@@ -417,7 +421,7 @@ def execute(
     return notebook
 
 
-# What the kernel runs after the install cell in install_uploaded: posenc_jax imports from the kernel's own
+# What the kernel runs after the notebook in install_uploaded: posenc_jax imports from the kernel's own
 # environment (not from a checkout) and computes.
 AFTER_UPLOADED_INSTALL = """\
 import sys
@@ -433,25 +437,35 @@ out = dot_product_attention(x, x, x, query_positions=pos, key_positions=pos, enc
 print("import posenc_jax", posenc_jax.__version__, "from", posenc_jax.__file__, "; attention", out.shape)"""
 
 
-def install_uploaded(wheel: pathlib.Path, *, python: pathlib.Path | None = None, timeout: int = 900) -> str:
-    """Runs the notebooks' install cell as a Colab user who uploaded ``wheel`` does; returns what the kernel printed.
+def install_uploaded(
+    wheel: pathlib.Path, stem: str | None = "quickstart", *, python: pathlib.Path | None = None, timeout: int = 900
+) -> str:
+    """Runs ``colabs/<stem>.ipynb`` as a Colab user who uploaded it with ``wheel`` does; returns what it printed.
 
     A fresh kernel (of ``python``'s environment, default a new one from :func:`kernel_python`) in a folder
-    holding only ``wheel``, no ``POSENC_JAX_SOURCE`` and no repository URL in the cell (pyproject.toml's, when
-    set, is replaced by none): the install cell finds the wheel and installs it with its dependencies from the
-    package index pip is configured with; then posenc_jax is imported from the kernel's environment and runs.
+    holding only ``wheel``, no ``POSENC_JAX_SOURCE``, and the install cell without a repository URL (as it
+    is while pyproject.toml names none; when it names one, the cell installs from the repository first and
+    this path is the fallback): the install cell finds the wheel and installs it with its dependencies from
+    the package index pip is configured with; every cell of the notebook then runs, at the tests' size
+    (``POSENC_JAX_TINY=1``), and a last cell checks that posenc_jax imports from the kernel's environment.
+    With ``stem=None`` the notebook is the install cell alone, then that check.
     """
     import nbformat
 
-    cell = install_cell(None)
-    notebook = nbformat.v4.new_notebook(
-        cells=[nbformat.v4.new_code_cell(cell), nbformat.v4.new_code_cell(AFTER_UPLOADED_INSTALL)]
-    )
-    executed = execute(notebook, python=python, timeout=timeout, upload=wheel)
-    outputs = [output for cell in executed["cells"] for output in cell["outputs"]]
+    if stem is None:
+        notebook = {"cells": [], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+        notebook["cells"].append({"cell_type": "code", "id": INSTALL_CELL_ID, "metadata": {}, "outputs": []})
+        notebook["cells"][0]["execution_count"] = None
+    else:
+        notebook = json.loads((COLABS / f"{stem}.ipynb").read_text())
+    next(cell for cell in notebook["cells"] if cell.get("id") == INSTALL_CELL_ID)["source"] = install_cell(None)
+    notebook = nbformat.reads(json.dumps(notebook), as_version=4)  # sources as strings, as nbformat.read gives them
+    notebook.cells.append(nbformat.v4.new_code_cell(AFTER_UPLOADED_INSTALL))
+    executed = execute(notebook, python=python, timeout=timeout, upload=wheel, environ={"POSENC_JAX_TINY": "1"})
+    outputs = [output for cell in executed["cells"] for output in cell.get("outputs", [])]
     printed = "".join(output.get("text", "") for output in outputs if output["output_type"] == "stream")
     if "import posenc_jax" not in printed:
-        raise RuntimeError(f"the install cell ran, but the kernel did not import posenc_jax: {printed!r}")
+        raise RuntimeError(f"colabs/{stem}.ipynb ran, but the kernel did not import posenc_jax: {printed!r}")
     return printed
 
 
@@ -484,7 +498,7 @@ def main(argv=None) -> int:
         "--install-uploaded",
         metavar="WHEEL",
         type=pathlib.Path,
-        help="run the install cell in a fresh kernel whose folder holds only this wheel, then import posenc_jax",
+        help="run the quickstart in a fresh kernel whose folder holds only this wheel (installed by its install cell)",
     )
     args = parser.parse_args(argv)
     if args.execute is not None and os.environ.get("POSENC_JAX_TINY") == "1" and not args.no_save:
