@@ -157,7 +157,10 @@ def section_markdown(markdown: str) -> str:
         if not entries:
             continue
         replace[start] = [f"{lines[start]} {{ .api-section }}"]  # set apart by docs/site/css/api.css
-        listing = [f"- [`{ident.rpartition('.')[2]}`][{ident}]: {_summary(ident)}" for _, ident in entries]
+        listing = []
+        for _, ident in entries:
+            summary = _summary(ident)
+            listing.append(f"- [`{ident.rpartition('.')[2]}`][{ident}]" + (f": {summary}" if summary else ""))
         for n, (i, ident) in enumerate(entries):
             entry = [f"::: {ident}", "    options:", "      heading_level: 3", "      show_root_full_path: false"]
             replace[i] = ([*listing, ""] if n == 0 else []) + entry
@@ -190,7 +193,10 @@ def on_post_build(config):
     helpers = html.unescape((site / "api/helpers/index.html").read_text())
     missing += [f"{name} (on api/helpers/index.html)" for name in _helper_names() if f'id="{name}"' not in helpers]
     if missing:
-        raise SystemExit(f"public names without an API entry: {', '.join(missing)}")
+        raise SystemExit(
+            f"public names without an API entry: {', '.join(missing)}; add `::: module.name` for each to its page's "
+            "source (docs/site/api/<page>.md), under the section it belongs to"
+        )
     pages = {path.relative_to(site).as_posix(): path.read_text() for path in sorted(site.rglob("*.html"))}
     roles = [f"{page}: {m[0]}" for page, text in pages.items() for m in LITERAL_ROLE.finditer(html.unescape(text))]
     if roles:
