@@ -13,6 +13,10 @@ Scaled dot-product attention written with the survey pseudocode's einsums
    padding, segment ids, any extra) and the ``normalize`` hook (softmax by default);
 4. **output** (:func:`attention_output`): ``weights · v`` plus every ``values`` term.
 
+Stage 1's checks and context are in :mod:`~posenc_jax.functional.core.checks`, stages 2 to 4 in
+:mod:`~posenc_jax.functional.core.stages` (their public functions are importable from here too),
+and the blockwise path's one tile loop in :mod:`~posenc_jax.functional.core.tiles`.
+
 Masked keys never reach the output, whatever they hold. Weights are zeroed by
 selection (``jnp.where``), but ``0 · NaN`` is NaN, so the value product must not
 merely multiply masked values by zero weights either. What is exact and cheap:
@@ -54,46 +58,39 @@ head n // (N / K)), H head dim.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
+from posenc_jax.functional.core.checks import (
+    _Call,
+    _call,
+    _check_arrays,
+    _check_settings,
+    _check_shapes,
+    _checked_positions,
+    _score_scale,
+)
 from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
 from posenc_jax.functional.core.hooks import (
     ATTENTION_HOOKS,
     AttentionContext,
     BiasHook,
     EncodingConfig,
-    Logits,
     Normalize,
     ParameterFree,
-    Rotate,
-    ScoreScale,
-    Values,
     attention_context,
     check_together,
     hook_names,
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.core.masks import MaskParts, key_padding_mask, sequence_key_counts
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
-from posenc_jax.functional.core.operations import broadcast_to
-from posenc_jax.functional.core.positions import check_positions
-from posenc_jax.functional.core.products import (
-    as_scores,
-    broadcasts_to,
-    content_scores,
-    masked_value_product,
-    value_product,
-)
+from posenc_jax.functional.core.products import masked_value_product
 from posenc_jax.functional.core.registry import resolve_encodings
-from posenc_jax.functional.core.validation import check_key
+from posenc_jax.functional.core.stages import _dropout, attention_output, attention_scores, attention_weights
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -187,334 +184,6 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     return hooks
 
 
-def _check_arrays(query, key, value) -> None:
-    for name, x in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(x, (jax.Array, np.ndarray)):
-            raise TypeError(
-                f"{name} must be an array [B, T, N, H] (or [T, N, H]), got {type(x).__name__}; wrap it with jnp.asarray"
-            )
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise TypeError(
-                f"{name} must be a floating array (float32, bfloat16, float16 or float64), got {x.dtype}; cast it, "
-                f"e.g. {name}.astype(jnp.float32)"
-            )
-
-
-def _check_settings(causal, scale, return_weights, dropout_rate) -> None:
-    for name, flag in (("causal", causal), ("return_weights", return_weights)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{name} must be True or False, got {flag!r}")
-    for name, number in (("scale", 1.0 if scale is None else scale), ("dropout_rate", dropout_rate)):
-        if isinstance(number, (bool, np.bool_)) or not isinstance(number, (int, float, np.number)):
-            raise TypeError(f"{name} must be a number, got {number!r}")
-    if not 0.0 <= dropout_rate < 1.0:
-        raise ValueError(f"dropout_rate must be in [0, 1), got {dropout_rate}")
-
-
-def _check_shapes(query, key, value):
-    if query.ndim != 4 or key.ndim != 4 or value.ndim != 4:
-        raise ValueError(
-            f"query, key and value must be [B, T, N, H], [B, S, K, H], [B, S, K, H] "
-            f"(or unbatched [T, N, H], ...), got {query.shape}, {key.shape}, {value.shape}"
-        )
-    batch, _, num_heads, head_dim = query.shape
-    if num_heads < 1 or key.shape[2] < 1:
-        raise ValueError(
-            f"query and key/value need at least one head (N >= 1, K >= 1), got N={num_heads} and K={key.shape[2]} "
-            f"(shapes {query.shape}, {key.shape})"
-        )
-    if head_dim < 1:
-        raise ValueError(f"the head dim H must be >= 1, got {head_dim} (query shape {query.shape})")
-    if query.shape[1] < 1:
-        raise ValueError(f"attention needs at least one query, got T=0 (query shape {query.shape})")
-    if key.shape[1] < 1:
-        raise ValueError(
-            f"attention needs at least one key, got S=0 (key shape {key.shape}); with a KV cache, append the "
-            f"step's keys before attending"
-        )
-    if key.shape[:3] != value.shape[:3]:
-        raise ValueError(f"key and value must agree on [B, S, K], got {key.shape} and {value.shape}")
-    if key.shape[0] != batch:
-        raise ValueError(f"query and key batch sizes differ: {query.shape} vs {key.shape}")
-    if key.shape[3] != head_dim:
-        raise ValueError(f"query and key head dims differ: {head_dim} vs {key.shape[3]}")
-    if num_heads % key.shape[2]:
-        raise ValueError(
-            f"number of query heads N={num_heads} must be a multiple of key/value heads "
-            f"K={key.shape[2]} for grouped-query attention"
-        )
-
-
-def _check_per_token(array, length: int, batch: int, name: str):
-    shape = np.shape(array)
-    if len(shape) != 2 or shape[1] != length or shape[0] not in (1, batch):
-        raise ValueError(f"{name} must have shape [{batch}, {length}] (or [1, {length}]), got {shape}")
-
-
-def _check_position_shape(positions, length: int, batch: int, name: str):
-    if (
-        positions.shape[-1] != length
-        or positions.ndim > 2
-        or (positions.ndim == 2 and positions.shape[0] not in (1, batch))
-    ):
-        raise ValueError(f"{name} must have shape [{length}] or [{batch}, {length}], got {positions.shape}")
-
-
-def _checked_positions(query_positions, key_positions, *, needed: bool, q_len: int, k_len: int, batch: int):
-    if needed and (query_positions is None or key_positions is None):
-        raise ValueError(
-            "query_positions and key_positions are required with causal=True or encodings; "
-            f"for a plain sequence pass jnp.arange({q_len}) and jnp.arange({k_len})"
-        )
-    if (query_positions is None) != (key_positions is None):
-        raise ValueError("pass both query_positions and key_positions (for self-attention, the same array twice)")
-    if query_positions is None:
-        return None, None
-    same = key_positions is query_positions
-    query_positions = check_positions(query_positions, "query_positions")
-    # Self-attention keeps one array, so hooks can compute position tables once.
-    key_positions = query_positions if same else check_positions(key_positions, "key_positions")
-    _check_position_shape(query_positions, q_len, batch, "query_positions")
-    _check_position_shape(key_positions, k_len, batch, "key_positions")
-    return query_positions, key_positions
-
-
-def _check_masks(key_mask, query_segment_ids, key_segment_ids, mask, *, q_len, k_len, batch, num_heads):
-    if (query_segment_ids is None) != (key_segment_ids is None):
-        raise ValueError("pass both query_segment_ids and key_segment_ids (for self-attention, the same array twice)")
-    if query_segment_ids is not None:
-        _check_per_token(query_segment_ids, q_len, batch, "query_segment_ids")
-        _check_per_token(key_segment_ids, k_len, batch, "key_segment_ids")
-    if key_mask is not None:
-        _check_per_token(key_mask, k_len, batch, "key_mask")
-    if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-        raise ValueError(
-            f"mask must be boolean (True = attend), got dtype {jnp.asarray(mask).dtype}; "
-            f"an additive float bias belongs in an encoding's logits hook (e.g. SharedBias)"
-        )
-    if mask is not None:
-        scores = (batch, num_heads, q_len, k_len)
-        if not broadcasts_to(np.shape(mask), scores):
-            raise ValueError(
-                f"mask of shape {np.shape(mask)} does not broadcast to the scores [B, N, T, S] = {scores}; pass a "
-                f"boolean mask of shape [B|1, N|1, T|1, S|1] (True = attend)"
-            )
-
-
-def _score_scale(hooks, head_dim: int, scale: float | None) -> float:
-    """An explicit scale, else the one an encoding prescribes (all must agree), else 1/√H."""
-    if scale is not None:
-        scale = float(scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be a finite number > 0 (default 1/√H = {head_dim**-0.5:.4g}), got {scale}")
-        return scale
-    prescribed = {float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)}
-    if len(prescribed) > 1:
-        raise ValueError(f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly")
-    scale = prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"an encoding prescribes the score scale {scale}; it must be a finite number > 0")
-    return scale
-
-
-def _mask_parts(context: AttentionContext, mask_parts: MaskParts | None) -> MaskParts:
-    """The call's mask parts; a stage called on its own has only the context's combined mask."""
-    return MaskParts(extra=context.mask) if mask_parts is None else mask_parts
-
-
-def _hide_unseen_keys(x: jax.Array, seen: jax.Array | None) -> jax.Array:
-    """Keys or values ``[B, S, K, H]`` zeroed where ``seen`` (``[B|1, S]``) is False (padding, empty cache slots)."""
-    if seen is None:
-        return x
-    return jnp.where(seen[:, :, None, None], x, jnp.zeros((), x.dtype))
-
-
-def attention_scores(
-    query: jax.Array,
-    key: jax.Array,
-    hooks: Sequence,
-    context: AttentionContext,
-    *,
-    mask_parts: MaskParts | None = None,
-) -> jax.Array:
-    """Stage 2: rotate q and k, then ``scale · q·k`` (float32 ``[B, N, T, S]``) plus every logits term.
-
-    Keys that no query may see (``context.mask``) are zeroed first, so whatever they
-    hold reaches neither another key's score nor a gradient. ``mask_parts`` (the parts
-    ``context.mask`` was made of) lets that be found without reducing the ``[B, N, T, S]`` mask.
-    """
-    key = _hide_unseen_keys(key, _mask_parts(context, mask_parts).keys_seen())
-    for hook in hooks:
-        if isinstance(hook, Rotate):
-            query, key = hook.rotate(query, key, context)
-    # Terms that split into per-query and per-key features join the content product (exact:
-    # the same sums, one contraction), so they are never a [B, N, T, S] buffer of their own.
-    joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32 and context.scale != 0
-    joined = [h for h in hooks if joinable and forms_of(h).has("fused", "features")]
-    # Joining copies every key with its features (S·(H + F) values per head) to spare storing the
-    # term (T·S per head): worth it from T > H + F on, not when decoding a few tokens against a
-    # cache (there the copy of the whole cache each step slowed the step).
-    widths = sum(jax.eval_shape(lambda h=h: h.score_features(query, key, context))[1].shape[-1] for h in joined)
-    if query.shape[1] <= key.shape[-1] + widths:
-        joined = []
-    features = [hook.score_features(query, key, context) for hook in joined]
-    score_query, score_key = query, key  # the content product's operands, with any joined features
-    if joined:
-        per_key = [
-            jnp.broadcast_to(fk[:, :, None, :], (key.shape[0], key.shape[1], key.shape[2], fk.shape[-1]))
-            for _, fk in features
-        ]
-        score_query = jnp.concatenate([query, *(fq.astype(jnp.float32) for fq, _ in features)], axis=-1)
-        score_key = jnp.concatenate([key, *(fk.astype(jnp.float32) for fk in per_key)], axis=-1)
-
-    def content() -> jax.Array:
-        return content_scores(score_query, score_key, context.scale)
-
-    # The other hooks read q and k as they are, without the joined features.
-    scores = None  # the content scores, made when the first hook needs them
-    for hook in hooks:
-        if any(hook is j for j in joined):
-            continue
-        if forms_of(hook).has("fused", "rows"):
-            if scores is None and not joined and forms_of(hook).has("fused", "rows_from_content"):
-                # The first term, on scores that are exactly scale · q·k: the hook makes them itself.
-                scores = hook.add_logits_to_content(content, query, key, context)
-            else:
-                scores = hook.add_logits(content() if scores is None else scores, query, key, context)
-            continue
-        term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
-        if term is not None:
-            scores = content() if scores is None else scores
-            term = as_scores(term, scores.ndim)
-            if not broadcasts_to(term.shape, scores.shape):
-                raise ValueError(
-                    f"{type(hook).__name__}'s logits term has shape {term.shape}, which does not broadcast to the "
-                    f"scores [B, N, T, S] = {scores.shape}; per-head parameters must be made for N={scores.shape[1]}"
-                )
-            scores = scores + broadcast_to(term, scores.shape)
-    return content() if scores is None else scores
-
-
-def attention_weights(scores: jax.Array, mask: jax.Array | None, normalizer, context: AttentionContext) -> jax.Array:
-    """Stage 3: float32 weights from the scores and the boolean mask.
-
-    ``normalizer`` is a :class:`~posenc_jax.functional.core.hooks.Normalize` hook (it is given
-    the context: URPE reads the positions), a registered name, or a plain function
-    ``(scores, mask) -> weights`` (see :func:`~posenc_jax.functional.core.normalizers.as_normalizer`).
-    A hook gives zero weight where the mask is False itself.
-    """
-    return as_normalizer(normalizer).normalize(scores, mask, context).astype(jnp.float32)
-
-
-def attention_output(
-    weights: jax.Array,
-    value: jax.Array,
-    hooks: Sequence,
-    context: AttentionContext,
-    *,
-    mask_parts: MaskParts | None = None,
-) -> jax.Array:
-    """Stage 4: ``weights · v`` plus every values term, float32 ``[B, T, N, H]``.
-
-    Masked keys (``context.mask``) never reach the output, whatever their values hold
-    (see the module docstring for how this stays cheap). ``mask_parts``: the parts
-    ``context.mask`` was made of, as in :func:`attention_scores`.
-    """
-    mask_parts = _mask_parts(context, mask_parts)
-    value = _hide_unseen_keys(value, mask_parts.keys_seen())
-    if context.mask is None or mask_parts.per_key():
-        out = value_product(weights, value)
-    else:
-        # A key hidden from some queries only still enters their rows as 0 · v.
-        out = masked_value_product(weights, value, mask_parts)
-    for hook in hooks:
-        term = hook.values(weights, context) if isinstance(hook, Values) else None
-        if term is not None:
-            out = out + term.astype(jnp.float32)
-    return out
-
-
-def _dropout(weights: jax.Array, rate: float, rng) -> jax.Array:
-    if rate == 0.0:
-        return weights
-    if rng is None:
-        raise ValueError(f"dropout_rate={rate} needs a dropout_rng PRNG key")
-    check_key("dropout_rng", rng)
-    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
-    return jnp.where(keep, weights / (1.0 - rate), 0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Call:
-    """Stage 1's result: the batched inputs, the hooks that act, the mask and the context."""
-
-    query: jax.Array
-    key: jax.Array
-    value: jax.Array
-    hooks: list
-    mask: jax.Array | None
-    context: AttentionContext
-    mask_parts: MaskParts | None
-
-
-def _call(
-    query,
-    key,
-    value,
-    hooks,
-    *,
-    query_positions,
-    key_positions,
-    causal,
-    key_mask,
-    query_segment_ids,
-    key_segment_ids,
-    mask,
-    scale,
-    build_mask: bool = True,
-) -> _Call:
-    """Stage 1, after the entry point's checks: the call's masks checked, its mask parts and its context.
-
-    Positions are taken as the entry point checked them (``dot_product_attention``, or a module
-    that checked its own), int32 or None; the context is made here, once per call, by
-    :func:`~posenc_jax.functional.core.hooks.attention_context`. With ``build_mask=False``
-    (blockwise attention) the ``[B, N, T, S]`` mask is not built: the context's mask is None
-    and each tile builds its own.
-    """
-    batch, q_len, num_heads, head_dim = query.shape
-    k_len = key.shape[1]
-    _check_masks(
-        key_mask, query_segment_ids, key_segment_ids, mask, q_len=q_len, k_len=k_len, batch=batch, num_heads=num_heads
-    )
-    key_valid = None if key_mask is None else key_padding_mask(key_mask)[:, 0, 0, :]
-    mask_parts = full_mask = None
-    if build_mask:
-        mask_parts = MaskParts(
-            query_positions=query_positions if causal else None,
-            key_positions=key_positions if causal else None,
-            key_valid=key_valid,
-            query_segment_ids=None if query_segment_ids is None else jnp.asarray(query_segment_ids),
-            key_segment_ids=None if key_segment_ids is None else jnp.asarray(key_segment_ids),
-            extra=None if mask is None else as_scores(jnp.asarray(mask), 4, dtype=jnp.bool_),
-        )
-        # Comparisons of positions and ids: XLA computes them inside each fusion that reads them.
-        full_mask = mask_parts.mask()
-    # Unused terms cost nothing under jit (dead code); relu²/n reads the sequence lengths.
-    sequence_lengths = sequence_key_counts(key_valid, query_segment_ids, key_segment_ids)
-    context = attention_context(
-        query_positions,
-        key_positions,
-        scale=_score_scale(hooks, head_dim, scale),
-        causal=bool(causal),
-        head_dim=head_dim,
-        num_heads=num_heads,
-        key_length=k_len,
-        mask=full_mask,
-        sequence_lengths=sequence_lengths,
-    )
-    return _Call(query, key, value, hooks, full_mask, context, mask_parts)
-
-
 def dot_product_attention(
     query: jax.Array,
     key: jax.Array,
@@ -598,13 +267,34 @@ def dot_product_attention(
     _check_arrays(query, key, value)
     _check_settings(causal, scale, return_weights, dropout_rate)
     unbatched = query.ndim == 3
+    query, key, value, per_token = _batched(query, key, value, (key_mask, query_segment_ids, key_segment_ids))
+    _check_implementation(implementation, return_weights)
+    normalizer = as_normalizer(normalizer)
+    _check_shapes(query, key, value)
+    hooks = _attention_hooks(encodings, causal=bool(causal))
+    # The one check of the positions on this call's way: below, they travel in its context.
+    (batch, q_len), k_len = query.shape[:2], key.shape[1]
+    positions = _checked_positions(
+        query_positions, key_positions, needed=causal or bool(hooks), q_len=q_len, k_len=k_len, batch=batch
+    )
+    settings = (scale, (dropout_rate, dropout_rng), return_weights, implementation, (block_q, block_k))
+    out, weights = _attend(query, key, value, hooks, positions, normalizer, causal, (*per_token, mask), *settings)
     if unbatched:
-        if key.ndim != 3 or value.ndim != 3:
-            raise ValueError(f"unbatched query {query.shape} needs unbatched key/value, got {key.shape}, {value.shape}")
-        query, key, value = query[None], key[None], value[None]
-        key_mask, query_segment_ids, key_segment_ids = (
-            None if a is None else jnp.asarray(a)[None] for a in (key_mask, query_segment_ids, key_segment_ids)
-        )
+        out, weights = out[0], None if weights is None else weights[0]
+    return (out, weights) if return_weights else out
+
+
+def _batched(query, key, value, per_token):
+    """``query``, ``key``, ``value`` and the per-token arrays (None or ``[T]``/``[S]`` unbatched) with a batch
+    axis of 1 when ``query`` is unbatched ``[T, N, H]``; as they are otherwise."""
+    if query.ndim != 3:
+        return query, key, value, per_token
+    if key.ndim != 3 or value.ndim != 3:
+        raise ValueError(f"unbatched query {query.shape} needs unbatched key/value, got {key.shape}, {value.shape}")
+    return query[None], key[None], value[None], tuple(None if a is None else jnp.asarray(a)[None] for a in per_token)
+
+
+def _check_implementation(implementation, return_weights) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "blockwise" and return_weights:
@@ -612,43 +302,6 @@ def dot_product_attention(
             "return_weights=True needs the [B, N, T, S] weights, which blockwise attention never holds; use "
             "implementation='materialize' to get them"
         )
-    normalizer = as_normalizer(normalizer)
-    _check_shapes(query, key, value)
-    batch, q_len = query.shape[:2]
-    hooks = _attention_hooks(encodings, causal=bool(causal))
-    # The one check of the positions on this call's way: below, they travel in its context.
-    query_positions, key_positions = _checked_positions(
-        query_positions,
-        key_positions,
-        needed=causal or bool(hooks),
-        q_len=q_len,
-        k_len=key.shape[1],
-        batch=batch,
-    )
-    out, weights = _attend(
-        query,
-        key,
-        value,
-        hooks,
-        query_positions=query_positions,
-        key_positions=key_positions,
-        normalizer=normalizer,
-        causal=causal,
-        key_mask=key_mask,
-        query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids,
-        mask=mask,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        return_weights=return_weights,
-        implementation=implementation,
-        block_q=block_q,
-        block_k=block_k,
-    )
-    if unbatched:
-        out, weights = out[0], None if weights is None else weights[0]
-    return (out, weights) if return_weights else out
 
 
 def attend(
@@ -688,26 +341,23 @@ def attend(
       ``[B, T, N, H]`` in ``query``'s dtype.
     """
     hooks = _attention_hooks(encodings, causal=bool(causal))
+    positions = (query_positions, key_positions)
+    masks = (key_mask, query_segment_ids, key_segment_ids, None)
+    normalizer, dropout = as_normalizer(normalizer), (dropout_rate, dropout_rng)
     out, _ = _attend(
         query,
         key,
         value,
         hooks,
-        query_positions=query_positions,
-        key_positions=key_positions,
-        normalizer=as_normalizer(normalizer),
-        causal=causal,
-        key_mask=key_mask,
-        query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids,
-        mask=None,
-        scale=None,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        return_weights=False,
-        implementation=implementation,
-        block_q=block_q,
-        block_k=block_k,
+        positions,
+        normalizer,
+        causal,
+        masks,
+        None,
+        dropout,
+        False,
+        implementation,
+        (block_q, block_k),
     )
     return out
 
@@ -717,27 +367,24 @@ def _attend(
     key,
     value,
     hooks,
-    *,
-    query_positions,
-    key_positions,
+    positions,
     normalizer,
     causal,
-    key_mask,
-    query_segment_ids,
-    key_segment_ids,
-    mask,
+    masks,
     scale,
-    dropout_rate,
-    dropout_rng,
+    dropout,
     return_weights,
     implementation,
-    block_q,
-    block_k,
+    blocks,
 ):
     """The attention of checked, batched arguments: the dispatch, the call's context (made once), the stages.
 
+    ``positions``: ``(query_positions, key_positions)``; ``masks``: ``(key_mask, query_segment_ids,
+    key_segment_ids, mask)``; ``dropout``: ``(rate, rng)``; ``blocks``: ``(block_q, block_k)``.
     Returns ``(out in query's dtype, float32 weights or None)``.
     """
+    (query_positions, key_positions), (key_mask, query_segment_ids, key_segment_ids, mask) = positions, masks
+    dropout_rate, dropout_rng = dropout
     batch, q_len, num_heads, _ = query.shape
     blockwise = _goes_blockwise(
         implementation,
@@ -765,22 +412,7 @@ def _attend(
         build_mask=not blockwise,
     )
     if blockwise:
-        out = blockwise_attention(
-            call.query,
-            call.key,
-            call.value,
-            hooks=call.hooks,
-            normalizer=normalizer,
-            context=call.context,
-            key_mask=key_mask,
-            query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids,
-            mask=mask,
-            block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
-            block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
-            dropout_rate=dropout_rate,
-            dropout_rng=dropout_rng,
-        )
+        out = _blockwise_call(call, call.key, call.value, normalizer, masks, *blocks, dropout_rate, dropout_rng)
         return out.astype(query.dtype), None
     scores = attention_scores(call.query, call.key, call.hooks, call.context, mask_parts=call.mask_parts)
     weights = attention_weights(scores, call.mask, normalizer, call.context)
@@ -788,6 +420,33 @@ def _attend(
         _dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context, mask_parts=call.mask_parts
     )
     return out.astype(query.dtype), weights
+
+
+def _blockwise_call(
+    call: _Call, key, value, normalizer, masks, block_q, block_k, dropout_rate, dropout_rng, ring=None
+) -> jax.Array:
+    """Stage 1's ``call`` (made with ``build_mask=False``) computed in tiles: the blockwise attention of one
+    device (``key``, ``value``: the call's), or of one device of a ring (``key``, ``value``: its shard) or of
+    a sequence-parallel split (its queries). ``masks``: ``(key_mask, query_segment_ids, key_segment_ids,
+    mask)``; ``block_q``, ``block_k``: None for the defaults. Float32 ``[B, T, N, H]``."""
+    key_mask, query_segment_ids, key_segment_ids, mask = masks
+    return blockwise_attention(
+        call.query,
+        key,
+        value,
+        hooks=call.hooks,
+        normalizer=normalizer,
+        context=call.context,
+        key_mask=key_mask,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        mask=mask,
+        block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
+        block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        ring=ring,
+    )
 
 
 def _goes_blockwise(

@@ -43,14 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
-from posenc_jax.functional.core.attention import (
-    _attention_hooks,
-    _call,
-    _checked_positions,
-    _score_scale,
-    dot_product_attention,
-)
-from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, KeyRing, _pad_to, blockwise_attention
+from posenc_jax.functional.core.attention import _attention_hooks, _blockwise_call, dot_product_attention
+from posenc_jax.functional.core.blockwise import KeyRing
+from posenc_jax.functional.core.checks import _call, _checked_positions, _score_scale
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
@@ -63,6 +58,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
 from posenc_jax.functional.core.registry import resolve_encodings
+from posenc_jax.functional.core.tiles import _pad_to
 
 __all__ = ["sequence_parallel_attention"]
 
@@ -206,7 +202,60 @@ def sequence_parallel_attention(
         block_q=block_q,
         block_k=block_k,
     )
-    # Every check of the one-device call, with its messages, on the whole call's shapes (nothing is computed).
+    masks = (key_mask, query_segment_ids, key_segment_ids, mask)
+    _check_as_one_device(query, key, value, query_positions, key_positions, encodings, masks, dropout_rng, settings)
+    unbatched = query.ndim == 3
+    key_mask, query_segment_ids, key_segment_ids = (
+        None if a is None else jnp.asarray(a)[None] if unbatched else jnp.asarray(a)
+        for a in (key_mask, query_segment_ids, key_segment_ids)
+    )
+    if unbatched:
+        query, key, value = query[None], key[None], value[None]
+    head_dim = query.shape[3]
+    hooks = resolve_encodings(encodings)
+    rotations = _rotations(hooks)
+    # Resolved here, from every hook (a rotation may prescribe it): the devices are given the result.
+    settings["scale"] = _score_scale(hooks, head_dim, scale)
+    settings["normalizer"] = as_normalizer(normalizer)
+    hooks, query, key = _rotate_whole_call(hooks, rotations, query, key, query_positions, key_positions, settings)
+    devices = mesh.shape[axis]
+    q_len = query.shape[1]
+    queries, mask_spec = _split_queries(axis, devices, query, query_positions, key_positions, query_segment_ids, mask)
+    query, query_positions, key_positions, query_segment_ids, mask = queries
+    keys = (key, value, key_positions, key_mask, key_segment_ids, mask)
+    if ring and key.shape[1] % devices:
+        keys, hooks = _pad_keys_for_ring(devices, keys, hooks)
+    key, value, key_positions, key_mask, key_segment_ids, mask = keys
+    arrays = (query, key, value, query_positions, key_positions, key_mask, query_segment_ids, key_segment_ids, mask)
+    out = _on_devices(mesh, axis, ring, settings, hooks, arrays, mask_spec, dropout_rng)[:, :q_len]
+    return out[0] if unbatched else out
+
+
+def _on_devices(mesh, axis, ring, settings, hooks, arrays, mask_spec, dropout_rng):
+    """The attention of the split call's ``arrays`` (``query, key, value, query_positions, key_positions,
+    key_mask, query_segment_ids, key_segment_ids, mask``), each device's queries by :func:`_local`."""
+    key = arrays[1]
+    devices = mesh.shape[axis]
+    split_keys = key.shape[1] % devices == 0
+    parameters, rebuild = _split_arrays((hooks, settings["normalizer"]))
+    local = functools.partial(
+        _local,
+        rebuild=rebuild,
+        axis=axis,
+        whole_key=jax.ShapeDtypeStruct(key.shape, key.dtype),
+        gather=split_keys and not ring,
+        ring=KeyRing(axis, devices) if ring else None,
+        settings=settings,
+    )
+    rows, whole = PartitionSpec(None, axis), PartitionSpec()
+    keys = rows if split_keys else whole
+    in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
+    return _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(*arrays, dropout_rng, parameters)
+
+
+def _check_as_one_device(query, key, value, query_positions, key_positions, encodings, masks, dropout_rng, settings):
+    """Every check of the one-device call, with its messages, on the whole call's shapes (nothing is computed)."""
+    key_mask, query_segment_ids, key_segment_ids, mask = masks
     jax.eval_shape(
         lambda q, k, v, rng: dot_product_attention(
             q,
@@ -228,132 +277,108 @@ def sequence_parallel_attention(
         value,
         dropout_rng,
     )
-    unbatched = query.ndim == 3
-    key_mask, query_segment_ids, key_segment_ids = (
-        None if a is None else jnp.asarray(a)[None] if unbatched else jnp.asarray(a)
-        for a in (key_mask, query_segment_ids, key_segment_ids)
+
+
+def _rotate_whole_call(hooks, rotations, query, key, query_positions, key_positions, settings):
+    """``(hooks, query, key)`` with the rotations that cannot go to the devices applied to the whole call.
+
+    A rotation by each token's own position goes to the devices, whose blockwise attention applies it per
+    tile (no rotated copy of q or k, nor of the gathered keys); so does one that reads one value of the whole
+    call (xPos's centre, a scaling's length), fixed here first; any other rotation runs here, on the whole call.
+    """
+    if all(rotates_each_token(h) for h in rotations):
+        return hooks, query, key
+    context = AttentionContext.from_positions(
+        query_positions,
+        key_positions,
+        causal=bool(settings["causal"]),
+        scale=settings["scale"],
+        head_dim=query.shape[3],
+        num_heads=query.shape[2],
     )
-    if unbatched:
-        query, key, value = query[None], key[None], value[None]
-    batch, q_len, num_heads, head_dim = query.shape
-    hooks = resolve_encodings(encodings)
-    rotations = _rotations(hooks)
-    # Resolved here, from every hook (a rotation may prescribe it): the devices are given the result.
-    settings["scale"] = _score_scale(hooks, head_dim, scale)
-    settings["normalizer"] = as_normalizer(normalizer)
+    hooks = with_per_call_rotations_fixed(hooks, context)
+    whole_call = [h for h in hooks if isinstance(h, Rotate) and not rotates_each_token(h)]
+    for hook in whole_call:
+        query, key = hook.rotate(query, key, context)
+    hooks = [hook for hook in hooks if not any(hook is rotation for rotation in whole_call)]
+    return hooks, query, key
 
-    # A rotation by each token's own position goes to the devices, whose blockwise attention applies it per
-    # tile (no rotated copy of q or k, nor of the gathered keys); so does one that reads one value of the whole
-    # call (xPos's centre, a scaling's length), fixed here first; any other rotation runs here, on the whole call.
-    if not all(rotates_each_token(h) for h in rotations):
-        context = AttentionContext.from_positions(
-            query_positions,
-            key_positions,
-            causal=bool(causal),
-            scale=settings["scale"],
-            head_dim=head_dim,
-            num_heads=num_heads,
-        )
-        hooks = with_per_call_rotations_fixed(hooks, context)
-        whole_call = [h for h in hooks if isinstance(h, Rotate) and not rotates_each_token(h)]
-        for hook in whole_call:
-            query, key = hook.rotate(query, key, context)
-        hooks = [hook for hook in hooks if not any(hook is rotation for rotation in whole_call)]
 
-    # Whole-call arrays in the shapes the devices receive: per-query ones [B|1, T, ...] padded to P·⌈T/P⌉.
-    devices = mesh.shape[axis]
-    padded = devices * math.ceil(q_len / devices)
-    rows = PartitionSpec(None, axis)
-    whole = PartitionSpec()
+def _split_queries(axis, devices, query, query_positions, key_positions, query_segment_ids, mask):
+    """Whole-call arrays in the shapes the devices receive: per-query ones ``[B|1, T, ...]`` padded to
+    ``P·⌈T/P⌉``; and the mask's partition (split along T when it has rows)."""
+    padded = devices * math.ceil(query.shape[1] / devices)
     query = _pad_rows(query, padded, 1)
     if query_positions is not None:
         query_positions = _pad_rows(jnp.atleast_2d(jnp.asarray(query_positions)), padded, 1)
         key_positions = jnp.atleast_2d(jnp.asarray(key_positions))
     if query_segment_ids is not None:
         query_segment_ids = _pad_rows(jnp.asarray(query_segment_ids), padded, 1)
-    mask_spec = whole
+    mask_spec = PartitionSpec()
     if mask is not None:
         mask = jnp.asarray(mask)
         mask = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
         if mask.shape[2] != 1:
             mask = _pad_rows(mask, padded, 2)
             mask_spec = PartitionSpec(None, None, axis, None)
-    # Keys and values enter split along S when the devices divide it (in a ring, after padding S to a multiple
-    # of the devices with invalid keys) and are then gathered whole on each device (see _gathered) or passed
-    # round (KeyRing); otherwise they enter whole. The other per-key arrays are small and enter whole.
+    return (query, query_positions, key_positions, query_segment_ids, mask), mask_spec
+
+
+def _pad_keys_for_ring(devices, keys, hooks):
+    """The per-key arrays ``keys`` (``key, value, key_positions, key_mask, key_segment_ids, mask``) and the
+    hooks' per-key arrays padded to a multiple of the devices, the padded keys invalid."""
+    key, value, key_positions, key_mask, key_segment_ids, mask = keys
     k_len = key.shape[1]
-    if ring and k_len % devices:
-        k_padded = devices * math.ceil(k_len / devices)
-        real = jnp.arange(k_padded) < k_len
-        key_mask = real[None] if key_mask is None else _pad_to(jnp.asarray(key_mask), k_padded, 1) & real[None]
-        key, value = _pad_to(key, k_padded, 1), _pad_to(value, k_padded, 1)
-        if key_positions is not None:
-            key_positions = _pad_rows(key_positions, k_padded, 1)
-        if key_segment_ids is not None:
-            key_segment_ids = _pad_rows(jnp.asarray(key_segment_ids), k_padded, 1)
-        if mask is not None and mask.shape[3] != 1:
-            mask = _pad_to(mask, k_padded, 3)
-        hooks = [
-            hook.map_key_features(lambda x: _pad_to(x, k_padded, 1))
-            if forms_of(hook).has("cached", "key_features")
-            else hook
-            for hook in hooks
-        ]
-        k_len = k_padded
-    split_keys = k_len % devices == 0
-    key_ring = KeyRing(axis, devices) if ring else None
-    # What the devices' attention is told of the keys: all of them (a device holds one shard in a ring).
-    whole_key = jax.ShapeDtypeStruct((batch, k_len, *key.shape[2:]), key.dtype)
-    parameters, rebuild = _split_arrays((hooks, settings["normalizer"]))
+    k_padded = devices * math.ceil(k_len / devices)
+    real = jnp.arange(k_padded) < k_len
+    key_mask = real[None] if key_mask is None else _pad_to(jnp.asarray(key_mask), k_padded, 1) & real[None]
+    key, value = _pad_to(key, k_padded, 1), _pad_to(value, k_padded, 1)
+    if key_positions is not None:
+        key_positions = _pad_rows(key_positions, k_padded, 1)
+    if key_segment_ids is not None:
+        key_segment_ids = _pad_rows(jnp.asarray(key_segment_ids), k_padded, 1)
+    if mask is not None and mask.shape[3] != 1:
+        mask = _pad_to(mask, k_padded, 3)
+    hooks = [
+        hook.map_key_features(lambda x: _pad_to(x, k_padded, 1))
+        if forms_of(hook).has("cached", "key_features")
+        else hook
+        for hook in hooks
+    ]
+    return (key, value, key_positions, key_mask, key_segment_ids, mask), hooks
 
-    def local(q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters):
-        local_hooks, local_normalizer = rebuild(parameters)
-        if split_keys and not ring:
-            k, v = _gathered(k, axis), _gathered(v, axis)
-        if rng is not None:
-            rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
-        # dot_product_attention's blockwise path, with the context of this device's queries against every key.
-        local_hooks = _attention_hooks(local_hooks, causal=bool(causal))
-        qpos, kpos = _checked_positions(
-            qpos, kpos, needed=bool(causal) or bool(local_hooks), q_len=q.shape[1], k_len=k_len, batch=batch
-        )
-        call = _call(
-            q,
-            whole_key,
-            whole_key,
-            local_hooks,
-            query_positions=qpos,
-            key_positions=kpos,
-            causal=causal,
-            key_mask=kmask,
-            query_segment_ids=qseg,
-            key_segment_ids=kseg,
-            mask=extra,
-            scale=settings["scale"],
-            build_mask=False,
-        )
-        out = blockwise_attention(
-            q,
-            k,
-            v,
-            hooks=call.hooks,
-            normalizer=local_normalizer,
-            context=call.context,
-            key_mask=kmask,
-            query_segment_ids=qseg,
-            key_segment_ids=kseg,
-            mask=extra,
-            block_q=DEFAULT_BLOCK_Q if block_q is None else block_q,
-            block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
-            dropout_rate=dropout_rate,
-            dropout_rng=rng,
-            ring=key_ring,
-        )
-        return out.astype(q.dtype)
 
-    keys = rows if split_keys else whole
-    in_specs = (rows, keys, keys, rows, whole, whole, rows, whole, mask_spec, whole, whole)
-    arguments = (query, key, value, query_positions, key_positions, key_mask)
-    arguments += (query_segment_ids, key_segment_ids, mask, dropout_rng, parameters)
-    out = _shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=rows)(*arguments)[:, :q_len]
-    return out[0] if unbatched else out
+def _local(
+    q, k, v, qpos, kpos, kmask, qseg, kseg, extra, rng, parameters, *, rebuild, axis, whole_key, gather, ring, settings
+):
+    """One device's part, inside ``shard_map``: its queries against every key (gathered, or passed round
+    the ring), by the one-device blockwise path with the context of its queries against all the keys."""
+    local_hooks, local_normalizer = rebuild(parameters)
+    if gather:
+        k, v = _gathered(k, axis), _gathered(v, axis)
+    if rng is not None:
+        rng = jax.random.fold_in(rng, jax.lax.axis_index(axis))
+    causal, k_len = settings["causal"], whole_key.shape[1]
+    local_hooks = _attention_hooks(local_hooks, causal=bool(causal))
+    qpos, kpos = _checked_positions(
+        qpos, kpos, needed=bool(causal) or bool(local_hooks), q_len=q.shape[1], k_len=k_len, batch=q.shape[0]
+    )
+    call = _call(
+        q,
+        whole_key,
+        whole_key,
+        local_hooks,
+        query_positions=qpos,
+        key_positions=kpos,
+        causal=causal,
+        key_mask=kmask,
+        query_segment_ids=qseg,
+        key_segment_ids=kseg,
+        mask=extra,
+        scale=settings["scale"],
+        build_mask=False,
+    )
+    masks = (kmask, qseg, kseg, extra)
+    blocks = (settings["block_q"], settings["block_k"])
+    out = _blockwise_call(call, k, v, local_normalizer, masks, *blocks, settings["dropout_rate"], rng, ring=ring)
+    return out.astype(q.dtype)

@@ -126,6 +126,39 @@ def deberta_relative_index(
     return jnp.take(slots, jnp.clip(query_minus_key, -reach, reach) + reach, mode="clip")
 
 
+def _check_tables(terms, pos_key, pos_query, *, span: int, num_heads: int, head_dim: int) -> None:
+    """Raises a ValueError naming a table a term needs that is missing or of the wrong shape."""
+    # c2p reads K_r only and p2c Q_r only: a term left out needs no table (None).
+    needed = (("pos_key", pos_key, "c2p"), ("pos_query", pos_query, "p2c"))
+    for name, table, term in needed:
+        if term not in terms:
+            continue
+        if table is None:
+            raise ValueError(
+                f"DeBERTa's {term} term needs {name} [2*span, N, H]; got None (or leave {term} out of terms)"
+            )
+        if tuple(np.shape(table)) != (2 * span, num_heads, head_dim):
+            raise ValueError(
+                f"{name} must have shape [2*span={2 * span}, N={num_heads}, H={head_dim}], got {np.shape(table)}; "
+                f"its length must match the span"
+            )
+
+
+def _by_distance(c2p, p2c, query_positions, key_positions, *, offset: int, scale: float):
+    """The terms of raw clipped distances, per slot ``clip(query_pos - key_pos + offset, 0, slots - 1)``,
+    gathered with a gradient that needs no scatter where positions are runs. The scale goes on the per-slot
+    values, so both gradients read the score cotangent as it is."""
+    factor = jnp.float32(scale)
+    total = 0.0
+    if c2p is not None:
+        total = total + gather_by_distance(c2p * factor, query_positions, key_positions, sign=-1, offset=offset)
+    if p2c is not None:
+        total = total + gather_by_distance(
+            p2c * factor, query_positions, key_positions, sign=-1, offset=offset, key_side=True
+        )
+    return total
+
+
 def deberta_logits(
     q,
     k,
@@ -176,20 +209,7 @@ def deberta_logits(
     """
     terms = _check_terms(terms)
     head_dim, num_heads = q.shape[-1], q.shape[-2]
-    # c2p reads K_r only and p2c Q_r only: a term left out needs no table (None).
-    needed = (("pos_key", pos_key, "c2p"), ("pos_query", pos_query, "p2c"))
-    for name, table, term in needed:
-        if term not in terms:
-            continue
-        if table is None:
-            raise ValueError(
-                f"DeBERTa's {term} term needs {name} [2*span, N, H]; got None (or leave {term} out of terms)"
-            )
-        if tuple(np.shape(table)) != (2 * span, num_heads, head_dim):
-            raise ValueError(
-                f"{name} must have shape [2*span={2 * span}, N={num_heads}, H={head_dim}], got {np.shape(table)}; "
-                f"its length must match the span"
-            )
+    _check_tables(terms, pos_key, pos_query, span=span, num_heads=num_heads, head_dim=head_dim)
     if scale is None:
         scale = _score_scale(head_dim, terms)
     query_positions = batched_positions(query_positions, "query_positions")
@@ -227,17 +247,7 @@ def deberta_logits(
     batch = max(q.shape[0], query_positions.shape[0])
     out_shape = (batch, num_heads, q.shape[1], k.shape[1])
     if block_elements is None and position_buckets == 0 and key_projection is None:
-        # Raw clipped distances: slot = clip(query_pos - key_pos + span - first_slot, 0, slots - 1), gathered
-        # with a gradient that needs no scatter where positions are runs.
-        # The scale goes on the per-slot values, so both gradients read the score cotangent as it is.
-        offset, factor = span - first_slot, jnp.float32(scale)
-        total = 0.0
-        if c2p is not None:
-            total = total + gather_by_distance(c2p * factor, query_positions, key_positions, sign=-1, offset=offset)
-        if p2c is not None:
-            total = total + gather_by_distance(
-                p2c * factor, query_positions, key_positions, sign=-1, offset=offset, key_side=True
-            )
+        total = _by_distance(c2p, p2c, query_positions, key_positions, offset=span - first_slot, scale=scale)
         return jnp.broadcast_to(total, out_shape)
     if block_elements is None:
         return jnp.broadcast_to(block(0, q.shape[1]), out_shape)

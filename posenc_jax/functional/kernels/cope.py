@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.blocks import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
 from posenc_jax.functional.core.operations import Operation
-from posenc_jax.functional.core.relative import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = [

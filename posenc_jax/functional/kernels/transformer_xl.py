@@ -88,16 +88,10 @@ def transformer_xl_terms(
     """
     batch, q_len, num_heads = shifted_q.shape[:3]
     k_len = content.shape[-1]
-    make_scores = into if callable(into) else None
     expected = (batch, num_heads, q_len, k_len)
-    made = None if make_scores is None else tuple(jax.eval_shape(make_scores).shape)
-    if made is not None and made != expected:
-        raise ValueError(f"into must make scores [B, N, T, S] = {expected}, got {made}")
-    standard = projected = distances = in_table = None
-    if distance_table is not None:
-        distances = position_difference(query_positions[:, :, None], key_positions[:, None, :])  # [B|1, T, S]
-        held = (distances >= 0) & (distances < distance_table.shape[0])
-        in_table = jnp.all(held if mask is None else held[:, None] | ~jnp.asarray(mask, jnp.bool_))
+    make_scores = _score_maker(into, expected)
+    standard = projected = None
+    distances, in_table = _table_reach(distance_table, query_positions, key_positions, mask)
 
     def sinusoids_of_keys() -> jax.Array:
         return key_sinusoids(key_positions) if stored_sinusoids is None else stored_sinusoids
@@ -116,24 +110,8 @@ def transformer_xl_terms(
         project = lambda: project_distances(jnp.arange(k_len - 1, -1, -1), position_projection)  # S-1 .. 0
         if make_scores is not None and q_len == k_len and q_len > block_elements // max(1, batch * num_heads * k_len):
             # Self-attention with the ladder's positions: each block against the keys up to its last row.
-            def ladder_blocks():
-                projected = project()  # a block of width w reads the ladder's last w rows: w-1 .. 0
-
-                def block(start, rows: int, width: int, current=None) -> jax.Array:
-                    q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
-                    position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
-                    return (content[..., :width] + position) * jnp.float32(scale)
-
-                return block
-
-            def every_key(scores):
-                sinusoids = sinusoids_of_keys()
-                terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
-                return by_query_blocks(terms, expected, jnp.float32, block_elements=block_elements, into=scores)
-
-            return by_causal_prefixes_where(
-                standard, make_scores, ladder_blocks, every_key, block_elements=block_elements
-            )
+            operands = (content, shifted_q, project, sinusoids_of_keys, by_identity)
+            return _ladder_by_prefixes(standard, make_scores, operands, scale=scale, block_elements=block_elements)
         projected = jax.lax.cond(standard, project, lambda: jnp.zeros((k_len, *shifted_q.shape[2:]), jnp.float32))
     if make_scores is not None:
         into = make_scores()
@@ -161,6 +139,50 @@ def transformer_xl_terms(
     if into is None:
         return rows_term(0, q_len)
     return by_query_blocks(rows_term, tuple(into.shape), jnp.float32, block_elements=block_elements, into=into)
+
+
+def _score_maker(into, expected: tuple):
+    """``into`` when it is a function making the scores (checked to make ``expected``), else None."""
+    make_scores = into if callable(into) else None
+    made = None if make_scores is None else tuple(jax.eval_shape(make_scores).shape)
+    if made is not None and made != expected:
+        raise ValueError(f"into must make scores [B, N, T, S] = {expected}, got {made}")
+    return make_scores
+
+
+def _table_reach(distance_table, query_positions, key_positions, mask):
+    """``(distances [B|1, T, S], whether every seen distance is in the table)``; ``(None, None)`` without one."""
+    if distance_table is None:
+        return None, None
+    distances = position_difference(query_positions[:, :, None], key_positions[:, None, :])  # [B|1, T, S]
+    held = (distances >= 0) & (distances < distance_table.shape[0])
+    return distances, jnp.all(held if mask is None else held[:, None] | ~jnp.asarray(mask, jnp.bool_))
+
+
+def _ladder_by_prefixes(standard, make_scores, operands, *, scale: float, block_elements: int) -> jax.Array:
+    """Self-attention's terms made into ``make_scores()`` block by block, each block against the keys up to
+    its last row by the ladder where ``standard`` (the ladder's positions), else against every key by the
+    identity. ``operands``: ``(content, shifted_q, project, sinusoids_of_keys, by_identity)``."""
+    content, shifted_q, project, sinusoids_of_keys, by_identity = operands
+    k_len = content.shape[-1]
+    expected = (shifted_q.shape[0], shifted_q.shape[2], shifted_q.shape[1], k_len)
+
+    def ladder_blocks():
+        projected = project()  # a block of width w reads the ladder's last w rows: w-1 .. 0
+
+        def block(start, rows: int, width: int, current=None) -> jax.Array:
+            q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+            position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
+            return (content[..., :width] + position) * jnp.float32(scale)
+
+        return block
+
+    def every_key(scores):
+        sinusoids = sinusoids_of_keys()
+        terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
+        return by_query_blocks(terms, expected, jnp.float32, block_elements=block_elements, into=scores)
+
+    return by_causal_prefixes_where(standard, make_scores, ladder_blocks, every_key, block_elements=block_elements)
 
 
 def _identity_at(position_scores, key_sinusoids, offset, shifted_q, projection, query_positions, key_positions, given):
