@@ -4,6 +4,10 @@
 reads ``Examples:`` (plural) as doctest blocks but ``Example:`` as an admonition of plain
 text; the docstrings use the singular throughout, so the plural is what the parser is shown.
 
+``TupleAssignments``: a module-level ``A, B = 1, 2`` (or ``= range(2)``) binds names that Griffe's
+static analysis does not record; each becomes a module attribute whose value is its part of the
+right-hand side, so a name a package exports from such a line has its API entry.
+
 ``SphinxRoles``: the docstrings cross-reference with Sphinx roles (``:func:`name```,
 ``:class:`~posenc_jax.nn.Transformer```, ``:meth:`RoPE.rotate```), which Markdown would show
 literally. Each becomes an optional mkdocs-autorefs reference to the target's canonical path
@@ -15,6 +19,7 @@ applies the same rewrite to the encoding modules' docstrings.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import re
 
@@ -31,6 +36,29 @@ class DoctestExamples(griffe.Extension):
     def on_instance(self, *, obj, **kwargs) -> None:
         if obj.docstring is not None:
             obj.docstring.value = _EXAMPLE.sub(r"\1Examples:", obj.docstring.value)
+
+
+class TupleAssignments(griffe.Extension):
+    def on_module_members(self, *, node, mod, **kwargs) -> None:
+        if not isinstance(node, ast.Module):  # a module inspected at run time has its names already
+            return
+        for statement in node.body:
+            if not (isinstance(statement, ast.Assign) and len(statement.targets) == 1):
+                continue
+            target = statement.targets[0]
+            if not (isinstance(target, ast.Tuple) and all(isinstance(e, ast.Name) for e in target.elts)):
+                continue
+            value = statement.value
+            parts = value.elts if isinstance(value, ast.Tuple) and len(value.elts) == len(target.elts) else None
+            for i, name in enumerate(target.elts):
+                if name.id in mod.members:
+                    continue
+                shown = ast.unparse(parts[i]) if parts else f"{ast.unparse(value)}[{i}]"
+                attribute = griffe.Attribute(
+                    name.id, lineno=statement.lineno, endlineno=statement.end_lineno, value=shown
+                )
+                attribute.labels.add("module-attribute")
+                mod.set_member(name.id, attribute)
 
 
 def canonical_target(scope: griffe.Object, name: str) -> str | None:
