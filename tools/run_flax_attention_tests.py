@@ -10,17 +10,21 @@ keeps one (Flax's own then raises if called). Nothing of Flax's is copied into t
 Runs:
   nope  every test, posenc_jax's attention with no encoding (NoPE), which must give Flax's
         answers; the tests in tools/flax_suite/excluded.txt (Flax's exact error wording) left out;
-  rope  the tests that compare a module or function with itself (its own decoding, its NNX and
-        Linen forms, a mask against is_causal, dropout drawn twice, ...) with RoPE as the default,
-        where a non-trivial encoding must agree with itself; the tests that compare with a fixed
-        NoPE answer (jax.nn.dot_product_attention) or a Flax error's wording are left out (the
-        list below);
+  rope  with RoPE as the default, the tests RoPE can run, where a module must agree with
+        its own decoding (Linen's test_decoding, the x64 decodes), a mask with is_causal
+        (test_causal_mask_equivalence), dropout with itself, ...; left out (NOT_WITH_ROPE
+        below, each with its reason): odd head sizes, cross-attention whose positions
+        nothing implies, and the comparison with jax.nn's NoPE answer;
   flax  stock Flax, for the count to compare with.
+
+A test in tools/flax_suite/refused.txt runs and must fail with the error it names: an input
+posenc_jax's attention refuses by design (complex numbers), refused in one line, not answered.
 
 Usage:
   python tools/run_flax_attention_tests.py [--runs nope,rope] [--source DIR_OR_SDIST] [--keep DIR]
 
-Exit status 0 when every selected test of every run passed; prints each run's counts.
+Exit status 0 when every selected test of every run passed (the refused ones failing with their
+error); prints each run's counts.
 """
 
 from __future__ import annotations
@@ -33,13 +37,34 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from xml.etree import ElementTree
 
 HERE = pathlib.Path(__file__).resolve().parent
 SUITE = HERE / "flax_suite"
 FILES = ("tests/nnx/nn/attention_test.py", "tests/linen/linen_attention_test.py")
-# With RoPE the attention differs from Flax's by design: tests comparing with a fixed NoPE answer
-# are not run with it.
+# The tests not run with RoPE, by node id prefix, and why: RoPE rotates pairs of features (an odd
+# head size has none to pair), needs positions (which cross-attention of different lengths with
+# no mask does not imply), and differs from a fixed NoPE answer by design.
+ODD_HEAD = "head size {} (RoPE rotates pairs of features)"
 NOT_WITH_ROPE = {
+    "nnx/nn/attention_test.py::TestMultiHeadAttention::test_basic": ODD_HEAD.format(3),
+    "nnx/nn/attention_test.py::TestMultiHeadAttention::test_multihead_sow_attention_weights": ODD_HEAD.format(1),
+    "nnx/nn/attention_test.py::TestLinenConsistency::test_nnx_attention_equivalence": ODD_HEAD.format(3),
+    "nnx/nn/attention_test.py::TestKVFeatures::test_varying_num_features": ODD_HEAD.format(3),
+    "linen/linen_attention_test.py::AttentionTest::test_autoregressive_receptive_field_1d": ODD_HEAD.format(1),
+    "linen/linen_attention_test.py::AttentionTest::test_multihead_mask_warning": ODD_HEAD.format(1),
+    "nnx/nn/attention_test.py::TestGQADotProductAttention::test_gqa_shapes": (
+        "4 queries against 5 keys with no mask: no positions implied, which RoPE needs"
+    ),
+    "linen/linen_attention_test.py::AttentionTest::test_multihead_kv_args": (
+        "3 queries against 9 keys with no mask: no positions implied, which RoPE needs"
+    ),
+    "linen/linen_attention_test.py::AttentionTest::test_attention_alias_equivalence": (
+        "3 queries against 9 keys with no mask: no positions implied, which RoPE needs"
+    ),
+    "linen/linen_attention_test.py::AttentionTest::test_attention_alias_submodule": (
+        "3 queries against 9 keys with no mask: no positions implied, which RoPE needs"
+    ),
     "nnx/nn/attention_test.py::TestGQADotProductAttention::test_gqa_parity_with_jax": (
         "compares with jax.nn.dot_product_attention, which has no position encoding"
     ),
@@ -53,6 +78,22 @@ def excluded() -> dict[str, str]:
             test, reason = (part.strip() for part in line.split("|", 1))
             out[test] = reason
     return out
+
+
+def refused() -> dict[str, str]:
+    """Test id -> the text its failure must hold."""
+    out = {}
+    for line in (SUITE / "refused.txt").read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            test, error = (part.strip() for part in line.split("|", 1))
+            out[test] = error
+    return out
+
+
+def _test_id(case) -> str:
+    """A junit testcase's id as pytest writes it under flax's tests/ (``linen/x_test.py::Class::test``)."""
+    *module, cls = case.get("classname", "").split(".")
+    return "/".join(module).removeprefix("tests/") + f".py::{cls}::{case.get('name', '')}"
 
 
 def flax_tests(source: str | None, into: pathlib.Path) -> pathlib.Path:
@@ -78,14 +119,16 @@ def flax_tests(source: str | None, into: pathlib.Path) -> pathlib.Path:
     return next(p for p in into.iterdir() if p.is_dir() and (p / "tests").is_dir())
 
 
-def run(kind: str, root: pathlib.Path, work: pathlib.Path) -> tuple[int, int, int]:
+def run(kind: str, root: pathlib.Path, work: pathlib.Path) -> tuple[int, int, int, list[str]]:
+    """Runs one kind: (passed, failed unexpectedly, left out, the refused tests that failed as they must)."""
     leave_out = dict(excluded()) if kind != "flax" else {}
     if kind == "rope":
         leave_out.update(NOT_WITH_ROPE)
     ini = work / "pytest.ini"
     ini.write_text("[pytest]\n")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ini), "--rootdir", str(root)]
-    command += ["-p", "posenc_swap", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
+    junit = work / f"junit-{kind}.xml"
+    command += ["-p", "posenc_swap", "-o", "addopts=", "-W", "ignore::DeprecationWarning", "--junitxml", str(junit)]
     for test in leave_out:
         command += ["--deselect", f"tests/{test}"]
     command += list(FILES)
@@ -95,11 +138,15 @@ def run(kind: str, root: pathlib.Path, work: pathlib.Path) -> tuple[int, int, in
     result = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     print(result.stdout[-6000:], result.stderr[-3000:], sep="\n", flush=True)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|error|errors|deselected)", result.stdout)}
-    return (
-        counts.get("passed", 0),
-        counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0),
-        (counts.get("deselected", 0)),
-    )
+    failed = counts.get("failed", 0) + counts.get("error", 0) + counts.get("errors", 0)
+    expected = refused() if kind != "flax" else {}
+    as_refused = []
+    for case in ElementTree.parse(junit).getroot().iter("testcase"):
+        problems = case.findall("failure") + case.findall("error")
+        test = _test_id(case)
+        if problems and test in expected and any(expected[test] in (p.text or "") for p in problems):
+            as_refused.append(test)
+    return counts.get("passed", 0), failed - len(as_refused), counts.get("deselected", 0), as_refused
 
 
 def main(argv=None) -> int:
@@ -119,8 +166,11 @@ def main(argv=None) -> int:
         summary = []
         ok = True
         for kind in runs:
-            passed, failed, left_out = run(kind, root, work)
-            summary.append(f"{kind}: {passed} passed, {failed} failed, {left_out} left out")
+            passed, failed, left_out, as_refused = run(kind, root, work)
+            summary.append(
+                f"{kind}: {passed} passed, {failed} failed, {len(as_refused)} refused as they must be "
+                f"({', '.join(t.split('::')[-1] for t in as_refused) or 'none'}), {left_out} left out"
+            )
             ok = ok and failed == 0 and passed > 0
     print("== Flax's attention tests: " + "; ".join(summary))
     return 0 if ok else 1
