@@ -27,7 +27,7 @@ from posenc_jax.functional import (
     register_encoding,
 )
 from posenc_jax.functional.core import operations, registry
-from posenc_jax.functional.core.forms import forms_of
+from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
 from posenc_jax.functional.core.hooks import (
     PLACEMENTS,
     CarriedLogitsFromContent,
@@ -40,6 +40,7 @@ from posenc_jax.functional.core.hooks import (
     TiledValues,
     rotates_each_token,
 )
+from posenc_jax.functional.core.relative import relative_positions
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
 from posenc_jax.hf import RoPEOnLastFeatures
@@ -511,6 +512,47 @@ def test_a_form_the_hook_defines_but_does_not_declare_fails_at_registration(scra
         register_encoding("test-partly-declared", description="d", source=_SOURCE, tiled=())
     with pytest.raises(ValueError, match=r"unknown cached form 'rotated'; the cached forms are"):
         register_encoding("test-unknown", description="d", source=_SOURCE, tiled=(), cached=("rotated",), prepared=None)
+
+
+def test_an_encoding_registered_without_its_forms_fails_naming_them(scratch_registry):
+    with pytest.raises(ValueError, match=r"declares none of its forms: tiled, cached, prepared: declare tiled="):
+        register_encoding("test-no-forms", description="d", source=_SOURCE)
+    assert "test-no-forms" not in encoding_names()
+
+
+def test_a_hook_class_of_ones_own_declares_the_forms_it_defines(rng):
+    """An unregistered hook class passed to the attention: one defining a form's methods without declaring
+    the form is refused by name (never a silent slow path); declared, the attention uses the form."""
+
+    @pytree_dataclass
+    class Window:
+        def logits(self, q, k, context):
+            return self.distance_bias(relative_positions(context.query_positions, context.key_positions), context)
+
+        def distance_bias(self, distance, context):
+            return jnp.where(jnp.abs(distance) <= 2, 0.0, -1.0).astype(jnp.float32)[:, None]
+
+    q, k, v = (_normal(rng, (B, T, N, H)) for _ in range(3))
+    attend = lambda: dot_product_attention(
+        q, k, v, query_positions=jnp.arange(T), key_positions=jnp.arange(T), encodings=[Window()], causal=True
+    )
+    with pytest.raises(ValueError, match=r"Window defines distance_bias but does not declare the form tiled\.distance"):
+        attend()
+    declare_forms(Window, Forms(tiled=("distance",)))
+    assert forms_of(Window()).has("tiled", "distance")
+    tiled = dot_product_attention(
+        q,
+        k,
+        v,
+        query_positions=jnp.arange(T),
+        key_positions=jnp.arange(T),
+        encodings=[Window()],
+        causal=True,
+        implementation="blockwise",
+        block_q=3,
+        block_k=2,
+    )
+    np.testing.assert_allclose(tiled, attend(), atol=1e-5)
 
 
 def test_every_registered_encoding_declares_its_forms_on_its_hook_class():

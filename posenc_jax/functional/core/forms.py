@@ -143,7 +143,8 @@ def check_declared(hook_type: type, forms: Forms, *, name: str) -> None:
             if key not in declared and all(getattr(hook_type, m, None) is not None for m in methods):
                 raise ValueError(
                     f"encoding {name!r}: its hook {hook_type.__name__} defines {', '.join(methods)} but does not "
-                    f"declare the form {key}: declare it ({group}=...) so the attention uses it"
+                    f"declare the form {key}: declare it ({group}=... in register_encoding, or "
+                    f"declare_forms({hook_type.__name__}, Forms({group}=...))) so the attention uses it"
                 )
     if forms.tiled is not None and getattr(hook_type, "_materialize_only", False):
         raise ValueError(f"encoding {name!r}: {hook_type.__name__} is MaterializeOnly; declare tiled=None")
@@ -166,30 +167,22 @@ def declare_forms(hook_type: type, forms: Forms, *, name: str | None = None) -> 
 
 
 def forms_of(hook) -> Forms:
-    """The forms ``hook``'s class declared (:func:`declare_forms`); for a class that declared none, the
-    forms read off the hook's methods (hook classes defined outside the registry, as ``posenc_jax.hf``'s)."""
-    declared = type(hook).__dict__.get("_declared_forms")
+    """The forms ``hook``'s class declared (:func:`declare_forms`, or registration).
+
+    A hook class of one's own that declared none has none: no form's methods may then be defined
+    on it (a ValueError names the form to declare), and it is computed per tile by its hooks
+    (``tiled=()``; ``tiled=None`` for a :class:`~posenc_jax.functional.core.hooks.MaterializeOnly`).
+    """
+    hook_type = type(hook)
+    declared = next((c.__dict__["_declared_forms"] for c in hook_type.__mro__ if "_declared_forms" in c.__dict__), None)
+    materialize_only = getattr(hook_type, "_materialize_only", False)
     if declared is None:
-        for base in type(hook).__mro__[1:]:
-            declared = base.__dict__.get("_declared_forms")
-            if declared is not None:
-                break
-    forms = declared if declared is not None else _read_off(type(hook))
-    if forms.tiled is not None and getattr(type(hook), "_materialize_only", False):
+        declared = Forms(tiled=None if materialize_only else ())
+        check_declared(hook_type, declared, name=hook_type.__name__)
+    elif declared.tiled is not None and materialize_only:
         # MaterializeOnly mixed into a declared class (its own subclass of ALiBi, say): not per tile.
-        forms = dataclasses.replace(forms, tiled=None)
-    return forms
-
-
-def _read_off(hook_type: type) -> Forms:
-    """The forms whose methods ``hook_type`` defines: the reading of a class that declared none."""
-    defines = lambda group, form: all(getattr(hook_type, m, None) is not None for m in FORMS[group][form])
-    chosen = {group: tuple(form for form in forms if defines(group, form)) for group, forms in FORMS.items()}
-    tiled = None if getattr(hook_type, "_materialize_only", False) else chosen["tiled"]
-    prepared = chosen["prepared"]
-    return Forms(
-        tiled=tiled, cached=chosen["cached"], prepared=prepared[0] if prepared else None, fused=chosen["fused"]
-    )
+        declared = dataclasses.replace(declared, tiled=None)
+    return declared
 
 
 class FormInterface(type):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -169,21 +168,14 @@ def register_encoding(
         raise ValueError(f"forms must be a non-empty subset of {FORMS}, got {forms!r}")
     groups = dict(tiled=tiled, cached=cached, prepared=prepared)
     missing = [group for group, value in groups.items() if value is _UNDECLARED]
-    declared = None
-    if len(missing) == len(groups):
-        warnings.warn(
-            f"register_encoding({name!r}) without its forms is deprecated: declare tiled=, cached= and prepared= "
-            f"(posenc_jax.functional.core.forms); until then they are read off the hook's methods",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-    elif missing:
+    if missing:
+        some = "some of its forms but not" if len(missing) < len(groups) else "none of its forms:"
         raise ValueError(
-            f"register_encoding({name!r}) declares some of its forms but not {', '.join(missing)}: declare "
-            f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none)"
+            f"register_encoding({name!r}) declares {some} {', '.join(missing)}: declare "
+            f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none; the forms are "
+            f"listed in posenc_jax.functional.core.forms)"
         )
-    else:
-        declared = Forms(tiled=tiled, cached=cached, prepared=prepared, fused=fused)
+    declared = Forms(tiled=tiled, cached=cached, prepared=prepared, fused=fused)
 
     def add(config_type):
         if name in _REGISTRY:
@@ -193,13 +185,12 @@ def register_encoding(
         if config_type.acts_on not in PLACEMENTS:
             raise ValueError(f"{config_type.__name__}.acts_on must be one of {PLACEMENTS}, got {config_type.acts_on!r}")
         hook_type = hook if hook is not None else config_type
-        if hook is None and declared is not None and not issubclass(config_type, ParameterFree):
+        if hook is None and not issubclass(config_type, ParameterFree):
             raise ValueError(
                 f"register_encoding({name!r}): {config_type.__name__} builds a hook of another class; pass hook= (the "
                 f"class its build returns) so its forms can be checked"
             )
-        if declared is not None:
-            declare_forms(hook_type, declared, name=name)
+        declare_forms(hook_type, declared, name=name)
         make = factory if factory is not None else functools.partial(config_type, **fixed) if fixed else config_type
         names, needed = (
             (tuple(settings), tuple(required)) if factory is not None else dataclass_settings(config_type, fixed)

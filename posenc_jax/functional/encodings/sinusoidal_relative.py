@@ -20,6 +20,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import AttentionContext, ParameterFree, parameter, pytree_dataclass
 from posenc_jax.functional.core.positions import check_positions, inverse_frequencies, position_angles
 from posenc_jax.functional.core.registry import register_encoding
@@ -201,6 +202,9 @@ class CachedSinusoidalRelative:
     def score_features(self, q, k, context: AttentionContext):
         """The term as features appended to q and k, with the cached key sinusoids."""
         return _score_features(self.encoding, q, context, self.key_sinusoids)
+
+
+declare_forms(CachedSinusoidalRelative, Forms(cached=("key_features",), fused=("features",)))
 
 
 def _scaled_logits(encoding: SinusoidalRelative, q, context: AttentionContext, key_features) -> jax.Array:
