@@ -282,7 +282,7 @@ def resolve_encodings(encodings) -> list:
     if encodings is None:
         return []
     carried = getattr(encodings, "encodings", None)
-    if isinstance(carried, tuple) and not isinstance(encodings, EncodingConfig):
+    if isinstance(carried, tuple) and not isinstance(encodings, EncodingConfig) and not hook_names(encodings):
         encodings = carried  # e.g. posenc_jax.hf.HFEncoding
     if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
         encodings = [encodings]
