@@ -97,7 +97,7 @@ class _Majority(Generated):
         return 0.5
 
     def baselines(self, n: int) -> dict:
-        return self.lines(n, Fraction(1, 2), Fraction(1))
+        return self.baseline_scores(n, Fraction(1, 2), Fraction(1))
 
 
 def test_a_new_task_is_one_registration(monkeypatch, tmp_path):

@@ -16,7 +16,7 @@ import pathlib
 import socket
 import warnings
 
-__all__ = ["FolderLock", "check_writable", "read_json", "write_json", "write_text"]
+__all__ = ["FolderLock", "check_writable", "json_type", "read_json", "write_error", "write_json", "write_text"]
 
 
 def check_writable(out: pathlib.Path) -> None:
@@ -35,7 +35,8 @@ def check_writable(out: pathlib.Path) -> None:
         ) from None
 
 
-def _json_type(value) -> str:
+def json_type(value) -> str:
+    """The JSON type of ``value`` as an error names it (``"integer"``, ``"object"``, ...)."""
     if isinstance(value, bool):
         return "boolean"
     if isinstance(value, int):
@@ -71,11 +72,12 @@ def read_json(path, what: str, *, required: bool = True, fix: str = "run the sam
     except json.JSONDecodeError as error:
         raise ValueError(f"{path} is not JSON ({error.msg} at line {error.lineno}), not the {what}; {fix}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {_json_type(value)}, not the {what} (an object); {fix}")
+        raise ValueError(f"{path} holds a JSON {json_type(value)}, not the {what} (an object); {fix}")
     return value
 
 
-def _write_error(path: pathlib.Path, error: OSError) -> ValueError:
+def write_error(path: pathlib.Path, error: OSError) -> ValueError:
+    """The one-line error for an OSError writing ``path`` (a full disk: free space), naming the file."""
     if error.errno == errno.ENOSPC:
         fix = "free space on its disk, then run the same command again: the rows written so far are kept"
     else:
@@ -94,7 +96,7 @@ def write_text(path, text: str) -> None:
         os.replace(partial, path)
     except OSError as error:
         partial.unlink(missing_ok=True)
-        raise _write_error(path, error) from error
+        raise write_error(path, error) from error
 
 
 def write_json(path, value) -> None:
@@ -171,7 +173,7 @@ class FolderLock:
             except FileExistsError:
                 return False
         except OSError as error:
-            raise _write_error(self.path, error) from error
+            raise write_error(self.path, error) from error
         finally:
             partial.unlink(missing_ok=True)
         return True

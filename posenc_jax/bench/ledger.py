@@ -45,10 +45,10 @@ import warnings
 
 from posenc_jax.bench.files import (
     FolderLock,
-    _json_type,
-    _write_error,
     check_writable,
+    json_type,
     read_json,
+    write_error,
     write_json,
     write_text,
 )
@@ -180,12 +180,12 @@ _ROW_FIELDS = {"task": "string", "encoding": "string", "seed": "integer", "lengt
 def _row_problem(row) -> str | None:
     """Why ``row`` is not a result row (None when it is one)."""
     if not isinstance(row, dict):
-        return f"is a JSON {_json_type(row)}, not an object"
+        return f"is a JSON {json_type(row)}, not an object"
     missing = [key for key in _ROW_FIELDS if key not in row]
     if missing:
         return f"lacks {', '.join(missing)}"
     for key, wanted in _ROW_FIELDS.items():
-        found = _json_type(row[key])
+        found = json_type(row[key])
         if found != wanted and not (wanted == "number" and found == "integer"):
             return f"has {key} {row[key]!r}, a {found}, where a{'n' if wanted[0] in 'aeiou' else ''} {wanted} belongs"
     return None
@@ -360,7 +360,7 @@ class Ledger:
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         except OSError as error:
-            raise _write_error(path, error) from error
+            raise write_error(path, error) from error
         try:
             size = os.fstat(fd).st_size
             try:
@@ -369,7 +369,7 @@ class Ledger:
             except OSError as error:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, size)  # no half row left behind
-                raise _write_error(path, error) from error
+                raise write_error(path, error) from error
         finally:
             os.close(fd)
 

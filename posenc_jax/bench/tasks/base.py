@@ -121,7 +121,7 @@ class Generated:
         if min(lengths) < 1:
             raise ValueError(f"{self.name}: lengths must be >= 1, got {min(lengths)}")
 
-    def lines(self, n: int, position, content) -> dict[str, float | None]:
+    def baseline_scores(self, n: int, position, content) -> dict[str, float | None]:
         """The baselines dict of :meth:`Task.baselines` from the two exact scores (None: unknown)."""
         return {
             "chance": self.chance(n),

@@ -205,7 +205,7 @@ class CountingTask(Generated):
         ``max_k P(answer = k | n)``, from the exact distribution (:meth:`answer_distribution`);
         content-only None: the counts of the words do not say which increments came after the
         last set (:mod:`posenc_jax.bench.baselines`)."""
-        return self.lines(n, max(self.answer_distribution(n)), None)
+        return self.baseline_scores(n, max(self.answer_distribution(n)), None)
 
 
 register_task(

@@ -220,8 +220,8 @@ class DecoderTask(Generated):
         """
         a = self.symbols
         if self.name in ("counting_copy", "counting_replace"):
-            return self.lines(n, Fraction(1, a), Fraction(1))
-        return self.lines(n, Fraction(1, a**n), Fraction(math.comb(n + a - 1, a - 1), a**n))
+            return self.baseline_scores(n, Fraction(1, a), Fraction(1))
+        return self.baseline_scores(n, Fraction(1, a**n), Fraction(math.comb(n + a - 1, a - 1), a**n))
 
 
 _PAPER = "Kazemnejad et al.'s"

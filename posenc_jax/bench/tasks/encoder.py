@@ -216,12 +216,12 @@ class EncoderTask(Generated):
         """
         a = self.symbols
         if self.name == "reverse_string":
-            return self.lines(n, Fraction(1, a), _expected_largest_count(n, a) / n)
+            return self.baseline_scores(n, Fraction(1, a), _expected_largest_count(n, a) / n)
         if self.name == "bucket_sort":
-            return self.lines(n, _sorted_slot_best(n, a), Fraction(1))
+            return self.baseline_scores(n, _sorted_slot_best(n, a), Fraction(1))
         if self.name == "missing_duplicate" and n == 1 and self.format == "paper":
-            return self.lines(n, Fraction(1), Fraction(1))  # Ruoss et al.'s length 1: the answer is always 1
-        return self.lines(n, Fraction(1, 2), Fraction(1))
+            return self.baseline_scores(n, Fraction(1), Fraction(1))  # Ruoss et al.'s length 1: the answer is always 1
+        return self.baseline_scores(n, Fraction(1, 2), Fraction(1))
 
 
 _PAPER = "Ruoss et al.'s"

@@ -133,7 +133,7 @@ class FlipFlopTask(Generated):
         """Accuracy over the read bits: position-only 1/2, since every bit is uniform and independent
         of the instructions; content-only None: the counts of the bits and instructions say a little
         about the reads, by an amount with no closed form (:mod:`posenc_jax.bench.baselines`)."""
-        return self.lines(n, 0.5, None)
+        return self.baseline_scores(n, 0.5, None)
 
 
 register_task(

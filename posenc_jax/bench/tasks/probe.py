@@ -70,7 +70,7 @@ class ProbeTask(Generated):
         """Chance 1/n; position-only and content-only both 1, since the answer is the slot itself,
         which both predictors know: what the probe reads against is chance, what a model that
         cannot tell the positions apart scores (:mod:`posenc_jax.bench.baselines`)."""
-        return self.lines(n, 1, 1)
+        return self.baseline_scores(n, 1, 1)
 
     def check_lengths(self, train_length: int, eval_lengths) -> None:
         super().check_lengths(train_length, eval_lengths)
