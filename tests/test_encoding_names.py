@@ -196,3 +196,24 @@ def test_from_hf_config_result_is_accepted_wherever_encodings_are():
         np.testing.assert_allclose(make_attention_fn(given, causal=True)(q, k, v), reference, atol=1e-6)
         attention = MultiHeadAttention(64, 4, encodings=given, rngs=nnx.Rngs(0))
         assert _types(m.config for m in attention.encodings) == _types(configs)
+
+
+def test_sequence_parallel_attention_takes_every_form():
+    from jax.sharding import Mesh
+
+    from posenc_jax.functional.core.sharded import sequence_parallel_attention
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("devices",))
+
+    def call(encodings):
+        return sequence_parallel_attention(
+            Q, K, V, mesh=mesh, query_positions=POS, key_positions=POS, encodings=encodings, causal=True
+        )
+
+    expected = call([RoPE(), ALiBi()])
+    for encodings in BOTH.values():
+        np.testing.assert_array_equal(call(encodings), expected)
+    np.testing.assert_allclose(expected, REFERENCE["both"], atol=1e-5)
+    with pytest.raises(ValueError, match="known encodings: ") as error:
+        call("rope+alibbi")
+    assert "\n" not in str(error.value)
