@@ -29,6 +29,7 @@ __all__ = [
     "make_optimizer",
     "replicate",
     "shard_batch",
+    "TrainingDiverged",
     "train_step",
     "warmup_cosine_adamw",
 ]
@@ -128,6 +129,27 @@ def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: dict) -> jax.
     return loss
 
 
+class TrainingDiverged(ValueError):
+    """The training loss is NaN or infinite: :func:`fit` stops at the step it reads it (a log line or a
+    checkpoint), before logging or saving the diverged state."""
+
+
+def _check_loss(loss, step: int, steps: int, saved: int | None) -> None:
+    """Raises :class:`TrainingDiverged` naming the step when ``loss`` (a float or an array) is not finite."""
+    values = np.asarray(loss, dtype=np.float64)
+    if np.all(np.isfinite(values)):
+        return
+    resume = (
+        f"the last checkpoint is step {saved}: restore it with Checkpointer.restore and fit again from there"
+        if saved is not None
+        else "no checkpoint was saved by this fit"
+    )
+    raise TrainingDiverged(
+        f"training diverged: the loss is {np.asarray(loss).tolist()} at step {step} of {steps}, and this state is "
+        f"not saved; lower the learning rate (or clip gradients, e.g. optax.clip_by_global_norm); {resume}"
+    )
+
+
 def fit(
     model: nnx.Module,
     optimizer: nnx.Optimizer,
@@ -174,6 +196,12 @@ def fit(
     Returns:
       The loss of every step run (floats; arrays where ``step_fn`` returns them).
 
+    Raises:
+      TrainingDiverged: the loss read for a log line, or before a save through ``checkpointer``,
+        is NaN or infinite (a learning rate too high, most often); the diverged state is not
+        saved, and the message names the step and the last checkpoint to resume from. (With
+        ``save`` the caller checks its own saves: the benchmark does.)
+
     Example:
       >>> from posenc_jax.nn import Transformer
       >>> model = Transformer(vocab_size=8, model_dim=16, num_layers=1, num_heads=2, mlp_dim=32,
@@ -199,8 +227,24 @@ def fit(
             f"check and check_every go together, check_every >= 1 (steps between checks); got check={check!r}, "
             f"check_every={check_every!r}"
         )
+    saved = None  # the last step fit saved through checkpointer
+    checked = 0  # losses[:checked] were read and finite
+
+    def _check_losses(step):
+        nonlocal checked
+        for offset, loss in enumerate(jax.device_get(losses[checked:])):  # one transfer
+            _check_loss(loss, step - len(losses) + checked + offset + 1, steps, saved)
+        checked = len(losses)
+
     if save is None and checkpointer is not None:
-        save = lambda step: checkpointer.save(step, model, optimizer, config=checkpoint_config)
+
+        def save(step):
+            nonlocal saved
+            # A diverged state is never saved: restore would refuse it later, far from its cause.
+            _check_losses(step)
+            checkpointer.save(step, model, optimizer, config=checkpoint_config)
+            saved = step
+
     step_fn = train_step if step_fn is None else step_fn
     bar = None
     if progress:
@@ -227,6 +271,7 @@ def fit(
                 bar.update(1)
                 bar.set_postfix(loss=f"{float(np.mean(loss)):.4f}")
             if log is not None and log_every and (step % log_every == 0 or step == steps):
+                _check_losses(step)
                 rate = (step - start_step) / max(time.perf_counter() - began, 1e-9)
                 log(f"step {step}/{steps}  loss {np.mean(loss):.4f}  ({rate:.1f} steps/s)")
             stop = check is not None and (step % check_every == 0 or step == steps) and bool(check(step))

@@ -336,3 +336,31 @@ def test_a_step_with_nan_or_inf_is_refused_naming_the_arrays_and_the_step(tmp_pa
     assert ckpt.restore(fresh, step=2) == 2
     assert ckpt.restore(fresh, step=3, allow_nonfinite=True) == 3
     assert np.isnan(np.asarray(fresh.blocks[0].attention.query.kernel[...])).sum() == 2
+
+
+def test_fit_stops_at_a_diverged_loss_and_saves_nothing_of_it(tmp_path):
+    from posenc_jax.training import TrainingDiverged, fit
+
+    ckpt = Checkpointer(tmp_path / "ckpt")
+    model = _model()
+    optimizer = make_optimizer(model, optax.adam(1e-3))
+    batch = {"inputs": TOKENS[:, :-1], "targets": TOKENS[:, 1:], "positions": np.arange(5)}
+    losses = iter([0.5, 0.4, float("nan"), 0.3])  # a step function whose third loss is NaN
+    with pytest.raises(TrainingDiverged) as caught:
+        fit(
+            model,
+            optimizer,
+            [batch] * 4,
+            steps=4,
+            log=None,
+            step_fn=lambda *_: next(losses),
+            checkpointer=ckpt,
+            checkpoint_every=2,
+        )
+    message = _one_line(caught)
+    assert "the loss is nan at step 3 of 4" in message and "the last checkpoint is step 2" in message
+    assert ckpt.all_steps() == [2]  # step 4 (a NaN loss read before its save) was not saved
+
+    logged = iter([0.5, float("inf")])
+    with pytest.raises(TrainingDiverged, match=r"the loss is inf at step 2 of 2.*no checkpoint was saved"):
+        fit(model, optimizer, [batch] * 2, steps=2, log=lambda line: None, log_every=1, step_fn=lambda *_: next(logged))
