@@ -40,6 +40,7 @@ from posenc_jax.functional.core.hooks import (
     TiledValues,
     rotates_each_token,
 )
+from posenc_jax.functional.core.normalizers import softmax_weights
 from posenc_jax.functional.core.relative import relative_positions
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
@@ -553,6 +554,37 @@ def test_a_hook_class_of_ones_own_declares_the_forms_it_defines(rng):
         block_k=2,
     )
     np.testing.assert_allclose(tiled, attend(), atol=1e-5)
+
+
+def test_a_normalizer_of_ones_own_tiles_when_its_class_declares_tiled_weights(rng):
+    @pytree_dataclass
+    class Softmax2:  # the softmax with its online form, under another class
+        def normalize(self, scores, mask, context):
+            return softmax_weights.normalize(scores, mask, context)
+
+        def tile_init(self, rows):
+            return softmax_weights.tile_init(rows)
+
+        def tile_weights(self, scores, visible, state, context):
+            return softmax_weights.tile_weights(scores, visible, state, context)
+
+        def tile_denominator(self, state, context):
+            return softmax_weights.tile_denominator(state, context)
+
+    q, k, v = (_normal(rng, (B, T, N, H)) for _ in range(3))
+    pos = jnp.arange(T)
+
+    def attend(implementation):
+        return dot_product_attention(
+            q, k, v, query_positions=pos, key_positions=pos, normalizer=Softmax2(), causal=True,
+            implementation=implementation, block_q=4, block_k=4,
+        )  # fmt: skip
+
+    message = r"Softmax2 defines tile_init, tile_weights, tile_denominator but does not declare the form tiled\.weights"
+    with pytest.raises(ValueError, match=message):
+        attend("blockwise")
+    declare_forms(Softmax2, Forms(tiled=("weights",)))
+    np.testing.assert_allclose(attend("blockwise"), attend("materialize"), atol=1e-5)
 
 
 def test_every_registered_encoding_declares_its_forms_on_its_hook_class():

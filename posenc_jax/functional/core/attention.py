@@ -559,6 +559,8 @@ def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_len
 
 
 def _has_blockwise_form(hooks, normalizer) -> bool:
+    for item in (*hooks, normalizer):
+        forms_of(item)  # a class defining a form it does not declare is refused by name here, not materialised
     try:
         check_blockwise(hooks, normalizer)
     except ValueError:

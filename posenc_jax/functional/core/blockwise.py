@@ -37,8 +37,8 @@ the tile by :meth:`~AttentionContext.tile`: its positions and mask are the tile'
   beside the output with the same rescaling ``c`` and divided by the same denominator (Shaw's
   tile past its clip: each row's weights summed into one table row,
   :class:`~posenc_jax.functional.core.hooks.TiledValues`).
-* Normalisers bring their tiled form through the contract
-  (:class:`~posenc_jax.functional.core.hooks.TiledNormalize`), so a user's normaliser tiles
+* Normalisers bring their tiled form through the contract (the declared form ``tiled.weights``,
+  :class:`~posenc_jax.functional.core.hooks.TiledNormalize`), so a user's normaliser tiles
   too: softmax and URPE (softmax times a per-tile Toeplitz factor) online as above; L2 online
   with ``l`` the running sum of ``p²`` (rescaled by ``c²``) and ``√l`` at the end; relu²/n
   with no maximum at all (``p = relu(s)²``, divided by n at the end).
@@ -68,7 +68,6 @@ import numpy as np
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
-    TiledNormalize,
 )
 from posenc_jax.functional.core.tiles import (
     _finish,
@@ -109,9 +108,9 @@ def check_blockwise(hooks: Sequence, normalizer) -> None:
                 f"{type(hook).__name__} cannot be computed per tile (its forms: tiled=None); use "
                 f"implementation='materialize' for it"
             )
-    if not isinstance(normalizer, TiledNormalize):
+    if not forms_of(normalizer).has("tiled", "weights"):
         raise ValueError(
-            f"the normalizer {normalizer!r} has no blockwise form (it does not fill TiledNormalize: tile_init, "
+            f"the normalizer {normalizer!r} has no blockwise form (its class declares no tiled.weights: tile_init, "
             f"tile_weights, tile_denominator); use implementation='materialize' for it"
         )
 
@@ -139,13 +138,14 @@ def _check_arguments(hooks, normalizer, block_q, block_k, dropout_rate, dropout_
 
 def _over_all_keys(plan: _Plan, key, value) -> jax.Array:
     """Every query block against every key tile: ``[nq, B, bq, N, H]``."""
+    q_blocks = jnp.arange(plan.num_q_blocks)
     keys = _key_side(plan, key, value, None)
 
     def attend(qi):
         block = _query_tile(plan, qi)
         return _finish(plan, block, tile_loop(plan, qi, block, _start(plan, block), keys, 0))
 
-    return jax.lax.map(jax.checkpoint(attend), jnp.arange(plan.num_q_blocks))
+    return jax.lax.map(jax.checkpoint(attend), q_blocks)
 
 
 def _over_ring(plan: _Plan, key, value, ring: KeyRing) -> jax.Array:

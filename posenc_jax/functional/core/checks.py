@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
-    ScoreScale,
     attention_context,
 )
 from posenc_jax.functional.core.masks import MaskParts, key_padding_mask, sequence_key_counts
@@ -151,7 +151,7 @@ def _score_scale(hooks, head_dim: int, scale: float | None) -> float:
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"scale must be a finite number > 0 (default 1/√H = {head_dim**-0.5:.4g}), got {scale}")
         return scale
-    prescribed = {float(hook.score_scale(head_dim)) for hook in hooks if isinstance(hook, ScoreScale)}
+    prescribed = {float(hook.score_scale(head_dim)) for hook in hooks if forms_of(hook).has("scale", "prescribed")}
     if len(prescribed) > 1:
         raise ValueError(f"the encodings prescribe different score scales {sorted(prescribed)}; pass scale= explicitly")
     scale = prescribed.pop() if prescribed else float(1.0 / np.sqrt(head_dim))

@@ -17,6 +17,8 @@ tiled       ``distance``          ``distance_bias(distance, context)``: a Toepli
             ``carried``           ``init_carry``, ``carried_logits``                      CoPE
             ``carried_from_       ``carried_logits_from_content``                         CoPE
             content``
+            ``weights``           ``tile_init``, ``tile_weights``, ``tile_denominator``:  softmax, L2, relu², URPE
+                                  a normaliser's online form
 cached      ``rotation``          ``rotates_per_token``: keys stored rotated when True    RoPE, axial RoPE
             ``rotation_about``    ``rotate_about(q, k, context, reference)``              xPos
             ``key_term``          ``key_features``, ``with_key_features``                 DeBERTa, Transformer-XL, ...
@@ -24,6 +26,7 @@ cached      ``rotation``          ``rotates_per_token``: keys stored rotated whe
             ``key_features``      ``map_key_features(fn)``                                DeBERTa, Transformer-XL
 prepared    ``tables``            ``prepare(positions, head_dim)``                        RoPE
             ``bias``              ``bias(context)``: one bias for every layer             T5, ALiBi, Kerple, ...
+scale       ``prescribed``        ``score_scale(head_dim)``: the content-score scale      DeBERTa, HF's fixed scale
 fused       ``rows``              ``add_logits(scores, q, k, context)``                   FIRE, Transformer-XL, CoPE
             ``rows_from_content`` ``add_logits_to_content(content, q, k, context)``       Transformer-XL, CoPE
             ``features``          ``score_features(q, k, context)``                       functional relative
@@ -54,6 +57,7 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
         "values": ("tile_values",),
         "carried": ("init_carry", "carried_logits"),
         "carried_from_content": ("carried_logits_from_content",),
+        "weights": ("tile_init", "tile_weights", "tile_denominator"),
     },
     "cached": {
         "rotation": ("rotates_per_token",),
@@ -63,6 +67,7 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
         "key_features": ("map_key_features",),
     },
     "prepared": {"tables": ("prepare",), "bias": ("bias",)},
+    "scale": {"prescribed": ("score_scale",)},
     "fused": {
         "rows": ("add_logits",),
         "rows_from_content": ("add_logits_to_content",),
@@ -83,12 +88,15 @@ class Forms:
       prepared: ``"tables"``, ``"bias"`` or None: what a model computes once per forward and
         shares across its layers.
       fused: faster forms of the materialising path.
+      scale: ``"prescribed"`` when the hook prescribes the content-score scale (``score_scale(head_dim)``,
+        DeBERTa's ``1/√(3H)``), else None.
     """
 
     tiled: tuple[str, ...] | None = ()
     cached: tuple[str, ...] = ()
     prepared: str | None = None
     fused: tuple[str, ...] = ()
+    scale: str | None = None
 
     def __post_init__(self):
         for group in ("tiled", "cached", "fused"):
@@ -101,16 +109,17 @@ class Forms:
             unknown = [form for form in value if form not in FORMS[group]]
             if unknown:
                 raise ValueError(f"unknown {group} form {unknown[0]!r}; the {group} forms are {sorted(FORMS[group])}")
-        if self.prepared is not None and self.prepared not in FORMS["prepared"]:
-            raise ValueError(
-                f"unknown prepared form {self.prepared!r}; the prepared forms are {sorted(FORMS['prepared'])}"
-            )
+        for group in ("prepared", "scale"):
+            value = getattr(self, group)
+            if value is not None and value not in FORMS[group]:
+                raise ValueError(f"unknown {group} form {value!r}; the {group} forms are {sorted(FORMS[group])}")
 
     def declared(self) -> dict[str, tuple[str, ...]]:
         """Each declared form, as ``"group.form"``, and its methods."""
         names = [("tiled", f) for f in self.tiled or ()] + [("cached", f) for f in self.cached]
         names += [("prepared", self.prepared)] if self.prepared else []
         names += [("fused", f) for f in self.fused]
+        names += [("scale", self.scale)] if self.scale else []
         return {f"{group}.{form}": FORMS[group][form] for group, form in names}
 
     def methods(self) -> tuple[str, ...]:
@@ -120,7 +129,7 @@ class Forms:
     def has(self, group: str, form: str) -> bool:
         """Whether ``form`` of ``group`` is declared (``has("prepared", "bias")``)."""
         value = getattr(self, group)
-        return value == form if group == "prepared" else form in (value or ())
+        return value == form if group in ("prepared", "scale") else form in (value or ())
 
 
 def check_declared(hook_type: type, forms: Forms, *, name: str) -> None:

@@ -398,9 +398,9 @@ class Normalize(Protocol):
     def normalize(self, scores: jax.Array, mask: jax.Array | None, context: AttentionContext) -> jax.Array: ...
 
 
-@runtime_checkable
-class TiledNormalize(Protocol):
-    """A normaliser blockwise attention runs in tiles: ``out = Σ_tiles p · v / denominator``.
+class TiledNormalize(metaclass=FormInterface):
+    """A normaliser blockwise attention runs in tiles (the form ``tiled.weights``, declared by the normaliser's
+    class: ``declare_forms(MyNormalizer, Forms(tiled=("weights",)))``): ``out = Σ_tiles p · v / denominator``.
 
     For each block of query rows (``rows`` = ``(B, N, bq)``) the attention starts from
     ``tile_init(rows)``, a pytree of running statistics. Each key tile's float32 ``scores``
@@ -413,6 +413,8 @@ class TiledNormalize(Protocol):
     block's in ``tile_denominator`` (``sequence_lengths`` of the block's rows).
     """
 
+    _form: ClassVar[str] = "tiled.weights"
+
     def tile_init(self, rows: tuple[int, ...]) -> Any: ...
 
     def tile_weights(
@@ -422,9 +424,10 @@ class TiledNormalize(Protocol):
     def tile_denominator(self, state: Any, context: AttentionContext) -> jax.Array: ...
 
 
-@runtime_checkable
-class ScoreScale(Protocol):
-    """Prescribes the content-score scale for a head dim (DeBERTa: ``1/√(3H)``)."""
+class ScoreScale(metaclass=FormInterface):
+    """Prescribes the content-score scale for a head dim (DeBERTa: ``1/√(3H)``): the form ``scale.prescribed``."""
+
+    _form: ClassVar[str] = "scale.prescribed"
 
     def score_scale(self, head_dim: int) -> float: ...
 

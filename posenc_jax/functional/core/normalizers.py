@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     EncodingConfig,
@@ -366,3 +367,7 @@ def normalizer_config(name: str):
     if name not in NORMALIZERS:
         raise ValueError(f"unknown normalizer {name!r}; known normalizers: {', '.join(NORMALIZERS)}")
     return NORMALIZERS[name]
+
+
+for _normalizer in (Softmax, L2Normalized, ReLU2PerRow, ReLU2, URPE):
+    declare_forms(_normalizer, Forms(tiled=("weights",)))

@@ -145,6 +145,7 @@ def register_encoding(
     cached: tuple[str, ...] | object = _UNDECLARED,
     prepared: str | None | object = _UNDECLARED,
     fused: tuple[str, ...] = (),
+    scale: str | None = None,
 ):
     """Registers an encoding config class under ``name`` (a class decorator).
 
@@ -159,7 +160,7 @@ def register_encoding(
         it cannot do without.
       hook: the class of the hook ``build`` returns (a parameter-free encoding is its own
         hook: then leave it out).
-      tiled, cached, prepared, fused: the hook's declared forms
+      tiled, cached, prepared, fused, scale: the hook's declared forms
         (:class:`~posenc_jax.functional.core.forms.Forms`); ``tiled``, ``cached`` and
         ``prepared`` are required (``()`` or None where the hook has none of the group).
     """
@@ -175,7 +176,7 @@ def register_encoding(
             f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none; the forms are "
             f"listed in posenc_jax.functional.core.forms)"
         )
-    declared = Forms(tiled=tiled, cached=cached, prepared=prepared, fused=fused)
+    declared = Forms(tiled=tiled, cached=cached, prepared=prepared, fused=fused, scale=scale)
 
     def add(config_type):
         if name in _REGISTRY:

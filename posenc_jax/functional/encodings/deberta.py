@@ -423,6 +423,7 @@ class DeBERTa:
     tiled=("logits", "scores"),
     cached=("key_term", "key_features"),
     prepared=None,
+    scale="prescribed",
 )
 @pytree_dataclass
 class DeBERTaConfig(EncodingConfig):
