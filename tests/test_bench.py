@@ -442,7 +442,8 @@ def test_the_ledger_repairs_a_cut_last_row_and_refuses_other_settings(tmp_path):
 def test_cpu_long_evaluates_long_text_blockwise_as_the_materialising_path_would():
     long = presets.PRESETS["cpu-long"]
     assert long.text_context == 256 and long.text_context * max(long.text_multiples) == 32_768
-    assert long.implementation_at(1024) == "materialize" and long.implementation_at(2048) == "blockwise"
+    text = long.resolve(long.task("text"))
+    assert text.implementation_at(1024) == "materialize" and text.implementation_at(2048) == "blockwise"
     from posenc_jax.nn import Transformer
 
     model = Transformer(

@@ -208,12 +208,6 @@ class Preset:
             finetune_scalings=self.finetune_scalings if text and own.finetune_steps else (),
         )
 
-    def implementation_at(self, tokens: int) -> str:
-        """The attention implementation evaluation uses at ``tokens`` tokens."""
-        if self.blockwise_from is not None and tokens >= self.blockwise_from:
-            return self.eval_implementation
-        return "materialize"
-
     def validate(self) -> None:
         """Raises ValueError naming the first bad setting and what to do."""
         for what, values, example in (
