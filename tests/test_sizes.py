@@ -1,4 +1,5 @@
-"""Size caps of posenc_jax/functional (issue 54): no function over 100 lines, no file over 600.
+"""Size caps (issue 54): in posenc_jax/functional no function over 100 lines and no file over 600; in
+posenc_jax/bench (the benchmark) no file over 600.
 
 A function's lines run from its ``def`` to its last line, docstring included; nested functions count
 inside the function that holds them and on their own. Files are counted in lines of text.
@@ -10,6 +11,7 @@ import ast
 import pathlib
 
 FUNCTIONAL = pathlib.Path(__file__).resolve().parents[1] / "posenc_jax" / "functional"
+BENCH = FUNCTIONAL.parent / "bench"
 MAX_FUNCTION_LINES = 100
 MAX_FILE_LINES = 600
 
@@ -42,3 +44,12 @@ def test_no_file_in_functional_is_over_600_lines():
             long[path.relative_to(FUNCTIONAL).as_posix()] = lines
     unexpected = {name: lines for name, lines in long.items() if name not in FILE_EXCEPTIONS}
     assert not unexpected, f"files over {MAX_FILE_LINES} lines: {unexpected}"
+
+
+def test_no_file_in_the_benchmark_is_over_600_lines():
+    sources = sorted(BENCH.rglob("*.py"))
+    assert len(sources) > 20, f"the benchmark's modules and tasks were not found under {BENCH}"
+    long = {
+        p.relative_to(BENCH).as_posix(): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
