@@ -1,10 +1,10 @@
 """The extrapolation benchmark's presets: what a run trains and tests, as data.
 
 :data:`PRESETS` holds the named runs (``posenc-bench extrapolate --preset NAME``), each a
-:class:`~posenc_jax.bench.preset.Preset`. This module also gives the names the benchmark's
-settings were long imported from here: the preset class, a task's resolved settings
-(:mod:`posenc_jax.bench.settings`) and the cost model (:mod:`posenc_jax.bench.cost`), from which
-``posenc-bench --help`` states each preset's expected run time.
+:class:`~posenc_jax.bench.preset.Preset`, and :func:`catalogue` lists them with their expected run
+times (``posenc-bench extrapolate --help``). The preset class, a task's resolved settings
+(:mod:`posenc_jax.bench.settings`) and the cost model (:mod:`posenc_jax.bench.cost`) import from
+here too.
 """
 
 from __future__ import annotations
