@@ -267,14 +267,24 @@ def test_the_cpu_and_text_findings_are_their_orderings():
     """The `cpu` preset's counting-copy paragraph and the `gpu-text` runs' orderings, as the results
     page words them (Holm over each table's pairs)."""
     page = _prose("results.md")
-    cpu = comparison(_results("extrapolation-cpu"), "counting_copy")
+    cpu = comparison(_results("extrapolation-cpu-fixed"), "counting_copy")
     resolved = {(o.better, o.worse) for o in cpu.resolved}
-    assert len(cpu.orderings) == 15 and len(resolved) == 7
-    assert resolved == {(a, b) for a in ("nope", "alibi") for b in ("rope", "sinusoidal", "learned")} | {
-        ("nope", "alibi")
+    assert len(cpu.orderings) == 15 and len(resolved) == 11
+    absolute = ("rope", "sinusoidal", "learned")
+    assert resolved == {(a, b) for a in ("t5", "alibi") for b in absolute} | {
+        ("nope", b) for b in ("t5", "alibi", *absolute)
     }
     assert not cpu.equivalent()  # sinusoidal and learned are 0 on every seed: 0.5^5 per side is not enough
-    assert "15 pairs, 7 orderings are resolved" in page
+    assert "15 pairs, 11 orderings are resolved" in page
+    summaries = _summaries("extrapolation-cpu-fixed")
+    for encoding, shown in (("nope", "NoPE"), ("t5", "T5"), ("alibi", "ALiBi"), ("rope", "RoPE")):
+        assert f"| {shown} | 5/5 | 1.000, all 5 seeds | {summaries['counting_copy', encoding].extrapolation} |" in page
+    # The README's main-command table: the same cells, in the encodings' order.
+    (readme_row,) = _table("README.md", "| NoPE | T5 | ALiBi | RoPE | sinusoidal | learned |")
+    order = ("nope", "t5", "alibi", "rope", "sinusoidal", "learned")
+    assert [_shown(cell) for cell in readme_row.values()] == [
+        str(summaries["counting_copy", e].extrapolation) for e in order
+    ]
     text = comparison(_results("extrapolation-gpu-text"), "text")
     resolved = {(o.better, o.worse) for o in text.resolved}
     assert (len(resolved), len(text.orderings)) == (80, 91) and "91 pairs of the report's 14 learned rows, 80" in page
