@@ -46,7 +46,6 @@ import shutil
 import threading
 import warnings
 from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -75,13 +74,6 @@ class DamagedCheckpointError(CheckpointError):
     def __init__(self, where: str, reason: str):
         super().__init__(f"{where} is damaged: {reason}")
         self.reason = reason
-
-
-@runtime_checkable
-class Describes(Protocol):
-    """A model that describes its settings (``Transformer.describe()``), recorded with each checkpoint."""
-
-    def describe(self) -> Mapping: ...
 
 
 def _path_key(key) -> str:
@@ -304,7 +296,9 @@ class Checkpointer:
 
     @staticmethod
     def _description(model):
-        return _as_json(model.describe(), "the model's describe()") if isinstance(model, Describes) else None
+        # A model that describes its settings (Transformer.describe()) has them recorded with each checkpoint.
+        describe = getattr(model, "describe", None)
+        return _as_json(describe(), "the model's describe()") if callable(describe) else None
 
     @staticmethod
     def _encodings(model) -> dict[str, str]:

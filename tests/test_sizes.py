@@ -53,3 +53,27 @@ def test_no_file_in_the_benchmark_is_over_600_lines():
         p.relative_to(BENCH).as_posix(): n for p in sources if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
     }
     assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_no_file_in_the_package_is_over_600_lines():
+    package = FUNCTIONAL.parent
+    long = {
+        p.relative_to(package).as_posix(): n
+        for p in sorted(package.rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long, f"files over {MAX_FILE_LINES} lines: {long}"
+
+
+def test_the_package_defines_at_most_8_protocols():
+    """The contract is closed (issue 54): capabilities are declared forms, not Protocols found by isinstance."""
+    protocols = []
+    for path in sorted(FUNCTIONAL.parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ClassDef) and any(
+                (base.id if isinstance(base, ast.Name) else getattr(base, "attr", None)) == "Protocol"
+                for base in node.bases
+            ):
+                protocols.append(f"{path.relative_to(FUNCTIONAL.parent).as_posix()}:{node.name}")
+    assert protocols, "no Protocol found: the walk is broken"
+    assert len(protocols) <= 8, f"{len(protocols)} Protocols: {protocols}"
