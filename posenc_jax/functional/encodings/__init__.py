@@ -1,7 +1,9 @@
 """The encodings, one module each: its mathematics, its hook, its config, its registration.
 
 Every module in this folder is imported with the package, and importing a module registers its
-encoding, so adding an encoding is adding one file here.
+encoding, so adding an encoding is adding one file here. A few modules hold only a hook that
+declares its forms without a name of its own (``rope_decoupled``, ``score_scale``: hooks the
+Hugging Face loader builds).
 """
 
 import importlib
