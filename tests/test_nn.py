@@ -482,12 +482,12 @@ def test_the_attention_entry_points_check_positions_once():
     attend = lambda: dot_product_attention(
         q, k, v, query_positions=positions, key_positions=positions, encodings=[RoPE()], causal=True
     )
-    assert _position_checks(attend) == {"functional/core/attention.py": 1}
+    assert _position_checks(attend) == {"functional/core/checks.py": 1}
     assert _position_checks(lambda: mha(jnp.ones((1, 6, 16)), positions, causal=True)) == {"nn/attention.py": 1}
-    assert _position_checks(lambda: RoPE().rotate(q, k, positions)) == {"functional/core/hooks.py": 1}
+    assert _position_checks(lambda: RoPE().rotate(q, k, positions)) == {"functional/core/context.py": 1}
     other = jnp.arange(6) + 2  # two arrays, each checked once
     attend = lambda: dot_product_attention(q, k, v, query_positions=positions, key_positions=other, causal=True)
-    assert _position_checks(attend) == {"functional/core/attention.py": 2}
+    assert _position_checks(attend) == {"functional/core/checks.py": 2}
 
 
 def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
