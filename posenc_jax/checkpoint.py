@@ -305,7 +305,9 @@ class Checkpointer:
         """Each encoding module of ``model`` (its config's repr) and attention layer (its heads and head
         size), by path: what restoring into another model would change without changing an array's shape."""
         found = {}
-        for path, module in nnx.iter_modules(model):
+        # nnx.iter_modules is newer flax's name; the floor (0.12.0) has only the method.
+        modules = nnx.iter_modules(model) if hasattr(nnx, "iter_modules") else model.iter_modules()
+        for path, module in modules:
             name = "/".join(map(str, path)) or "the model"
             if isinstance(module, PositionEncoding):
                 found[name] = repr(module.config)
