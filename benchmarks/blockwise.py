@@ -44,6 +44,23 @@ XLA counts a loop's body once and a conditional's costliest branch, so a program
 one tile of the costliest kind plus the work done once per call; compiling at T and 2T
 separates the two (the tile's share is the same at both, the per-call share doubles), and
 the table gives both. Being a count, not a timing, it does not depend on the machine's load.
+
+``--heads N`` sets the number of heads of 64 (default 4) for every mode but ``--auto-threshold``.
+
+Both the ``--versus-plain`` and the ``--arithmetic`` table print, beside each ratio, the
+encoding's floor: the ratio of its arithmetic to plain attention's that its formula implies
+for one tile (:data:`FLOORS`, derived on paper, one line each), the budget
+``max(1.5, 1.25 × floor)`` and whether the encoding is within it (``--arithmetic``: XLA's count
+of one tile, forward and forward and backward; ``--versus-plain``: the time ratios, and the
+temporary memory within 1.5×). ``--versus-plain`` also prints XLA's count of the same compiled
+programs as a ratio (one tile of the costliest kind plus the work once per call, as
+``--arithmetic`` explains).
+
+``--auto-threshold`` times plain attention's forward and backward materialised and blockwise,
+side by side, at B=1, H=64, N in 4 and 8, T = S in 512 to 4,096 (``--lengths`` to change them),
+and prints the size of the float32 scores ``4·B·N·T·S`` at which blockwise becomes the faster:
+the number ``implementation="auto"`` reads for this backend
+(:data:`posenc_jax.functional.core.attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND`).
 """
 
 from __future__ import annotations
@@ -53,6 +70,7 @@ import os
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,7 +84,118 @@ LENGTHS = (1024, 4096, 16384, 65536, 131072)
 MEMORY_LENGTHS = (16384, 65536, 262144, 1048576)
 TIME_LENGTHS = (2048, 4096, 8192)
 VERSUS_LENGTHS = (4096, 16384)
-B, N, H = 1, 4, 64
+B, N, H = 1, 4, 64  # N: --heads
+
+
+class Sizes(NamedTuple):
+    """What a floor depends on: the tile, the heads and the call's length."""
+
+    block_q: int
+    block_k: int
+    heads: int
+    head_dim: int
+    length: int
+
+
+def _pairs_floor(extra_per_pair_fwd: float, extra_per_pair_both: float, sizes: Sizes) -> tuple[float, float]:
+    """Floors from the extra flops per (query, key) pair: plain attention does ``4·N·H`` per pair forward
+    (``q·k`` and ``p·v``) and ``16·N·H`` forward and backward (the forward, its recomputation by the
+    checkpointed tile, and the four products of the backward)."""
+    nh = sizes.heads * sizes.head_dim
+    return 1 + extra_per_pair_fwd / (4 * nh), 1 + extra_per_pair_both / (16 * nh)
+
+
+def _products_floor(products: float, sizes: Sizes) -> tuple[float, float]:
+    """Floors of an encoding whose extra work is ``products`` score-sized products per tile (a product over
+    ``L`` distances per query row is ``L / bk`` of them): each costs one score product forward (of plain's two)
+    and four forward and backward (forward, recomputation, two gradients; of plain's eight)."""
+    return 1 + products / 2, 1 + 4 * products / 8
+
+
+def _cope_floor(config, sizes: Sizes) -> tuple[float, float]:
+    # z = q·eᵀ over min(P, T) positions once per query block, shared by the m key tiles it visits (causal:
+    # (n + 1) / 2 on average); the gates are σ of the content score itself, the counts a running sum.
+    tiles = -(-sizes.length // sizes.block_k)
+    visits = (tiles + 1) / 2
+    return _products_floor(min(config.num_positions, sizes.length) / sizes.block_k / visits, sizes)
+
+
+def _fire_floor(config, sizes: Sizes) -> tuple[float, float]:
+    # The MLP per pair: its first layer and ReLU (3W), its output layer (2WN); forward and backward: the
+    # forward twice (the checkpointed tile recomputes it) and its backward, about twice its forward.
+    w, n = config.hidden, sizes.heads
+    forward = w * (2 * n + 3)
+    return _pairs_floor(forward, 4 * forward, sizes)
+
+
+def _span(sizes: Sizes) -> int:
+    return sizes.block_q + sizes.block_k - 1
+
+
+# The arithmetic of one tile of each encoding's attention as a ratio to plain attention's, forward and
+# forward and backward, from its formula (FLOOR_WHY says why, one line each): the least any implementation
+# of the formula computes. 1.0 where the encoding adds only O(bq·bk) elementwise work (or O(bq + bk)).
+FLOORS = {
+    "nope": lambda config, sizes: (1.0, 1.0),
+    "rope": lambda config, sizes: (1.0, 1.0),
+    "xpos": lambda config, sizes: (1.0, 1.0),
+    "alibi": lambda config, sizes: (1.0, 1.0),
+    "t5": lambda config, sizes: (1.0, 1.0),
+    "clipped-bias": lambda config, sizes: (1.0, 1.0),
+    "kerple-log": lambda config, sizes: (1.0, 1.0),
+    "kerple-power": lambda config, sizes: (1.0, 1.0),
+    "sandwich": lambda config, sizes: (1.0, 1.0),
+    "functional-relative": lambda config, sizes: _products_floor(1.0, sizes),
+    "shaw": lambda config, sizes: _products_floor(
+        2 * min(2 * config.max_distance + 1, _span(sizes)) / sizes.block_k, sizes
+    ),
+    "deberta": lambda config, sizes: _products_floor(
+        (len(config.terms)) * min(2 * config.span, _span(sizes)) / sizes.block_k, sizes
+    ),
+    "transformer-xl": lambda config, sizes: _products_floor(_span(sizes) / sizes.block_k, sizes),
+    "cope": _cope_floor,
+    "fire": _fire_floor,
+}
+FLOOR_WHY = {
+    "nope": "q·k and p·v: the unit",
+    "rope": "rotates a tile's q and k: O((bq + bk)·N·H); likewise its scalings and rope-2d",
+    "xpos": "RoPE's rotation with a decay per frequency: O((bq + bk)·N·H)",
+    "alibi": "a slope times the distance per pair: O(bq·bk)",
+    "t5": "a table read per bucket of the distance: O(bq·bk)",
+    "clipped-bias": "a table read per clipped distance: O(bq·bk)",
+    "kerple-log": "a log of the distance per pair: O(bq·bk)",
+    "kerple-power": "a power of the distance per pair: O(bq·bk)",
+    "sandwich": "a sum of cosines of the distance, per distance of the tile: O(bq + bk)·D, then O(bq·bk)",
+    "functional-relative": "q·R_{j-i} with R of width H: one more score product (H features joined to q, k)",
+    "shaw": "q·a_K and p·a_V over min(2k+1, bq+bk-1) clipped distances: 2·L/bk score products",
+    "deberta": "c2p (q against L relative keys) and p2c (k against L relative queries), L = min(2·span, bq+bk-1)",
+    "transformer-xl": "(q+v)·W_R R_d over the tile's bq+bk-1 distances: ~2 score products (W_R R_d once per call)",
+    "cope": "gates σ(q·k) reuse the score, counts a running sum; q·e over P positions once per query block",
+    "fire": "an MLP of one input, W hidden units and N outputs per pair: W·(2N+3) flops",
+}
+for _name in ("rope-2d", "rope-dynamic-ntk", "rope-llama3", "rope-longrope", "rope-ntk", "rope-pi", "rope-yarn"):
+    FLOORS[_name], FLOOR_WHY[_name] = FLOORS["rope"], FLOOR_WHY["rope"]
+
+
+def _config(name: str, length: int):
+    """``name``'s config as the benchmark builds it at ``length``."""
+    info = encoding_info(name)
+    config = encoding_config(name, **{key: info.small_settings[key] for key in info.required})
+    return config.for_lengths(train_length=512, max_length=length, head_dim=H)
+
+
+def floor(name: str, length: int) -> tuple[float, float] | None:
+    """``name``'s floor (forward, forward and backward) at ``length`` with the default tiles, or None."""
+    rule = FLOORS.get(name)
+    if rule is None:
+        return None
+    block_q, block_k = min(DEFAULT_BLOCK_Q, length), min(DEFAULT_BLOCK_K, length)
+    return rule(_config(name, length), Sizes(block_q, block_k, N, H, length))
+
+
+def budget(floor_value: float | None) -> float:
+    """The budget of an encoding's ratio to plain attention: 1.5×, or 1.25× its floor where that is higher."""
+    return 1.5 if floor_value is None else max(1.5, 1.25 * floor_value)
 
 
 def _no_hook(name: str) -> str | None:
@@ -84,9 +213,7 @@ def _hooks(name: str, length: int):
         return []
     # Settings an encoding cannot do without (a scaling's factor, the axial grid width) start
     # from its small settings; ``for_lengths`` then sizes them for a model trained on 512 tokens.
-    info = encoding_info(name)
-    config = encoding_config(name, **{key: info.small_settings[key] for key in info.required})
-    config = config.for_lengths(train_length=512, max_length=length, head_dim=H)
+    config = _config(name, length)
     return [config.build(config.init(jax.random.key(0), num_heads=N, head_dim=H, model_dim=N * H))]
 
 
@@ -297,14 +424,18 @@ def versus_plain(args) -> None:
         f"B={B}, N={N}, H={H}, float32, default tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; each a ratio to NoPE "
         f"(blockwise, same tiles); time: the median over {args.rounds} rounds of the run over NoPE's run just before it"
     )
-    print("| encoding | T | temp fwd | temp fwd+bwd | time fwd | time fwd+bwd | NoPE s fwd, fwd+bwd |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| encoding | T | temp fwd | temp fwd+bwd | time fwd | time fwd+bwd | XLA flops fwd, fwd+bwd | "
+        "floor fwd, fwd+bwd | budget fwd, fwd+bwd | within | NoPE s fwd, fwd+bwd |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for length in args.lengths:
         timed = length <= args.time_up_to
         plain, plain_hooks = _versus_programs("nope", length, not args.bidirectional)
         q, k, v = (jax.random.normal(jax.random.key(i), (B, length, N, H)) for i in range(3))
 
         plain_temp = [c.memory_analysis().temp_size_in_bytes for c in plain]
+        plain_flops = [_count(c) for c in plain]
         if timed:
             for c in plain:
                 _run(c, (q, k, v, plain_hooks))
@@ -312,11 +443,15 @@ def versus_plain(args) -> None:
             if name == "nope" or _no_hook(name) is not None:
                 continue
             if args.bidirectional and "bidirectional" not in encoding_info(name).forms:
-                print(f"| {name} | {length:,} | causal only | | | | |", flush=True)
+                print(f"| {name} | {length:,} | causal only | | | | | | | | |", flush=True)
                 continue
             programs, hooks = _versus_programs(name, length, not args.bidirectional)
             temp = [c.memory_analysis().temp_size_in_bytes / p for c, p in zip(programs, plain_temp, strict=True)]
+            flops = [_count(c) / p for c, p in zip(programs, plain_flops, strict=True)]
+            floors = floor(name, length) or (None, None)
+            budgets = [budget(f) for f in floors]
             cells = ["–", "–"]
+            ratios = None
             base = ""
             if timed:
                 for c in programs:
@@ -332,17 +467,32 @@ def versus_plain(args) -> None:
                 ratios = [[e / p for e, p in zip(times[f"e{i}"], times[f"p{i}"], strict=True)] for i in range(2)]
                 cells = [f"{statistics.median(r):.2f}×" for r in ratios]
                 base = f"{medians['p0']:.3g}, {medians['p1']:.3g}"
+            within = all(t <= 1.5 for t in temp)
+            if ratios is not None:
+                within = within and all(statistics.median(r) <= b for r, b in zip(ratios, budgets, strict=True))
+            verdict = ("yes" if within else "no") + ("" if ratios is not None else " (memory; time not measured)")
             print(
-                f"| {name} | {length:,} | {temp[0]:.2f}× | {temp[1]:.2f}× | {cells[0]} | {cells[1]} | {base} |",
+                f"| {name} | {length:,} | {temp[0]:.2f}× | {temp[1]:.2f}× | {cells[0]} | {cells[1]} | "
+                f"{flops[0]:.2f}×, {flops[1]:.2f}× | {_floors_text(floors)} | {budgets[0]:.2f}×, {budgets[1]:.2f}× | "
+                f"{verdict} | {base} |",
                 flush=True,
             )
             del programs
 
 
+def _count(compiled) -> float:
+    """XLA's count of a compiled program's flops (a loop's body counted once)."""
+    return float(compiled.cost_analysis().get("flops", 0.0))
+
+
+def _floors_text(floors) -> str:
+    return "–" if floors[0] is None else f"{floors[0]:.2f}×, {floors[1]:.2f}×"
+
+
 def _flops(name: str, length: int, causal: bool = True) -> list[float]:
     """The XLA cost analysis' flops of ``name``'s blockwise forward and forward and backward at ``length``."""
     programs, _ = _versus_programs(name, length, causal)
-    return [float(c.cost_analysis().get("flops", 0.0)) for c in programs]
+    return [_count(c) for c in programs]
 
 
 def arithmetic(args) -> None:
@@ -354,26 +504,109 @@ def arithmetic(args) -> None:
         f"float32, tiles {DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; flops from the compiled programs at T={length:,} and "
         f"{2 * length:,}: one tile (the costliest kind) and the work once per call, as ratios to one plain tile"
     )
-    print("| encoding | tile fwd | tile fwd+bwd | per call fwd (tiles) | per call fwd+bwd (tiles) |")
-    print("|---|---:|---:|---:|---:|")
+    print(
+        "| encoding | tile fwd | tile fwd+bwd | per call fwd (tiles) | per call fwd+bwd (tiles) | "
+        "floor fwd, fwd+bwd | budget fwd, fwd+bwd | within |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
 
     def split(name):
         once, twice = _flops(name, length, not args.bidirectional), _flops(name, 2 * length, not args.bidirectional)
         return [(2 * a - b, b - a) for a, b in zip(once, twice, strict=True)]  # (tile, per call at T)
 
     plain = split("nope")
-    print(f"| nope | {plain[0][0] / 1e6:,.0f} MFLOP | {plain[1][0] / 1e6:,.0f} MFLOP | – | – |", flush=True)
+    print(
+        f"| nope | {plain[0][0] / 1e6:,.0f} MFLOP | {plain[1][0] / 1e6:,.0f} MFLOP | – | – | 1.00×, 1.00× | – | – |",
+        flush=True,
+    )
     for name in args.encodings:
         if name == "nope" or _no_hook(name) is not None:
             continue
         if args.bidirectional and "bidirectional" not in encoding_info(name).forms:
-            print(f"| {name} | causal only | | | |", flush=True)
+            print(f"| {name} | causal only | | | | | | |", flush=True)
             continue
         (tile_f, call_f), (tile_b, call_b) = split(name)
+        ratios = (tile_f / plain[0][0], tile_b / plain[1][0])
+        floors = floor(name, length) or (None, None)
+        budgets = [budget(f) for f in floors]
+        within = all(r <= b for r, b in zip(ratios, budgets, strict=True))
         print(
-            f"| {name} | {tile_f / plain[0][0]:.2f}× | {tile_b / plain[1][0]:.2f}× | "
-            f"{call_f / plain[0][0]:.2f} | {call_b / plain[1][0]:.2f} |",
+            f"| {name} | {ratios[0]:.2f}× | {ratios[1]:.2f}× | {call_f / plain[0][0]:.2f} | "
+            f"{call_b / plain[1][0]:.2f} | {_floors_text(floors)} | {budgets[0]:.2f}×, {budgets[1]:.2f}× | "
+            f"{'yes' if within else 'no'} |",
             flush=True,
+        )
+    print("\nfloors (the arithmetic each formula needs per tile, as a ratio to plain attention's):")
+    for name in args.encodings:
+        if name in FLOOR_WHY and name != "nope":
+            print(f"- {name}: {_floors_text(floor(name, length))}: {FLOOR_WHY[name]}")
+
+
+AUTO_HEADS = (4, 8)
+AUTO_LENGTHS = (512, 1024, 2048, 4096)
+
+
+def _plain_backward(length: int, heads: int, implementation: str):
+    """Plain causal attention's forward and backward (gradients of q, k, v), compiled, and its inputs."""
+
+    def loss(q, k, v):
+        return jnp.sum(dot_product_attention(q, k, v, causal=True, implementation=implementation))
+
+    shape = (B, length, heads, H)
+    inputs = tuple(jax.random.normal(jax.random.key(i), shape) for i in range(3))
+    struct = jax.ShapeDtypeStruct(shape, jnp.float32)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(struct, struct, struct).compile(), inputs
+
+
+def auto_threshold(args) -> None:
+    """The ``--auto-threshold`` table (see the module's docstring)."""
+    from posenc_jax.functional.core.attention import MATERIALIZE_LIMIT_BYTES_BY_BACKEND
+
+    backend = jax.default_backend()
+    print(
+        f"jax {jax.__version__}, {jax.devices()[0].platform}, {os.cpu_count()} cores; plain causal attention, "
+        f"forward and backward (gradients of q, k, v), B={B}, H={H}, float32, default tiles "
+        f"{DEFAULT_BLOCK_Q}x{DEFAULT_BLOCK_K}; time: the median of {args.rounds} steady-state runs, the two "
+        f"implementations taking turns"
+    )
+    print("| N | T | scores MiB | materialise s | blockwise s | blockwise / materialise |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for heads in AUTO_HEADS:
+        for length in args.lengths:
+            programs = [_plain_backward(length, heads, way) for way in ("materialize", "blockwise")]
+            for compiled, inputs in programs:
+                _run(compiled, inputs)
+            times = [[], []]
+            for _ in range(args.rounds):
+                for i, (compiled, inputs) in enumerate(programs):
+                    times[i].append(_run(compiled, inputs))
+            materialise, blockwise = (statistics.median(t) for t in times)
+            scores = 4 * B * heads * length * length
+            rows.append((scores, materialise, blockwise))
+            print(
+                f"| {heads} | {length:,} | {scores / 2**20:,.0f} | {materialise:.3g} | {blockwise:.3g} | "
+                f"{blockwise / materialise:.2f}× |",
+                flush=True,
+            )
+            del programs
+    # The threshold: the largest scores size at which materialising is still the faster, when blockwise is
+    # the faster at every larger size measured ("auto" goes blockwise above it).
+    rows.sort()
+    slower = [i for i, (_, m, b) in enumerate(rows) if m < b]
+    if not slower:
+        limit, where = rows[0][0] - 1, "blockwise is the faster at every size measured"
+    elif slower[-1] == len(rows) - 1:
+        limit, where = None, "materialising is still the faster at the largest size measured"
+    else:
+        limit = rows[slower[-1]][0]
+        where = f"blockwise is the faster from {rows[slower[-1] + 1][0] / 2**20:,.0f} MiB of scores on"
+    today = MATERIALIZE_LIMIT_BYTES_BY_BACKEND.get(backend)
+    print(f"crossover on {backend}: {where}")
+    if limit is not None:
+        print(
+            f"threshold: MATERIALIZE_LIMIT_BYTES_BY_BACKEND[{backend!r}] = {limit}  ({limit / 2**20:,.0f} MiB; "
+            f"today {today})"
         )
 
 
@@ -399,7 +632,19 @@ def main(argv=None) -> None:
         "--bidirectional", action="store_true", help="--versus-plain, --arithmetic: without the causal mask"
     )
     parser.add_argument("--arithmetic", action="store_true", help="one tile's flops, every encoding against NoPE")
+    parser.add_argument("--heads", type=int, default=4, help="heads of 64 (not --auto-threshold: 4 and 8)")
+    parser.add_argument(
+        "--auto-threshold", action="store_true", help="where blockwise overtakes materialising (plain attention)"
+    )
     args = parser.parse_args(argv)
+    global N
+    if args.heads < 1:
+        raise SystemExit(f"--heads must be at least 1, got {args.heads}")
+    N = args.heads
+    if args.auto_threshold:
+        args.lengths = args.lengths or list(AUTO_LENGTHS)
+        auto_threshold(args)
+        return
     if args.arithmetic:
         args.lengths = args.lengths or [4096]
         args.encodings = args.encodings or encoding_names()

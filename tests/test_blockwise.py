@@ -310,7 +310,7 @@ def test_auto_goes_blockwise_above_the_budget(monkeypatch):
 
     q, k, v, kwargs = _inputs(seed=14)
     plain = dot_product_attention(q, k, v, causal=True, **kwargs)
-    monkeypatch.setattr(attention, "MATERIALIZE_LIMIT_BYTES", 16)
+    monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
     tiled, blockwise = [], attention.blockwise_attention
     monkeypatch.setattr(attention, "blockwise_attention", lambda *a, **kw: tiled.append(1) or blockwise(*a, **kw))
     auto = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True, **kwargs))(q, k, v)
@@ -344,7 +344,7 @@ def test_a_models_shared_bias_follows_the_attentions_dispatch_rule(monkeypatch):
     )[0][0]
     assert isinstance(terms("materialize"), SharedBias) and isinstance(terms("auto"), SharedBias)
     assert isinstance(terms("blockwise"), ALiBi)
-    monkeypatch.setattr(attention, "MATERIALIZE_LIMIT_BYTES", 16)
+    monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
     assert isinstance(terms("auto"), ALiBi)  # over the budget: the tiles compute it
     # ... unless something of the layer has no tiled form: "auto" then materialises, and so does the bias.
     assert isinstance(terms("auto", normalizer=lambda s, m: softmax_weights(s, m)), SharedBias)

@@ -88,6 +88,7 @@ from posenc_jax.functional.core.hooks import (
     pytree_dataclass,
 )
 from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
+from posenc_jax.functional.core.operations import current_backend
 from posenc_jax.functional.core.products import masked_value_product
 from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.functional.core.stages import _dropout, attention_output, attention_scores, attention_weights
@@ -95,6 +96,7 @@ from posenc_jax.functional.core.stages import _dropout, attention_output, attent
 __all__ = [
     "IMPLEMENTATIONS",
     "MATERIALIZE_LIMIT_BYTES",
+    "MATERIALIZE_LIMIT_BYTES_BY_BACKEND",
     "SharedBias",
     "attention_output",
     "attention_scores",
@@ -125,8 +127,15 @@ def __getattr__(name: str):
 
 
 IMPLEMENTATIONS = ("auto", "materialize", "blockwise")
-# "auto" goes blockwise when the float32 [B, N, T, S] scores would exceed this many bytes.
+# "auto" goes blockwise when the float32 [B, N, T, S] scores would exceed this many bytes on the backend
+# (jax.default_backend()): where blockwise attention's forward and backward becomes the faster, as
+# `python benchmarks/blockwise.py --auto-threshold` measures it. A backend not in the table: the default.
 MATERIALIZE_LIMIT_BYTES = 1 << 30
+MATERIALIZE_LIMIT_BYTES_BY_BACKEND: dict[str, int] = {
+    "cpu": 1 << 30,  # unmeasured: the default until --auto-threshold is run on a quiet machine
+    "gpu": 1 << 30,  # unmeasured: the default
+    "tpu": 1 << 30,  # unmeasured: the default
+}
 
 
 @pytree_dataclass
@@ -247,8 +256,9 @@ def dot_product_attention(
         ``"blockwise"`` computes the same attention in tiles of ``block_q`` queries by
         ``block_k`` keys with an online softmax, in memory linear in T and S (see
         :mod:`posenc_jax.functional.core.blockwise`); ``"auto"`` (default) goes blockwise when
-        the float32 scores would take more than ``MATERIALIZE_LIMIT_BYTES`` (1 GiB) and every
-        hook and the normaliser have a blockwise form.
+        the float32 scores would take more than the backend's threshold
+        (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``, 1 GiB until measured) and every hook and the
+        normaliser have a blockwise form.
       block_q, block_k: tile sizes for the blockwise path (default 512 each; any positive
         size, dividing the lengths or not).
 
@@ -546,16 +556,18 @@ def forward_terms(
 def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_length: int, key_length: int) -> bool:
     """Whether ``implementation`` computes attention of these sizes in tiles.
 
-    ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed
-    ``MATERIALIZE_LIMIT_BYTES`` (and then falls back to materialising for a hook or
-    normaliser without a blockwise form, which this size rule does not see; a model's
-    per-forward terms follow the whole rule: :func:`forward_terms`).
+    ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed the threshold of
+    the backend (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``; ``MATERIALIZE_LIMIT_BYTES`` for one not
+    in it) (and then falls back to materialising for a hook or normaliser without a blockwise
+    form, which this size rule does not see; a model's per-forward terms follow the whole rule:
+    :func:`forward_terms`).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation != "auto":
         return implementation == "blockwise"
-    return 4 * batch * num_heads * query_length * key_length > MATERIALIZE_LIMIT_BYTES
+    limit = MATERIALIZE_LIMIT_BYTES_BY_BACKEND.get(current_backend(), MATERIALIZE_LIMIT_BYTES)
+    return 4 * batch * num_heads * query_length * key_length > limit
 
 
 def _has_blockwise_form(hooks, normalizer) -> bool:
