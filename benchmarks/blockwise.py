@@ -549,8 +549,19 @@ AUTO_LENGTHS = (512, 1024, 2048, 4096)
 def _plain_backward(length: int, heads: int, implementation: str):
     """Plain causal attention's forward and backward (gradients of q, k, v), compiled, and its inputs."""
 
+    positions = jnp.arange(length)
+
     def loss(q, k, v):
-        return jnp.sum(dot_product_attention(q, k, v, causal=True, implementation=implementation))
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=positions,
+            key_positions=positions,
+            causal=True,
+            implementation=implementation,
+        )
+        return jnp.sum(out)
 
     shape = (B, length, heads, H)
     inputs = tuple(jax.random.normal(jax.random.key(i), shape) for i in range(3))
