@@ -7,6 +7,8 @@ values and the encoding's parameters) to 1e-4, relative to the largest entry. Th
 references are checked for the blockwise path in ``test_properties.py``.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +27,8 @@ from posenc_jax.functional import (
     relu2_weights,
     softmax_weights,
 )
-from posenc_jax.functional.core.hooks import MaterializeOnly
+from posenc_jax.functional.core.hooks import AttentionContext, MaterializeOnly
+from posenc_jax.functional.kernels.transformer_xl import tile_terms
 from small_encodings import causal_settings, one_per_path, small_config
 
 B, T, S, N, K, H = 2, 9, 11, 4, 2, 8
@@ -128,7 +131,7 @@ def test_every_encoding_blockwise_equals_materialising(name):
 # 100 (every tile a run: the tile forms, past a clip on either side and across it); row 1 has a gap (its
 # tiles across the gap take the plain form). A tile form against its reference alone, unbatched positions
 # included, is test_contract.py's.
-TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta", "fire", "cope"]
+TILE_FORMS = ["kerple-log", "kerple-power", "functional-relative", "shaw", "deberta", "fire", "cope", "transformer-xl"]
 RUNS = jnp.asarray(100 + np.arange(S))
 RUNS_AND_GAPS = jnp.stack([RUNS, jnp.asarray(np.r_[0:4, 9:16])])
 
@@ -160,7 +163,39 @@ def test_tile_forms_equal_materialising_on_runs_and_gaps(name):
     )
 
 
-@pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_transformer_xl_tiles_read_the_calls_table_where_runs(causal):
+    """A tile of runs takes the call's projected distances (its identity fallback here gives NaN, so the
+    table's branch is the one taken) and equals the encoding's logits; a tile with a gap takes the identity."""
+    config = small_config("transformer-xl")
+    params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(2), p.shape), params)
+    hook = config.build(params)
+    q, k = (jax.random.normal(jax.random.key(i), (B, 6, N, H)) for i in (4, 5))
+    whole = AttentionContext.from_positions(jnp.arange(40)[None], jnp.arange(40)[None], scale=0.3, causal=causal)
+    tiled = hook.for_tiles(whole, 6, 6)
+    for q0, k0 in ((30, 24), (12, 12), (0, 34)):
+        context = whole.tile(q0 + jnp.arange(6)[None], k0 + jnp.arange(6)[None])
+        want = hook.logits(q, k, dataclasses.replace(context, causal=False))
+        got = tile_terms(
+            jnp.swapaxes(hook.key_features(k, None)["content"], 1, 2)[:, :, None, :],
+            q + params["position_bias"][None, None],
+            context.query_positions,
+            context.key_positions,
+            *tiled.tile_table,
+            scale=0.3,
+            identity=lambda shape=want.shape: jnp.full(shape, jnp.nan),
+        )
+        visible = k0 <= q0 + 5 if causal else True  # a causal call's table need not reach hidden tiles
+        if visible:
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"tile at {q0}, {k0}")
+            np.testing.assert_allclose(tiled.tile_logits(q, k, context), want, rtol=1e-5, atol=1e-5)
+    gap = whole.tile(jnp.asarray([[0, 1, 2, 3, 9, 10]]), 3 + jnp.arange(6)[None])
+    want = hook.logits(q, k, dataclasses.replace(gap, causal=False))
+    np.testing.assert_allclose(tiled.tile_logits(q, k, gap), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope", "transformer-xl"])
 def test_tile_forms_forward_mode_equals_materialising(name):
     """jax.jvp through the tiles' own forms (no context manager), on a run with tiles of every kind:
     the tangent of the materialising path, with respect to q, k and v at once."""

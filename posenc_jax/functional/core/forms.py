@@ -19,6 +19,8 @@ tiled       ``distance``          ``distance_bias(distance, context)``: a Toepli
             content``
             ``weights``           ``tile_init``, ``tile_weights``, ``tile_denominator``:  softmax, L2, relu², URPE
                                   a normaliser's online form
+            ``per_call``          ``for_tiles(context, block_q, block_k)``: what every    Transformer-XL
+                                  tile shares, computed once for the call
 cached      ``rotation``          ``rotates_per_token``: keys stored rotated when True    RoPE, axial RoPE
             ``rotation_about``    ``rotate_about(q, k, context, reference)``              xPos
             ``key_term``          ``key_features``, ``with_key_features``                 DeBERTa, Transformer-XL, ...
@@ -58,6 +60,7 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
         "carried": ("init_carry", "carried_logits"),
         "carried_from_content": ("carried_logits_from_content",),
         "weights": ("tile_init", "tile_weights", "tile_denominator"),
+        "per_call": ("for_tiles",),
     },
     "cached": {
         "rotation": ("rotates_per_token",),

@@ -183,6 +183,9 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
     qpos = jnp.arange(q_len) if context.query_positions is None else context.query_positions
     qpos = _pad_to(jnp.atleast_2d(qpos), q_pad, 1, edge=True)
     all_kpos = jnp.atleast_2d(jnp.arange(whole_k_len) if context.key_positions is None else context.key_positions)
+    # What a hook's tiles share, computed once for the call (Transformer-XL's projected distances).
+    whole = context.tile(qpos, all_kpos)
+    hooks = [h.for_tiles(whole, block_q, block_k) if forms_of(h).has("tiled", "per_call") else h for h in hooks]
     all_valid = None if key_mask is None else jnp.asarray(key_mask)
     all_valid = None if all_valid is None else (all_valid if all_valid.ndim == 2 else all_valid[None])
     qseg = all_kseg = None

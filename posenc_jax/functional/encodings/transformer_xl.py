@@ -38,7 +38,7 @@ from posenc_jax.functional.core.positions import batched_positions, inverse_freq
 from posenc_jax.functional.core.products import key_heads_for_queries
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
-from posenc_jax.functional.kernels.transformer_xl import transformer_xl_terms
+from posenc_jax.functional.kernels.transformer_xl import tile_distance_table, tile_terms, transformer_xl_terms
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "project_distances", "rel_shift", "transformer_xl_logits"]
 
@@ -244,6 +244,7 @@ class TransformerXL:
     base: float = 10000.0
     cached_keys: dict | None = parameter(default=None)
     distance_table: jax.Array | None = parameter(default=None)
+    tile_table: tuple | None = parameter(default=None)
 
     def key_features(self, k, key_positions) -> dict:
         """What a KV cache stores per key: ``u · k_s`` ``[B, S, N]`` (the position term reads the
@@ -272,6 +273,44 @@ class TransformerXL:
 
     def logits(self, q, k, context: AttentionContext):
         return self._terms(q, k, context)
+
+    def for_tiles(self, context: AttentionContext, block_q: int, block_k: int) -> TransformerXL:
+        """This hook with ``W_R R_d`` projected once for every distance the call's tiles can need
+        (:func:`~posenc_jax.functional.kernels.transformer_xl.tile_distance_table`; ``context``: the
+        whole call's), which :meth:`tile_logits` reads."""
+        table = tile_distance_table(
+            context.query_positions,
+            context.key_positions,
+            self.position_projection,
+            functools.partial(project_distances, base=self.base),
+            causal=context.causal,
+            tiles=(block_q, block_k),
+        )
+        return dataclasses.replace(self, tile_table=table)
+
+    def tile_logits(self, q, k, context: AttentionContext):
+        """One tile's terms: from the call's projected distances where the tile's positions are runs
+        (:func:`~posenc_jax.functional.kernels.transformer_xl.tile_terms`: two score products' work), by
+        the sinusoid identity otherwise (and without :meth:`for_tiles`'s table)."""
+        if self.tile_table is None:
+            return self.logits(q, k, context)
+        _check_params(q, self.position_projection, self.content_bias, self.position_bias, None)
+        plain = dataclasses.replace(self, distance_table=None, tile_table=None)
+        # The identity for any positions: the terms' plain form (not causal: no ladder to try in a tile).
+        identity = lambda: plain._terms(q, k, dataclasses.replace(context, causal=False, mask=None))
+        features = self.cached_keys if self.cached_keys is not None else self.key_features(k, context.key_positions)
+        content = jnp.swapaxes(features["content"], 1, 2)[:, :, None, :]  # u · k_s: [B, N, 1, bk]
+        shifted_q = q.astype(jnp.float32) + jnp.asarray(self.position_bias, jnp.float32)[None, None]
+        scale = context.scale if self.scale is None else self.scale
+        return tile_terms(
+            content,
+            shifted_q,
+            batched_positions(context.query_positions, "query_positions"),
+            batched_positions(context.key_positions, "key_positions"),
+            *self.tile_table,
+            scale=scale,
+            identity=identity,
+        )
 
     def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
         """``scores + logits``, the terms added by blocks of query rows into the scores (never stored whole)."""
@@ -306,7 +345,7 @@ class TransformerXL:
     description="Relative sinusoids of i - j projected per head, with global content and position biases u, v.",
     source=TRANSFORMER_XL,
     hook=TransformerXL,
-    tiled=(),
+    tiled=("logits", "per_call"),
     cached=("key_term", "table", "key_features"),
     prepared=None,
     fused=("rows", "rows_from_content"),

@@ -16,7 +16,12 @@ run time the cheaper way the positions allow:
   lets through is at a distance the table holds;
 - blocks: the terms added into ``[B, N, T, S]`` scores by blocks of query rows, so the terms
   are never stored whole; in causal self-attention each block against the keys up to its
-  last row only (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`).
+  last row only (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`);
+- tiles, for blockwise attention: ``W_R R_d`` projected once per call for every distance the
+  call's tiles can need (:func:`tile_distance_table`), and each tile whose positions are runs
+  scored against the ``bq + bk - 1`` of them it needs, each score moved to its key by a skew
+  of the rows (:func:`tile_terms`, :func:`skew_rows`: a slice and reshapes, whose transpose is
+  a pad): the work of two score products per tile, where the identity does ``D / H`` of them.
 
 The plain forms beside them: the identity (the encoding's, which every way falls back to),
 :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift`, and the float64 reference
@@ -38,7 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.functional.core.operations import Operation
-from posenc_jax.functional.core.positions import position_difference
+from posenc_jax.functional.core.positions import position_difference, with_batch_axis
 from posenc_jax.functional.core.relative import (
     _consecutive_rows,
     by_causal_prefixes_where,
@@ -47,7 +52,11 @@ from posenc_jax.functional.core.relative import (
 )
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
-__all__ = ["shift_ladder_scores", "transformer_xl_terms"]
+__all__ = ["shift_ladder_scores", "skew_rows", "tile_distance_table", "tile_terms", "transformer_xl_terms"]
+
+# Positions whose distances reach this far take the identity in a tile (the table's index arithmetic is
+# exact well inside int32).
+_REACH = 1 << 30
 
 
 def transformer_xl_terms(
@@ -359,3 +368,80 @@ def _shift_to_keys(scores: jax.Array, first_row: jax.Array, q_len: int) -> jax.A
 def _shift_to_keys_jvp(q_len, primals, tangents):
     scores, first_row = primals
     return _shift(scores, first_row, q_len=q_len), _shift(tangents[0], first_row, q_len=q_len)
+
+
+def tile_distance_table(
+    query_positions, key_positions, position_projection, project_distances: Callable, *, causal: bool, tiles: tuple
+) -> tuple[jax.Array, jax.Array]:
+    """``(top, table)``: ``W_R R_d`` for the distances ``top, top - 1, ...`` (descending), once per call.
+
+    ``top`` is the call's largest distance (query minus key), an int32 scalar; ``table`` float32
+    ``[L, N, H]``. ``L`` covers every tile of runs: ``T + S - 1`` distances, or in causal attention
+    the ``max(T, S) + bq + bk - 2`` from ``top`` down to the lowest a visible tile reads
+    (``tiles``: ``(bq, bk)``), since a tile of runs whose keys all come after its queries is skipped.
+    """
+    q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
+    q_len, k_len = q.shape[-1], k.shape[-1]
+    block_q, block_k = tiles
+    rows = max(q_len, k_len) + block_q + block_k - 2 if causal else q_len + k_len - 1
+    top = position_difference(q.max(), k.min())
+    distances = top - jnp.arange(rows, dtype=jnp.int32)  # wraps only where the tiles take the identity
+    return top, project_distances(distances, position_projection)
+
+
+def skew_rows(x: jax.Array, cols: int) -> jax.Array:
+    """``out[..., r, c] = x[..., r, R - 1 - r + c]``: row r read from column ``R - 1 - r`` on, ``[..., R, cols]``.
+
+    ``x`` ``[..., R, R + cols - 1]``. A slice of the rows laid out flat and reshapes (no gather;
+    the transpose is a pad): row r, read at stride ``R + cols - 2``, starts ``R - 1 - r`` entries in.
+
+    Example:
+      >>> skew_rows(jnp.arange(8.0).reshape(2, 4), 3)
+      Array([[1., 2., 3.],
+             [4., 5., 6.]], dtype=float32)
+    """
+    *lead, rows, width = x.shape
+    if width != rows + cols - 1:
+        raise ValueError(f"skew_rows needs [..., R, R + cols - 1] = [..., {rows}, {rows + cols - 1}], got {x.shape}")
+    if rows == 1:
+        return x
+    flat = x.reshape(*lead, rows * width)[..., rows - 1 : rows - 1 + rows * (width - 1)]
+    return flat.reshape(*lead, rows, width - 1)[..., :cols]
+
+
+def tile_terms(content, shifted_q, query_positions, key_positions, top, table, *, scale: float, identity: Callable):
+    """One tile's ``scale · (content + (q_t + v)·W_R R_{t-s})``, ``[B, N, bq, bk]`` float32, from the call's table.
+
+    Where the tile's positions are runs (each row counting up by one, the same offset in every
+    batch row) and its distances ``highest .. highest - bq - bk + 2`` lie in ``table`` (descending
+    from ``top``, :func:`tile_distance_table`): those ``bq + bk - 1`` rows, a slice, scored against
+    the tile's queries and moved to their keys by :func:`skew_rows`. Otherwise ``identity()``, the
+    encoding's form for any positions. One conditional: only the branch taken runs.
+
+    Args:
+      content: ``u · k_s`` ``[B, N, 1, bk]``; shifted_q: ``q + v`` float32 ``[B, bq, N, H]``.
+      query_positions, key_positions: the tile's, int32 ``[B|1, bq]``, ``[B|1, bk]``.
+    """
+    block_q, block_k = shifted_q.shape[1], content.shape[-1]
+    width = block_q + block_k - 1
+    if width > table.shape[0]:
+        return identity()
+    q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
+    highest = position_difference(q[:, -1], k[:, 0])  # [B|1]: the tile's largest distance, where runs
+    start = position_difference(top, highest)  # the table's row of it
+    fits = (
+        _consecutive_rows(q)
+        & _consecutive_rows(k)
+        & jnp.all(start == start[0])
+        & (start[0] >= 0)
+        & (start[0] <= table.shape[0] - width)
+        & (jnp.abs(top) < _REACH)
+        & jnp.all(jnp.abs(highest) < _REACH)
+    )
+
+    def by_table():
+        window = jax.lax.dynamic_slice_in_dim(table, start[0], width, axis=0)  # distances highest, highest - 1, ...
+        position = skew_rows(_scores_against(shifted_q, window), block_k)  # [B, N, bq, bk]
+        return (content + position) * jnp.float32(scale)
+
+    return jax.lax.cond(fits, by_table, identity)
