@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.functional.core import operations
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
 from posenc_jax.functional.core.checks import (
     _Call,
@@ -126,7 +127,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-IMPLEMENTATIONS = ("auto", "materialize", "blockwise")
+IMPLEMENTATIONS = ("auto", "materialize", "blockwise", "pallas")
 # "auto" goes blockwise when the float32 [B, N, T, S] scores would exceed this many bytes on the backend
 # (jax.default_backend()): where blockwise attention's forward and backward becomes the faster, as
 # `python benchmarks/blockwise.py --auto-threshold` measures it. A backend not in the table: the default.
@@ -259,8 +260,9 @@ def dot_product_attention(
         the float32 scores would take more than the backend's threshold
         (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``, 1 GiB until measured) and every hook and the
         normaliser have a blockwise form.
+        ``"pallas"`` (opt-in): the flash-attention kernels of :mod:`posenc_jax.functional.kernels.pallas`.
       block_q, block_k: tile sizes for the blockwise path (default 512 each; any positive
-        size, dividing the lengths or not).
+        size, dividing the lengths or not), and for ``"pallas"`` (powers of two >= 16, default 128).
 
     Returns:
       ``[B, T, N, H]`` output in ``query``'s dtype (and the weights if asked).
@@ -307,11 +309,21 @@ def _batched(query, key, value, per_token):
 def _check_implementation(implementation, return_weights) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "blockwise" and return_weights:
+    if implementation in ("blockwise", "pallas") and return_weights:
         raise ValueError(
-            "return_weights=True needs the [B, N, T, S] weights, which blockwise attention never holds; use "
+            f"return_weights=True needs the [B, N, T, S] weights, which {implementation} attention never holds; use "
             "implementation='materialize' to get them"
         )
+
+
+def _no_pallas(call, normalizer, masks, dropout, blocks):
+    raise ValueError(
+        "implementation='pallas' needs posenc_jax.functional.kernels (import posenc_jax.functional, which imports it)"
+    )
+
+
+# implementation="pallas": the flash-attention kernels of kernels/pallas, registered there (core never imports them).
+PALLAS_ATTENTION = operations.Operation("pallas_attention", _no_pallas)
 
 
 def attend(
@@ -419,8 +431,10 @@ def _attend(
         key_segment_ids=key_segment_ids,
         mask=mask,
         scale=scale,
-        build_mask=not blockwise,
+        build_mask=not blockwise and implementation != "pallas",
     )
+    if implementation == "pallas":
+        return PALLAS_ATTENTION(call, normalizer, masks, dropout, blocks).astype(query.dtype), None
     if blockwise:
         out = _blockwise_call(call, call.key, call.value, normalizer, masks, *blocks, dropout_rate, dropout_rng)
         return out.astype(query.dtype), None
@@ -534,7 +548,7 @@ def forward_terms(
         head_dim=head_dim,
         num_heads=num_heads,
     )
-    tiled = _goes_blockwise(
+    tiled = implementation == "pallas" or _goes_blockwise(
         implementation,
         batch=batch,
         num_heads=num_heads,

@@ -12,6 +12,7 @@ group       form                  methods                                       
 ==========  ====================  ======================================================  =========================
 tiled       ``distance``          ``distance_bias(distance, context)``: a Toeplitz tile   T5, Kerple, clipped bias
             ``logits``            ``tile_logits(q, k, context)``                          Shaw, DeBERTa, FIRE
+            ``head``              ``head_bias(context)``: one head's bias at positions    ALiBi, T5
             ``scores``            ``tile_scores(q, k, context, content)``                 Shaw, DeBERTa
             ``values``            ``tile_values(weights, context)``                       Shaw
             ``carried``           ``init_carry``, ``carried_logits``                      CoPE
@@ -55,6 +56,7 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
     "tiled": {
         "distance": ("distance_bias",),
         "logits": ("tile_logits",),
+        "head": ("head_bias",),
         "scores": ("tile_scores",),
         "values": ("tile_values",),
         "carried": ("init_carry", "carried_logits"),

@@ -21,6 +21,7 @@ Biases Enables Input Length Extrapolation", ICLR 2022, arXiv:2108.12409.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -29,9 +30,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.forms import Forms, declare_forms
+from posenc_jax.functional.core.head_bias import HeadBias, head_bias_at, head_column
 from posenc_jax.functional.core.hooks import AttentionContext, BiasHook, ParameterFree, Placement, pytree_dataclass
+from posenc_jax.functional.core.positions import batched_positions, position_difference
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.relative import relative_positions
 
 __all__ = ["ALiBi", "ALiBiSlopes", "alibi_bias", "alibi_slopes"]
 
@@ -94,18 +96,30 @@ def alibi_bias(num_heads: int, query_positions, key_positions, *, bidirectional:
             f"slopes must be finite numbers >= 0 (a penalty per unit of distance), got {concrete.tolist()}; "
             f"leave slopes=None for Press et al.'s alibi_slopes(num_heads)"
         )
+    query_positions = batched_positions(query_positions, "query_positions")
+    key_positions = batched_positions(key_positions, "key_positions")
+    return head_bias_at(_alibi_head(slopes, bidirectional), query_positions, key_positions)
+
+
+def _alibi_head(slopes, bidirectional: bool) -> HeadBias:
+    """ALiBi's per-head form: the slopes ``[N, 1]`` and :func:`_alibi_at`."""
+    return HeadBias((jnp.asarray(slopes, jnp.float32).reshape(-1, 1),), functools.partial(_alibi_at, bidirectional))
+
+
+def _alibi_at(bidirectional: bool, parameters, query_positions, key_positions) -> jax.Array:
+    """The one definition of ALiBi's bias: ``m · (j - i)``, or ``-m · |j - i|`` bidirectional."""
     # The exact distance, rounded once to float32: right for any int32 positions.
-    rel = relative_positions(query_positions, key_positions, dtype=jnp.float32)[:, None]  # [B|1, 1, T, S]
+    rel = position_difference(key_positions, query_positions, dtype=jnp.float32)
     if bidirectional:
         rel = -jnp.abs(rel)
-    return jnp.asarray(slopes, jnp.float32).reshape(1, num_heads, 1, 1) * rel
+    return head_column(parameters[0], 0) * rel
 
 
 @register_encoding(
     "alibi",
     description="A per-head penalty linear in the distance, slopes a geometric sequence (no parameters).",
     source=ALIBI,
-    tiled=(),
+    tiled=("head",),
     cached=(),
     prepared="bias",
 )
@@ -135,6 +149,10 @@ class ALiBi(BiasHook, ParameterFree):
             context.key_positions,
             bidirectional=context.bidirectional(self.bidirectional),
         )
+
+    def head_bias(self, context: AttentionContext) -> HeadBias:
+        """The per-head form of :meth:`bias` (the Pallas kernel computes it per tile)."""
+        return _alibi_head(alibi_slopes(context.num_heads), context.bidirectional(self.bidirectional))
 
 
 @pytree_dataclass

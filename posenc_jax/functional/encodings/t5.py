@@ -23,6 +23,7 @@ Unified Text-to-Text Transformer", JMLR 2020, arXiv:1910.10683
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -30,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.head_bias import HeadBias, head_bias_at, head_column
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -38,6 +40,7 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
+from posenc_jax.functional.core.positions import position_difference
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import clipped_at_distances, expand_relative_bias
 from posenc_jax.functional.core.validation import check_init_std
@@ -141,14 +144,31 @@ def _per_distance(table, *, bidirectional: bool, max_distance: int) -> jax.Array
     """The bias at distances ``-M .. M`` (``M = max_distance``), ``[N, 2M+1]``: past ``±M`` it is constant."""
     if np.ndim(table) != 2:
         raise ValueError(f"table must have shape [num_buckets, N], got {np.shape(table)}")
+    head = _t5_head(table, bidirectional=bidirectional, max_distance=max_distance)
+    distances = np.arange(-max_distance, max_distance + 1, dtype=np.int32)
+    return head_bias_at(head, np.zeros((1,), np.int32), distances)[0, :, 0, :]
+
+
+def _t5_head(table, *, bidirectional: bool, max_distance: int) -> HeadBias:
+    """T5's per-head form: the table's rows ``[N, num_buckets]`` and :func:`_t5_at`."""
     num_buckets = np.shape(table)[0]
-    # Static: evaluated once at trace time, so the logs are never fused into the [T, S] expansion.
-    with jax.ensure_compile_time_eval():
-        distances = jnp.arange(-max_distance, max_distance + 1)
-        buckets = t5_relative_bucket(
-            distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
-        )
-    return jnp.take(jnp.asarray(table, jnp.float32), buckets, axis=0).T
+    at = functools.partial(_t5_at, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance)
+    return HeadBias((jnp.asarray(table, jnp.float32).T,), at)
+
+
+def _t5_at(parameters, query_positions, key_positions, *, bidirectional, num_buckets, max_distance) -> jax.Array:
+    """The one definition of T5's bias: the table's entry at the distance's bucket, a selection per bucket."""
+    buckets = t5_relative_bucket(
+        position_difference(key_positions, query_positions),
+        bidirectional=bidirectional,
+        num_buckets=num_buckets,
+        max_distance=max_distance,
+    )
+    (rows,) = parameters
+    bias = jnp.where(buckets == 0, head_column(rows, 0), jnp.float32(0.0))
+    for bucket in range(1, num_buckets):
+        bias = jnp.where(buckets == bucket, head_column(rows, bucket), bias)
+    return bias
 
 
 @pytree_dataclass
@@ -192,6 +212,12 @@ class T5Bias(BiasHook):
         per_distance = _per_distance(self.table, bidirectional=bidirectional, max_distance=self.max_distance)
         return clipped_at_distances(per_distance, distance, self.max_distance)
 
+    def head_bias(self, context: AttentionContext) -> HeadBias:
+        """The per-head form of :meth:`bias` (the Pallas kernel computes it per tile; the table gets its gradient)."""
+        context.check_heads(np.shape(self.table)[1], f"the T5 table [num_buckets, N] {np.shape(self.table)}")
+        bidirectional = context.bidirectional(self.bidirectional)
+        return _t5_head(self.table, bidirectional=bidirectional, max_distance=self.max_distance)
+
 
 @register_encoding(
     "t5",
@@ -199,7 +225,7 @@ class T5Bias(BiasHook):
     source=T5,
     small_settings=dict(num_buckets=8, max_distance=16),
     hook=T5Bias,
-    tiled=("distance",),
+    tiled=("distance", "head"),
     cached=(),
     prepared="bias",
 )

@@ -8,6 +8,14 @@ Core never imports a kernel: importing this package registers the forms of core'
 (:class:`~posenc_jax.functional.core.operations.Operation`) that the modules here implement.
 """
 
-from posenc_jax.functional.kernels import broadcast, cope, fire, relative, relative_tiles, transformer_xl
+from posenc_jax.functional.kernels import (
+    broadcast,
+    cope,
+    fire,
+    pallas_dispatch,
+    relative,
+    relative_tiles,
+    transformer_xl,
+)
 
-__all__ = ["broadcast", "cope", "fire", "relative", "relative_tiles", "transformer_xl"]
+__all__ = ["broadcast", "cope", "fire", "pallas_dispatch", "relative", "relative_tiles", "transformer_xl"]

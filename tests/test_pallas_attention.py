@@ -1,0 +1,193 @@
+"""The Pallas flash-attention kernels (``implementation="pallas"``) against the materialising path.
+
+On the CPU the kernels run in Pallas' interpret mode: these tests check their values and
+gradients (q, k, v and the bias parameters: T5's table) per encoding, causal and bidirectional,
+with grouped-query heads and gapped per-row positions, in float32 (tight) and bfloat16 (stated
+tolerance). The lowering tests export the kernels (forward and gradient) for ``cuda`` (Triton)
+and ``tpu`` (Mosaic) on this CPU: lowering is not compiling, Triton and Mosaic compile on the
+device only, so a kernel passing here has not been run on an accelerator.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("jax.experimental.pallas")
+if jax.__version_info__ < (0, 10):
+    pytest.skip(
+        f"the Pallas kernels are written against jax 0.10's Pallas API; jax {jax.__version__} is older",
+        allow_module_level=True,
+    )
+
+from posenc_jax.functional import ALiBi, NoPE, RoPE, T5Bias, dot_product_attention
+from posenc_jax.functional.core.head_bias import head_bias_at
+from posenc_jax.functional.core.hooks import attention_context
+
+B, T, N, K, H = 2, 32, 4, 2, 16
+BLOCK = 16
+
+
+def _inputs(dtype=jnp.float32, length=T):
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B, length, N, H), dtype)
+    k = jax.random.normal(keys[1], (B, length, K, H), dtype)
+    v = jax.random.normal(keys[2], (B, length, K, H), dtype)
+    cotangent = jax.random.normal(keys[3], (B, length, N, H), jnp.float32)
+    table = jax.random.normal(keys[4], (8, N), jnp.float32)
+    # Gapped, per-row positions: row 0 steps by 3 (distances past T5's max_distance), row 1 is offset.
+    positions = jnp.stack([3 * jnp.arange(length), jnp.arange(length) + 7]).astype(jnp.int32)
+    return q, k, v, cotangent, table, positions
+
+
+def _encodings(name, table):
+    t5 = T5Bias(table, max_distance=16)
+    return {"nope": [NoPE()], "alibi": [ALiBi()], "t5": [t5], "alibi+t5": [ALiBi(), t5]}[name]
+
+
+def _value_and_grads(implementation, name, causal, dtype=jnp.float32, **masks):
+    q, k, v, cotangent, table, positions = _inputs(dtype, masks.pop("length", T))
+
+    def loss(q, k, v, table):
+        out = dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=positions,
+            key_positions=positions,
+            encodings=_encodings(name, table),
+            causal=causal,
+            implementation=implementation,
+            block_q=BLOCK if implementation == "pallas" else None,
+            block_k=BLOCK if implementation == "pallas" else None,
+            **masks,
+        )
+        return jnp.sum(out.astype(jnp.float32) * cotangent), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, table)
+    return out, grads
+
+
+def _close(a, b, tolerance):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    scale = max(1.0, float(np.abs(b).max()))
+    np.testing.assert_allclose(a, b, atol=tolerance * scale, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "causal"),
+    [("nope", True), ("alibi", False), ("alibi", True), ("t5", False), ("t5", True), ("alibi+t5", False)],
+)
+def test_kernel_matches_materialized_float32(name, causal):
+    """Values and gradients (q, k, v, T5's table) of the kernels equal the materialising path's, GQA and
+    gapped positions, to float32 rounding."""
+    out, grads = _value_and_grads("pallas", name, causal)
+    expected_out, expected_grads = _value_and_grads("materialize", name, causal)
+    _close(out, expected_out, 1e-5)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        _close(grad, expected, 1e-5)
+    if "t5" in name:
+        assert float(jnp.abs(expected_grads[3]).max()) > 0  # the table's gradient is compared, not zeros
+
+
+def test_kernel_matches_materialized_bfloat16():
+    """bfloat16 inputs: the kernels multiply bfloat16 tiles with float32 accumulation and round the weights
+    to bfloat16 before the value product; within 2e-2 of the largest magnitude of the materialising path
+    (which also takes bfloat16 inputs), forward and gradients."""
+    out, grads = _value_and_grads("pallas", "alibi+t5", True, jnp.bfloat16)
+    expected_out, expected_grads = _value_and_grads("materialize", "alibi+t5", True, jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+    _close(out, expected_out, 2e-2)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        _close(grad, expected, 2e-2)
+
+
+def test_segments_key_mask_and_padding():
+    """Segment ids, a key mask (with NaN in the padded keys) and lengths that are not a multiple of the
+    tile (24 in tiles of 16): as the materialising path."""
+    length = 24
+    segments = jnp.stack([jnp.arange(length) // 10, jnp.zeros(length, jnp.int32)]).astype(jnp.int32)
+    key_mask = jnp.arange(length)[None, :] < jnp.array([[20], [length]])
+    masks = dict(length=length, query_segment_ids=segments, key_segment_ids=segments, key_mask=key_mask)
+    out, grads = _value_and_grads("pallas", "t5", False, **masks)
+    expected_out, expected_grads = _value_and_grads("materialize", "t5", False, **masks)
+    _close(out, expected_out, 1e-5)
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        _close(grad, expected, 1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_t5_per_head_form_agrees_with_its_table_form(causal):
+    """T5's per-head form (the kernel's: the bucket of each distance, then the table) equals the bias of the
+    materialising path and the blockwise path's per-distance form (the table at clipped distances,
+    gathered), exactly, at gapped positions past max_distance."""
+    *_, table, positions = _inputs()
+    hook = T5Bias(table, max_distance=16)
+    context = attention_context(positions, positions, scale=0.25, causal=causal, head_dim=H, num_heads=N)
+    per_head = head_bias_at(hook.head_bias(context), positions, positions)
+    np.testing.assert_array_equal(per_head, hook.bias(context))
+    # The blockwise path's tile: the per-distance form at the tile's distances.
+    distances = (positions[:, None, :] - positions[:, :, None]).reshape(B, T * T).astype(jnp.float32)
+    tiled = hook.distance_bias(distances, context).reshape(B, N, T, T)
+    np.testing.assert_array_equal(per_head, tiled)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(encodings=[RoPE()]), "RoPE has no per-head form"),
+        (dict(normalizer="l2"), "is not softmax"),
+        (dict(mask=jnp.ones((1, 1, T, T), bool)), "an extra mask"),
+        (dict(dropout_rate=0.1, dropout_rng=jax.random.key(1)), "dropout_rate=0.1"),
+        (dict(return_weights=True), "pallas attention never holds"),
+    ],
+)
+def test_unsupported_settings_are_refused_by_name(kwargs, message):
+    q, k, v, *_, positions = _inputs()
+    with pytest.raises(ValueError, match=message):
+        dot_product_attention(
+            q, k, v, query_positions=positions, key_positions=positions, implementation="pallas", **kwargs
+        )
+
+
+CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_kernels_lower_for_gpu_and_tpu(platform):
+    """Forward and gradient of the kernels (T5 with segment ids, causal, GQA, bfloat16, tiles of 128) lower
+    to Triton's and Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
+    from posenc_jax.functional.kernels.pallas import flash_attention
+
+    length, head_dim = 256, 64
+    q = jnp.zeros((1, length, N, head_dim), jnp.bfloat16)
+    kv = jnp.zeros((1, length, K, head_dim), jnp.bfloat16)
+    positions = jnp.arange(length, dtype=jnp.int32)
+    segments = jnp.zeros((1, length), jnp.int32)
+
+    def attention(q, k, v, table):
+        context = attention_context(positions, positions, scale=0.125, causal=True, head_dim=head_dim, num_heads=N)
+        return flash_attention(
+            q,
+            k,
+            v,
+            query_positions=positions,
+            key_positions=positions,
+            head_bias=T5Bias(table).head_bias(context),
+            causal=True,
+            query_segment_ids=segments,
+            key_segment_ids=segments,
+            interpret=False,
+        )
+
+    def loss(q, k, v, table):
+        return jnp.sum(attention(q, k, v, table).astype(jnp.float32))
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call(CUSTOM_CALLS[platform])]
+    for fn in (attention, jax.grad(loss, argnums=(0, 1, 2, 3))):
+        exported = jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(
+            q, kv, kv, jnp.zeros((32, N), jnp.float32)
+        )
+        assert CUSTOM_CALLS[platform] in exported.mlir_module()
