@@ -22,7 +22,7 @@ if jax.__version_info__ < (0, 10):
         allow_module_level=True,
     )
 
-from posenc_jax.functional import ALiBi, NoPE, RoPE, T5Bias, dot_product_attention
+from posenc_jax.functional import ALiBi, Kerple, NoPE, RoPE, T5Bias, dot_product_attention
 from posenc_jax.functional.core.head_bias import head_bias_at
 from posenc_jax.functional.core.hooks import attention_context
 
@@ -43,6 +43,11 @@ def _inputs(dtype=jnp.float32, length=T):
 
 
 def _encodings(name, table):
+    """The encodings of a case; ``table`` ``[8, N]`` holds every learned parameter (T5's table; Kerple's r1
+    and r2 from its first rows, kept in (0.1, 1.1)), so its gradient covers them all."""
+    if name.startswith("kerple"):
+        r1, r2 = 0.1 + jax.nn.sigmoid(table[0]), 0.1 + jax.nn.sigmoid(table[1])
+        return [Kerple(r1, r2, variant=name.split("-")[1])]
     t5 = T5Bias(table, max_distance=16)
     return {"nope": [NoPE()], "alibi": [ALiBi()], "t5": [t5], "alibi+t5": [ALiBi(), t5]}[name]
 
@@ -78,18 +83,27 @@ def _close(a, b, tolerance):
 
 @pytest.mark.parametrize(
     ("name", "causal"),
-    [("nope", True), ("alibi", False), ("alibi", True), ("t5", False), ("t5", True), ("alibi+t5", False)],
+    [
+        ("nope", True),
+        ("alibi", False),
+        ("alibi", True),
+        ("t5", False),
+        ("t5", True),
+        ("alibi+t5", False),
+        ("kerple-log", True),
+        ("kerple-power", False),
+    ],
 )
 def test_kernel_matches_materialized_float32(name, causal):
-    """Values and gradients (q, k, v, T5's table) of the kernels equal the materialising path's, GQA and
-    gapped positions, to float32 rounding."""
+    """Values and gradients (q, k, v, T5's table, Kerple's r1 and r2) of the kernels equal the materialising
+    path's, GQA and gapped positions, to float32 rounding."""
     out, grads = _value_and_grads("pallas", name, causal)
     expected_out, expected_grads = _value_and_grads("materialize", name, causal)
     _close(out, expected_out, 1e-5)
     for grad, expected in zip(grads, expected_grads, strict=True):
         _close(grad, expected, 1e-5)
-    if "t5" in name:
-        assert float(jnp.abs(expected_grads[3]).max()) > 0  # the table's gradient is compared, not zeros
+    if name != "nope" and name != "alibi":
+        assert float(jnp.abs(expected_grads[3]).max()) > 0  # the parameters' gradient is compared, not zeros
 
 
 def test_kernel_matches_materialized_bfloat16():
@@ -116,6 +130,18 @@ def test_segments_key_mask_and_padding():
     _close(out, expected_out, 1e-5)
     for grad, expected in zip(grads, expected_grads, strict=True):
         _close(grad, expected, 1e-5)
+
+
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_kerple_per_head_form_agrees_with_its_bias(variant):
+    """Kerple's per-head form (the kernel's) equals its bias and its per-distance form (the blockwise path's)."""
+    *_, table, positions = _inputs()
+    (hook,) = _encodings(f"kerple-{variant}", table)
+    context = attention_context(positions, positions, scale=0.25, causal=False, head_dim=H, num_heads=N)
+    per_head = head_bias_at(hook.head_bias(context), positions, positions)
+    np.testing.assert_array_equal(per_head, hook.bias(context))
+    distances = (positions[:, None, :] - positions[:, :, None]).reshape(B, T * T).astype(jnp.float32)
+    np.testing.assert_array_equal(per_head, hook.distance_bias(distances, context).reshape(B, N, T, T))
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -155,10 +181,11 @@ def test_unsupported_settings_are_refused_by_name(kwargs, message):
 CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
+@pytest.mark.parametrize("name", ["t5", "kerple-power"])
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_kernels_lower_for_gpu_and_tpu(platform):
-    """Forward and gradient of the kernels (T5 with segment ids, causal, GQA, bfloat16, tiles of 128) lower
-    to Triton's and Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
+def test_kernels_lower_for_gpu_and_tpu(platform, name):
+    """Forward and gradient of the kernels (T5 or Kerple with segment ids, causal, GQA, bfloat16, tiles of 128)
+    lower to Triton's and Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
     from posenc_jax.functional.kernels.pallas import flash_attention
 
     length, head_dim = 256, 64
@@ -175,7 +202,7 @@ def test_kernels_lower_for_gpu_and_tpu(platform):
             v,
             query_positions=positions,
             key_positions=positions,
-            head_bias=T5Bias(table).head_bias(context),
+            head_bias=(T5Bias(table) if name == "t5" else _encodings(name, table)[0]).head_bias(context),
             causal=True,
             query_segment_ids=segments,
             key_segment_ids=segments,

@@ -16,12 +16,14 @@ Embedding for Length Extrapolation", NeurIPS 2022, arXiv:2205.09921.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.head_bias import HeadBias, head_column
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -30,6 +32,7 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
+from posenc_jax.functional.core.positions import position_difference
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import relative_positions
 from posenc_jax.functional.core.validation import check_number
@@ -68,11 +71,22 @@ def _kernel(r1, r2, distance, variant):
     per_head = (1, np.shape(r1)[0]) + (1,) * (distance.ndim - 2)
     r1 = jnp.asarray(r1, jnp.float32).reshape(per_head)
     r2 = jnp.asarray(r2, jnp.float32).reshape(per_head)
+    return _kerple_of(r1, r2, distance, variant)
+
+
+def _kerple_of(r1, r2, distance, variant):
+    """The one definition of Kerple's kernel, elementwise in ``d = |j - i| >= 0`` and the heads' ``r1``, ``r2``."""
     if variant == "log":
         return -r1 * jnp.log1p(r2 * distance)
     # d ** r2 with a gradient that stays finite at d = 0.
     safe = jnp.where(distance > 0, distance, 1.0)
     return jnp.where(distance > 0, -r1 * safe**r2, 0.0)
+
+
+def _kerple_at(variant, parameters, query_positions, key_positions) -> jax.Array:
+    """Kerple's per-head function (:class:`~posenc_jax.functional.core.head_bias.HeadBias`): rows ``[r1, r2]``."""
+    distance = jnp.abs(position_difference(key_positions, query_positions, dtype=jnp.float32))
+    return _kerple_of(head_column(parameters[0], 0), head_column(parameters[0], 1), distance, variant)
 
 
 def _check_concrete_positive(name, value, upper=None):
@@ -116,6 +130,12 @@ class Kerple(BiasHook):
         context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
         return _kernel(self.r1, self.r2, distance, self.variant)
 
+    def head_bias(self, context: AttentionContext) -> HeadBias:
+        """The per-head form of :meth:`bias` (the Pallas kernel computes it per tile; r1 and r2 get gradients)."""
+        context.check_heads(np.shape(self.r1)[0], f"Kerple's r1 [N] {np.shape(self.r1)}")
+        rows = jnp.stack([jnp.asarray(self.r1, jnp.float32), jnp.asarray(self.r2, jnp.float32)], axis=1)
+        return HeadBias((rows,), functools.partial(_kerple_at, self.variant))
+
 
 def _check_variant(variant):
     if variant not in _VARIANTS:
@@ -131,7 +151,7 @@ _DESCRIPTION = "A learned conditionally positive definite kernel of the distance
     source=KERPLE,
     fixed=dict(variant="log"),
     hook=Kerple,
-    tiled=("distance",),
+    tiled=("distance", "head"),
     cached=(),
     prepared="bias",
 )
@@ -141,7 +161,7 @@ _DESCRIPTION = "A learned conditionally positive definite kernel of the distance
     source=KERPLE,
     fixed=dict(variant="power"),
     hook=Kerple,
-    tiled=("distance",),
+    tiled=("distance", "head"),
     cached=(),
     prepared="bias",
 )
