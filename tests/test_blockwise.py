@@ -28,6 +28,7 @@ from posenc_jax.functional import (
     softmax_weights,
 )
 from posenc_jax.functional.core.hooks import AttentionContext, MaterializeOnly
+from posenc_jax.functional.encodings.transformer_xl import project_distances
 from posenc_jax.functional.kernels.transformer_xl import tile_terms
 from small_encodings import causal_settings, one_per_path, small_config
 
@@ -174,6 +175,13 @@ def test_transformer_xl_tiles_read_the_calls_table_where_runs(causal):
     q, k = (jax.random.normal(jax.random.key(i), (B, 6, N, H)) for i in (4, 5))
     whole = AttentionContext.from_positions(jnp.arange(40)[None], jnp.arange(40)[None], scale=0.3, causal=causal)
     tiled = hook.for_tiles(whole, 6, 6)
+    # A tile of 64 query rows is scored by blocks of 32 rows, each against its own distances.
+    long_q = jax.random.normal(jax.random.key(6), (B, 64, N, H))
+    long_whole = AttentionContext.from_positions(jnp.arange(90)[None], jnp.arange(90)[None], scale=0.3, causal=causal)
+    long_tiled = long_whole.tile(20 + jnp.arange(64)[None], 30 + jnp.arange(6)[None])
+    want = hook.logits(long_q, k, dataclasses.replace(long_tiled, causal=False))
+    got = hook.for_tiles(long_whole, 64, 6).tile_logits(long_q, k, long_tiled)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg="a tile of 64 rows")
     for q0, k0 in ((30, 24), (12, 12), (0, 34)):
         context = whole.tile(q0 + jnp.arange(6)[None], k0 + jnp.arange(6)[None])
         want = hook.logits(q, k, dataclasses.replace(context, causal=False))
@@ -182,7 +190,9 @@ def test_transformer_xl_tiles_read_the_calls_table_where_runs(causal):
             q + params["position_bias"][None, None],
             context.query_positions,
             context.key_positions,
-            *tiled.tile_table,
+            tiled.tile_table,
+            projection=params["position_projection"],
+            project=project_distances,
             scale=0.3,
             identity=lambda shape=want.shape: jnp.full(shape, jnp.nan),
         )

@@ -307,7 +307,9 @@ class TransformerXL:
             shifted_q,
             batched_positions(context.query_positions, "query_positions"),
             batched_positions(context.key_positions, "key_positions"),
-            *self.tile_table,
+            self.tile_table,
+            projection=self.position_projection,
+            project=functools.partial(project_distances, base=self.base),
             scale=scale,
             identity=identity,
         )

@@ -21,7 +21,8 @@ run time the cheaper way the positions allow:
   call's tiles can need (:func:`tile_distance_table`), and each tile whose positions are runs
   scored against the ``bq + bk - 1`` of them it needs, each score moved to its key by a skew
   of the rows (:func:`tile_terms`, :func:`skew_rows`: a slice and reshapes, whose transpose is
-  a pad): the work of two score products per tile, where the identity does ``D / H`` of them.
+  a pad), by blocks of 128 query rows: about 1.25 score products per tile of 512, where the
+  identity does ``D / H`` of them.
 
 The plain forms beside them: the identity (the encoding's, which every way falls back to),
 :func:`~posenc_jax.functional.encodings.transformer_xl.rel_shift`, and the float64 reference
@@ -409,22 +410,37 @@ def skew_rows(x: jax.Array, cols: int) -> jax.Array:
     return flat.reshape(*lead, rows, width - 1)[..., :cols]
 
 
-def tile_terms(content, shifted_q, query_positions, key_positions, top, table, *, scale: float, identity: Callable):
+def _row_block(block_q: int) -> int:
+    """How many query rows :func:`tile_terms` scores at once: 128 (or 64, 32) where that divides a larger tile."""
+    return next((rows for rows in (128, 64, 32) if block_q > rows and block_q % rows == 0), block_q)
+
+
+def tile_terms(
+    content, shifted_q, query_positions, key_positions, table, *, projection, project, scale: float, identity: Callable
+):
     """One tile's ``scale · (content + (q_t + v)·W_R R_{t-s})``, ``[B, N, bq, bk]`` float32, from the call's table.
 
     Where the tile's positions are runs (each row counting up by one, the same offset in every
-    batch row) and its distances ``highest .. highest - bq - bk + 2`` lie in ``table`` (descending
-    from ``top``, :func:`tile_distance_table`): those ``bq + bk - 1`` rows, a slice, scored against
-    the tile's queries and moved to their keys by :func:`skew_rows`. Otherwise ``identity()``, the
-    encoding's form for any positions. One conditional: only the branch taken runs.
+    batch row) and its distances ``highest .. highest - bq - bk + 2`` lie in ``table`` (``(top,
+    rows)``: ``W_R R_d`` descending from ``top``, :func:`tile_distance_table`): by blocks of ``m``
+    query rows (128 in a tile of 512), each block's ``m + bk - 1`` distances, a slice of the table,
+    scored against its queries and moved to their keys by :func:`skew_rows`: ``(m + bk - 1) / bk``
+    score products in all. Otherwise ``identity()``, the encoding's form for any positions. One
+    conditional: only the branch taken runs.
+
+    The tile's slice of the table carries its derivative to ``projection`` (``W_R``) directly,
+    ``project(distances, dW_R)`` (:func:`_table_slice`), so a tile's gradient is a ``[D, N, H]``
+    sum, not a table-sized one for each tile.
 
     Args:
       content: ``u · k_s`` ``[B, N, 1, bk]``; shifted_q: ``q + v`` float32 ``[B, bq, N, H]``.
       query_positions, key_positions: the tile's, int32 ``[B|1, bq]``, ``[B|1, bk]``.
+      projection: ``W_R`` ``[D, N, H]``; project: ``project(distances, W_R)``, ``W_R R_d`` ``[L, N, H]``.
     """
+    top, rows_of_table = table
     block_q, block_k = shifted_q.shape[1], content.shape[-1]
     width = block_q + block_k - 1
-    if width > table.shape[0]:
+    if width > rows_of_table.shape[0]:
         return identity()
     q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
     highest = position_difference(q[:, -1], k[:, 0])  # [B|1]: the tile's largest distance, where runs
@@ -434,14 +450,37 @@ def tile_terms(content, shifted_q, query_positions, key_positions, top, table, *
         & _consecutive_rows(k)
         & jnp.all(start == start[0])
         & (start[0] >= 0)
-        & (start[0] <= table.shape[0] - width)
+        & (start[0] <= rows_of_table.shape[0] - width)
         & (jnp.abs(top) < _REACH)
         & jnp.all(jnp.abs(highest) < _REACH)
     )
+    rows = _row_block(block_q)
 
     def by_table():
-        window = jax.lax.dynamic_slice_in_dim(table, start[0], width, axis=0)  # distances highest, highest - 1, ...
-        position = skew_rows(_scores_against(shifted_q, window), block_k)  # [B, N, bq, bk]
+        distances = highest[0] - jnp.arange(width, dtype=jnp.int32)  # the slice's, largest first
+        window = _table_slice(project, projection, rows_of_table, start[0], distances)
+        # Each block of ``rows`` query rows against its own ``rows + bk - 1`` distances (largest first): the
+        # position product is (rows + bk - 1) / bk score products, not the whole tile's (bq + bk - 1) / bk.
+        parts = []
+        for first in range(0, block_q, rows):
+            offset = block_q - rows - first  # the slice's row of this block's largest distance
+            q_rows = jax.lax.slice_in_dim(shifted_q, first, first + rows, axis=1)
+            scores = _scores_against(q_rows, jax.lax.slice_in_dim(window, offset, offset + rows + block_k - 1))
+            parts.append(skew_rows(scores, block_k))  # [B, N, rows, bk]
+        position = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
         return (content + position) * jnp.float32(scale)
 
     return jax.lax.cond(fits, by_table, identity)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _table_slice(project, projection, table, start, distances):
+    """``table``'s rows ``start ..`` (``W_R R_d`` at ``distances``), read; their tangent ``project(distances,
+    dW_R)``, ``W_R``'s alone (the table is ``W_R``'s projection: its own tangent is not read)."""
+    return jax.lax.dynamic_slice_in_dim(table, start, distances.shape[0], axis=0)
+
+
+@_table_slice.defjvp
+def _table_slice_jvp(project, primals, tangents):
+    projection, table, start, distances = primals
+    return _table_slice(project, projection, table, start, distances), project(distances, tangents[0])
