@@ -128,13 +128,12 @@ def _fire_floor(config, sizes: Sizes) -> tuple[float, float]:
     return _pairs_floor(forward, 4 * forward, sizes)
 
 
-def _span(sizes: Sizes) -> int:
-    return sizes.block_q + sizes.block_k - 1
-
-
 # The arithmetic of one tile of each encoding's attention as a ratio to plain attention's, forward and
 # forward and backward, from its formula (FLOOR_WHY says why, one line each): the least any implementation
 # of the formula computes. 1.0 where the encoding adds only O(bq·bk) elementwise work (or O(bq + bk)).
+# A term that dots each query with a vector per distance needs, per query row of a tile, one dot per
+# distinct distance its bk keys are at: min(distances, bk) / bk score products (a matrix product over the
+# tile's bq + bk - 1 distances does (bq + bk - 1) / bk of them, about twice).
 FLOORS = {
     "nope": lambda config, sizes: (1.0, 1.0),
     "rope": lambda config, sizes: (1.0, 1.0),
@@ -147,12 +146,12 @@ FLOORS = {
     "sandwich": lambda config, sizes: (1.0, 1.0),
     "functional-relative": lambda config, sizes: _products_floor(1.0, sizes),
     "shaw": lambda config, sizes: _products_floor(
-        2 * min(2 * config.max_distance + 1, _span(sizes)) / sizes.block_k, sizes
+        2 * min(2 * config.max_distance + 1, sizes.block_k) / sizes.block_k, sizes
     ),
     "deberta": lambda config, sizes: _products_floor(
-        (len(config.terms)) * min(2 * config.span, _span(sizes)) / sizes.block_k, sizes
+        len(config.terms) * min(2 * config.span, sizes.block_k) / sizes.block_k, sizes
     ),
-    "transformer-xl": lambda config, sizes: _products_floor(_span(sizes) / sizes.block_k, sizes),
+    "transformer-xl": lambda config, sizes: _products_floor(1.0, sizes),
     "cope": _cope_floor,
     "fire": _fire_floor,
 }
@@ -167,9 +166,9 @@ FLOOR_WHY = {
     "kerple-power": "a power of the distance per pair: O(bq·bk)",
     "sandwich": "a sum of cosines of the distance, per distance of the tile: O(bq + bk)·D, then O(bq·bk)",
     "functional-relative": "q·R_{j-i} with R of width H: one more score product (H features joined to q, k)",
-    "shaw": "q·a_K and p·a_V over min(2k+1, bq+bk-1) clipped distances: 2·L/bk score products",
-    "deberta": "c2p (q against L relative keys) and p2c (k against L relative queries), L = min(2·span, bq+bk-1)",
-    "transformer-xl": "(q+v)·W_R R_d over the tile's bq+bk-1 distances: ~2 score products (W_R R_d once per call)",
+    "shaw": "q·a_K and p·a_V, per row min(2k+1, bk) clipped distances: 2·min(2k+1, bk)/bk score products",
+    "deberta": "c2p (q against relative keys) and p2c (k against relative queries), min(2·span, bk)/bk each",
+    "transformer-xl": "(q+v)·W_R R_{i-j}: one dot per pair, one score product (W_R R_d projected once per call)",
     "cope": "gates σ(q·k) reuse the score, counts a running sum; q·e over P positions once per query block",
     "fire": "an MLP of one input, W hidden units and N outputs per pair: W·(2N+3) flops",
 }
