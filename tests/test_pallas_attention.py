@@ -181,16 +181,20 @@ def test_unsupported_settings_are_refused_by_name(kwargs, message):
 CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 
-@pytest.mark.parametrize("name", ["t5", "kerple-power"])
+@pytest.mark.parametrize(
+    ("name", "dtype", "precision"),
+    [("t5", jnp.bfloat16, None), ("kerple-power", jnp.bfloat16, None), ("t5", jnp.float32, jax.lax.Precision.HIGHEST)],
+)
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
-def test_kernels_lower_for_gpu_and_tpu(platform, name):
-    """Forward and gradient of the kernels (T5 or Kerple with segment ids, causal, GQA, bfloat16, tiles of 128)
-    lower to Triton's and Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
+def test_kernels_lower_for_gpu_and_tpu(platform, name, dtype, precision):
+    """Forward and gradient of the kernels (T5 or Kerple with segment ids, causal, GQA, tiles of 128; bfloat16,
+    or float32 at full precision) lower to Triton's and Mosaic's custom calls. Lowering only: Triton and
+    Mosaic compile on the device."""
     from posenc_jax.functional.kernels.pallas import flash_attention
 
     length, head_dim = 256, 64
-    q = jnp.zeros((1, length, N, head_dim), jnp.bfloat16)
-    kv = jnp.zeros((1, length, K, head_dim), jnp.bfloat16)
+    q = jnp.zeros((1, length, N, head_dim), dtype)
+    kv = jnp.zeros((1, length, K, head_dim), dtype)
     positions = jnp.arange(length, dtype=jnp.int32)
     segments = jnp.zeros((1, length), jnp.int32)
 
@@ -207,6 +211,7 @@ def test_kernels_lower_for_gpu_and_tpu(platform, name):
             query_segment_ids=segments,
             key_segment_ids=segments,
             interpret=False,
+            precision=precision,
         )
 
     def loss(q, k, v, table):

@@ -106,6 +106,7 @@ def flash_attention(
     block_q: int | None = None,
     block_k: int | None = None,
     interpret: bool | None = None,
+    precision: jax.lax.Precision | None = None,
 ) -> jax.Array:
     """Softmax attention ``softmax(scale · q kᵀ + bias, mask) · v`` by the Pallas flash-attention kernels.
 
@@ -125,6 +126,8 @@ def flash_attention(
       block_q, block_k: tile sizes, powers of two >= 16 (default 128; smaller for short sequences).
       interpret: Pallas' interpret mode; None: on the CPU only
         (:func:`~posenc_jax.functional.kernels.pallas.backend.interpret_mode`).
+      precision: the matrix products' precision (None: the backend's default, which on a recent NVIDIA
+        GPU multiplies float32 in TF32, as the materialising path's einsums do there).
 
     Returns:
       ``[B, T, N, H]`` in query's dtype.
@@ -171,6 +174,7 @@ def flash_attention(
         ),
         batched_valid=valid is not None and valid.shape[0] > 1,
         interpret=interpret_mode(interpret),
+        precision=None if precision is None else jax.lax.Precision(precision),
     )
     out = _flash(layout, operands)
     return jnp.swapaxes(out[:, :, :q_len], 1, 2)

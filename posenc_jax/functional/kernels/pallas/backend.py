@@ -13,7 +13,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from posenc_jax.functional.core import operations
 
-__all__ = ["Layout", "interpret_mode", "kernel_call", "masked_scores", "tile_bias"]
+__all__ = ["Layout", "dot", "interpret_mode", "kernel_call", "masked_scores", "tile_bias"]
 
 # The score of a masked pair: finite, so a row with no visible key has a finite running maximum.
 MASKED = float(jnp.finfo(jnp.float32).min)
@@ -51,6 +51,8 @@ class Layout:
       function: the bias's per-head function (None: no bias); num_parameters its parameter count.
       batched_positions, batched_segments, batched_valid: whether those arrays have a batch axis.
       interpret: Pallas' interpret mode.
+      precision: the matrix products' precision (None: the backend's default, TF32 for float32 on a
+        recent NVIDIA GPU; ``jax.lax.Precision.HIGHEST`` for full float32).
     """
 
     block_q: int
@@ -68,6 +70,15 @@ class Layout:
     batched_segments: tuple[bool, bool]
     batched_valid: bool
     interpret: bool
+    precision: jax.lax.Precision | None = None
+
+
+def dot(layout: Layout, a, b, contract=((1,), (0,))):
+    """``a · b`` of two tiles (``contract``: the contracted axes, ``((1,), (1,))`` for ``a · bᵀ``) in float32,
+    at the layout's precision."""
+    return jax.lax.dot_general(
+        a, b, (contract, ((), ())), precision=layout.precision, preferred_element_type=jnp.float32
+    )
 
 
 def tile_bias(layout: Layout, parameters, query_positions, key_positions):
@@ -95,7 +106,7 @@ def visible(layout: Layout, query_positions, key_positions, query_segments, key_
 
 def masked_scores(layout: Layout, q, k, bias, mask):
     """``scale · q kᵀ + bias`` of a tile in float32, masked pairs at :data:`MASKED`."""
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * layout.scale
+    s = dot(layout, q, k, ((1,), (1,))) * layout.scale
     if bias is not None:
         s = s + bias
     return s if mask is None else jnp.where(mask, s, MASKED)

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from posenc_jax.functional.kernels.pallas.backend import Layout, kernel_call, masked_scores, tile_bias, visible
+from posenc_jax.functional.kernels.pallas.backend import Layout, dot, kernel_call, masked_scores, tile_bias, visible
 from posenc_jax.functional.kernels.pallas.forward import (
     Operands,
     key_tile,
@@ -53,9 +53,8 @@ def _dq_kernel(layout: Layout, q_ref, k_ref, v_ref, *refs):
         k_positions, k_segments, k_valid = key_tile(per_key, columns)
         mask = visible(layout, q_positions, k_positions, q_segments, k_segments, k_valid)
         p = _weights(layout, q, k, lse, parameters, q_positions, k_positions, mask)
-        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - delta)
-        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+        ds = p * (dot(layout, do, v, ((1,), (1,))) - delta)
+        return dq + dot(layout, ds.astype(k.dtype), k)
 
     dq = jax.lax.fori_loop(0, layout.k_len // block_k, step, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * layout.scale).astype(dq_ref.dtype)
@@ -79,10 +78,9 @@ def _dkv_kernel(layout: Layout, k_ref, v_ref, q_ref, *refs):
         q_segments = None if qseg_ref is None else qseg_ref[rows, :]
         mask = visible(layout, q_positions, k_positions, q_segments, k_segments, k_valid)
         p = _weights(layout, q, k, lse, parameters, q_positions, k_positions, mask)
-        dv = dv + jnp.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-        dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        ds = p * (dp - delta)
-        dk = dk + jnp.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+        dv = dv + dot(layout, p.T.astype(do.dtype), do)
+        ds = p * (dot(layout, do, v, ((1,), (1,))) - delta)
+        dk = dk + dot(layout, ds.T.astype(q.dtype), q)
         if count:
             _, pull = jax.vjp(lambda rows_: tile_bias(layout, rows_, q_positions, k_positions), parameters)
             dparameters = tuple(a + b for a, b in zip(dparameters, pull(ds)[0], strict=True))

@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from posenc_jax.functional.kernels.pallas.backend import MASKED, Layout, kernel_call, masked_scores, tile_bias, visible
+from posenc_jax.functional.kernels.pallas.backend import (
+    MASKED,
+    Layout,
+    dot,
+    kernel_call,
+    masked_scores,
+    tile_bias,
+    visible,
+)
 
 __all__ = ["Operands", "forward", "key_tile", "operand_specs", "ordered_masks", "per_key_specs", "per_query_specs"]
 
@@ -116,7 +124,7 @@ def _forward_kernel(layout: Layout, q_ref, k_ref, v_ref, *refs):
         p = p if mask is None else jnp.where(mask, p, 0.0)
         correction = jnp.exp(m - m_new)
         denominator = correction * denominator + jnp.sum(p, axis=1, keepdims=True)
-        acc = correction * acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        acc = correction * acc + dot(layout, p.astype(v.dtype), v)
         return m_new, denominator, acc
 
     start = (
