@@ -223,3 +223,41 @@ def test_kernels_lower_for_gpu_and_tpu(platform, name, dtype, precision):
             q, kv, kv, jnp.zeros((32, N), jnp.float32)
         )
         assert CUSTOM_CALLS[platform] in exported.mlir_module()
+
+
+def _largest_outside_kernels(jaxpr) -> int:
+    """The most elements of any array the program computes outside its Pallas kernels (whose own jaxprs
+    hold only tiles)."""
+    from jax.extend import core as jax_core
+
+    largest = 0
+    for eqn in jaxpr.eqns:
+        largest = max([largest, *(int(np.prod(getattr(v.aval, "shape", ()))) for v in eqn.outvars)])
+        if eqn.primitive.name == "pallas_call":
+            continue
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else [param]:
+                if isinstance(sub, (jax_core.ClosedJaxpr, jax_core.Jaxpr)):
+                    largest = max(largest, _largest_outside_kernels(getattr(sub, "jaxpr", sub)))
+    return largest
+
+
+def test_no_array_of_every_query_and_key_pair():
+    """The forward and backward program (the kernels for a device, traced, not lowered) builds no array as
+    large as T · S outside the kernels: its largest is the queries' [B, N, T, H] (here 1 · 4 · 512 · 16)."""
+    from posenc_jax.functional.kernels.pallas import flash_attention
+
+    length, head_dim = 512, 16
+    positions = jnp.arange(length, dtype=jnp.int32)
+
+    def loss(q, k, v, table):
+        context = attention_context(positions, positions, scale=0.25, causal=True, head_dim=head_dim, num_heads=N)
+        head = T5Bias(table).head_bias(context)
+        kwargs = dict(query_positions=positions, key_positions=positions, head_bias=head, causal=True)
+        return jnp.sum(flash_attention(q, k, v, interpret=False, **kwargs))
+
+    q = jnp.zeros((1, length, N, head_dim))
+    kv = jnp.zeros((1, length, K, head_dim))
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, kv, kv, jnp.zeros((32, N)))
+    assert "pallas_call" in str(jaxpr)
+    assert _largest_outside_kernels(jaxpr.jaxpr) == length * N * head_dim < length * length

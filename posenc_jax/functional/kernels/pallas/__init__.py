@@ -13,8 +13,17 @@ Triton, on a TPU through Mosaic. Lowering for both is tested on the CPU (``jax.e
 ``platforms=["cuda"]`` and ``["tpu"]``); lowering is not compiling: Triton and Mosaic compile on
 the device only, and no accelerator has run these kernels yet.
 
-The kernels need jax >= 0.8 (the Pallas API they are written against); ``dot_product_attention``
-selects them with ``implementation="pallas"`` (opt-in).
+Structure (one kernel form for both backends): the forward and ``dq`` kernels run a grid
+``(B, N, T / bq)`` and walk the key tiles of their key/value head in a loop; the ``dk``/``dv``
+kernel runs ``(B, N, S / bk)`` and walks the query tiles. Each program reads the whole sequence
+it walks as one block, so on a TPU, where a block lives in VMEM, the length is bounded by VMEM
+(a grid over the walked tiles with scratch accumulators would lift that). Causal attention visits
+every key tile, masked by position (positions may be any integers, so no tile is skipped by its
+index). ``dk`` and ``dv`` are written per query head, float32, and summed over each group
+outside; the parameters' partial gradients ``[B, N, S / bk, 1, P]`` are summed outside too.
+
+The kernels are written against jax 0.10's Pallas API (the tests skip on older jax);
+``dot_product_attention`` selects them with ``implementation="pallas"`` (opt-in).
 """
 
 from posenc_jax.functional.kernels.pallas.attention import DEFAULT_BLOCK, flash_attention, joined_head_bias
