@@ -377,14 +377,14 @@ def tile_distance_table(
     """``(top, table)``: ``W_R R_d`` for the distances ``top, top - 1, ...`` (descending), once per call.
 
     ``top`` is the call's largest distance (query minus key), an int32 scalar; ``table`` float32
-    ``[L, N, H]``. ``L`` covers every tile of runs: ``T + S - 1`` distances, or in causal attention
-    the ``max(T, S) + bq + bk - 2`` from ``top`` down to the lowest a visible tile reads
-    (``tiles``: ``(bq, bk)``), since a tile of runs whose keys all come after its queries is skipped.
+    ``[L, N, H]``. ``L`` covers every tile of runs: ``T + S - 1`` distances; in causal attention
+    the ``max(T, S) + max(bq, bk) - 1`` from ``top`` down to the lowest a visible tile of the
+    call's grid reads (``tiles``: ``(bq, bk)``; a tile whose keys all come after its queries is
+    skipped, and a tile the table does not reach takes the identity).
     """
     q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
     q_len, k_len = q.shape[-1], k.shape[-1]
-    block_q, block_k = tiles
-    rows = max(q_len, k_len) + block_q + block_k - 2 if causal else q_len + k_len - 1
+    rows = max(q_len, k_len) + max(tiles) - 1 if causal else q_len + k_len - 1
     top = position_difference(q.max(), k.min())
     distances = top - jnp.arange(rows, dtype=jnp.int32)  # wraps only where the tiles take the identity
     return top, project_distances(distances, position_projection)
