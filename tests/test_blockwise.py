@@ -511,7 +511,8 @@ def test_transformer_and_attention_module_pass_the_choice_down():
     )
     _assert_close(want, forward()(tiled), 1e-5, "Transformer(implementation='blockwise')")
     with pytest.raises(ValueError, match="implementation must be one of"):
-        MultiHeadAttention(32, 4, implementation="fast", rngs=nnx.Rngs(0))
-    mha = MultiHeadAttention(32, 4, encodings=["alibi"], implementation="blockwise", block_q=3, rngs=nnx.Rngs(0))
+        MultiHeadAttention(4, 32, implementation="fast", rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(4, 32, encodings=["alibi"], implementation="blockwise", block_q=3, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, 13, 32))
-    _assert_close(mha(x, pos, causal=True, implementation="materialize"), mha(x, pos, causal=True), 1e-5, "module")
+    materialized = mha(x, query_positions=pos, causal=True, implementation="materialize")
+    _assert_close(materialized, mha(x, query_positions=pos, causal=True), 1e-5, "module")

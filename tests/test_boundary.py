@@ -24,16 +24,16 @@ def test_a_bad_input_is_refused_by_name(what, call, error, pattern):
 
 
 def test_a_single_encoding_name_is_one_encoding():
-    layer = MultiHeadAttention(16, 2, encodings="rope", rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(2, 16, encodings="rope", rngs=nnx.Rngs(0))
     assert [type(module.config).__name__ for module in layer.encodings] == ["RoPE"]
     x = np.ones((1, 4, 16), np.float32)
-    assert layer(x, np.arange(4), causal=True).shape == (1, 4, 16)
+    assert layer(x, query_positions=np.arange(4), causal=True).shape == (1, 4, 16)
 
 
-def test_more_heads_than_features_is_a_layer_when_head_dim_is_given():
-    # The swapped-order error is for the call that would fail anyway (no head_dim), not for this one.
-    layer = MultiHeadAttention(4, 8, head_dim=2, rngs=nnx.Rngs(0))
-    assert layer(np.ones((1, 3, 4), np.float32), np.arange(3), causal=True).shape == (1, 3, 4)
+def test_more_heads_than_input_features_is_a_layer_when_qkv_features_is_given():
+    # The swapped-order error is for the call that would fail anyway (qkv_features not divisible), not for this one.
+    layer = MultiHeadAttention(8, 4, qkv_features=16, rngs=nnx.Rngs(0))
+    assert layer(np.ones((1, 3, 4), np.float32), causal=True).shape == (1, 3, 4)
 
 
 def _small_model():

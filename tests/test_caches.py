@@ -44,7 +44,12 @@ def _model(encoding="rope", num_layers=2, num_heads=2, head_dim=8, num_kv_heads=
 
 def _layer(encodings=("rope",), num_heads=2, head_dim=8, num_kv_heads=None, model_dim=16, seed=0):
     return MultiHeadAttention(
-        model_dim, num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, encodings=encodings, rngs=nnx.Rngs(seed)
+        num_heads,
+        model_dim,
+        num_heads * head_dim,
+        num_kv_heads=num_kv_heads,
+        encodings=encodings,
+        rngs=nnx.Rngs(seed),
     )
 
 
@@ -67,7 +72,7 @@ def test_a_cache_of_integers_or_booleans_is_refused_naming_the_dtype(dtype):
     message = rf"dtype must be a floating dtype for the cached keys and values, got {name}: .* pass jnp.float32"
     for make in (
         lambda: _model().init_cache(1, 8, dtype=dtype),
-        lambda: _layer().init_cache(1, 8, dtype=dtype),
+        lambda: _layer().new_cache(1, 8, dtype=dtype),
         lambda: KVCache.empty(1, 8, 2, 8, dtype=dtype),
     ):
         with pytest.raises(ValueError, match=message) as error:
@@ -116,7 +121,7 @@ def test_a_cache_records_what_it_was_made_for():
     assert [cache.made_for for cache in after] == [cache.made_for for cache in caches]
     assert jax.tree.map(lambda x: x, caches[0]).made_for == caches[0].made_for
     layer = _layer(num_heads=4, num_kv_heads=1)
-    assert layer.init_cache(2, 6).made_for == CacheRecord((rope,), 4, 1, 8, "float32", 6)
+    assert layer.new_cache(2, 6).made_for == CacheRecord((rope,), 4, 1, 8, "float32", 6)
     assert KVCache.empty(1, 4, 1, 2).made_for is None
 
 
@@ -140,10 +145,10 @@ def test_a_layer_refuses_a_cache_made_for_another_layer_naming_what_differs():
         (_layer(num_heads=4, num_kv_heads=2), _layer(num_heads=2), r"num_heads 4 there, 2 here"),
     ]
     for maker, taker, differs in cases:
-        _, cache = maker(x, jnp.arange(3), causal=True, cache=maker.init_cache(1, 8))
+        _, cache = maker(x, cache=maker.new_cache(1, 8))
         with pytest.raises(ValueError, match=rf"this cache was made for another layer: {differs}") as error:
-            taker(x[:, :1], jnp.arange(3, 4), causal=True, cache=cache)
-        assert _one_line(error).endswith("make the cache with this layer's init_cache(batch, max_length)")
+            taker(x[:, :1], cache=cache)
+        assert _one_line(error).endswith("make the cache with this layer's new_cache(batch, max_length)")
 
 
 def test_a_models_cache_and_a_layers_cache_are_not_interchangeable():
@@ -151,9 +156,9 @@ def test_a_models_cache_and_a_layers_cache_are_not_interchangeable():
     layer = model.blocks[0].attention
     x = jnp.ones((1, 3, 16))
     with pytest.raises(ValueError, match=r"this cache was made by a Transformer for its layer 0 .*decode with that"):
-        layer(x, jnp.arange(3), causal=True, cache=model.init_cache(1, 8)[0])
-    own = [block.attention.init_cache(1, 8) for block in model.blocks]
-    with pytest.raises(ValueError, match=r"caches\[0\] was made by a layer's init_cache, not by a model's"):
+        layer(x, causal=True, cache=model.init_cache(1, 8)[0])
+    own = [block.attention.new_cache(1, 8) for block in model.blocks]
+    with pytest.raises(ValueError, match=r"caches\[0\] was made by a layer's new_cache, not by a model's"):
         model.decode(TOKENS, POSITIONS, own)
     # A cache made by hand (KVCache.empty) records nothing: only its shapes and dtype are checked.
     logits, _ = model.decode(TOKENS, POSITIONS, [KVCache.empty(1, 8, 2, 8) for _ in range(2)])
@@ -200,8 +205,8 @@ def test_decoding_past_the_cache_names_its_slots_and_the_position_in_and_out_of_
     # One's own model of the library's layers, under one's own jit: the same line, first, inside
     # reraise_check_errors (without it JAX's runtime error carries it further down).
     layer = _layer()
-    attend = nnx.jit(lambda layer, x, positions, cache: layer(x, positions, causal=True, cache=cache))
-    _, cache = attend(layer, jnp.ones((1, 3, 16)), jnp.arange(3, 6), layer.init_cache(1, 4))
+    attend = nnx.jit(lambda layer, x, positions, cache: layer(x, query_positions=positions, cache=cache))
+    _, cache = attend(layer, jnp.ones((1, 3, 16)), jnp.arange(3, 6), layer.new_cache(1, 4))
     with pytest.raises(ValueError) as error, reraise_check_errors():
         jax.block_until_ready(attend(layer, jnp.ones((1, 2, 16)), jnp.arange(7, 9), cache))
     assert _one_line(error).startswith(
@@ -223,7 +228,7 @@ NAMED = {
     "heads": ("heads",),
     "head_dim": ("head",),
     "layers": ("layer",),
-    "kind": ("Transformer", "layer's init_cache"),
+    "kind": ("Transformer", "layer's new_cache"),
 }
 
 
@@ -279,18 +284,25 @@ def _inputs(side: dict):
     return jnp.asarray(np.random.default_rng(56).normal(size=(1, 5, 16)), jnp.float32)
 
 
+def _cache(module, slots: int, dtype):
+    """An empty cache of batch 1 for a model (its init_cache) or a layer (its new_cache)."""
+    if isinstance(module, Transformer):
+        return module.init_cache(1, slots, dtype=dtype)
+    return module.new_cache(1, slots, dtype=dtype)
+
+
 def _decode(module, inputs, positions, cache):
     """A model's decode, or a layer's call with a cache, on a cache (a model's list, or one)."""
     if isinstance(module, Transformer):
         caches = cache if isinstance(cache, list) else [cache] * len(module.blocks)
         return module.decode(inputs, positions, caches)
-    return module(inputs, positions, causal=True, cache=cache[0] if isinstance(cache, list) else cache)
+    return module(inputs, query_positions=positions, causal=True, cache=cache[0] if isinstance(cache, list) else cache)
 
 
 def _full(module, inputs):
     if isinstance(module, Transformer):
         return module(inputs, POSITIONS)
-    return module(inputs, POSITIONS, causal=True)
+    return module(inputs, query_positions=POSITIONS, causal=True)
 
 
 # Compiled: a draw that decodes runs three programs, each once (an eager model call compiles every operation).
@@ -317,24 +329,24 @@ def test_fuzz_caches_made_for_another_model_or_layer_are_refused_naming_it():
             continue
         if dtype in NOT_FLOATS:
             with pytest.raises(ValueError, match=rf"dtype must be a floating dtype .* got {dtype}") as error:
-                maker.init_cache(1, slots, dtype=dtype)
+                _cache(maker, slots, dtype)
             _one_line(error)
             seen["dtype"] += 1
             continue
         prompt, rest = _inputs(maker_side), _inputs(taker_side)
-        own = taker.init_cache(1, slots, dtype=dtype)
+        own = _cache(taker, slots, dtype)
         try:  # an encoding that never decodes with a cache (randomized positions, say) says so: no draw
             _traced(taker, rest[:, 3:], POSITIONS[:, 3:], own)
-            _traced(maker, prompt[:, :3], POSITIONS[:, :3], maker.init_cache(1, slots, dtype=dtype))
+            _traced(maker, prompt[:, :3], POSITIONS[:, :3], _cache(maker, slots, dtype))
         except ValueError:
             seen["skipped"] += 1
             continue
-        cache = maker.init_cache(1, slots, dtype=dtype)
+        cache = _cache(maker, slots, dtype)
         if differs:
             with pytest.raises((ValueError, TypeError)) as error:
                 _traced(taker, rest[:, 3:], POSITIONS[:, 3:], cache)
             message = _one_line(error)
-            assert "init_cache" in message, f"{where}: {message}"
+            assert "init_cache" in message or "new_cache" in message, f"{where}: {message}"
             assert any(word in message for field in differs for word in NAMED[field]), f"{where}: {message}"
             seen["refused"] += 1
             continue

@@ -161,10 +161,10 @@ class OwnModel(nnx.Module):
     def __init__(self, encodings=("rope",), num_heads=2, num_kv_heads=None, seed=0):
         rngs = nnx.Rngs(seed)
         self.embed = nnx.Embed(16, 16, rngs=rngs)
-        self.attention = MultiHeadAttention(16, num_heads, num_kv_heads=num_kv_heads, encodings=encodings, rngs=rngs)
+        self.attention = MultiHeadAttention(num_heads, 16, num_kv_heads=num_kv_heads, encodings=encodings, rngs=rngs)
 
     def __call__(self, tokens):
-        return self.attention(self.embed(tokens), np.arange(tokens.shape[1]), causal=True)
+        return self.attention(self.embed(tokens), causal=True)
 
 
 def test_ones_own_model_is_refused_a_checkpoint_of_other_encodings_or_heads_of_the_same_shapes(tmp_path):

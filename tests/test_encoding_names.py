@@ -102,7 +102,7 @@ def test_the_linen_attention_fn_takes_every_form(kind, encodings):
 
 @pytest.mark.parametrize("kind, encodings", FORMS.values(), ids=FORMS.keys())
 def test_the_modules_take_every_form(kind, encodings):
-    attention = MultiHeadAttention(N * H, N, encodings=encodings, rngs=nnx.Rngs(0))
+    attention = MultiHeadAttention(N, N * H, encodings=encodings, rngs=nnx.Rngs(0))
     assert _types(m.config for m in attention.encodings) == TYPES[kind]
     model = Transformer(
         vocab_size=8, model_dim=N * H, num_layers=1, num_heads=N, mlp_dim=16, encoding=encodings, rngs=nnx.Rngs(0)
@@ -121,7 +121,7 @@ def test_every_entry_point_refuses_a_bad_name_in_one_line(bad):
         "make_attention_fn": lambda: make_attention_fn(bad),
         "linen": lambda: posenc_jax.linen.make_attention_fn(bad),
         "AttentionFunction": lambda: AttentionFunction(bad, num_heads=N, head_dim=H, rngs=nnx.Rngs(0)),
-        "MultiHeadAttention": lambda: MultiHeadAttention(N * H, N, encodings=bad, rngs=nnx.Rngs(0)),
+        "MultiHeadAttention": lambda: MultiHeadAttention(N, N * H, encodings=bad, rngs=nnx.Rngs(0)),
         "Transformer": lambda: Transformer(
             vocab_size=8, model_dim=N * H, num_layers=1, num_heads=N, mlp_dim=16, encoding=bad, rngs=nnx.Rngs(0)
         ),
@@ -194,7 +194,7 @@ def test_from_hf_config_result_is_accepted_wherever_encodings_are():
             reference,
         )
         np.testing.assert_allclose(make_attention_fn(given, causal=True)(q, k, v), reference, atol=1e-6)
-        attention = MultiHeadAttention(64, 4, encodings=given, rngs=nnx.Rngs(0))
+        attention = MultiHeadAttention(4, 64, encodings=given, rngs=nnx.Rngs(0))
         assert _types(m.config for m in attention.encodings) == _types(configs)
 
 

@@ -1457,16 +1457,16 @@ def test_a_layer_built_from_the_loaded_encodings_needs_no_scale_forwarded(name, 
     config, layer_type = SHIPPED[name][:2]
     loaded = from_hf_config(config, layer_type=layer_type)
     head_dim, heads, length = loaded.head_dim, 2, 5
-    layer = MultiHeadAttention(32, heads, head_dim=head_dim, encodings=loaded.encodings, rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(heads, 32, heads * head_dim, encodings=loaded.encodings, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.standard_normal((1, length, 32)), jnp.float32)
     pos = jnp.arange(length)
-    q, k, v = (proj(x).reshape(1, length, heads, head_dim) for proj in (layer.query, layer.key, layer.value))
+    q, k, v = (proj(x) for proj in (layer.query, layer.key, layer.value))
     rotation = [hook for hook in loaded.hooks() if not isinstance(hook, FixedScoreScale)]
     want = dot_product_attention(
         q, k, v, query_positions=pos, key_positions=pos, encodings=rotation, scale=loaded.scale, causal=True
     )
-    want = layer.out(want.reshape(1, length, heads * head_dim))
-    np.testing.assert_allclose(layer(x, pos, causal=True), want, atol=1e-5)
+    want = layer.out(want)
+    np.testing.assert_allclose(layer(x, causal=True), want, atol=1e-5)
     # The functional form, from the built hooks alone, and with the keyword arguments.
     hooks = loaded.hooks()
     alone = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)

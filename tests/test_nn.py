@@ -52,9 +52,12 @@ _decode = nnx.jit(
 
 
 def test_attention_and_model_shapes_with_and_without_jit():
-    mha = MultiHeadAttention(D, HEADS, num_kv_heads=2, encodings=["rope", "alibi"], rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(HEADS, D, num_kv_heads=2, encodings=["rope", "alibi"], rngs=nnx.Rngs(0))
     x = jnp.ones((2, 9, D))
-    for fn in (lambda m, x: m(x, jnp.arange(9), causal=True), nnx.jit(lambda m, x: m(x, jnp.arange(9), causal=True))):
+    for fn in (
+        lambda m, x: m(x, query_positions=jnp.arange(9), causal=True),
+        nnx.jit(lambda m, x: m(x, query_positions=jnp.arange(9), causal=True)),
+    ):
         chex.assert_shape(fn(mha, x), (2, 9, D))
     model = _model(["sinusoidal", "t5"])
     tokens = jnp.zeros((3, 11), jnp.int32)
@@ -363,13 +366,13 @@ def test_a_cache_first_written_without_its_tables_decodes_exactly(rng):
     layer = model.blocks[0].attention
     x = jnp.asarray(rng.normal(size=(2, 6, D)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    full = layer(x, positions, causal=True)
+    full = layer(x, query_positions=positions, causal=True)
     hook = layer._hooks()[0]
     k = layer.key(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
     v = layer.value(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
-    cache = layer.init_cache(2, 8).append(k, v, positions[:, :4], features=(hook.key_features(k, positions[:, :4]),))
+    cache = layer.new_cache(2, 8).append(k, v, positions[:, :4], features=(hook.key_features(k, positions[:, :4]),))
     assert not bool(cache.tables_ready)
-    out, cache = layer(x[:, 4:], positions[:, 4:], causal=True, cache=cache)
+    out, cache = layer(x[:, 4:], query_positions=positions[:, 4:], causal=True, cache=cache)
     assert bool(cache.tables_ready)
     np.testing.assert_allclose(out, full[:, 4:], atol=2e-5, rtol=1e-5)
 
@@ -402,13 +405,17 @@ def test_a_cache_computes_its_tables_at_its_first_write_only():
 def test_blockwise_attention_over_a_cache_reads_each_key_tiles_stored_terms(rng, name):
     # The per-key terms a cache stores ([B, S, ...]) are cut into the key tiles blockwise attention
     # visits (3 tiles of 4 here, the last padded); prefill and a step give the full forward's output.
-    layer = MultiHeadAttention(D, HEADS, encodings=[_config(name)], block_q=2, block_k=4, rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(HEADS, D, encodings=[_config(name)], block_q=2, block_k=4, rngs=nnx.Rngs(0))
     x = jnp.asarray(rng.normal(size=(2, 7, D)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
-    full = layer(x, positions, causal=True, implementation="materialize")
-    cache = layer.init_cache(2, 10)
-    first, cache = layer(x[:, :6], positions[:, :6], causal=True, cache=cache, implementation="blockwise")
-    step, cache = layer(x[:, 6:], positions[:, 6:], causal=True, cache=cache, implementation="blockwise")
+    full = layer(x, query_positions=positions, causal=True, implementation="materialize")
+    cache = layer.new_cache(2, 10)
+    first, cache = layer(
+        x[:, :6], query_positions=positions[:, :6], causal=True, cache=cache, implementation="blockwise"
+    )
+    step, cache = layer(
+        x[:, 6:], query_positions=positions[:, 6:], causal=True, cache=cache, implementation="blockwise"
+    )
     np.testing.assert_allclose(jnp.concatenate([first, step], 1), full, atol=2e-5, rtol=1e-5)
 
 
@@ -477,13 +484,15 @@ def test_the_model_and_its_attention_check_positions_once_whatever_the_encoding(
 def test_the_attention_entry_points_check_positions_once():
     q = k = v = jnp.ones((1, 6, 2, 8))
     positions = jnp.arange(6)
-    mha = MultiHeadAttention(16, 2, encodings=["rope"], rngs=nnx.Rngs(0))
+    mha = MultiHeadAttention(2, 16, encodings=["rope"], rngs=nnx.Rngs(0))
     # Self-attention: one array for queries and keys, checked once.
     attend = lambda: dot_product_attention(
         q, k, v, query_positions=positions, key_positions=positions, encodings=[RoPE()], causal=True
     )
     assert _position_checks(attend) == {"functional/core/checks.py": 1}
-    assert _position_checks(lambda: mha(jnp.ones((1, 6, 16)), positions, causal=True)) == {"nn/attention.py": 1}
+    assert _position_checks(lambda: mha(jnp.ones((1, 6, 16)), query_positions=positions, causal=True)) == {
+        "nn/attention_inputs.py": 1
+    }
     assert _position_checks(lambda: RoPE().rotate(q, k, positions)) == {"functional/core/context.py": 1}
     other = jnp.arange(6) + 2  # two arrays, each checked once
     attend = lambda: dot_product_attention(q, k, v, query_positions=positions, key_positions=other, causal=True)
@@ -494,29 +503,29 @@ def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
     # mesh= splits a forward pass's queries over devices (tests/test_sharded.py checks the results on 8);
     # a cache, the materialising implementation, or a mesh that is not one are refused by name.
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("sequence",))
-    layer = MultiHeadAttention(D, HEADS, encodings=["rope"], rngs=nnx.Rngs(0))
+    layer = MultiHeadAttention(HEADS, D, encodings=["rope"], rngs=nnx.Rngs(0))
     x, positions = jnp.ones((1, 6, D)), jnp.arange(6)
     np.testing.assert_allclose(
-        layer(x, positions, causal=True, mesh=mesh),
-        layer(x, positions, causal=True, implementation="blockwise"),
+        layer(x, query_positions=positions, causal=True, mesh=mesh),
+        layer(x, query_positions=positions, causal=True, implementation="blockwise"),
         atol=1e-6,
     )
     with pytest.raises(ValueError, match="decoding with a cache takes no mesh"):
-        layer(x, positions, causal=True, cache=layer.init_cache(1, 8), mesh=mesh)
+        layer(x, query_positions=positions, causal=True, cache=layer.new_cache(1, 8), mesh=mesh)
     with pytest.raises(ValueError, match='implementation="materialize" cannot be split'):
-        layer(x, positions, causal=True, implementation="materialize", mesh=mesh)
+        layer(x, query_positions=positions, causal=True, implementation="materialize", mesh=mesh)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh .*got str"):
         _model("alibi")(jnp.zeros((1, 6), jnp.int32), positions, mesh="sequence")
     # ring= passes the keys round a mesh's devices: one device's ring is the call itself; no mesh, no ring.
     np.testing.assert_allclose(
-        layer(x, positions, causal=True, mesh=mesh, ring=True),
-        layer(x, positions, causal=True, implementation="blockwise"),
+        layer(x, query_positions=positions, causal=True, mesh=mesh, ring=True),
+        layer(x, query_positions=positions, causal=True, implementation="blockwise"),
         atol=1e-6,
     )
     with pytest.raises(ValueError, match="ring=True passes the keys round the devices of a mesh: pass mesh= too"):
         _model("alibi")(jnp.zeros((1, 6), jnp.int32), positions, ring=True)
     with pytest.raises(TypeError, match="ring must be True or False, got 'yes'"):
-        layer(x, positions, causal=True, mesh=mesh, ring="yes")
+        layer(x, query_positions=positions, causal=True, mesh=mesh, ring="yes")
     from posenc_jax.bench.cell import predict  # the benchmark's evaluation passes ring on as given
 
     tokens = jnp.zeros((1, 6), jnp.int32)

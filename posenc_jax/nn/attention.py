@@ -1,11 +1,12 @@
-"""Multi-head attention with any positional encoding, as a Flax NNX module.
+"""Multi-head attention with any positional encoding, as a Flax NNX module shaped like ``flax.nnx.MultiHeadAttention``.
 
-A thin parameter-holding wrapper: projections ``W_Q``, ``W_K``, ``W_V``, ``W_O``
+A thin parameter-holding wrapper: Flax's projections ``query``, ``key``, ``value``, ``out``
 and the per-layer encodings' parameters; the computation is
 :func:`posenc_jax.functional.dot_product_attention`.
 
-Decoding uses an explicit :class:`KVCache` (a pytree of arrays, positions
-included), so a step compiles once and runs for any position. The cache holds what
+Decoding uses a :class:`KVCache` (a pytree of arrays, positions included), explicit
+(``new_cache``, ``cache=``) or the layer's own (``init_cache``, ``decode=True``), so a
+step compiles once and runs for any position. The cache holds what
 does not change as decoding goes on: keys after rotation when every rotation of the
 layer depends on each key's own position alone (RoPE, its fixed scalings, axial RoPE),
 and the per-key terms of encodings that have them (:class:`CachedKeyTerm`: DeBERTa,
@@ -24,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from flax.nnx.nn.linear import default_kernel_init
 
-from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, forward_terms
-from posenc_jax.functional.core.cache import CacheRecord, KVCache, check_cache_dtype, show_encodings
+from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, dot_product_attention, forward_terms
+from posenc_jax.functional.core.cache import KVCache
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     EncodingConfig,
@@ -38,13 +40,26 @@ from posenc_jax.functional.core.hooks import (
     rotates_each_token,
 )
 from posenc_jax.functional.core.normalizers import normalizer_config, softmax_weights
-from posenc_jax.functional.core.positions import check_positions
 from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.functional.core.sharded import sequence_parallel_attention
-from posenc_jax.functional.core.validation import check_count
+from posenc_jax.nn.attention_cache import CachedDecoding
+from posenc_jax.nn.attention_inputs import (
+    check_mesh,
+    check_sizes,
+    dropout_key,
+    flat_inputs,
+    flat_keys,
+    flat_mask,
+    flat_per_token,
+    flat_positions,
+    refuse_broadcast_dropout,
+    refuse_renamed,
+)
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size
 
 __all__ = ["KVCache", "MultiHeadAttention"]
+
+_ZEROS = nnx.initializers.zeros_init()  # flax's default bias_init
 
 
 def _stores_rotated_keys(hooks: Sequence) -> bool:
@@ -86,42 +101,47 @@ class _OwnTokens:
         return self.table.rotate_prepared(q, k)
 
 
-def _check_mesh(mesh, cache, implementation: str, ring: bool = False) -> None:
-    """A sequence-parallel call's static facts: a mesh, no cache, an implementation that tiles."""
-    if not isinstance(ring, (bool, np.bool_)):
-        raise TypeError(f"ring must be True or False, got {ring!r}")
-    if mesh is None:
-        if ring:
-            raise ValueError("ring=True passes the keys round the devices of a mesh: pass mesh= too")
-        return
-    if not isinstance(mesh, jax.sharding.Mesh):
-        raise TypeError(f"mesh must be a jax.sharding.Mesh (or None), got {type(mesh).__name__}")
-    if cache is not None:
-        raise ValueError("mesh= splits one forward pass's queries over devices; decoding with a cache takes no mesh")
-    if implementation == "materialize":
-        raise ValueError(
-            'mesh= computes each device\'s queries in tiles (blockwise); implementation="materialize" cannot be split: '
-            'pass implementation="blockwise" or "auto"'
-        )
+class MultiHeadAttention(CachedDecoding, nnx.Module):
+    """Multi-head (grouped-query) attention composing any encodings, shaped like ``flax.nnx.MultiHeadAttention``.
 
-
-class MultiHeadAttention(nnx.Module):
-    """Multi-head (grouped-query) attention composing any encodings.
+    ``flax.nnx.MultiHeadAttention``'s signature, parameters and semantics (projections
+    ``query``, ``key``, ``value`` with kernels ``[in, heads, head_dim]``, ``out`` with kernel
+    ``[heads, head_dim, out]``, so a Flax layer's ``nnx.state(layer, nnx.Param)`` loads into
+    this one with ``nnx.update``), plus the encodings, which need positions: ``arange`` unless
+    given, or the cache's next slots when decoding. The attention itself is
+    :func:`posenc_jax.functional.dot_product_attention`'s (scores and softmax in float32).
 
     Args:
-      model_dim: D, the width of the input and output (first, unlike the ``in_features``
-        of ``flax.nnx.MultiHeadAttention(num_heads, in_features)``).
       num_heads: N query heads.
-      num_kv_heads: K key/value heads (default N); N must be a multiple of K.
-      head_dim: H (default D / N).
+      in_features: the width of ``inputs_q`` (and of ``inputs_k``/``inputs_v`` unless
+        ``in_kv_features``).
+      qkv_features: N · H, the width of the queries, keys and values (default ``in_features``);
+        the head size H is ``qkv_features // num_heads``.
+      out_features: the output width (default ``in_features``).
       encodings: registered names or configs of the encodings this layer owns
-        (e.g. ``["rope", "alibi"]``); biases shared across layers are passed per
-        call instead (``shared``).
+        (``["rope", "alibi"]``, ``"rope+alibi"``); biases shared across layers are passed per
+        call instead (``shared``). Default none (NoPE).
+      num_kv_heads: K key/value heads (default N); N must be a multiple of K (grouped-query).
+      in_kv_features: the width of ``inputs_k`` and ``inputs_v`` (default ``in_features``).
+      dtype: the computation dtype of the projections (default: inferred from inputs and
+        parameters, as Flax's); the attention's scores and softmax run in float32 and return
+        in the queries' dtype.
+      param_dtype: the projections' parameter dtype.
+      broadcast_dropout: Flax's default True shares one dropout mask over the batch and heads,
+        which this layer does not draw: with ``dropout_rate > 0`` pass False (one mask per weight).
+      dropout_rate: dropout on the attention weights.
+      deterministic: no dropout (a call's ``deterministic`` overrides it); needed, here or per
+        call, when ``dropout_rate > 0``.
+      precision: the projections' ``jax.lax.Precision``.
+      kernel_init, out_kernel_init, bias_init, out_bias_init, use_bias: as Flax's (the
+        ``out_*`` default to the others).
+      decode: the default of a call's ``decode`` (None: False): attend with the cache that
+        :meth:`init_cache` made, one or more new tokens per call.
+      normalize_qk: LayerNorm the queries and keys per head (``query_ln``, ``key_ln``, no bias)
+        before the encodings, as Flax's.
       normalizer: the ``normalize`` hook (softmax by default): a function, a name
         (``"softmax"``, ``"l2"``, ``"relu2"``, ``"urpe"``), or a config with learned
         parameters (``URPEConfig``), which this layer then holds.
-      dropout_rate: dropout on the attention weights.
-      use_bias: biases in the projections.
       implementation: ``"auto"`` (default), ``"materialize"`` or ``"blockwise"``, passed to
         :func:`~posenc_jax.functional.dot_product_attention` (blockwise: tiles of
         ``block_q`` × ``block_k``, memory linear in the length); a call may override it.
@@ -129,58 +149,80 @@ class MultiHeadAttention(nnx.Module):
       rngs: ``nnx.Rngs`` with ``params`` (and ``dropout`` when training with dropout).
 
     Example:
-      >>> mha = MultiHeadAttention(64, 4, encodings=["rope"], rngs=nnx.Rngs(0))
+      >>> mha = MultiHeadAttention(4, 64, encodings=["rope"], rngs=nnx.Rngs(0))
       >>> x = jnp.ones((2, 10, 64))
-      >>> mha(x, jnp.arange(10), causal=True).shape
+      >>> mha(x, causal=True).shape
       (2, 10, 64)
     """
 
     def __init__(
         self,
-        model_dim: int,
         num_heads: int,
+        in_features: int | None = None,  # required (None only so that model_dim= gets its own error)
+        qkv_features: int | None = None,
+        out_features: int | None = None,
         *,
-        num_kv_heads: int | None = None,
-        head_dim: int | None = None,
         encodings: Sequence = (),
-        normalizer: Callable = softmax_weights,
+        num_kv_heads: int | None = None,
+        in_kv_features: int | None = None,
+        dtype=None,
+        param_dtype=jnp.float32,
+        broadcast_dropout: bool = True,
         dropout_rate: float = 0.0,
-        use_bias: bool = False,
+        deterministic: bool | None = None,
+        precision=None,
+        kernel_init: Callable = default_kernel_init,
+        out_kernel_init: Callable | None = None,
+        bias_init: Callable = _ZEROS,
+        out_bias_init: Callable | None = None,
+        use_bias: bool = True,
+        decode: bool | None = None,
+        normalize_qk: bool = False,
+        normalizer: Callable = softmax_weights,
         implementation: str = "auto",
         block_q: int | None = None,
         block_k: int | None = None,
         rngs: nnx.Rngs,
+        **renamed,
     ):
+        refuse_renamed(renamed, "MultiHeadAttention", num_heads)
+        if in_features is None:
+            raise TypeError(
+                "MultiHeadAttention needs in_features, the input width: MultiHeadAttention(num_heads, in_features)"
+            )
         if implementation not in IMPLEMENTATIONS:
             raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
         check_rngs(rngs)
-        check_size("model_dim", model_dim)
         check_size("num_heads", num_heads)
+        check_size("in_features", in_features)
         check_dropout_rate(dropout_rate)
-        for name, size in (("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-            if size is not None:
-                check_size(name, size)
-        self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
+        qkv_features = in_features if qkv_features is None else qkv_features
+        out_features = in_features if out_features is None else out_features
+        in_kv_features = in_features if in_kv_features is None else in_kv_features
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        if head_dim is None:
-            if num_heads > model_dim:
-                raise ValueError(
-                    f"MultiHeadAttention({model_dim}, {num_heads}) has more heads than features: its order is "
-                    f"(model_dim, num_heads), unlike flax.nnx.MultiHeadAttention(num_heads, in_features); call "
-                    f"MultiHeadAttention({num_heads}, {model_dim}, ...), or pass head_dim= for more heads than features"
-                )
-            if model_dim % num_heads:
-                raise ValueError(f"model_dim={model_dim} is not divisible by num_heads={num_heads}; pass head_dim")
-            head_dim = model_dim // num_heads
-        if num_heads % num_kv_heads:
-            raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+        for name, size in (
+            ("qkv_features", qkv_features),
+            ("out_features", out_features),
+            ("in_kv_features", in_kv_features),
+            ("num_kv_heads", num_kv_heads),
+        ):
+            check_size(name, size)
+        check_sizes(num_heads, in_features, qkv_features, num_kv_heads)
+        refuse_broadcast_dropout(dropout_rate, broadcast_dropout)
+        head_dim = qkv_features // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.in_features, self.qkv_features, self.out_features = in_features, qkv_features, out_features
+        self.in_kv_features = in_kv_features
+        self.dtype, self.param_dtype, self.precision = dtype, param_dtype, precision
+        self.broadcast_dropout, self.deterministic, self.decode = broadcast_dropout, deterministic, decode
+        self.use_bias, self.normalize_qk = use_bias, normalize_qk
+        self.implementation, self.block_q, self.block_k = implementation, block_q, block_k
         if isinstance(normalizer, str):
             normalizer = normalizer_config(normalizer)
         if isinstance(normalizer, EncodingConfig):
             self.normalizer = None
             self.normalizer_params = PositionEncoding(
-                normalizer, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs
+                normalizer, num_heads=num_heads, head_dim=head_dim, model_dim=in_features, rngs=rngs
             )
         else:
             # A built hook with arrays (e.g. a fixed URPE table) is data of the module, not a static setting.
@@ -188,13 +230,36 @@ class MultiHeadAttention(nnx.Module):
             self.normalizer = nnx.data(normalizer) if has_arrays else normalizer
             self.normalizer_params = None
         self.dropout_rate = dropout_rate
-        self.query = nnx.Linear(model_dim, num_heads * head_dim, use_bias=use_bias, rngs=rngs)
-        self.key = nnx.Linear(model_dim, num_kv_heads * head_dim, use_bias=use_bias, rngs=rngs)
-        self.value = nnx.Linear(model_dim, num_kv_heads * head_dim, use_bias=use_bias, rngs=rngs)
-        self.out = nnx.Linear(num_heads * head_dim, model_dim, use_bias=use_bias, rngs=rngs)
+        projection = functools.partial(
+            nnx.LinearGeneral,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            use_bias=use_bias,
+            precision=precision,
+            rngs=rngs,
+        )
+        self.query = projection(in_features, (num_heads, head_dim))
+        self.key = projection(in_kv_features, (num_kv_heads, head_dim))
+        self.value = projection(in_kv_features, (num_kv_heads, head_dim))
+        if normalize_qk:
+            norm = functools.partial(
+                nnx.LayerNorm, head_dim, use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+            )
+            self.query_ln, self.key_ln = norm(), norm()
+        else:
+            self.query_ln = self.key_ln = nnx.data(None)
+        self.out = projection(
+            (num_heads, head_dim),
+            out_features,
+            axis=(-2, -1),
+            kernel_init=out_kernel_init or kernel_init,
+            bias_init=out_bias_init or bias_init,
+        )
         self.encodings = nnx.List(
             [
-                PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim, rngs=rngs)
+                PositionEncoding(e, num_heads=num_heads, head_dim=head_dim, model_dim=in_features, rngs=rngs)
                 for e in resolve_encodings(encodings)
             ]
         )
@@ -205,84 +270,141 @@ class MultiHeadAttention(nnx.Module):
                     f"Transformer, not the attention"
                 )
         self.dropout_rngs = rngs if dropout_rate > 0 else None
+        self.kv_cache = nnx.data(None)  # decode=True's cache, made by init_cache
 
     def __call__(
         self,
-        x: jax.Array,
-        positions: jax.Array,
+        inputs_q: jax.Array,
+        inputs_k: jax.Array | None = None,
+        inputs_v: jax.Array | None = None,
         *,
-        causal: bool,
-        shared: Sequence = (),
-        key_mask: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        query_positions: jax.Array | None = None,
+        key_positions: jax.Array | None = None,
+        causal: bool = False,
         segment_ids: jax.Array | None = None,
+        key_mask: jax.Array | None = None,
+        shared: Sequence = (),
         cache: KVCache | None = None,
-        deterministic: bool = True,
+        deterministic: bool | None = None,
+        rngs: nnx.Rngs | None = None,
+        sow_weights: bool = False,
+        decode: bool | None = None,
         implementation: str | None = None,
         mesh: jax.sharding.Mesh | None = None,
         ring: bool = False,
+        **renamed,
     ):
-        """Self-attention over ``x`` ``[B, T, D]`` at ``positions`` ``[T]`` or ``[B, T]``.
+        """Attention of ``inputs_q`` ``[batch..., T, in_features]`` over ``inputs_k``/``inputs_v`` ``[batch..., S, *]``.
+
+        Self-attention when ``inputs_k`` is None; ``inputs_v`` defaults to ``inputs_k`` (Flax's rule).
 
         Args:
-          causal: mask keys after each query (by position).
+          mask: booleans broadcastable to ``[batch..., heads, T, S]``, True where a query
+            attends to a key (Flax's; with a cache, S is the cache's slots).
+          query_positions, key_positions: integer ``[T]`` / ``[S]`` or ``[batch..., T]`` /
+            ``[batch..., S]``, the tokens' positions for the encodings and ``causal``. Default
+            ``arange`` (self-attention: the keys' are the queries'); with a cache, the cache's
+            next slots (``cache.length + arange(T)``).
+          causal: mask keys whose position is after the query's.
+          segment_ids: ``[batch..., T]`` ids of packed sequences (self-attention).
+          key_mask: ``[batch..., S]`` booleans, True for real tokens (with a cache: padding
+            tokens are cached as invalid slots, which no query attends to).
           shared: extra encoding hooks for this call (a bias computed once per
             forward, e.g. ``SharedBias``).
-          key_mask: ``[B, T]`` booleans, True for real tokens (with a cache: padding
-            tokens are cached as invalid slots, which no query attends to).
-          segment_ids: ``[B, T]`` ids of packed sequences.
-          cache: a :class:`KVCache` to append to and attend over (causal decoding);
-            the call then returns ``(output, new_cache)``. Make it with :meth:`init_cache`.
-          deterministic: no dropout.
+          cache: an explicit :class:`KVCache` (from :meth:`new_cache`) to append to and attend
+            over (causal decoding, batch ``[B, T, D]``); the call then returns
+            ``(output, new_cache)``.
+          deterministic: no dropout (default: the layer's ``deterministic``).
+          rngs: ``nnx.Rngs`` (its ``dropout`` stream) or a stream for this call's dropout.
+          sow_weights: refused when True: the layer does not sow its weights
+            (:func:`~posenc_jax.functional.dot_product_attention` returns them).
+          decode: append to the layer's own cache (:meth:`init_cache`) and attend over it,
+            as Flax's ``decode=True`` (default: the layer's ``decode``).
           implementation: overrides the layer's ``implementation`` for this call.
           mesh: a :class:`jax.sharding.Mesh` of one axis (or with a ``"sequence"`` axis): the
-            call's queries are split over its devices, each computing its rows blockwise
-            against all the keys (:func:`~posenc_jax.functional.core.sharded.sequence_parallel_attention`),
-            so one long sequence uses every device. Equal to one device's result to float32
-            rounding. Not with a cache, and not with ``implementation="materialize"``.
-          ring: with ``mesh``, split the keys and values over its devices too and pass each
-            device's shard round them, instead of gathering them whole on every device: each
-            device then holds ``1/P`` of them (``sequence_parallel_attention``'s ``ring``).
+            queries are split over its devices, each computing its rows blockwise against all the
+            keys (:func:`~posenc_jax.functional.core.sharded.sequence_parallel_attention`). Not
+            with a cache, and not with ``implementation="materialize"``.
+          ring: with ``mesh``, split the keys and values over the devices too and pass each
+            device's shard round them: each device then holds ``1/P`` of them.
 
         Returns:
-          ``[B, T, D]``, or ``([B, T, D], KVCache)`` with a cache.
+          ``[batch..., T, out_features]``, or that and the new :class:`KVCache` with ``cache``.
         """
-        width = self.query.in_features
-        if getattr(x, "ndim", None) != 3 or x.shape[-1] != width:
+        refuse_renamed(renamed, "MultiHeadAttention.__call__")
+        if sow_weights:
             raise ValueError(
-                f"x must have shape [B, T, D] with D = model_dim = {width}, got shape {getattr(x, 'shape', type(x))}"
+                "sow_weights=True: this layer does not sow its attention weights; get them from "
+                "posenc_jax.functional.dot_product_attention(..., return_weights=True)"
             )
+        if inputs_k is None and inputs_v is not None:
+            raise ValueError("inputs_v is given without inputs_k: pass inputs_k (inputs_v defaults to it)")
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be True or False, got {causal!r}")
-        # The one check of the positions on this call's way down: the attention and its hooks take them as they are.
-        positions = check_positions(positions)
-        batch, length, _ = x.shape
-        if (
-            positions.shape[-1] != length
-            or positions.ndim > 2
-            or (positions.ndim == 2 and positions.shape[0] not in (1, batch))
-        ):
-            raise ValueError(f"positions must be [T] or [B, T] for x of shape {x.shape}, got shape {positions.shape}")
-        made_for = getattr(cache, "made_for", None)
-        if made_for is not None and made_for.model is not None:
-            # A model's layer attends with the model's shared biases and prepared rotations as well as its own.
+        decode = bool(self.decode) if decode is None else decode
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if self.dropout_rate > 0 and deterministic is None:
             raise ValueError(
-                f"this cache was made by a Transformer for its layer {made_for.layer} (encodings "
-                f"{show_encodings(made_for.model)}), not for this layer alone: decode with that model's decode, or "
-                f"make the cache with this layer's init_cache(batch, max_length)"
+                f"dropout_rate={self.dropout_rate}: pass deterministic=True or False to the call or the layer"
             )
-        return self._attend(
+        x, batch_shape = flat_inputs(inputs_q, "inputs_q", self.in_features, "in_features")
+        kv = None if inputs_k is None else flat_keys(inputs_k, inputs_v, batch_shape, self.in_kv_features)
+        if decode:
+            if cache is not None:
+                raise ValueError(
+                    "decode=True attends with the layer's own cache (init_cache); an explicit cache= is used with "
+                    "decode=False"
+                )
+            if self.kv_cache is None:
+                raise ValueError(
+                    "decode=True needs the layer's cache: call init_cache((batch..., max_length, features)) first"
+                )
+            cache = self.kv_cache.get_value()
+        if cache is not None:
+            self._check_decoding(cache, kv, batch_shape, query_positions, key_positions, decode)
+            causal = True
+        length = x.shape[1]
+        key_length = length if kv is None else kv[0].shape[1]
+        if query_positions is None:
+            query_positions = jnp.arange(length, dtype=jnp.int32)
+            if cache is not None:
+                query_positions = cache.length + query_positions
+        else:
+            # The one check of the positions on this call's way down: the attention and its hooks take them as they are.
+            query_positions = flat_positions(query_positions, "query_positions", batch_shape, length)
+        if key_positions is not None:
+            key_positions = flat_positions(key_positions, "key_positions", batch_shape, key_length)
+        elif kv is not None:
+            key_positions = jnp.arange(key_length, dtype=jnp.int32)
+        if cache is not None:
+            key_length = cache.key.shape[1]
+        if segment_ids is not None and kv is not None:
+            raise ValueError("segment_ids mark packed sequences in self-attention; for cross-attention pass a mask")
+        out = self._attend(
             x,
-            positions,
+            query_positions,
             causal=bool(causal),
             shared=shared,
-            key_mask=key_mask,
-            segment_ids=segment_ids,
+            key_mask=flat_per_token(key_mask, "key_mask", batch_shape, x.shape[1] if kv is None else kv[0].shape[1]),
+            segment_ids=flat_per_token(segment_ids, "segment_ids", batch_shape, length),
             cache=cache,
-            deterministic=deterministic,
+            deterministic=bool(deterministic),
             implementation=implementation,
             mesh=mesh,
             ring=ring,
+            kv=kv,
+            key_positions=key_positions,
+            mask=flat_mask(mask, batch_shape, self.num_heads, length, key_length),
+            rngs=rngs,
         )
+        if cache is not None:
+            out, cache = out
+        out = out.reshape(*batch_shape, length, self.out_features)
+        if decode:
+            self.kv_cache.set_value(cache)
+            return out
+        return out if cache is None else (out, cache)
 
     def _forward_terms(self, positions, key_positions, *, biases: Sequence, causal: bool, batch: int, implementation):
         """What a model computes once per forward for all its layers made like this one: ``(shared, prepared)``.
@@ -319,8 +441,16 @@ class MultiHeadAttention(nnx.Module):
         prepared: Sequence | None = None,
         mesh: jax.sharding.Mesh | None = None,
         ring: bool = False,
+        kv: tuple[jax.Array, jax.Array] | None = None,
+        key_positions: jax.Array | None = None,
+        mask: jax.Array | None = None,
+        rngs=None,
     ):
-        """:meth:`__call__` for ``x`` and ``positions`` already checked: a model's layers (the model checked them once).
+        """:meth:`__call__` for arguments already checked and flattened: ``x`` ``[B, T, D]`` and its ``positions``.
+
+        A model's layers call it (the model checked the positions once). ``kv``: the keys' and
+        values' inputs ``[B, S, D]`` in cross-attention (None: ``x``), at ``key_positions``
+        (default ``positions``); ``mask``: booleans ``[B, heads|1, T, S]``.
 
         ``prepared``: the model's per-forward rotations (:meth:`_forward_terms`), one entry per
         encoding of this layer, None where the layer uses its own hook. They were prepared for
@@ -331,14 +461,19 @@ class MultiHeadAttention(nnx.Module):
         step (a rotation that follows the sequence length) uses the layer's own hooks.
         """
         implementation = self.implementation if implementation is None else implementation
-        _check_mesh(mesh, cache, implementation, ring)
-        batch, length, _ = x.shape
-        q = self.query(x).reshape(batch, length, self.num_heads, self.head_dim)
-        k = self.key(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
-        v = self.value(x).reshape(batch, length, self.num_kv_heads, self.head_dim)
+        check_mesh(mesh, cache, implementation, ring)
+        if kv is not None and prepared is not None:
+            raise ValueError("prepared rotations are a model's, for self-attention: pass no kv with them")
+        q = self.query(x)
+        k = self.key(x if kv is None else kv[0])
+        v = self.value(x if kv is None else kv[1])
+        if self.normalize_qk:
+            q, k = self.query_ln(q), self.key_ln(k)
+        batch, length = x.shape[:2]
         own = self._hooks()
         rotations = self._prepared(prepared)  # per encoding: the model's prepared rotation, or None
-        query_positions = key_positions = positions
+        query_positions = positions
+        key_positions = positions if key_positions is None else key_positions
         new_cache = None
         if cache is None:
             encodings = [hook if r is None else _OwnTokens(r) for hook, r in zip(own, rotations, strict=True)]
@@ -389,16 +524,22 @@ class MultiHeadAttention(nnx.Module):
             query_segment_ids=segment_ids,
             key_segment_ids=segment_ids,
             dropout_rate=self.dropout_rate if use_dropout else 0.0,
-            dropout_rng=self.dropout_rngs.dropout() if use_dropout else None,
+            dropout_rng=dropout_key(self.dropout_rngs if rngs is None else rngs) if use_dropout else None,
             block_q=self.block_q,
             block_k=self.block_k,
         )
-        if mesh is None:
+        if mesh is not None:
+            out = sequence_parallel_attention(q, k, v, mesh=mesh, ring=bool(ring), mask=mask, **arguments)
+        elif mask is None:
             out = attend(q, k, v, implementation=implementation, **arguments)
         else:
-            out = sequence_parallel_attention(q, k, v, mesh=mesh, ring=bool(ring), **arguments)
-        out = self.out(out.reshape(batch, length, self.num_heads * self.head_dim))
+            out = _attend_masked(q, k, v, mask, implementation, arguments)
+        out = self.out(out)
         return out if cache is None else (out, new_cache)
+
+    def _cache_terms(self) -> list:
+        """The hooks whose per-key terms this layer's caches store."""
+        return _cached_terms(self._hooks())
 
     def _hooks(self) -> list:
         """This layer's encoding hooks, in order (built from its parameters)."""
@@ -449,56 +590,7 @@ class MultiHeadAttention(nnx.Module):
                 q, k = hook.rotate(q, k, context)
         return q, k
 
-    def _cache_record(self, max_length: int, dtype) -> CacheRecord:
-        """What a cache of this layer is made for (:class:`CacheRecord`): its encodings and heads."""
-        return CacheRecord(
-            encodings=tuple(repr(module.config) for module in self.encodings),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=np.dtype(dtype).name,
-            max_length=max_length,
-        )
 
-    def _check_cache(self, cache, what: str = "this cache", fix: str = "") -> None:
-        """Refuses a cache made for another layer (encodings, heads, head size) or of integer keys, naming
-        what differs (static facts: before tracing, nothing inside ``jit``)."""
-        if not isinstance(cache, KVCache):
-            raise TypeError(
-                f"cache must be a KVCache made by init_cache(batch, max_length), got {type(cache).__name__}"
-            )
-        fix = fix or "make the cache with this layer's init_cache(batch, max_length)"
-        self._cache_record(cache.key.shape[1], cache.key.dtype).check(cache, what, fix)
-
-    def init_cache(self, batch: int, max_length: int, dtype=jnp.float32) -> KVCache:
-        """An empty :class:`KVCache` of ``max_length`` slots for this layer, with room for its encodings'
-        per-key terms (DeBERTa's key projections, Transformer-XL's ``u·k``) and tables (Transformer-XL's
-        projected relative sinusoids, computed by the first call that writes the cache).
-
-        ``dtype``: the cached keys' and values' dtype, a floating one (``jnp.bfloat16`` halves the
-        cache); an integer or boolean dtype is refused. The cache records what it is made for (this
-        layer's encodings, heads and head size: :class:`~posenc_jax.functional.core.cache.CacheRecord`),
-        and a layer given a cache made for another refuses it, naming what differs."""
-        check_count("batch", batch)
-        check_count("max_length", max_length, fix="the number of tokens the cache holds: prompt and new tokens")
-        dtype = check_cache_dtype(dtype)
-        terms = _cached_terms(self._hooks())
-        key = jax.ShapeDtypeStruct((batch, 1, self.num_kv_heads, self.head_dim), dtype)
-        positions = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
-        features = tuple(jax.eval_shape(hook.key_features, key, positions) for hook in terms)
-        tables = tuple(
-            jax.eval_shape(functools.partial(hook.cache_table, max_length))
-            if forms_of(hook).has("cached", "table")
-            else None
-            for hook in terms
-        )
-        return KVCache.empty(
-            batch,
-            max_length,
-            self.num_kv_heads,
-            self.head_dim,
-            dtype,
-            features=features,
-            tables=tables,
-            made_for=self._cache_record(max_length, dtype),
-        )
+def _attend_masked(q, k, v, mask, implementation: str, arguments: dict) -> jax.Array:
+    """:func:`attend` with Flax's boolean ``mask`` ``[B, heads|1, T, S]`` too: the public attention, which takes one."""
+    return dot_product_attention(q, k, v, mask=mask, implementation=implementation, **arguments)

@@ -88,9 +88,11 @@ class Block(nnx.Module):
     ):
         self.attention_norm = nnx.LayerNorm(model_dim, rngs=rngs)
         self.attention = MultiHeadAttention(
-            model_dim,
             num_heads,
+            model_dim,
             num_kv_heads=num_kv_heads,
+            use_bias=False,
+            broadcast_dropout=False,
             encodings=encodings,
             normalizer=normalizer,
             dropout_rate=dropout_rate,
@@ -404,7 +406,7 @@ class Transformer(nnx.Module):
         encodings = self._encodings()
         caches = []
         for i, block in enumerate(self.blocks):
-            cache = block.attention.init_cache(batch, max_length, dtype)
+            cache = block.attention.new_cache(batch, max_length, dtype)
             made_for = dataclasses.replace(cache.made_for, model=encodings, layer=i)
             caches.append(cache._replace(made_for=made_for))
         return caches
@@ -449,7 +451,7 @@ class Transformer(nnx.Module):
             made = cache.made_for
             if made is not None and made.model is None:
                 raise ValueError(
-                    f"caches[{i}] was made by a layer's init_cache, not by a model's: a model's layers attend with "
+                    f"caches[{i}] was made by a layer's new_cache, not by a model's: a model's layers attend with "
                     f"its shared encodings too; {fix}"
                 )
             if made is not None and made.model != encodings:
