@@ -275,7 +275,7 @@ def test_a_process_local_checkpoint_restores_the_same_model(tmp_path):
 
 def _poisoned(model):
     """``model`` with 2 NaNs in block 0's query kernel and an inf in the embedding table."""
-    model.blocks[0].attention.query.kernel[...] = model.blocks[0].attention.query.kernel[...].at[0, :2].set(np.nan)
+    model.blocks[0].attention.query.kernel[...] = model.blocks[0].attention.query.kernel[...].at[0, 0, :2].set(np.nan)
     model.embed.embedding[...] = model.embed.embedding[...].at[3, 0].set(np.inf)
     return model
 

@@ -88,6 +88,7 @@ class CachedDecoding:
         another refuses it, naming what differs.
 
         Example:
+          >>> from posenc_jax.nn import MultiHeadAttention
           >>> mha = MultiHeadAttention(2, 16, encodings=["rope"], rngs=nnx.Rngs(0))
           >>> cache = mha.new_cache(1, 8)
           >>> out, cache = mha(jnp.ones((1, 3, 16)), cache=cache)  # positions 0, 1, 2
@@ -128,6 +129,7 @@ class CachedDecoding:
         tokens at the next positions and attends causally over the cache.
 
         Example:
+          >>> from posenc_jax.nn import MultiHeadAttention
           >>> mha = MultiHeadAttention(2, 16, encodings=["rope"], decode=True, rngs=nnx.Rngs(0))
           >>> mha.init_cache((1, 8, 16))
           >>> mha(jnp.ones((1, 1, 16))).shape
