@@ -212,6 +212,8 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
     context = AttentionContext.from_positions(qpos, kpos, causal=causal, scale=H**-0.5, num_heads=N, mask=mask)
     q, k = _normal(rng, (B, 4, N, H)), _normal(rng, (B, 6, N, H))
     checked = 0
+    if forms_of(hook).has("tiled", "per_call"):  # what its tiles share, computed for this call (one tile here)
+        hook = hook.for_tiles(context, 4, 6)
     if isinstance(hook, DistanceBias):
         distance = (kpos[None, :] - qpos[:, None]).astype(jnp.float32).reshape(1, -1)
         got = hook.distance_bias(distance, context).reshape(1, N, 4, 6)
