@@ -35,6 +35,87 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 
+# The slow tier (marker ``slow``): tests that cost the most time and whose feature a faster test in the main
+# suite also covers. ``python -m pytest`` leaves them out (pyproject's addopts: ``-m "not slow"``);
+# ``python -m pytest -m slow`` runs them alone (CI's own step) and ``python -m pytest -m ""`` runs everything.
+# Most carry ``@pytest.mark.slow`` in their files; marked here by node id: the tests in SLOW, and the
+# parametrized tests whose cases split between the tiers (SLOW_BUT).
+
+# Whole tests (every case), each with why it is slow and what keeps its feature in the main suite.
+SLOW = {
+    "tests/test_nn.py::test_length_dependent_scalings_decode_one_layer_as_the_forward_of_each_prefix": (
+        "a decode per prefix; test_contract's length-dependent scalings and test_hf's current-length rotation stay"
+    ),
+    "tests/test_caches.py::test_fuzz_caches_made_for_another_model_or_layer_are_refused_naming_it": (
+        "40 drawn pairs of models; test_a_layer_refuses_a_cache_made_for_another_layer_naming_what_differs stays"
+    ),
+    "tests/test_notebooks.py::test_install_cell_installs_a_wheel_uploaded_beside_it_in_a_fresh_kernel": (
+        "a fresh environment and kernel; CI's own step runs the whole quickstart from an uploaded wheel"
+    ),
+}
+
+# The end-to-end paths run for every encoding in the slow tier; the main suite runs them for one encoding of
+# each mechanism (a rotation, a distance bias, a bucketed bias, a contextual one, a four-term relative one),
+# and checks every encoding's hooks and tile forms against their references (test_contract).
+REPRESENTATIVES = ("rope", "alibi", "t5", "cope", "transformer-xl")
+# Parametrized tests: the node id and the cases the main suite keeps; the other cases are slow.
+SLOW_BUT = {
+    "tests/test_blockwise.py::test_every_encoding_blockwise_equals_materialising": REPRESENTATIVES,
+    "tests/test_blockwise.py::test_tile_forms_equal_materialising_on_runs_and_gaps": ("cope",),
+    "tests/test_blockwise.py::test_tile_forms_forward_mode_equals_materialising": ("rope", "cope"),
+    "tests/test_nn.py::test_prefill_then_decode_equals_full_forward": REPRESENTATIVES,
+    "tests/test_nn.py::test_every_encoding_trains_a_step_with_finite_gradients": REPRESENTATIVES,
+    "tests/test_nn.py::test_packed_rows_equal_separate_sequences": REPRESENTATIVES,
+    "tests/test_nn.py::test_causality_through_gradients": REPRESENTATIVES,
+    "tests/test_nn.py::test_split_state_decode_step_equals_the_forward_and_compiles_once_per_shape": REPRESENTATIVES,
+    "tests/test_nn.py::test_blockwise_attention_over_a_cache_reads_each_key_tiles_stored_terms": REPRESENTATIVES,
+    "tests/test_properties.py::test_fully_masked_rows_stay_finite_with_every_encoding": tuple(
+        f"{name}-{dtype}" for name in REPRESENTATIVES for dtype in ("f32", "bf16", "f16")
+    ),
+    # Each notebook in a fresh environment and kernel: the quickstart stays (CI also runs it in two own steps).
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_in_a_fresh_kernel": ("quickstart",),
+}
+
+
+def _case(item):
+    return item.callspec.id if hasattr(item, "callspec") else None
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects: these marks count for it
+def pytest_collection_modifyitems(config, items):
+    found, kept = set(), set()
+    for item in items:
+        name = item.nodeid.split("[", 1)[0]
+        if name in SLOW:
+            found.add(name)
+            item.add_marker(pytest.mark.slow)
+        elif name in SLOW_BUT:
+            found.add(name)
+            if _case(item) in SLOW_BUT[name]:
+                kept.add(name)
+            else:
+                item.add_marker(pytest.mark.slow)
+    # A listed test that a whole file's collection no longer has (renamed or removed), or a split test none of
+    # whose kept cases is there, would move tests between the tiers unseen: refused, unless the run names
+    # tests (``file::test``) rather than whole files.
+    if any("::" in arg for arg in config.args):
+        return
+    collected = {item.nodeid.split("::", 1)[0] for item in items}
+    for name in [*SLOW, *SLOW_BUT]:
+        if name.split("::", 1)[0] not in collected:
+            continue
+        if name not in found:
+            raise pytest.UsageError(
+                f"tests/conftest.py names {name} for the slow tier, and its file has no such test: "
+                "rename or remove it in SLOW or SLOW_BUT"
+            )
+        if name in SLOW_BUT and name not in kept:
+            raise pytest.UsageError(
+                f"tests/conftest.py keeps the cases {list(SLOW_BUT[name])} of {name} in the main suite, and it has "
+                "none of them: name at least one of its cases in SLOW_BUT"
+            )
+
+
 @pytest.fixture(params=[False, True], ids=["eager", "jit"])
 def maybe_jit(request):
     """Runs a test once as written and once with the function under ``jax.jit``."""

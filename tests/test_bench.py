@@ -50,6 +50,7 @@ def standard_promotion():
 
 
 @pytest.mark.long
+@pytest.mark.slow  # CI's main job runs the same smoke preset end to end
 def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
     args = ["extrapolate", "--preset", "smoke", "--encodings", "rope", "--text-lengths", "16,32"]
     args += ["--out", str(tmp_path), "--no-progress"]
@@ -91,6 +92,7 @@ def test_smoke_preset_writes_every_output(tmp_path, standard_promotion, capsys):
 
 
 @pytest.mark.long
+@pytest.mark.slow  # resuming stays in the main suite: seeds left at different steps, test_training
 def test_killed_run_resumes_to_the_same_results(tmp_path, standard_promotion):
     preset = dataclasses.replace(
         presets.PRESETS["smoke"], encodings=("rope",), tasks=("counting_copy",), steps=200, checkpoint_every=10
@@ -167,6 +169,7 @@ def _seeds_together_against_one_by_one(batched):
                 np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # seeds trained together stay in the main suite: seeds left at different steps
 def test_seeds_trained_together_match_seeds_trained_one_by_one(standard_promotion):
     """Dropout and randomized positions included (both draw from the model's RNG streams).
     ``lax.map`` runs each seed's unbatched step: bitwise equal. ``vmap`` batches the seeds'
@@ -693,6 +696,7 @@ def test_stdlib_corpus_is_fixed_and_split_by_file():
         make_task("text", corpus="/no/such/path")
 
 
+@pytest.mark.slow  # the probe's report and heat map stay in the main suite on made-up rows
 def test_probe_smoke_preset_writes_report_and_heat_map(tmp_path, standard_promotion, capsys):
     from posenc_jax.bench.cli import main as cli
 

@@ -51,6 +51,7 @@ sys.exit(cli.main(["extrapolate", "--preset", "smoke", "--encodings", "nope,alib
 
 
 @pytest.mark.long
+@pytest.mark.slow  # processes training their share and merging stay in the main suite
 def test_two_hosts_write_their_own_folders_and_merge_into_one_report(tmp_path):
     # Two JAX processes of one jax.distributed job on this machine, as two hosts of a pod would be: each
     # trains its share of the cells on its own device and saves its own checkpoints (process-local).

@@ -115,6 +115,7 @@ def _cases(draw):
     )
 
 
+@pytest.mark.slow  # 40 drawn cases; test_attention's fixed cases stay in the main suite
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_cases())
 def test_attention_matches_float64_references_and_masked_keys_never_leak(case):

@@ -84,6 +84,7 @@ def test_budget_zero_runs_nothing_and_says_so(tiny, capsys):
         _queue(tiny, "--only", "nothing")
 
 
+@pytest.mark.slow  # the queue running a unit to its report stays in the main suite (the killed unit below)
 def test_the_queue_runs_each_cell_seed_once_and_resumes(tiny, capsys):
     folder = tiny / "extrapolation-tiny"
     assert _queue(tiny) == 0

@@ -216,6 +216,7 @@ def _found() -> dict:
 
 
 @pytest.mark.long
+@pytest.mark.slow  # one device's sequence-parallel call stays in the main suite (test_encoding_names)
 def test_sequence_parallel_and_keys_round_a_ring_on_8_simulated_devices():
     found = _found()  # one subprocess: its one-device references serve both
 

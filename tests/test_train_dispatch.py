@@ -227,6 +227,7 @@ print("equal", losses[True].shape)
 """
 
 
+@pytest.mark.slow  # data-parallel training on 8 devices stays in the main suite (test_training)
 def test_device_batches_split_over_a_data_parallel_mesh_train_as_on_one_device():
     result = subprocess.run([sys.executable, "-c", MESH_SCRIPT], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
