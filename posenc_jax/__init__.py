@@ -7,6 +7,6 @@ fast paths are tested against.
 
 from posenc_jax import functional
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["functional", "__version__"]
