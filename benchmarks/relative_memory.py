@@ -29,10 +29,12 @@ import numpy as np
 from posenc_jax.functional import (
     ClippedRelativeBias,
     DeBERTa,
+    Forms,
     Shaw,
     SinusoidalRelative,
     T5Bias,
     TransformerXL,
+    declare_forms,
     dot_product_attention,
     t5_relative_bucket,
 )
@@ -52,6 +54,8 @@ def _attention(extra_logits=None, extra_values=None, scale=None):
         def values(self, w, context):
             qp, kp = context.query_positions, context.key_positions
             return None if extra_values is None else extra_values(w, qp, kp)
+
+    declare_forms(Terms, Forms(hooks=("logits", "values")))
 
     def run(q, k, v, pos):
         return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[Terms()], scale=scale)

@@ -11,7 +11,14 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional import ParameterFree, apply_rope_qk, pytree_dataclass, register_encoding
+from posenc_jax.functional import (
+    Forms,
+    ParameterFree,
+    apply_rope_qk,
+    declare_forms,
+    pytree_dataclass,
+    register_encoding,
+)
 from posenc_jax.functional.core.positions import inverse_frequencies
 from posenc_jax.functional.core.registry import Source
 
@@ -53,6 +60,7 @@ class _PRoPE(ParameterFree):
     description="RoPE on the highest-frequency fraction p of its dimension pairs; the rest carry no position.",
     source=BARBERO,
     small_settings=dict(proportion=0.5),
+    hooks=("rotate",),  # the hook it fills
     tiled=(),
     cached=("rotation",),  # its keys rotate by their own positions alone: a cache stores them rotated
     prepared=None,
@@ -67,4 +75,8 @@ class PRoPE(_PRoPE):
 @pytree_dataclass
 class UndeclaredPRoPE(_PRoPE):
     """The same rotation without saying that it rotates per token (not registered): correct, but a KV
-    cache would rotate every stored key again at each step; the contract test must catch it."""
+    cache would rotate every stored key again at each step; the contract test must catch it. It declares
+    its hook (an object whose class declares none is refused), not the form cached.rotation."""
+
+
+declare_forms(UndeclaredPRoPE, Forms(hooks=("rotate",)))

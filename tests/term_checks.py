@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from compiled import compiled
 
-from posenc_jax.functional import dot_product_attention
+from posenc_jax.functional import Forms, declare_forms, dot_product_attention
 
 HEADS, HEAD_DIM = 4, 16
 
@@ -20,6 +20,9 @@ class TermOnly:
 
     def logits(self, q, k, context):
         return self.hook.logits(q, k, context)
+
+
+declare_forms(TermOnly, Forms(hooks=("logits",)))
 
 
 def score_buffer_bytes(length: int) -> int:

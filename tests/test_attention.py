@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from posenc_jax.functional import RoPE, apply_rope, dot_product_attention
+from posenc_jax.functional import Forms, RoPE, apply_rope, declare_forms, dot_product_attention
 from posenc_jax.reference import seed_attention
 
 
@@ -154,6 +154,9 @@ class _DistanceBias:
         return jnp.asarray(self.slopes, jnp.float32)[None, :, None, None] * rel[None, None]
 
 
+declare_forms(_DistanceBias, Forms(hooks=("logits",)))
+
+
 @dataclasses.dataclass(frozen=True)
 class _ValueOffset:
     """A toy values hook: adds Σ_s w[t, s] · (key_pos[s]) to every feature."""
@@ -161,6 +164,9 @@ class _ValueOffset:
     def values(self, weights, context):
         mean_pos = jnp.einsum("BNTS,S->BTN", weights, context.key_positions.astype(jnp.float32))
         return jnp.broadcast_to(mean_pos[..., None], mean_pos.shape + (4,))
+
+
+declare_forms(_ValueOffset, Forms(hooks=("values",)))
 
 
 def test_logits_and_values_hooks_compose(rng, maybe_jit):
@@ -217,7 +223,7 @@ def test_bad_input_names_the_value():
         dot_product_attention(q, q, q, key_mask=jnp.ones((1, 4)))
     with pytest.raises(ValueError, match="must be \\[B, T, N, H\\]"):
         dot_product_attention(jnp.ones((4, 8)), jnp.ones((4, 8)), jnp.ones((4, 8)))
-    with pytest.raises(ValueError, match="fills none of the attention hooks"):
+    with pytest.raises(TypeError, match=r"object declares no hooks, .*declare_forms\(object, Forms\(hooks="):
         dot_product_attention(q, q, q, query_positions=jnp.arange(4), key_positions=jnp.arange(4), encodings=[object()])
 
 
@@ -232,6 +238,9 @@ def test_unbatched_inputs(rng):
 class _MinusInfinityBias:
     def logits(self, q, k, context):
         return jnp.full((1, 1, q.shape[1], k.shape[1]), -jnp.inf)
+
+
+declare_forms(_MinusInfinityBias, Forms(hooks=("logits",)))
 
 
 def test_more_bad_input_is_refused_not_silently_wrong(rng):

@@ -12,6 +12,7 @@ from posenc_jax.functional import (
     CoPE,
     DynamicNTKScaling,
     FireConfig,
+    Forms,
     Kerple,
     KerpleConfig,
     LinearScaling,
@@ -27,6 +28,7 @@ from posenc_jax.functional import (
     apply_rope,
     apply_rope_2d,
     apply_xpos_qk,
+    declare_forms,
     dot_product_attention,
     encoding_config,
     fire_bias,
@@ -423,6 +425,9 @@ class _Offset:
 
     def logits(self, q, k, context):
         return self.term[None]
+
+
+declare_forms(_Offset, Forms(hooks=("logits",)))
 
 
 @pytest.mark.parametrize("kind", ["increasing", "repeated"])

@@ -22,6 +22,7 @@ from posenc_jax.functional import (
     encoding_config,
     encoding_info,
     encoding_names,
+    hook_names,
     normalizer_config,
     pytree_dataclass,
     register_encoding,
@@ -42,6 +43,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.normalizers import softmax_weights
 from posenc_jax.functional.core.relative import relative_positions
+from posenc_jax.functional.core.stages import attention_output, attention_scores
 from posenc_jax.functional.encodings.rope import RoPE, apply_rope
 from posenc_jax.functional.encodings.rope_scaling import DynamicNTKScaling, LongRoPEScaling
 from posenc_jax.hf import RoPEOnLastFeatures
@@ -395,6 +397,7 @@ def test_a_new_encoding_is_one_registered_class(rng, scratch_registry):
         description="A parameter-free bias that forbids nothing but prefers keys within a window.",
         source=registry.Source.paper("test", title="A test encoding", authors="Nobody", year=2024, arxiv="2401.00001"),
         small_settings=dict(window=2),
+        hooks=("logits",),
         tiled=(),
         cached=(),
         prepared="bias",
@@ -491,7 +494,7 @@ def test_a_declared_form_the_hook_does_not_define_fails_at_registration(scratch_
         def bias(self, context):
             return jnp.zeros((1, 1, 1, 1), jnp.float32)
 
-    declare = dict(description="d", source=_SOURCE, tiled=("distance",), cached=(), prepared="bias")
+    declare = dict(description="d", source=_SOURCE, hooks=("logits",), tiled=("distance",), cached=(), prepared="bias")
     with pytest.raises(
         ValueError, match=r"declares the form tiled\.distance, but its hook Bias does not define distance_bias"
     ):
@@ -507,25 +510,135 @@ def test_a_form_the_hook_defines_but_does_not_declare_fails_at_registration(scra
         def rotate(self, q, k, context):
             return q, k
 
+    declare = dict(description="d", source=_SOURCE, hooks=("rotate",), tiled=(), prepared=None)
     with pytest.raises(ValueError, match=r"defines rotates_per_token but does not declare the form cached\.rotation"):
-        register_encoding("test-undeclared", description="d", source=_SOURCE, tiled=(), cached=(), prepared=None)(
-            Rotation
-        )
-    with pytest.raises(ValueError, match=r"declares some of its forms but not cached, prepared"):
+        register_encoding("test-undeclared", cached=(), **declare)(Rotation)
+    with pytest.raises(ValueError, match=r"declares some of its hooks and forms but not hooks, cached, prepared"):
         register_encoding("test-partly-declared", description="d", source=_SOURCE, tiled=())
     with pytest.raises(ValueError, match=r"unknown cached form 'rotated'; the cached forms are"):
-        register_encoding("test-unknown", description="d", source=_SOURCE, tiled=(), cached=("rotated",), prepared=None)
+        register_encoding("test-unknown", cached=("rotated",), **declare)
 
 
 def test_an_encoding_registered_without_its_forms_fails_naming_them(scratch_registry):
-    with pytest.raises(ValueError, match=r"declares none of its forms: tiled, cached, prepared: declare tiled="):
+    with pytest.raises(
+        ValueError,
+        match=r"declares none of its hooks and forms: hooks, tiled, cached, prepared: declare hooks=, tiled=",
+    ):
         register_encoding("test-no-forms", description="d", source=_SOURCE)
     assert "test-no-forms" not in encoding_names()
 
 
+def test_a_hook_the_class_defines_but_does_not_declare_fails_at_registration(scratch_registry):
+    """The hooks a class fills are part of its declaration: one it defines and leaves out would never be
+    called, so registration refuses it by name (and a hook declared but not defined, the reverse)."""
+
+    @pytree_dataclass
+    class Both(ParameterFree):
+        def rotate(self, q, k, context):
+            return q, k
+
+        def logits(self, q, k, context):
+            return jnp.zeros((1, 1, 1, 1), jnp.float32)
+
+    declare = dict(description="d", source=_SOURCE, tiled=(), cached=(), prepared=None)
+    with pytest.raises(ValueError, match=r"Both defines logits\(\) but does not declare the hook: declare it \(hooks="):
+        register_encoding("test-logits-undeclared", hooks=("rotate",), **declare)(Both)
+    with pytest.raises(ValueError, match=r"Both defines rotate\(\) but does not declare the hook"):
+        register_encoding("test-rotate-undeclared", hooks=("logits",), **declare)(Both)
+    with pytest.raises(
+        ValueError, match=r"declares the hook values, but its hook class Both does not define values\(\)"
+    ):
+        register_encoding("test-values-undefined", hooks=("rotate", "logits", "values"), **declare)(Both)
+    with pytest.raises(ValueError, match=r"unknown hook 'bias'; the hooks are"):
+        register_encoding("test-unknown-hook", hooks=("bias",), **declare)(Both)
+    with pytest.raises(TypeError, match=r"hooks must be a tuple of hook names"):
+        register_encoding("test-hooks-string", hooks="logits", **declare)(Both)
+    assert not {n for n in encoding_names() if n.startswith("test-")}
+    # Declared as it is, the class registers and the attention calls both hooks.
+    register_encoding("test-both", hooks=("logits", "rotate"), **declare)(Both)
+    assert encoding_info("test-both").hooks == ("rotate", "logits")  # in the order of the design's table
+
+
+def test_declare_forms_checks_the_hooks_too():
+    class Rotation:
+        def rotate(self, q, k, context):
+            return q, k
+
+        def logits(self, q, k, context):
+            return None
+
+    with pytest.raises(ValueError, match=r"Rotation defines logits\(\) but does not declare the hook.*declare_forms\("):
+        declare_forms(Rotation, Forms(hooks=("rotate",)))
+    with pytest.raises(ValueError, match=r"declares the hook values, but its hook class Rotation does not define"):
+        declare_forms(Rotation, Forms(hooks=("rotate", "logits", "values")))
+    assert "_declared_forms" not in Rotation.__dict__  # a refused declaration records nothing
+    declare_forms(Rotation, Forms(hooks=("rotate", "logits")))
+    assert hook_names(Rotation()) == ("rotate", "logits")
+    with pytest.raises(ValueError, match=r"already declares"):
+        declare_forms(Rotation, Forms(hooks=("rotate", "logits"), tiled=None))
+
+
+def test_an_object_whose_class_declares_no_hooks_is_refused_where_it_enters(rng):
+    """A hook object of a class that declared nothing (one's own hook, a test double) is refused by every
+    entry, naming declare_forms, rather than probed for methods; declared, it works."""
+
+    @pytree_dataclass
+    class Offset:
+        def logits(self, q, k, context):
+            return jnp.ones((1, 1, 1, 1), jnp.float32)
+
+    q, k, v = (_normal(rng, (B, T, N, H)) for _ in range(3))
+    pos = jnp.arange(T)
+    context = AttentionContext(pos, pos, H**-0.5, H, N, True, T)
+    message = r"Offset declares no hooks, so the attention cannot tell what it fills: .*declare_forms\(Offset, Forms\("
+    for implementation in ("materialize", "blockwise"):
+        with pytest.raises(TypeError, match=message):
+            dot_product_attention(
+                q, k, v, query_positions=pos, key_positions=pos, encodings=[Offset()], implementation=implementation
+            )
+    with pytest.raises(TypeError, match=message):
+        attention_scores(q, k, [Offset()], context)
+    with pytest.raises(TypeError, match=message):
+        attention_output(jnp.zeros((B, N, T, T)), v, [Offset()], context)
+    with pytest.raises(TypeError, match=message):
+        hook_names(Offset())
+    with pytest.raises(TypeError, match=r"declare_forms\(Offset, Forms\(hooks=\('normalize',\)\)\)"):
+        dot_product_attention(q, k, v, normalizer=Offset())
+    declare_forms(Offset, Forms(hooks=("logits",)))
+    plain = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos)
+    offset = dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=[Offset()])
+    np.testing.assert_allclose(offset, plain, atol=1e-6)  # a constant added to every score changes no weight
+    with pytest.raises(TypeError, match=r"Offset declares the hooks \['logits'\], not normalize"):
+        dot_product_attention(q, k, v, normalizer=Offset())
+
+
+def test_the_attention_calls_the_declared_hooks_not_the_methods_an_object_has(rng):
+    """hook_names reads the class's declaration: an attribute named like a hook, set on one object, is no hook
+    (a probe for the method would have called it)."""
+
+    class Bias:
+        def logits(self, q, k, context):
+            return relative_positions(context.query_positions, context.key_positions, dtype=jnp.float32)[:, None]
+
+    declare_forms(Bias, Forms(hooks=("logits",)))
+    tampered = Bias()
+    tampered.rotate = lambda q, k, context: (q * 0, k * 0)
+    tampered.values = lambda weights, context: jnp.full((B, T, N, H), jnp.nan)
+    assert hook_names(tampered) == ("logits",)
+    q, k, v = (_normal(rng, (B, T, N, H)) for _ in range(3))
+    pos = jnp.arange(T)
+    for implementation in ("materialize", "blockwise"):
+        attend = lambda hook, implementation=implementation: dot_product_attention(
+            q, k, v, query_positions=pos, key_positions=pos, encodings=[hook], causal=True,
+            implementation=implementation, block_q=4, block_k=4,
+        )  # fmt: skip
+        np.testing.assert_allclose(attend(tampered), attend(Bias()), atol=1e-6)
+
+
 def test_a_hook_class_of_ones_own_declares_the_forms_it_defines(rng):
-    """An unregistered hook class passed to the attention: one defining a form's methods without declaring
-    the form is refused by name (never a silent slow path); declared, the attention uses the form."""
+    """An unregistered hook class passed to the attention declares its hooks and forms: one defining a
+    form's methods without declaring the form is refused by name (never a silent slow path); declared, the
+    attention uses the form."""
 
     @pytree_dataclass
     class Window:
@@ -539,9 +652,11 @@ def test_a_hook_class_of_ones_own_declares_the_forms_it_defines(rng):
     attend = lambda: dot_product_attention(
         q, k, v, query_positions=jnp.arange(T), key_positions=jnp.arange(T), encodings=[Window()], causal=True
     )
-    with pytest.raises(ValueError, match=r"Window defines distance_bias but does not declare the form tiled\.distance"):
+    with pytest.raises(TypeError, match=r"Window declares no hooks.*declare_forms\(Window, Forms\(hooks="):
         attend()
-    declare_forms(Window, Forms(tiled=("distance",)))
+    with pytest.raises(ValueError, match=r"Window defines distance_bias but does not declare the form tiled\.distance"):
+        declare_forms(Window, Forms(hooks=("logits",)))
+    declare_forms(Window, Forms(hooks=("logits",), tiled=("distance",)))
     assert forms_of(Window()).has("tiled", "distance")
     tiled = dot_product_attention(
         q,
@@ -582,10 +697,12 @@ def test_a_normalizer_of_ones_own_tiles_when_its_class_declares_tiled_weights(rn
             implementation=implementation, block_q=4, block_k=4,
         )  # fmt: skip
 
+    with pytest.raises(TypeError, match=r"declare_forms\(Softmax2, Forms\(hooks=\('normalize',\)\)\)"):
+        attend("materialize")
     message = r"Softmax2 defines tile_init, tile_weights, tile_denominator but does not declare the form tiled\.weights"
     with pytest.raises(ValueError, match=message):
-        attend("blockwise")
-    declare_forms(Softmax2, Forms(tiled=("weights",)))
+        declare_forms(Softmax2, Forms(hooks=("normalize",)))
+    declare_forms(Softmax2, Forms(hooks=("normalize",), tiled=("weights",)))
     np.testing.assert_allclose(attend("blockwise"), attend("materialize"), atol=1e-5)
 
 

@@ -1860,9 +1860,9 @@ def test_the_hooks_the_loader_builds_declare_their_forms():
     from posenc_jax.functional.core.forms import Forms, forms_of
 
     declared = {
-        FixedScoreScale(2.0): Forms(scale="prescribed"),
-        ALiBiSlopes((0.5, 0.25)): Forms(prepared="bias"),
-        RoPEOnLastFeatures(RoPE(), num_features=8): Forms(cached=("rotation",)),
+        FixedScoreScale(2.0): Forms(hooks=("logits",), scale="prescribed"),
+        ALiBiSlopes((0.5, 0.25)): Forms(hooks=("logits",), prepared="bias"),
+        RoPEOnLastFeatures(RoPE(), num_features=8): Forms(hooks=("rotate",), cached=("rotation",)),
     }
     for hook, forms in declared.items():
         assert type(hook).__dict__.get("_declared_forms") == forms, type(hook).__name__

@@ -13,6 +13,7 @@ importable from their modules (``posenc_jax.functional.core.relative``, ``.posit
 from posenc_jax.functional import kernels  # noqa: F401
 from posenc_jax.functional.core.attention import SharedBias, dot_product_attention
 from posenc_jax.functional.core.cache import CachedKeyTerm, KVCache
+from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -99,6 +100,7 @@ __all__ = [
     "EncodingInfo",
     "CachedKeyTerm",
     "KVCache",
+    "Forms",
     "Logits",
     "NORMALIZERS",
     "Normalize",
@@ -115,6 +117,7 @@ __all__ = [
     "Values",
     "causal_mask",
     "combine_masks",
+    "declare_forms",
     "dot_product_attention",
     "encoding_config",
     "encoding_info",

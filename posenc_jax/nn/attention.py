@@ -29,12 +29,11 @@ from flax.nnx.nn.linear import default_kernel_init
 
 from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, dot_product_attention, forward_terms
 from posenc_jax.functional.core.cache import KVCache
-from posenc_jax.functional.core.forms import forms_of
+from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
 from posenc_jax.functional.core.hooks import (
     EncodingConfig,
     Normalize,
     PreparedRotation,
-    Rotate,
     attention_context,
     hook_names,
     rotates_each_token,
@@ -68,7 +67,7 @@ def _stores_rotated_keys(hooks: Sequence) -> bool:
     return all(
         (rotates_each_token(hook) or forms_of(hook).has("cached", "rotation_about")) and hook_names(hook) == ("rotate",)
         for hook in hooks
-        if isinstance(hook, Rotate)
+        if "rotate" in hook_names(hook)
     )
 
 
@@ -99,6 +98,9 @@ class _OwnTokens:
 
     def rotate(self, q: jax.Array, k: jax.Array, context) -> tuple[jax.Array, jax.Array]:
         return self.table.rotate_prepared(q, k)
+
+
+declare_forms(_OwnTokens, Forms(hooks=("rotate",)))
 
 
 class MultiHeadAttention(CachedDecoding, nnx.Module):
@@ -492,7 +494,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
                 rest = [hook for hook, ready in zip(own, rotations, strict=True) if ready is None] + list(shared)
                 ready = [rotation for rotation in rotations if rotation is not None]
                 q, k = self._rotate_new_tokens(q, k, positions, rest, ready, reference)
-                encodings = [hook for hook in rest if not isinstance(hook, Rotate)]
+                encodings = [hook for hook in rest if "rotate" not in hook_names(hook)]
                 terms = _cached_terms(encodings)
             if len(terms) != len(cache.features):
                 terms = []  # a cache made without this layer's per-key terms: they are computed from the keys
@@ -572,7 +574,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         """
         for rotation in prepared:
             q, k = rotation.rotate_prepared(q, k)
-        rotations = [hook for hook in hooks if isinstance(hook, Rotate)]
+        rotations = [hook for hook in hooks if "rotate" in hook_names(hook)]
         if not rotations:
             return q, k
         context = attention_context(

@@ -157,24 +157,26 @@ class SharedBias(BiasHook):
         return self.value
 
 
-declare_forms(SharedBias, Forms(prepared="bias"))
+declare_forms(SharedBias, Forms(hooks=("logits",), prepared="bias"))
 
 
 def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     """The encodings that act in attention, checked to make sense together.
 
-    A parameter-free config that fills no hook at all (NoPE) adds nothing. ``causal=None``
-    skips the check of causal-only forms (the dispatch rule, before the call is checked).
+    A parameter-free config that fills no hook at all (NoPE) adds nothing. The hooks each fills are
+    those its class declared (:func:`~posenc_jax.functional.core.hooks.hook_names`): an object whose
+    class declared none is refused here, naming ``declare_forms``. ``causal=None`` skips the check of
+    causal-only forms (the dispatch rule, before the call is checked).
     """
     hooks = []
     for encoding in resolve_encodings(encodings):
-        names = hook_names(encoding)
         if isinstance(encoding, EncodingConfig) and not isinstance(encoding, ParameterFree):
             raise ValueError(
                 f"{encoding!r} has learned parameters, which dot_product_attention does not hold: pass its built "
                 f"hook (config.build(config.init(key, num_heads=N, head_dim=H, model_dim=D))) or use it in a module "
                 f"(MultiHeadAttention, Transformer), which holds them"
             )
+        names = hook_names(encoding)
         if set(names) & set(ATTENTION_HOOKS):
             hooks.append(encoding)
         elif not names and isinstance(encoding, EncodingConfig):

@@ -1,11 +1,13 @@
-"""The forms an encoding declares beside its hooks, from a short closed list.
+"""What a hook class declares: the hooks it fills, and its forms from a short closed list.
 
-A hook (``rotate``, ``logits``, ``values``, ...) says what an encoding computes; a form says
-in which other shapes the attention may ask for it. Every registered encoding declares its
-forms when it registers (:func:`~posenc_jax.functional.core.registry.register_encoding`), and
-registration checks them against its hook class: a declared form whose methods the class lacks,
-or a form whose methods it has but does not declare, is a registration error naming the form.
-The attention reads the declaration (:func:`forms_of`), never probes for a method.
+A hook (``rotate``, ``logits``, ``values``, ...: :data:`HOOKS`) says what an encoding computes; a
+form says in which other shapes the attention may ask for it. Every registered encoding declares
+its hooks and forms when it registers (:func:`~posenc_jax.functional.core.registry.register_encoding`),
+and any other hook class with :func:`declare_forms` (``declare_forms(MyBias, Forms(hooks=("logits",)))``).
+The declaration is checked against the class: a declared hook or form whose methods the class
+lacks, or a hook or form whose methods it has but does not declare, is an error naming it. The
+attention reads the declaration (:func:`forms_of`, :func:`~posenc_jax.functional.core.hooks.hook_names`),
+never probes for a method; an object whose class declared nothing is refused where it enters.
 
 ==========  ====================  ======================================================  =========================
 group       form                  methods                                                 encodings
@@ -41,15 +43,18 @@ name); ``tiled=()`` that blockwise attention calls its ``logits`` and ``values``
 tile's context, which every hook of the contract must allow.
 
 Example:
-  >>> Forms(tiled=("distance",), prepared="bias").methods()
-  ('distance_bias', 'bias')
+  >>> Forms(hooks=("logits",), tiled=("distance",), prepared="bias").methods()
+  ('logits', 'distance_bias', 'bias')
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["FORMS", "Forms", "check_declared", "declare_forms", "forms_of"]
+__all__ = ["FORMS", "HOOKS", "Forms", "check_declared", "declare_forms", "declared_forms", "forms_of"]
+
+# The hooks, each a method of the same name, in the order of the design's table.
+HOOKS: tuple[str, ...] = ("embed", "rotate", "logits", "values", "normalize", "sample")
 
 # Each form of each group and the methods (or properties) a hook class declaring it defines.
 FORMS: dict[str, dict[str, tuple[str, ...]]] = {
@@ -87,6 +92,8 @@ class Forms:
     """The forms a hook class declares, by group (see the module's table).
 
     Attributes:
+      hooks: the hooks the class fills (:data:`HOOKS`: ``("rotate",)``, ``("logits", "values")``, ...),
+        kept in the order of :data:`HOOKS`; ``()`` for none (NoPE).
       tiled: the tiled forms (a tuple; ``()``: the hook's own ``logits``/``values`` per tile), or
         None when it cannot be computed per tile.
       cached: what decoding keeps per key beyond the keys.
@@ -102,8 +109,15 @@ class Forms:
     prepared: str | None = None
     fused: tuple[str, ...] = ()
     scale: str | None = None
+    hooks: tuple[str, ...] = ()
 
     def __post_init__(self):
+        if isinstance(self.hooks, str) or not isinstance(self.hooks, (tuple, list)):
+            raise TypeError(f"hooks must be a tuple of hook names, e.g. ('logits',), got {self.hooks!r}")
+        unknown = [hook for hook in self.hooks if hook not in HOOKS]
+        if unknown:
+            raise ValueError(f"unknown hook {unknown[0]!r}; the hooks are {list(HOOKS)}")
+        object.__setattr__(self, "hooks", tuple(hook for hook in HOOKS if hook in self.hooks))
         for group in ("tiled", "cached", "fused"):
             value = getattr(self, group)
             if group == "tiled" and value is None:
@@ -128,8 +142,8 @@ class Forms:
         return {f"{group}.{form}": FORMS[group][form] for group, form in names}
 
     def methods(self) -> tuple[str, ...]:
-        """The methods the declared forms need, in the order of the declaration."""
-        return tuple(m for methods in self.declared().values() for m in methods)
+        """The methods the declared hooks and forms need, in the order of the declaration."""
+        return self.hooks + tuple(m for methods in self.declared().values() for m in methods)
 
     def has(self, group: str, form: str) -> bool:
         """Whether ``form`` of ``group`` is declared (``has("prepared", "bias")``)."""
@@ -138,11 +152,13 @@ class Forms:
 
 
 def check_declared(hook_type: type, forms: Forms, *, name: str) -> None:
-    """Raises a ValueError naming the form where ``hook_type`` and ``forms`` disagree.
+    """Raises a ValueError naming the hook or form where ``hook_type`` and ``forms`` disagree.
 
-    A declared form whose methods ``hook_type`` does not define, or a form whose methods it
-    defines but does not declare (a form forgotten would be a silent slow path).
+    A declared hook or form whose methods ``hook_type`` does not define, or a hook or form whose
+    methods it defines but does not declare (a hook forgotten would never be called, a form
+    forgotten would be a silent slow path).
     """
+    _check_hooks(hook_type, forms, name=name)
     declared = forms.declared()
     for form, methods in declared.items():
         missing = [m for m in methods if getattr(hook_type, m, None) is None]
@@ -164,11 +180,32 @@ def check_declared(hook_type: type, forms: Forms, *, name: str) -> None:
         raise ValueError(f"encoding {name!r}: {hook_type.__name__} is MaterializeOnly; declare tiled=None")
 
 
+def _check_hooks(hook_type: type, forms: Forms, *, name: str) -> None:
+    """Raises a ValueError naming the hook that ``hook_type`` defines and ``forms`` does not declare, or the reverse."""
+    cls = hook_type.__name__
+    for hook in HOOKS:
+        defined = getattr(hook_type, hook, None) is not None
+        if hook in forms.hooks and not defined:
+            raise ValueError(
+                f"encoding {name!r} declares the hook {hook}, but its hook class {cls} does not define {hook}(): "
+                f"define it, or leave {hook!r} out of hooks"
+            )
+        if defined and hook not in forms.hooks:
+            hooks = (*forms.hooks, hook)
+            raise ValueError(
+                f"encoding {name!r}: its hook class {cls} defines {hook}() but does not declare the hook: declare it "
+                f"(hooks={hooks!r} in register_encoding, or declare_forms({cls}, Forms(hooks={hooks!r}, ...))) so the "
+                f"attention calls it"
+            )
+
+
 def declare_forms(hook_type: type, forms: Forms, *, name: str | None = None) -> type:
     """Checks ``forms`` against ``hook_type`` (:func:`check_declared`) and records them on it; returns it.
 
     Registration calls it for an encoding's hook class; a hook class of one's own that is not
-    registered declares its forms with it too (``declare_forms(MyHook, Forms(...))``).
+    registered declares its hooks and forms with it (``declare_forms(MyBias, Forms(hooks=("logits",)))``),
+    once, after the class is defined. A subclass inherits its base's declaration; one that fills
+    other hooks or forms declares its own.
     """
     check_declared(hook_type, forms, name=name or hook_type.__name__)
     previous = hook_type.__dict__.get("_declared_forms")
@@ -180,23 +217,39 @@ def declare_forms(hook_type: type, forms: Forms, *, name: str | None = None) -> 
     return hook_type
 
 
-def forms_of(hook) -> Forms:
-    """The forms ``hook``'s class declared (:func:`declare_forms`, or registration).
+def declared_forms(hook) -> Forms | None:
+    """The hooks and forms ``hook``'s class (or the nearest base that declared) declared; None when none did.
 
-    A hook class of one's own that declared none has none: no form's methods may then be defined
-    on it (a ValueError names the form to declare), and it is computed per tile by its hooks
-    (``tiled=()``; ``tiled=None`` for a :class:`~posenc_jax.functional.core.hooks.MaterializeOnly`).
+    :func:`forms_of` is the same for an object that must be a hook (it refuses one whose class declared
+    nothing); this one lets the caller tell a hook from something else (a config, a name).
     """
     hook_type = type(hook)
     declared = next((c.__dict__["_declared_forms"] for c in hook_type.__mro__ if "_declared_forms" in c.__dict__), None)
-    materialize_only = getattr(hook_type, "_materialize_only", False)
-    if declared is None:
-        declared = Forms(tiled=None if materialize_only else ())
-        check_declared(hook_type, declared, name=hook_type.__name__)
-    elif declared.tiled is not None and materialize_only:
+    if declared is not None and declared.tiled is not None and getattr(hook_type, "_materialize_only", False):
         # MaterializeOnly mixed into a declared class (its own subclass of ALiBi, say): not per tile.
         declared = dataclasses.replace(declared, tiled=None)
     return declared
+
+
+def forms_of(hook) -> Forms:
+    """The hooks and forms ``hook``'s class declared (:func:`declare_forms`, or registration).
+
+    Raises a TypeError naming :func:`declare_forms` when its class (and every base) declared none.
+    """
+    declared = declared_forms(hook)
+    if declared is None:
+        raise TypeError(undeclared_message(hook))
+    return declared
+
+
+def undeclared_message(hook) -> str:
+    """The one-line error for an object given as a hook whose class declared no hooks."""
+    cls = type(hook).__name__
+    return (
+        f"{cls} declares no hooks, so the attention cannot tell what it fills: declare them once after the class, "
+        f"e.g. declare_forms({cls}, Forms(hooks=('logits',))) (posenc_jax.functional.core.forms; the hooks are "
+        f"{', '.join(HOOKS)}), or register it as an encoding"
+    )
 
 
 class FormInterface(type):
@@ -212,4 +265,5 @@ class FormInterface(type):
         if form is None:
             return super().__instancecheck__(instance)
         group, name = form.split(".")
-        return forms_of(instance).has(group, name)
+        declared = declared_forms(instance)
+        return declared is not None and declared.has(group, name)

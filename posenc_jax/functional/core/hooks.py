@@ -1,8 +1,8 @@
 """The encoding contract: the hooks an encoding fills and the context every hook receives.
 
-An encoding is defined by where it acts. It fills one or more of these hooks, each a
-:class:`typing.Protocol`, and :func:`posenc_jax.functional.dot_product_attention`
-composes whatever it is given:
+An encoding is defined by where it acts. It fills one or more of these hooks (each typed by a
+:class:`typing.Protocol` of the same name, for readers and type checkers), and
+:func:`posenc_jax.functional.dot_product_attention` composes whatever it is given:
 
 ==============  ===========================================  ==================================
 hook            signature                                    encodings
@@ -14,8 +14,11 @@ hook            signature                                    encodings
 ``normalize``   ``normalize(scores, mask, context)``         softmax, L2, relu²/n, URPE
 ==============  ===========================================  ==================================
 
-Beyond the hooks, an encoding declares its forms when it registers, from a closed list
-(:mod:`posenc_jax.functional.core.forms`): tiled (its term for one tile), cached (what decoding
+Which hooks a class fills is part of its declaration, made when it registers (``hooks=``) or
+with :func:`~posenc_jax.functional.core.forms.declare_forms`, and :func:`hook_names` reads it
+there: the attention calls exactly the declared hooks, never looks for methods, and refuses an
+object whose class declared none. Beyond the hooks, an encoding declares its forms, from a closed
+list (:mod:`posenc_jax.functional.core.forms`): tiled (its term for one tile), cached (what decoding
 keeps per key), prepared (computed once per forward and shared by the layers: a
 :class:`PositionBias`'s ``bias(context)``, RoPE's tables), fused (faster materialising forms).
 The classes named after them here (:class:`TiledLogits`, :class:`PositionBias`, ...) list a
@@ -49,7 +52,7 @@ from posenc_jax.functional.core.context import (
     pytree_dataclass,
     rotation_context,
 )
-from posenc_jax.functional.core.forms import FormInterface, forms_of
+from posenc_jax.functional.core.forms import FormInterface, declared_forms, forms_of, undeclared_message
 from posenc_jax.functional.core.validation import check_init_sizes
 
 __all__ = [
@@ -217,7 +220,7 @@ class PerTokenRotation(metaclass=FormInterface):
 def rotates_each_token(hook) -> bool:
     """Whether ``hook`` is a ``rotate`` hook that declares it rotates each token by its own position alone
     (:class:`PerTokenRotation`): a cache may store its keys rotated, and a tile may rotate its own tokens."""
-    return isinstance(hook, Rotate) and forms_of(hook).has("cached", "rotation") and hook.rotates_per_token
+    return "rotate" in hook_names(hook) and forms_of(hook).has("cached", "rotation") and hook.rotates_per_token
 
 
 class PerCallRotation(metaclass=FormInterface):
@@ -432,14 +435,6 @@ class ScoreScale(metaclass=FormInterface):
     def score_scale(self, head_dim: int) -> float: ...
 
 
-_HOOKS = {
-    "embed": Embed,
-    "rotate": Rotate,
-    "logits": Logits,
-    "values": Values,
-    "normalize": Normalize,
-    "sample": PositionSampler,
-}
 ATTENTION_HOOKS: tuple[str, ...] = ("rotate", "logits", "values")
 
 
@@ -462,7 +457,7 @@ def check_together(encodings: Sequence, *, causal: bool | None) -> None:
     def names(chosen) -> str:
         return ", ".join(type(e).__name__ for e in chosen)
 
-    rotations = [e for e in encodings if isinstance(e, Rotate)]
+    rotations = [e for e in encodings if "rotate" in hook_names(e)]
     if len(rotations) > 1:
         raise ValueError(
             f"the encodings {names(rotations)} would rotate queries and keys {len(rotations)} times; give one rotation"
@@ -486,14 +481,24 @@ def check_together(encodings: Sequence, *, causal: bool | None) -> None:
 
 
 def hook_names(hook) -> tuple[str, ...]:
-    """The hooks ``hook`` fills, in the order of the design's table.
+    """The hooks ``hook``'s class declared it fills, in the order of the design's table.
+
+    Read from the declaration (registration, or :func:`~posenc_jax.functional.core.forms.declare_forms`),
+    never from the methods the object has. A config with learned parameters fills none (its built
+    hook does); any other object whose class declared no hooks is refused with a TypeError naming
+    ``declare_forms``.
 
     Example:
       >>> from posenc_jax.functional import RoPE
       >>> hook_names(RoPE())
       ('rotate',)
     """
-    return tuple(name for name, protocol in _HOOKS.items() if isinstance(hook, protocol))
+    declared = declared_forms(hook)
+    if declared is not None:
+        return declared.hooks
+    if isinstance(hook, EncodingConfig):
+        return ()
+    raise TypeError(undeclared_message(hook))
 
 
 class EncodingConfig:

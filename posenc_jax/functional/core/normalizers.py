@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.forms import Forms, declare_forms
+from posenc_jax.functional.core.forms import Forms, declare_forms, declared_forms
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     EncodingConfig,
@@ -335,8 +335,11 @@ class FunctionNormalizer:
 def as_normalizer(normalizer) -> Normalize:
     """The ``normalize`` hook for what a user passed: a hook, a registered name, or a plain function.
 
-    A registered name whose normaliser has learned parameters (``"urpe"``) is refused: build it
-    (``URPEConfig().build(params)``) or let a module hold it (``MultiHeadAttention(normalizer="urpe")``).
+    A hook is an object whose class declares the ``normalize`` hook (``declare_forms(MyNormalizer,
+    Forms(hooks=("normalize",)))``); an object of a class that declares nothing is taken as a plain
+    function when it is callable, and refused otherwise. A registered name whose normaliser has learned
+    parameters (``"urpe"``) is refused: build it (``URPEConfig().build(params)``) or let a module hold
+    it (``MultiHeadAttention(normalizer="urpe")``).
     """
     if isinstance(normalizer, str):
         named = normalizer_config(normalizer)
@@ -347,7 +350,14 @@ def as_normalizer(normalizer) -> Normalize:
                 f"(MultiHeadAttention(..., normalizer={normalizer!r})), which holds them"
             )
         return named
-    if isinstance(normalizer, Normalize):
+    declared = declared_forms(normalizer)
+    if declared is not None:
+        if "normalize" not in declared.hooks:
+            raise TypeError(
+                f"normalizer={normalizer!r}: {type(normalizer).__name__} declares the hooks {list(declared.hooks)}, "
+                f"not normalize; pass a normaliser (softmax_weights, ReLU2(), ...) or a function (scores, mask) -> "
+                f"weights"
+            )
         return normalizer
     if isinstance(normalizer, EncodingConfig):
         raise ValueError(
@@ -358,7 +368,8 @@ def as_normalizer(normalizer) -> Normalize:
         return FunctionNormalizer(normalizer)
     raise TypeError(
         f"normalizer must be a normalize hook, a registered name ({', '.join(NORMALIZERS)}) or a function "
-        f"(scores, mask) -> weights, got {normalizer!r}"
+        f"(scores, mask) -> weights, got {normalizer!r}; a normaliser class of one's own declares its hook: "
+        f"declare_forms({type(normalizer).__name__}, Forms(hooks=('normalize',)))"
     )
 
 
@@ -370,4 +381,5 @@ def normalizer_config(name: str):
 
 
 for _normalizer in (Softmax, L2Normalized, ReLU2PerRow, ReLU2, URPE):
-    declare_forms(_normalizer, Forms(tiled=("weights",)))
+    declare_forms(_normalizer, Forms(hooks=("normalize",), tiled=("weights",)))
+declare_forms(FunctionNormalizer, Forms(hooks=("normalize",)))

@@ -4,7 +4,7 @@ Each encoding registers itself where it is defined::
 
     @register_encoding(
         "t5", description="...", source=Source(...), small_settings=dict(num_buckets=8),
-        hook=T5Bias, tiled=("distance",), cached=(), prepared="bias",
+        hook=T5Bias, hooks=("logits",), tiled=("distance",), cached=(), prepared="bias",
     )
     @pytree_dataclass
     class T5Config(EncodingConfig):
@@ -13,9 +13,10 @@ Each encoding registers itself where it is defined::
 ``encoding_config("t5", num_buckets=64)`` then returns a frozen config with ``init``
 (its parameters) and ``build`` (its hook object), ``encoding_names()`` lists every name,
 and ``encoding_info("t5")`` says what it is, where it acts, and where it comes from. The
-forms (``tiled``, ``cached``, ``prepared``, ``fused``: :mod:`posenc_jax.functional.core.forms`)
-are checked against the hook class when it registers: a declared form it does not define, or
-one it defines and does not declare, is an error naming the form.
+hooks it fills (``hooks``) and its forms (``tiled``, ``cached``, ``prepared``, ``fused``:
+:mod:`posenc_jax.functional.core.forms`) are checked against the hook class when it registers: a
+declared hook or form it does not define, or one it defines and does not declare, is an error
+naming it.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
+from posenc_jax.functional.core.forms import Forms, declare_forms, declared_forms, forms_of
 from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, ParameterFree, hook_names
 
 __all__ = [
@@ -79,7 +80,8 @@ class EncodingInfo:
       description: one line.
       acts_on: ``"embeddings"``, ``"positions"``, ``"attention"``, ``"shared_bias"``
         (a position-only bias shared by all layers) or ``"normalizer"``.
-      hooks: the hooks its built object fills (``("rotate",)``, ``("logits", "values")``, ...).
+      hooks: the hooks its built object fills (``("rotate",)``, ``("logits", "values")``, ...), as
+        its hook class declared them.
       forms: ``("causal", "bidirectional")`` when it has both forms (it then follows the
         attention's ``causal`` unless set), or the one form it is defined for.
       kv_cache: whether decoding with a KV cache gives the logits of the full forward.
@@ -141,6 +143,7 @@ def register_encoding(
     settings: tuple[str, ...] | None = None,
     required: tuple[str, ...] = (),
     hook: type | None = None,
+    hooks: tuple[str, ...] | object = _UNDECLARED,
     tiled: tuple[str, ...] | None | object = _UNDECLARED,
     cached: tuple[str, ...] | object = _UNDECLARED,
     prepared: str | None | object = _UNDECLARED,
@@ -160,23 +163,25 @@ def register_encoding(
         it cannot do without.
       hook: the class of the hook ``build`` returns (a parameter-free encoding is its own
         hook: then leave it out).
+      hooks: the hooks that class fills (``("rotate",)``, ``("logits", "values")``; ``()`` for
+        none): the attention calls exactly these.
       tiled, cached, prepared, fused, scale: the hook's declared forms
-        (:class:`~posenc_jax.functional.core.forms.Forms`); ``tiled``, ``cached`` and
+        (:class:`~posenc_jax.functional.core.forms.Forms`); ``hooks``, ``tiled``, ``cached`` and
         ``prepared`` are required (``()`` or None where the hook has none of the group).
     """
     fixed = dict(fixed or {})
     if not set(forms) <= set(FORMS) or not forms:
         raise ValueError(f"forms must be a non-empty subset of {FORMS}, got {forms!r}")
-    groups = dict(tiled=tiled, cached=cached, prepared=prepared)
+    groups = dict(hooks=hooks, tiled=tiled, cached=cached, prepared=prepared)
     missing = [group for group, value in groups.items() if value is _UNDECLARED]
     if missing:
-        some = "some of its forms but not" if len(missing) < len(groups) else "none of its forms:"
+        some = "some of its hooks and forms but not" if len(missing) < len(groups) else "none of its hooks and forms:"
         raise ValueError(
             f"register_encoding({name!r}) declares {some} {', '.join(missing)}: declare "
-            f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none; the forms are "
-            f"listed in posenc_jax.functional.core.forms)"
+            f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none; the hooks and "
+            f"forms are listed in posenc_jax.functional.core.forms)"
         )
-    declared = Forms(tiled=tiled, cached=cached, prepared=prepared, fused=fused, scale=scale)
+    declared = Forms(hooks=hooks, tiled=tiled, cached=cached, prepared=prepared, fused=fused, scale=scale)
 
     def add(config_type):
         if name in _REGISTRY:
@@ -283,7 +288,7 @@ def resolve_encodings(encodings) -> list:
     if encodings is None:
         return []
     carried = getattr(encodings, "encodings", None)
-    if isinstance(carried, tuple) and not isinstance(encodings, EncodingConfig) and not hook_names(encodings):
+    if isinstance(carried, tuple) and not isinstance(encodings, EncodingConfig) and declared_forms(encodings) is None:
         encodings = carried  # e.g. posenc_jax.hf.HFEncoding
     if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
         encodings = [encodings]

@@ -49,10 +49,8 @@ from posenc_jax.functional.core.checks import _call, _checked_positions, _score_
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
-    Logits,
     Normalize,
-    Rotate,
-    Values,
+    hook_names,
     rotates_each_token,
     with_per_call_rotations_fixed,
 )
@@ -117,10 +115,11 @@ def _gathered(x: jax.Array, axis: str) -> jax.Array:
 
 
 def _rotations(hooks: list) -> list:
-    rotations = [hook for hook in hooks if isinstance(hook, Rotate)]
+    rotations = [hook for hook in hooks if "rotate" in hook_names(hook)]
     for hook in rotations:
         forms = forms_of(hook)
-        if isinstance(hook, (Logits, Values)) or forms.has("tiled", "carried") or forms.has("cached", "key_features"):
+        adds_terms = {"logits", "values"} & set(hook_names(hook))
+        if adds_terms or forms.has("tiled", "carried") or forms.has("cached", "key_features"):
             raise ValueError(
                 f"{type(hook).__name__} both rotates q and k and adds a term; sequence_parallel_attention applies "
                 f"rotations before splitting the queries and cannot split such a hook: use "
@@ -297,7 +296,7 @@ def _rotate_whole_call(hooks, rotations, query, key, query_positions, key_positi
         num_heads=query.shape[2],
     )
     hooks = with_per_call_rotations_fixed(hooks, context)
-    whole_call = [h for h in hooks if isinstance(h, Rotate) and not rotates_each_token(h)]
+    whole_call = [h for h in hooks if "rotate" in hook_names(h) and not rotates_each_token(h)]
     for hook in whole_call:
         query, key = hook.rotate(query, key, context)
     hooks = [hook for hook in hooks if not any(hook is rotation for rotation in whole_call)]

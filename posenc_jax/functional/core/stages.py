@@ -19,12 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.functional.core.forms import forms_of
-from posenc_jax.functional.core.hooks import (
-    AttentionContext,
-    Logits,
-    Rotate,
-    Values,
-)
+from posenc_jax.functional.core.hooks import AttentionContext, hook_names
 from posenc_jax.functional.core.masks import MaskParts
 from posenc_jax.functional.core.normalizers import as_normalizer
 from posenc_jax.functional.core.operations import broadcast_to
@@ -66,7 +61,7 @@ def attention_scores(
     """
     key = _hide_unseen_keys(key, _mask_parts(context, mask_parts).keys_seen())
     for hook in hooks:
-        if isinstance(hook, Rotate):
+        if "rotate" in hook_names(hook):
             query, key = hook.rotate(query, key, context)
     # Terms that split into per-query and per-key features join the content product (exact:
     # the same sums, one contraction), so they are never a [B, N, T, S] buffer of their own.
@@ -103,7 +98,7 @@ def attention_scores(
             else:
                 scores = hook.add_logits(content() if scores is None else scores, query, key, context)
             continue
-        term = hook.logits(query, key, context) if isinstance(hook, Logits) else None
+        term = hook.logits(query, key, context) if "logits" in hook_names(hook) else None
         if term is not None:
             scores = content() if scores is None else scores
             term = as_scores(term, scores.ndim)
@@ -149,7 +144,7 @@ def attention_output(
         # A key hidden from some queries only still enters their rows as 0 · v.
         out = masked_value_product(weights, value, mask_parts)
     for hook in hooks:
-        term = hook.values(weights, context) if isinstance(hook, Values) else None
+        term = hook.values(weights, context) if "values" in hook_names(hook) else None
         if term is not None:
             out = out + term.astype(jnp.float32)
     return out

@@ -37,9 +37,7 @@ from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     DistanceBias,
-    Logits,
-    Rotate,
-    Values,
+    hook_names,
     rotates_each_token,
     with_per_call_rotations_fixed,
 )
@@ -166,7 +164,7 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
     hooks = with_per_call_rotations_fixed(hooks, context)
     per_token = [rotates_each_token(h) for h in hooks]
     for hook, tiled in zip(hooks, per_token, strict=True):
-        if isinstance(hook, Rotate) and not tiled:
+        if "rotate" in hook_names(hook) and not tiled:
             query, key = hook.rotate(query, key, context)
     rotations = [hook for hook, tiled in zip(hooks, per_token, strict=True) if tiled]
     block_q, block_k = min(int(block_q), q_len), min(int(block_k), k_len)
@@ -203,7 +201,7 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
     # materialising path): one contraction, and no [B, N, bq, bk] term of their own to add.
     joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32
     joined = [joinable and forms_of(hook).has("fused", "features") for hook in hooks]
-    values_count = sum(1 for hook in hooks if isinstance(hook, Values))
+    values_count = sum(1 for hook in hooks if "values" in hook_names(hook))
     key_order = jnp.arange(num_k_blocks)[::-1] if carried else jnp.arange(num_k_blocks)
     if ring is not None and carried and not context.causal:
         raise ValueError(
@@ -349,7 +347,7 @@ def _tile_scores(plan: _Plan, q, k, tile_hooks: list, tile_context: AttentionCon
         elif forms.has("tiled", "distance"):
             term = _distance_tile(hook, q, k, tile_context)
         else:
-            term = hook.logits(q, k, tile_context) if isinstance(hook, Logits) else None
+            term = hook.logits(q, k, tile_context) if "logits" in hook_names(hook) else None
         if term is not None:
             term = term.astype(jnp.float32)
             s = s + broadcast_to(term.reshape((1,) * (4 - term.ndim) + term.shape), s.shape)
@@ -395,7 +393,7 @@ def _tile_step(plan: _Plan, qi, block: _QueryTile, keys: _Keys, first_tile, q_se
     tile_context = plan.context.tile(block.positions, k_positions, mask=tile_mask)
     tile_hooks = _cut_key_features(keys.hooks, lambda x: _tile(x, kj, plan.block_k, 1))
     s, new_hook_carry = _tile_scores(plan, block.q, k, tile_hooks, tile_context, hook_carry)
-    values_hooks = [hook for hook in keys.hooks if isinstance(hook, Values)]
+    values_hooks = [hook for hook in keys.hooks if "values" in hook_names(hook)]
     state, acc, vacc = _accumulate(
         plan, s, v, tile_mask, tile_context, values_hooks, state, acc, vacc, (qi, first_tile, kj)
     )

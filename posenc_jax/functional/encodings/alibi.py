@@ -119,6 +119,7 @@ def _alibi_at(bidirectional: bool, parameters, query_positions, key_positions) -
     "alibi",
     description="A per-head penalty linear in the distance, slopes a geometric sequence (no parameters).",
     source=ALIBI,
+    hooks=("logits",),
     tiled=("head",),
     cached=(),
     prepared="bias",
@@ -194,4 +195,4 @@ class ALiBiSlopes(BiasHook, ParameterFree):
 
 
 # Not registered (a checkpoint's own slopes, built by posenc_jax.hf); its forms are ALiBi's.
-declare_forms(ALiBiSlopes, Forms(prepared="bias"))
+declare_forms(ALiBiSlopes, Forms(hooks=("logits",), prepared="bias"))

@@ -63,6 +63,7 @@ def apply_rope_2d(x: jax.Array, positions, *, base: float = 10000.0, layout: Lay
     description="Axial 2-D RoPE over a row-major patch grid: half of each head by column, half by row.",
     source=ROPE_VIT,
     small_settings=dict(grid_width=3),
+    hooks=("rotate",),
     tiled=(),
     cached=("rotation",),
     prepared=None,

@@ -293,6 +293,7 @@ class CoPE(CausalOnly):
     forms=("causal",),
     small_settings=dict(num_positions=6),
     hook=CoPE,
+    hooks=("logits",),
     tiled=("carried", "carried_from_content"),
     cached=(),
     prepared=None,

@@ -420,6 +420,7 @@ class DeBERTa:
     source=DEBERTA,
     small_settings=dict(span=4),
     hook=DeBERTa,
+    hooks=("logits",),
     tiled=("logits", "scores"),
     cached=("key_term", "key_features"),
     prepared=None,

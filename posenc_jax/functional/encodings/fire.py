@@ -171,6 +171,7 @@ class Fire(CausalOnly, BiasHook):
     forms=("causal",),
     small_settings=dict(hidden=4),
     hook=Fire,
+    hooks=("logits",),
     tiled=("logits",),
     cached=(),
     prepared="bias",

@@ -101,6 +101,7 @@ class LearnedAbsolute:
     source=BERT,
     small_settings=dict(max_positions=32),
     hook=LearnedAbsolute,
+    hooks=("embed",),
     tiled=(),
     cached=(),
     prepared=None,

@@ -94,6 +94,7 @@ class ClippedRelativeBias(BiasHook):
     source=SHAW,
     small_settings=dict(max_distance=3),
     hook=ClippedRelativeBias,
+    hooks=("logits",),
     tiled=("distance",),
     cached=(),
     prepared="bias",

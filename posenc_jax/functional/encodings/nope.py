@@ -21,6 +21,7 @@ NOPE = Source.paper(
     "nope",
     description="No positional encoding, as an explicit choice; a causal mask still lets a decoder infer positions.",
     source=NOPE,
+    hooks=(),
     tiled=(),
     cached=(),
     prepared=None,

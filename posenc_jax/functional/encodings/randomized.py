@@ -88,6 +88,7 @@ def randomized_positions(key: jax.Array, length: int, max_length: int, *, batch_
     source=RUOSS,
     kv_cache=False,  # a cache would need one sample for the whole generation
     small_settings=dict(max_length=32),
+    hooks=("sample",),
     tiled=(),
     cached=(),
     prepared=None,

@@ -323,6 +323,7 @@ class FrequencyScaling(Protocol):
     "rope",
     description="Rotary position embedding: queries and keys rotated by angles proportional to their positions.",
     source=ROFORMER,
+    hooks=("rotate",),
     tiled=(),
     cached=("rotation",),
     prepared="tables",
@@ -595,5 +596,5 @@ class RotaryTable(PreparedRotation):
 
 
 # Hooks that RoPE makes (unregistered: a prepared table, a length fixed for a call) declare their forms too.
-declare_forms(RoPEAtLength, Forms(cached=("rotation",)))
-declare_forms(RotaryTable, Forms(cached=("rotation",), fused=("per_call",)))
+declare_forms(RoPEAtLength, Forms(hooks=("rotate",), cached=("rotation",)))
+declare_forms(RotaryTable, Forms(hooks=("rotate",), cached=("rotation",), fused=("per_call",)))

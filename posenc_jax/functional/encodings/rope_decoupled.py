@@ -87,4 +87,4 @@ class RoPEOnLastFeatures(ParameterFree):
 
 
 # Not registered (its size is a checkpoint's head layout); a KV cache keeps keys rotated as RoPE's.
-declare_forms(RoPEOnLastFeatures, Forms(cached=("rotation",)))
+declare_forms(RoPEOnLastFeatures, Forms(hooks=("rotate",), cached=("rotation",)))

@@ -450,6 +450,7 @@ for _name, _type, _description, _source, _small in _SCALINGS:
         length_dependent=_type.length_dependent,
         kv_cache=not _type.length_dependent,
         small_settings=_small,
+        hooks=("rotate",),
         tiled=(),
         cached=("rotation",),
         prepared="tables",

@@ -162,6 +162,7 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
     description="The dot product of two sinusoidal embeddings minus its maximum, compressed per head (no parameters).",
     source=SANDWICH,
     forms=("causal", "bidirectional"),
+    hooks=("logits",),
     tiled=(),
     cached=(),
     prepared="bias",

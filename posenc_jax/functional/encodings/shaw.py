@@ -219,6 +219,7 @@ class Shaw:
     source=SHAW,
     small_settings=dict(max_distance=3),
     hook=Shaw,
+    hooks=("logits", "values"),
     tiled=("logits", "scores", "values"),
     cached=(),
     prepared=None,

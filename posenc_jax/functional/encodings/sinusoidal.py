@@ -69,6 +69,7 @@ def sinusoidal_encoding(positions, dim: int, *, base: float = 10000.0) -> jax.Ar
     "sinusoidal",
     description="Fixed sinusoids of the position added to the token embeddings (sin on even, cos on odd columns).",
     source=VASWANI,
+    hooks=("embed",),
     tiled=(),
     cached=(),
     prepared=None,

@@ -139,6 +139,7 @@ def key_sinusoids(key_positions, dim: int, *, base: float = 10000.0) -> jax.Arra
     "functional-relative",
     description="The query dotted with the sinusoidal table of j - i (Shaw's R as a fixed function).",
     source=VASWANI,
+    hooks=("logits",),
     tiled=(),
     cached=("key_term",),
     prepared=None,
@@ -204,7 +205,7 @@ class CachedSinusoidalRelative:
         return _score_features(self.encoding, q, context, self.key_sinusoids)
 
 
-declare_forms(CachedSinusoidalRelative, Forms(cached=("key_features",), fused=("features",)))
+declare_forms(CachedSinusoidalRelative, Forms(hooks=("logits",), cached=("key_features",), fused=("features",)))
 
 
 def _scaled_logits(encoding: SinusoidalRelative, q, context: AttentionContext, key_features) -> jax.Array:

@@ -225,6 +225,7 @@ class T5Bias(BiasHook):
     source=T5,
     small_settings=dict(num_buckets=8, max_distance=16),
     hook=T5Bias,
+    hooks=("logits",),
     tiled=("distance", "head"),
     cached=(),
     prepared="bias",

@@ -347,6 +347,7 @@ class TransformerXL:
     description="Relative sinusoids of i - j projected per head, with global content and position biases u, v.",
     source=TRANSFORMER_XL,
     hook=TransformerXL,
+    hooks=("logits",),
     tiled=("logits", "per_call"),
     cached=("key_term", "table", "key_features"),
     prepared=None,

@@ -148,6 +148,7 @@ def apply_xpos_qk(
     description="RoPE with a per-frequency exponential decay of the scores with distance.",
     source=XPOS,
     forms=("causal",),
+    hooks=("rotate",),
     tiled=(),
     cached=("rotation_about",),
     prepared=None,
@@ -229,4 +230,4 @@ class XPosAbout:
         return self.xpos.rotate_about(q, k, context, self.centre)
 
 
-declare_forms(XPosAbout, Forms(cached=("rotation",)))  # the per-token form per_token_for returns
+declare_forms(XPosAbout, Forms(hooks=("rotate",), cached=("rotation",)))  # the per-token form per_token_for returns
