@@ -52,6 +52,10 @@ SLOW = {
     "tests/test_notebooks.py::test_install_cell_installs_a_wheel_uploaded_beside_it_in_a_fresh_kernel": (
         "a fresh environment and kernel; CI's own step runs the whole quickstart from an uploaded wheel"
     ),
+    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_in_a_fresh_kernel": (
+        "a wheel, a fresh environment and kernel per notebook; the install cell in a fresh kernel stays, and CI's"
+        " own steps run the quickstart from a clone and from an uploaded wheel"
+    ),
 }
 
 # The end-to-end paths run for every encoding in the slow tier; the main suite runs them for one encoding of
@@ -72,8 +76,29 @@ SLOW_BUT = {
     "tests/test_properties.py::test_fully_masked_rows_stay_finite_with_every_encoding": tuple(
         f"{name}-{dtype}" for name in REPRESENTATIVES for dtype in ("f32", "bf16", "f16")
     ),
-    # Each notebook in a fresh environment and kernel: the quickstart stays (CI also runs it in two own steps).
-    "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_in_a_fresh_kernel": ("quickstart",),
+    "tests/test_nn.py::test_caches_hold_per_key_terms_and_work_without_them": ("transformer-xl-shapes1-tables1",),
+    "tests/test_contract.py::test_built_hooks_pass_through_jit_vmap_both_autodiff_modes_and_bfloat16": REPRESENTATIVES,
+    "tests/test_blockwise.py::test_every_normalizer_blockwise_equals_materialising": (
+        "softmax",
+        "l2",
+        "relu2 (per row)",
+        "urpe",
+    ),
+    "tests/test_relative.py::test_functional_relative_joined_to_the_content_product_equals_its_term_added": (
+        "2-None",
+        "2-0.3",
+    ),
+    "tests/test_beyond_seeds.py::test_cope_in_attention_by_blocks_equals_its_term_added": ("increasing",),
+    "tests/test_reliability.py::test_a_masked_keys_value_never_reaches_the_output": (
+        "key_mask-nan",
+        "causal-nan",
+        "segments-nan",
+        "general-nan",
+    ),
+    "tests/test_generation.py::test_greedy_generation_equals_repeated_full_forwards": ("rope",),
+    "tests/test_task_formats.py::test_teacher_forced_exact_match_is_greedy_exact_match": REPRESENTATIVES,
+    # Training runs of the benchmark: one of the two resumptions stays.
+    "tests/test_bench.py::test_seeds_left_at_different_steps_resume_together": ("common step",),
 }
 
 

@@ -212,8 +212,8 @@ def readme_section(url: str | None) -> str:
             f"Each notebook in `colabs/` opens with {opening}, one install cell (a non-editable "
             "`%pip install` of posenc_jax) and a device cell that reports the TPU, GPU or CPU and sizes the work "
             "to it. The saved outputs come from a run on a CPU, so the plots are there without running anything; "
-            "`python -m pytest -m \"\" tests/test_notebooks.py` runs every notebook top to bottom in a fresh kernel "
-            "(the quickstart in the main test suite, the others in its slow tier). The tests set `POSENC_JAX_TINY=1`, which the device cells of the "
+            "`python -m pytest -m slow tests/test_notebooks.py` runs every notebook top to bottom in a fresh kernel "
+            "(the test suite's slow tier). The tests set `POSENC_JAX_TINY=1`, which the device cells of the "
             "heavier notebooks read to shrink the work further (fewer encodings, scalings, normalisers, steps or "
             "lengths; numbers that mean nothing), so every cell runs in seconds; the saved outputs are from the CPU "
             "size, and `tools/sync_notebooks.py` refuses to save a tiny run.",
