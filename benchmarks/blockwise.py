@@ -43,7 +43,12 @@ plain blockwise attention's, read from the compiled programs (``cost_analysis()[
 XLA counts a loop's body once and a conditional's costliest branch, so a program's count is
 one tile of the costliest kind plus the work done once per call; compiling at T and 2T
 separates the two (the tile's share is the same at both, the per-call share doubles), and
-the table gives both. Being a count, not a timing, it does not depend on the machine's load.
+the table gives both (a per-call share that grows as T plus a constant, Transformer-XL's table of
+``T + bk - 1`` projected distances, leaves its constant in the tile's share). Being a count, not a
+timing, it does not depend on the machine's load. Where a tile chooses between forms at run time
+the count is the costliest one's: Transformer-XL's tiles count the sinusoid identity, which only
+tiles whose positions are not runs take (the others read the per-call table, about 1.7× plain
+attention's tile forward and 2.0× forward and backward at 8 heads).
 
 ``--heads N`` sets the number of heads of 64 (default 4) for every mode but ``--auto-threshold``.
 
