@@ -88,7 +88,20 @@ SLOW_BUT = {
         "2-None",
         "2-0.3",
     ),
+    "tests/test_contract.py::test_plain_forms_of_the_other_backends_equal_the_cpu_forms": ("cope", "shaw", "deberta"),
     "tests/test_beyond_seeds.py::test_cope_in_attention_by_blocks_equals_its_term_added": ("increasing",),
+    "tests/test_beyond_seeds.py::test_cope_self_attention_by_causal_prefixes_equals_the_whole_term": ("increasing",),
+    # A grid (no mask, a key mask, a pair mask) x (shared, per head) x (clipped, more than keys): each value kept.
+    "tests/test_beyond_seeds.py::test_cope_term_added_by_blocks_equals_the_term_added": (
+        "None-shared-clipped",
+        "keys-per-head-more-than-keys",
+        "pairs-per-head-clipped",
+    ),
+    # Eager and jitted: every case jitted, and eagerly the first.
+    "tests/test_relative.py::test_table_gradient_equals_plain_autodiff": (
+        "eager-self",
+        *(f"jit-{case}" for case in ("self", "offsets", "batched-runs", "int32-limits", "gaps", "repeat")),
+    ),
     "tests/test_reliability.py::test_a_masked_keys_value_never_reaches_the_output": (
         "key_mask-nan",
         "causal-nan",
