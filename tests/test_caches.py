@@ -199,8 +199,9 @@ def test_decoding_past_the_cache_names_its_slots_and_the_position_in_and_out_of_
         with pytest.raises(ValueError) as error:  # the library's own error, not JAX's runtime error
             decode(TOKENS[:, 4:], POSITIONS[:, 4:], caches)
         assert _one_line(error) == (
-            "the KV cache holds 4 tokens; 4 are filled and 1 more (at position 4) do not fit: make it larger with "
-            "init_cache(batch, max_length) with max_length >= 5"
+            "the KV cache holds 4 tokens; 4 are filled and 1 more (at position 4) do not fit: make it larger "
+            "(a model's init_cache(batch, max_length), a layer's new_cache(batch, max_length) or init_cache((batch, "
+            "max_length, features))) with max_length >= 5"
         )
     # One's own model of the library's layers, under one's own jit: the same line, first, inside
     # reraise_check_errors (without it JAX's runtime error carries it further down).

@@ -512,8 +512,9 @@ def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
     )
     with pytest.raises(ValueError, match="decoding with a cache takes no mesh"):
         layer(x, query_positions=positions, causal=True, cache=layer.new_cache(1, 8), mesh=mesh)
-    with pytest.raises(ValueError, match='implementation="materialize" cannot be split'):
-        layer(x, query_positions=positions, causal=True, implementation="materialize", mesh=mesh)
+    for implementation in ("materialize", "pallas"):  # neither runs silently as blockwise
+        with pytest.raises(ValueError, match=f"implementation='{implementation}' is not split over a mesh"):
+            layer(x, query_positions=positions, causal=True, implementation=implementation, mesh=mesh)
     with pytest.raises(TypeError, match="mesh must be a jax.sharding.Mesh .*got str"):
         _model("alibi")(jnp.zeros((1, 6), jnp.int32), positions, mesh="sequence")
     # ring= passes the keys round a mesh's devices: one device's ring is the call itself; no mesh, no ring.

@@ -166,8 +166,8 @@ def check_mesh(mesh, cache, implementation: str, ring: bool = False) -> None:
         raise TypeError(f"mesh must be a jax.sharding.Mesh (or None), got {type(mesh).__name__}")
     if cache is not None:
         raise ValueError("mesh= splits one forward pass's queries over devices; decoding with a cache takes no mesh")
-    if implementation == "materialize":
+    if implementation in ("materialize", "pallas"):
         raise ValueError(
-            'mesh= computes each device\'s queries in tiles (blockwise); implementation="materialize" cannot be split: '
-            'pass implementation="blockwise" or "auto"'
+            f"mesh= computes each device's queries in tiles (blockwise); implementation={implementation!r} is not "
+            'split over a mesh: pass implementation="blockwise" or "auto"'
         )

@@ -182,6 +182,13 @@ def check_cache_arrays(cache: KVCache, what: str, fix: str) -> None:
         )
 
 
+# How a cache too small for a call is made larger, by whoever made it (a model, or a layer either way).
+_MAKE_LARGER = (
+    "(a model's init_cache(batch, max_length), a layer's new_cache(batch, max_length) or "
+    "init_cache((batch, max_length, features)))"
+)
+
+
 class KVCache(NamedTuple):
     """Keys and values decoded so far: ``key``/``value`` ``[B, L, K, H]``, ``positions`` ``[B, L]``,
     ``valid`` ``[B, L]`` (True where a slot holds a real token: the key mask of the cache),
@@ -328,15 +335,15 @@ class KVCache(NamedTuple):
                 raise ValueError(
                     f"{name} must be [B, T, K, H] = [{batch}, T, {heads}, {head_dim}] for this cache (batch {batch}, "
                     f"{heads} key/value heads of {head_dim}), got shape {shape}; make the cache for this layer and "
-                    f"batch with init_cache(batch, max_length)"
+                    f"batch with its new_cache(batch, max_length) (a model's: init_cache(batch, max_length))"
                 )
         if key.shape[1] != value.shape[1]:
             raise ValueError(f"key and value must have one length T, got {key.shape} and {value.shape}")
         new = key.shape[1]
         if new > capacity:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens and {new} are given at once: make it larger with "
-                f"init_cache(batch, max_length) with max_length >= {new} (prompt and new tokens)"
+                f"the KV cache holds {capacity} tokens and {new} are given at once: make it larger "
+                f"{_MAKE_LARGER} with max_length >= {new} (prompt and new tokens)"
             )
         if positions.shape[-1] != new or positions.ndim > 2 or (positions.ndim == 2 and positions.shape[0] != batch):
             raise ValueError(f"positions must be [B, T] = [{batch}, {new}] (or [T]), got shape {positions.shape}")
@@ -355,7 +362,7 @@ class KVCache(NamedTuple):
                 at = f"position {first}" if first == last else f"positions {first} to {last}"
                 raise ValueError(
                     f"the KV cache holds {capacity} tokens; {int(length)} are filled and {new} more (at {at}) do not "
-                    f"fit: make it larger with init_cache(batch, max_length) with max_length >= {int(length) + new}"
+                    f"fit: make it larger {_MAKE_LARGER} with max_length >= {int(length) + new}"
                 )
 
         check_values(check, self.length, within=(0, capacity - new + 1), context=(positions,))
@@ -381,13 +388,13 @@ class KVCache(NamedTuple):
         if len(features) != len(self.features):
             raise ValueError(
                 f"this cache stores {len(self.features)} per-key terms but {len(features)} were given; make the "
-                f"cache with the layer's init_cache (or Transformer.init_cache)"
+                f"cache with the layer's new_cache or init_cache (or Transformer.init_cache)"
             )
 
         if tables and len(tables) != len(self.tables):
             raise ValueError(
                 f"this cache stores {len(self.tables)} tables but {len(tables)} were given; make the cache with "
-                f"the layer's init_cache (or Transformer.init_cache)"
+                f"the layer's new_cache or init_cache (or Transformer.init_cache)"
             )
         kept, ready = self.tables, jnp.asarray(self.tables_ready, jnp.bool_)
         if tables:
