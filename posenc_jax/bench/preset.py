@@ -17,7 +17,7 @@ from posenc_jax.bench.device_batches import DEVICE_TASKS
 from posenc_jax.bench.settings import PER_TASK, TaskLengths, TaskSettings
 from posenc_jax.bench.tasks import FORMATTED_TASKS, STDLIB_CORPUS_SHA256, TASK_FORMATS, make_task, task, task_names
 from posenc_jax.functional.core.normalizers import NORMALIZERS
-from posenc_jax.functional.core.registry import encoding_names, resolve_encodings
+from posenc_jax.functional.core.registry import encoding_names
 
 __all__ = ["BATCHES", "IMPLEMENTATIONS", "PROTOCOLS", "Preset"]
 
@@ -221,11 +221,12 @@ class Preset:
             duplicated = sorted({v for v in values if values.count(v) > 1})
             if duplicated:
                 raise ValueError(f"{what} {duplicated} named twice; name each once")
-        for label in self.encodings:  # read as the library reads encoding names everywhere
-            try:
-                resolve_encodings(label)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"encodings: {label!r}: {error}") from None
+        unknown = [part for e in self.encodings for part in e.split("+") if part not in encoding_names()]
+        if unknown:
+            raise ValueError(
+                f"unknown encodings {unknown}; known encodings: {', '.join(encoding_names())} "
+                f"(combine them with '+', e.g. rope+randomized)"
+            )
         unknown = [n for n in self.normalizers if n not in NORMALIZERS]
         if unknown:
             raise ValueError(f"unknown normalizers {unknown}; known normalizers: {', '.join(NORMALIZERS)}")
