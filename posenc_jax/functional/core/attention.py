@@ -133,9 +133,10 @@ IMPLEMENTATIONS = ("auto", "materialize", "blockwise", "pallas")
 # `python benchmarks/blockwise.py --auto-threshold` measures it. A backend not in the table: the default.
 MATERIALIZE_LIMIT_BYTES = 1 << 30
 MATERIALIZE_LIMIT_BYTES_BY_BACKEND: dict[str, int] = {
-    # Measured (2 cores, jax 0.10.2): blockwise is the faster from 16 MiB of scores (T = 1,024 at 4 heads: 0.72x
-    # the time; 0.55-0.56x at T = 4,096, 4 and 8 heads); at 8 MiB (T = 512, 8 heads: one tile) materialising is.
-    "cpu": 8 << 20,  # docs/blockwise/auto-threshold-cpu.md
+    # Measured (2 cores, jax 0.10.2; docs/blockwise/auto-threshold-cpu.md): blockwise forward+backward is the
+    # faster from 16 MiB of scores on (0.72x at T = 1,024, 4 heads; 0.55x at 4,096). Not applied yet: at 8 MiB,
+    # a SharedBias array (no tile form) and hooks declared tiled=() whose logits need every key go blockwise.
+    "cpu": 1 << 30,
     "gpu": 1 << 30,  # unmeasured: the default
     "tpu": 1 << 30,  # unmeasured: the default
 }
@@ -262,8 +263,8 @@ def dot_product_attention(
         ``block_k`` keys with an online softmax, in memory linear in T and S (see
         :mod:`posenc_jax.functional.core.blockwise`); ``"auto"`` (default) goes blockwise when
         the float32 scores would take more than the backend's threshold
-        (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``: 8 MiB on the CPU, as measured; 1 GiB on a GPU or
-        TPU until measured) and every hook and the normaliser have a blockwise form.
+        (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``, 1 GiB on every backend for now) and every hook and
+        the normaliser have a blockwise form.
         ``"pallas"`` (opt-in): the flash-attention kernels of :mod:`posenc_jax.functional.kernels.pallas`.
       block_q, block_k: tile sizes for the blockwise path (default 512 each; any positive
         size, dividing the lengths or not), and for ``"pallas"`` (powers of two >= 16, default 128).
