@@ -43,8 +43,8 @@ class HeadBias(NamedTuple):
         and elementwise: each parameter has shape ``[..., P_i]`` and is read only through
         :func:`head_column` (a column ``[..., 1]``), positions are int32 ``[..., T, 1]`` and
         ``[..., 1, S]``, all of one rank (``[1, N, 1, P]`` with ``[B|1, 1, T, 1]`` over a whole call,
-        ``[1, P]`` with ``[bq, 1]`` in a kernel's tile), and everything broadcasts. Its static settings (the direction, the
-        bucket count) are bound in it.
+        ``[1, P]`` with ``[bq, 1]`` in a kernel's tile), and everything broadcasts. Its static
+        settings (the direction, the bucket count) are bound in it.
     """
 
     parameters: tuple
