@@ -5,10 +5,8 @@
 the activations are never stored whole). On a tile that contraction's operand is still
 ``[bq, bk, hidden]``, stored, and read again by its gradient. Written as a sum over the hidden
 units, ``f(x)[n] = b2[n] + Σ_h w2[h, n] · relu(w1[h] · x + b1[h])`` is one elementwise
-computation XLA fuses whole: no activation is stored. Its derivative is a loop over the units,
-each step recomputing its unit (a custom JVP, so forward mode works and reverse mode transposes
-the loop): the gradient too holds one unit at a time, where autodiff of the fused sum held all
-of them (``benchmarks/blockwise.py`` measures the tile's time and temporaries).
+computation XLA fuses whole: no activation is stored, and the gradient recomputes each unit
+where it needs it (``benchmarks/blockwise.py`` measures the tile's time and temporaries).
 
 The same values up to the order of the sums; ``tests/test_blockwise.py`` holds blockwise FIRE
 (through this form) to the materialising path (through the plain one), values and gradients.
@@ -65,36 +63,8 @@ def _mlp(params: dict, distance: jax.Array, query: jax.Array, *, axis: int) -> j
     threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
     w1, b1, w2, b2 = (jnp.asarray(params[name], jnp.float32) for name in ("w1", "b1", "w2", "b2"))
     x = jnp.log1p(c * distance) / jnp.log1p(c * jnp.maximum(threshold, query))
-    heads = _units(w1, b1, w2, x) + b2.reshape((1, -1) + (1,) * (x.ndim - 1))  # [B|1, N, ...]
-    return jnp.moveaxis(heads, 1, axis)
-
-
-@jax.custom_jvp
-def _units(w1, b1, w2, x):
-    """``Σ_h w2[h, n] · relu(w1[h] · x + b1[h])``, the heads stacked at axis 1: one fused sum, no activation stored."""
-    hidden, num_heads = w2.shape
-    heads = [jnp.zeros_like(x) for _ in range(num_heads)]
+    heads = [jnp.zeros_like(x) + b2[n] for n in range(num_heads)]
     for h in range(hidden):
         unit = jax.nn.relu(x * w1[h] + b1[h])
         heads = [out + w2[h, n] * unit for n, out in enumerate(heads)]
-    return jnp.stack(heads, axis=1)
-
-
-@_units.defjvp
-def _units_jvp(primals, tangents):
-    """The tangent summed unit by unit in a loop whose step recomputes its unit: reverse mode transposes the
-    loop, so the gradient also goes unit by unit, never storing the ``[hidden, ...]`` activations."""
-    w1, b1, w2, x = primals
-    dw1, db1, dw2, dx = tangents
-    heads = lambda values: values.reshape((1, -1) + (1,) * (x.ndim - 1))  # [N] against [B|1, N, ...]
-
-    @jax.checkpoint
-    def step(total, h):
-        before = x * w1[h] + b1[h]
-        unit = jax.nn.relu(before)
-        change = jnp.where(before > 0, dx * w1[h] + x * dw1[h] + db1[h], 0.0)
-        return total + heads(dw2[h]) * unit[:, None] + heads(w2[h]) * change[:, None], None
-
-    out = _units(w1, b1, w2, x)
-    tangent, _ = jax.lax.scan(step, jnp.zeros_like(out), jnp.arange(w2.shape[0]))
-    return out, tangent
+    return jnp.stack(heads, axis=axis)
