@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.functional.core.head_bias import HeadBias
+from posenc_jax.functional.core.tiles import _pad_to as _pad  # the tile loop's padding, as sharded.py uses it
 from posenc_jax.functional.kernels.pallas.backend import Layout, interpret_mode
 from posenc_jax.functional.kernels.pallas.backward import backward
 from posenc_jax.functional.kernels.pallas.forward import Operands, forward
@@ -65,15 +66,6 @@ def _block(block: int | None, length: int) -> int:
     if block < 16 or block & (block - 1):
         raise ValueError(f"the pallas kernel's tiles must be powers of two >= 16 (Triton), got {block}")
     return min(block, max(16, 1 << max(0, math.ceil(math.log2(length)))))
-
-
-def _pad(x, length: int, axis: int, *, edge: bool = False):
-    extra = length - x.shape[axis]
-    if extra == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, extra)
-    return jnp.pad(x, widths, mode="edge" if edge else "constant")
 
 
 def _per_token(x, length: int, *, key_side: bool):
