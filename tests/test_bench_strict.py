@@ -230,19 +230,26 @@ def test_a_damaged_restore_prints_one_warning_and_no_orbax_logging(tmp_path, cap
         ckpt.save(step, model, make_optimizer(model, optax.adam(1e-3)))
     for manifest in (tmp_path / "ckpt" / "2" / "model").glob("**/manifest.ocdbt"):
         manifest.write_bytes(b"xx" + manifest.read_bytes()[2:])
-    # Where absl logs at INFO (as a notebook or an absl app may set it), orbax logs ~20 lines here.
-    absl_level = logging.getLogger("absl").level
+    # Where absl logs at INFO (as a notebook or an absl app may set it), orbax logs ~20 lines here. With
+    # absl's handler on the root logger, set_verbosity sets the root logger's level: all three are put back.
+    # What is counted is the restore's output alone: closing the checkpointer logs at INFO (orbax's ordinary
+    # chatter), which a handler another test or an import left on the root logger (absl's first log call
+    # adds one when the root has none) would print.
+    absl_level, root_level = logging.getLogger("absl").level, logging.root.level
+    verbosity = absl_logging.get_verbosity()
     absl_logging.use_absl_handler()
     absl_logging.set_verbosity(absl_logging.INFO)
     capfd.readouterr()
     try:
         with pytest.warns(UserWarning, match=r"skipped damaged checkpoint step 2 in .*; restored step 1") as caught:
             assert ckpt.restore(Transformer(rngs=nnx.Rngs(1), **settings)) == 1
+        printed = capfd.readouterr()
     finally:
         logging.root.removeHandler(absl_logging.get_absl_handler())
+        absl_logging.set_verbosity(verbosity)
         logging.getLogger("absl").setLevel(absl_level)
+        logging.root.setLevel(root_level)
         ckpt.close()
-    printed = capfd.readouterr()
     assert len((printed.out + printed.err).strip().splitlines()) <= 2, printed.err[:2000]
     assert all("\n" not in str(w.message) for w in caught)
 
