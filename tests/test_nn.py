@@ -1,7 +1,6 @@
 """NNX modules: shapes, decoding with a KV cache, packing, causality, every encoding in a model."""
 
 import collections
-import re
 import sys
 
 import chex
@@ -298,34 +297,28 @@ def test_split_state_decode_step_equals_the_forward_and_compiles_once_per_shape(
     assert len(traces) == 2  # the prefill's shape and the step's
 
 
-def _trig_sizes(fn, *args):
-    text = compiled(jax.jit(fn).lower(*args)).as_text()
-    sizes = []
-    for computation in text.split("\n\n"):
-        if " sine(" in computation or " cosine(" in computation:
-            result = computation.strip().split("\n")[0].split("->")[-1]
-            sizes += [int(np.prod([int(d) for d in m.split(",") if d])) for m in re.findall(r"\[([\d,]*)\]", result)]
-    return sizes
+def _transcendentals(fn, *args) -> float:
+    """How many transcendental functions (sin, cos, exp, ...) the compiled ``fn`` evaluates (XLA's cost analysis)."""
+    return compiled(jax.jit(fn).lower(*args)).cost_analysis()["transcendentals"]
 
 
 def test_decoding_step_rotates_only_the_new_tokens():
-    # RoPE's and xPos's caches hold keys rotated: a step's sin/cos cover its own token, not the 64
-    # cached keys. Dynamic NTK follows the current length, so its cache holds keys unrotated (the check
-    # can fail).
-    def largest_trig(name):
+    # RoPE's and xPos's caches hold keys rotated: a step evaluates sin and cos for its own token, not for the 64
+    # cached keys. Counted against NoPE's step (the softmax's exponentials), per rotary frequency of the batch's
+    # two new tokens. Dynamic NTK follows the current length, so its cache holds keys unrotated and a step
+    # rotates every cached key again (the check can fail).
+    def added(name):
         model = _model(_config(name), num_layers=1)
         graphdef, state = nnx.split(model)
         step = lambda state, t, p, c: nnx.merge(graphdef, state).decode(t, p, c)
-        return max(
-            _trig_sizes(
-                step, state, jnp.zeros((2, 1), jnp.int32), jnp.zeros((2, 1), jnp.int32), model.init_cache(2, 64)
-            )
-        )
+        tokens = jnp.zeros((2, 1), jnp.int32)
+        return _transcendentals(step, state, tokens, tokens, model.init_cache(2, 64))
 
-    head_dim = D // HEADS
-    assert largest_trig("rope") <= 2 * head_dim
-    assert largest_trig("xpos") <= 2 * head_dim
-    assert largest_trig("rope-dynamic-ntk") >= 2 * 64 * head_dim // 2
+    frequencies = D // HEADS // 2
+    plain = added("nope")
+    for name in ("rope", "xpos"):  # sin, cos (and xPos's scale) per frequency of a new token
+        assert 0 < added(name) - plain <= 2 * frequencies * 8, name
+    assert added("rope-dynamic-ntk") - plain >= 2 * 64 * frequencies * 2  # sin and cos for every cached key
 
 
 @pytest.mark.parametrize(
