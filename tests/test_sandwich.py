@@ -3,10 +3,10 @@
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from compiled import compiled
 
 from posenc_jax.functional import Sandwich, dot_product_attention, encoding_config, encoding_info, sandwich_bias
 from posenc_jax.functional.core.hooks import AttentionContext
@@ -172,18 +172,25 @@ def test_head_h_is_head_one_divided_by_h(num_heads):
 
 
 def test_no_tensor_of_queries_by_keys_by_frequencies_is_formed():
+    # Sin and cos per position and frequency, combined by a product (cos(a - b) = cos a cos b + sin a sin b): the
+    # compiled bias evaluates (T + S) x F pairs of them and keeps no [T, S, F] buffer. XLA's cost analysis
+    # counts the functions evaluated, its memory analysis the temporary buffers.
     T, S, dim = 40, 50, 64
-    jaxpr = jax.make_jaxpr(lambda q, k: sandwich_bias(1, q, k, dim=dim))(_i32(np.arange(T)), _i32(np.arange(S)))
-    sizes = []
+    frequencies = dim // 2
+    pairs = T * S * frequencies
 
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            sizes.extend(int(np.prod(v.aval.shape)) for v in eqn.outvars if hasattr(v.aval, "shape"))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
+    def cost(bias):
+        program = compiled(jax.jit(bias).lower(_i32(np.arange(T)), _i32(np.arange(S))))
+        return program.cost_analysis()["transcendentals"], program.memory_analysis().temp_size_in_bytes
 
-    walk(jaxpr.jaxpr)
-    assert max(sizes) < T * S * dim // 2 // 4, max(sizes)  # the largest is one [T, S] (or [T, 2F]) array
+    transcendentals, temp = cost(lambda q, k: sandwich_bias(1, q, k, dim=dim))
+    assert transcendentals <= 2 * (T + S) * frequencies, transcendentals
+    assert temp < pairs * 4 // 4, temp  # the largest is one [T, S] (or [T, 2F]) array
+    # The checks can fail: the sum over frequencies of cos((q - k) θ) evaluates and stores every pair's.
+    theta = jnp.asarray(sandwich_frequencies(dim), jnp.float32)
+    naive = lambda q, k: jnp.cos((q[:, None, None] - k[None, :, None]).astype(jnp.float32) * theta[None, None]).sum(-1)
+    transcendentals, temp = cost(naive)
+    assert transcendentals >= pairs and temp >= pairs * 4
 
 
 # ---------------------------------------------------------------- large positions
