@@ -1,0 +1,121 @@
+"""The device benchmark (benchmarks/device.py) at its CPU sizes: a row per (encoding, path, T) in its table,
+finite times and a memory figure where a path ran, and a reason where it did not."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def device():
+    spec = importlib.util.spec_from_file_location("device_benchmark", ROOT / "benchmarks" / "device.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["device_benchmark"] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("device_benchmark", None)
+
+
+def _rows(table: str) -> dict[tuple[str, str, int], list[str]]:
+    """The table's rows by (encoding, path, T): every line of a table but its header and rule."""
+    rows = {}
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if not line.startswith("| ") or cells[0] == "T" or set(cells[0]) <= set("-:"):
+            continue
+        key = (cells[2], cells[3], int(cells[0].replace(",", "")))
+        assert key not in rows, f"two rows for {key}"
+        rows[key] = cells
+    return rows
+
+
+def _check_run(device, out: pathlib.Path, encodings, lengths) -> dict:
+    """The written table and JSON agree with a run of ``encodings`` x every path x ``lengths`` on the CPU."""
+    table = (out / "table.md").read_text()
+    assert "bfloat16" in table and "jax 0." in table and "(cpu)" in table
+    rows = _rows(table)
+    assert set(rows) == {(e, p, n) for e in encodings for p in device.PATHS for n in lengths}
+    for (encoding, path, _), cells in rows.items():
+        fwd_ms, fwd_ratio, both_ms, both_ratio, memory_fwd, memory_both = cells[4:10]
+        if path == "cudnn":  # no cuDNN on the CPU: skipped, saying so
+            assert (fwd_ms, both_ms) == ("skipped", "skipped") and "no cuDNN on cpu" in cells[-1]
+            continue
+        for ms, memory in ((fwd_ms, memory_fwd), (both_ms, memory_both)):
+            assert math.isfinite(float(ms)) and float(ms) > 0, cells
+            assert memory.endswith(("MiB", "GiB")) and float(memory.split()[0]) > 0, cells
+        assert fwd_ratio.endswith("×") and both_ratio.endswith("×"), cells  # over xla NoPE of the same run
+        if (encoding, path) == ("nope", "xla"):
+            assert (fwd_ratio, both_ratio) == ("1.00×", "1.00×")
+    results = json.loads((out / "results.json").read_text())
+    assert results["backend"] == "cpu" and results["dtype"] == "bfloat16"
+    for row in results["rows"]:
+        for mode in device.MODES:
+            result = row[mode]
+            if row["path"] == "cudnn":
+                assert result["status"] == "skipped"
+                continue
+            assert result["status"] == "measured", (row["encoding"], row["path"], mode, result)
+            assert result["finite"] and result["memory_bytes"] > 0 and len(result["runs"]) == 2
+            if row["path"] != "blockwise":  # the same attention as the blockwise path's, in bfloat16
+                assert result["relative_difference"] < 0.05, (row["encoding"], row["path"], mode, result)
+    return results
+
+
+def test_a_small_run_writes_a_row_per_encoding_path_and_length(device, tmp_path):
+    device.main(["--tiny", "--encodings", "nope,alibi", "--lengths", "128", "--out", str(tmp_path)])
+    _check_run(device, tmp_path, ["nope", "alibi"], [128])
+
+
+@pytest.mark.slow  # every default encoding, two lengths: about 50 programs compiled (the test above stays)
+def test_the_tiny_preset_writes_a_row_per_encoding_path_and_length(device, tmp_path):
+    device.main(["--tiny", "--out", str(tmp_path)])
+    results = _check_run(device, tmp_path, device.default_encodings(), [128, 256])
+    assert {"nope", "rope", "alibi", "t5", "kerple-log", "kerple-power"} <= set(results["settings"]["encodings"])
+
+
+def test_what_does_not_fit_the_budget_or_memory_is_printed_as_skipped(device, tmp_path):
+    device.main(["--tiny", "--encodings", "alibi", "--lengths", "128", "--budget-seconds", "0", "--out", str(tmp_path)])
+    rows = _rows((tmp_path / "table.md").read_text())
+    assert set(rows) == {("alibi", path, 128) for path in device.PATHS}
+    for (_, path, _), cells in rows.items():
+        assert (cells[4], cells[6]) == ("skipped", "skipped")
+        assert ("no cuDNN" if path == "cudnn" else "skipped: budget: predicted") in cells[-1]
+    device.main(["--tiny", "--encodings", "alibi", "--lengths", "128", "--memory-gib", "1e-6", "--out", str(tmp_path)])
+    rows = _rows((tmp_path / "table.md").read_text())
+    assert all("memory: predicted" in cells[-1] for (_, path, _), cells in rows.items() if path != "cudnn")
+
+
+def test_the_grid_starts_at_the_target_and_spreads(device):
+    assert device.length_order([1024, 2048, 4096, 8192, 16384, 32768]) == [8192, 1024, 32768, 16384, 4096, 2048]
+    assert device.length_order([128, 256]) == [256, 128]
+    assert device.sizes(1024, 128, 16384, 2048) == (16, 16) and device.sizes(32768, 64, 16384, 2048) == (1, 32)
+
+
+def test_the_default_encodings_are_nope_rope_and_what_the_pallas_kernels_take(device):
+    from posenc_jax.functional.core.normalizers import softmax_weights
+    from posenc_jax.functional.kernels import pallas_dispatch
+
+    names = device.default_encodings()
+    assert names[:4] == ["nope", "alibi", "t5", "rope"]
+    for name in names[4:]:
+        hooks = device.build_hooks(name, 256, 2, 64)
+        assert pallas_dispatch.unsupported(hooks, softmax_weights, None, 0.0) is None, name
+    assert "shaw" not in names and "rope-yarn" not in names  # neither is taken by the kernels as it is
+
+
+def test_bad_arguments_are_refused_naming_them(device, capsys):
+    for argv, named in (
+        (["--paths", "flash"], "flash"),
+        (["--encodings", "sinusoidal"], "sinusoidal"),
+        (["--reps", "0"], "--reps"),
+        (["--lengths", "0"], "--lengths"),
+    ):
+        with pytest.raises(SystemExit):
+            device.parse(argv)
+        assert named in capsys.readouterr().err
