@@ -339,7 +339,14 @@ def test_causal_attention_needs_no_more_temporary_memory_than_unmasked_attention
 
     def attention(mask=None, causal=True):
         return lambda q, k, v, pos: dot_product_attention(
-            q, k, v, query_positions=pos, key_positions=pos, causal=causal, mask=None if mask is None else mask(pos)
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            causal=causal,
+            mask=None if mask is None else mask(pos),
+            implementation="materialize",
         )
 
     unmasked = temp(attention(causal=False))
