@@ -1,17 +1,21 @@
 """A position bias's per-head form: the one definition of its value at a pair of positions.
 
-A bias that depends only on positions and per-head parameters (ALiBi, T5, Kerple) declares the
+A bias that depends only on positions and per-head parameters (ALiBi, T5, Kerple, Sandwich, the
+learned clipped bias, FIRE) declares the
 tiled form ``head`` (:mod:`~posenc_jax.functional.core.forms`): ``head_bias(context)`` returns a
 :class:`HeadBias`, its parameters as one row per head and a pure, elementwise function of a
 head's row and a pair of positions. Every path computes the bias with that one function: the
 materialising path over ``[B|1, N, T, S]`` (:func:`head_bias_at`), the blockwise path through the
 encoding's ``bias``/``distance_bias`` (which call it), and the Pallas kernel
 (:mod:`posenc_jax.functional.kernels.pallas`) on each tile's ``[bq, 1]`` query and ``[1, bk]`` key
-positions with one head's row ``[1, P]``.
+positions with one head's row ``[1, P]``. FIRE is the exception: its materialising and blockwise
+forms keep the MLP as a contraction over its hidden units (cheaper there), and agree with its
+per-head form to float32 rounding.
 
-The function uses only elementwise operations, selections and sums (no slice, gather or
-reshape), so it traces inside a Pallas kernel for every backend: a parameter's column is read
-with :func:`head_column`, never by indexing.
+The function uses only elementwise operations, selections, sums and matrix products of
+broadcast operands (no slice, gather, reshape or array constant), so it traces inside a Pallas
+kernel for every backend: a parameter's column is read with :func:`head_column`, never by
+indexing, and a learned table's entry at an integer index per pair with :func:`head_select`.
 
 Example:
   >>> scale = lambda params, q, k: head_column(params[0], 0) * (k - q).astype(jnp.float32)
@@ -30,7 +34,7 @@ import jax.numpy as jnp
 
 from posenc_jax.functional.core.positions import with_batch_axis
 
-__all__ = ["HeadBias", "head_bias_at", "head_column"]
+__all__ = ["HeadBias", "head_bias_at", "head_column", "head_select"]
 
 
 class HeadBias(NamedTuple):
@@ -62,6 +66,35 @@ def head_column(parameter: jax.Array, index: int) -> jax.Array:
     """
     lanes = jax.lax.broadcasted_iota(jnp.int32, parameter.shape, parameter.ndim - 1)
     return jnp.sum(jnp.where(lanes == index, parameter, jnp.zeros((), parameter.dtype)), axis=-1, keepdims=True)
+
+
+def head_select(parameter: jax.Array, index: jax.Array, size: int) -> jax.Array:
+    """``parameter [..., P]``'s entry ``index`` (int32, in ``[0, size)``, broadcasting) per element, without a gather.
+
+    A binary tree of selections on the bits of ``index``, its leaves the columns ``0 .. size - 1``
+    (:func:`head_column`): ``size - 1`` selections and ``⌈log2 size⌉`` bit tests per element, and at
+    most ``⌈log2 size⌉`` partial results alive at once. A gather would read the entry once; this is
+    what a table lookup costs where no gather lowers (a Pallas kernel's tile).
+
+    Example:
+      >>> head_select(jnp.array([[10.0, 11.0, 12.0]]), jnp.array([[2, 0, 1]]), 3)
+      Array([[12., 10., 11.]], dtype=float32)
+    """
+    if size < 1:
+        raise ValueError(f"head_select needs size >= 1 entries, got {size}")
+    index = jnp.asarray(index, jnp.int32)
+    depth = max(0, (size - 1).bit_length())
+    bits = [((index >> level) & 1) != 0 for level in range(depth)]  # index >= 0
+
+    def pick(low: int, level: int) -> jax.Array:  # the entry among low .. low + 2**level - 1 (and < size)
+        if level == 0:
+            return head_column(parameter, low)
+        middle = low + (1 << (level - 1))
+        if middle >= size:  # no entry in the upper half
+            return pick(low, level - 1)
+        return jnp.where(bits[level - 1], pick(middle, level - 1), pick(low, level - 1))
+
+    return pick(0, depth)
 
 
 def head_bias_at(head: HeadBias, query_positions, key_positions) -> jax.Array:

@@ -3,16 +3,25 @@
 ``logits[n, t, s] += table[clip(key_pos[s] - query_pos[t], -k, k) + k, n]`` with a
 ``[2k+1, N]`` table; distances beyond ±k share the end rows. Like T5 without the
 log buckets. Computed as ``2k+1`` distinct values per head, expanded by a gather.
+
+The one definition of the bias at a pair of positions is its per-head form (the tiled form
+``head``): the table's entry at the clipped distance, read by selections
+(:func:`~posenc_jax.functional.core.head_bias.head_select`). The materialising and blockwise
+paths evaluate it once at the ``2k+1`` distances and gather; the Pallas kernel evaluates it per
+tile, where no gather lowers: ``2k`` selections and ``⌈log2(2k+1)⌉`` bit tests per score, forward and
+in each backward kernel (and as many masked sums for the table's gradient), so its cost grows with k.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.head_bias import HeadBias, head_bias_at, head_select
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -21,6 +30,7 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
+from posenc_jax.functional.core.positions import position_difference
 from posenc_jax.functional.core.registry import register_encoding
 from posenc_jax.functional.core.relative import check_max_distance, clipped_at_distances, expand_relative_bias
 from posenc_jax.functional.core.validation import check_init_std
@@ -56,7 +66,24 @@ def clipped_relative_bias(table, query_positions, key_positions, *, max_distance
     """
     k = check_max_distance(max_distance)
     _check_table(table, k)
-    return expand_relative_bias(table.T, query_positions, key_positions, k)
+    return expand_relative_bias(_per_distance(table, k), query_positions, key_positions, k)
+
+
+def _per_distance(table, max_distance: int) -> jax.Array:
+    """The bias at distances ``-k .. k``, ``[N, 2k+1]`` (the table's rows: past ``±k`` it is constant)."""
+    distances = np.arange(-max_distance, max_distance + 1, dtype=np.int32)
+    return head_bias_at(_clipped_head(table, max_distance), np.zeros((1,), np.int32), distances)[0, :, 0, :]
+
+
+def _clipped_head(table, max_distance: int) -> HeadBias:
+    """The per-head form: the table's rows ``[N, 2k+1]`` and :func:`_clipped_at`."""
+    return HeadBias((jnp.asarray(table, jnp.float32).T,), functools.partial(_clipped_at, max_distance))
+
+
+def _clipped_at(max_distance: int, parameters, query_positions, key_positions) -> jax.Array:
+    """The one definition of the bias: the head's entry at ``clip(j - i, -k, k) + k``."""
+    index = jnp.clip(position_difference(key_positions, query_positions), -max_distance, max_distance)
+    return head_select(parameters[0], index + max_distance, 2 * max_distance + 1)
 
 
 @pytree_dataclass
@@ -85,7 +112,12 @@ class ClippedRelativeBias(BiasHook):
 
     def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array:
         """The bias at float32 distances ``[B|1, D]``, ``[B|1, N, D]``: a function of ``j - i`` alone."""
-        return clipped_at_distances(jnp.asarray(self.table).T, distance, self.max_distance)
+        return clipped_at_distances(_per_distance(self.table, self.max_distance), distance, self.max_distance)
+
+    def head_bias(self, context: AttentionContext) -> HeadBias:
+        """The per-head form of :meth:`bias` (the Pallas kernel computes it per tile; the table gets its gradient)."""
+        context.check_heads(np.shape(self.table)[1], f"the clipped bias's table [2k+1, N] {np.shape(self.table)}")
+        return _clipped_head(self.table, self.max_distance)
 
 
 @register_encoding(
@@ -95,7 +127,7 @@ class ClippedRelativeBias(BiasHook):
     small_settings=dict(max_distance=3),
     hook=ClippedRelativeBias,
     hooks=("logits",),
-    tiled=("distance",),
+    tiled=("distance", "head"),
     cached=(),
     prepared="bias",
 )
