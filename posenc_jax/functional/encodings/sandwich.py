@@ -21,12 +21,20 @@ near the diagonal and leaves a float32 rounding residue of order ``d̄ · 1e-7``
 sign, so the two known facts, ``bias <= 0`` and ``bias = 0`` where a key's position equals
 the query's, are imposed exactly.
 
+The one definition of the bias at a pair of positions is its per-head form (the tiled form
+``head``): the per-head factor ``N / (8h)`` as a parameter row and a function of the query and key
+positions that builds their phase tables (exact phases, in int32 arithmetic) and multiplies them.
+The materialising and blockwise paths call it over their positions; the Pallas kernel calls it
+per tile, where the sum is two ``[bq, F'] × [F', bk]`` products (``F' = d̄/2`` padded to a power of
+two, at least 16) at full float32 precision for each head, beside the tile's ``q kᵀ``.
+
 Reference: Chi, Fan, Rudnicky and Ramadge, "Dissecting Transformer Length Extrapolation
 via the Lens of Receptive Field Analysis", ACL 2023, arXiv:2212.10356.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import ClassVar
 
@@ -34,8 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.head_bias import HeadBias, head_bias_at, head_column
 from posenc_jax.functional.core.hooks import AttentionContext, BiasHook, ParameterFree, Placement, pytree_dataclass
-from posenc_jax.functional.core.positions import batched_positions, position_angles
+from posenc_jax.functional.core.positions import _DIGIT_BITS, _NUM_DIGITS, batched_positions
 from posenc_jax.functional.core.registry import Source, register_encoding
 
 __all__ = ["Sandwich", "sandwich_bias", "sandwich_frequencies"]
@@ -98,10 +107,71 @@ def _positions(positions, name: str) -> jax.Array:
     return positions
 
 
-def _phase_table(positions: jax.Array, theta: np.ndarray) -> jax.Array:
-    """``[cos(p θ), sin(p θ)]`` per position, ``[B|1, T, 2F]`` float32, phases reduced exactly."""
-    angles = position_angles(positions, theta)
-    return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
+def _digit_turns(theta: np.ndarray) -> tuple:
+    """Per 8-bit digit of a position, each frequency's phase per unit of that digit in ``2**-32`` turns, as int32
+    Python ints (the two's-complement of the uint32 phase): ``(digits, F)`` nested tuples, computed in float64."""
+    turns_per_position = theta / (2.0 * math.pi)
+    digits = []
+    for k in range(_NUM_DIGITS):
+        turns = np.round(np.mod(turns_per_position * 2.0 ** (_DIGIT_BITS * k), 1.0) * 2.0**32) % 2.0**32
+        digits.append(tuple(int(t) - (1 << 32) if t >= 2**31 else int(t) for t in turns.astype(np.uint64)))
+    return tuple(digits)
+
+
+def _lanes(width: int, axis: int, rank: int) -> jax.Array:
+    """int32 ``0 .. width - 1`` along ``axis`` (-1 or -2) of an array of ``rank`` with unit axes elsewhere."""
+    shape = [1] * rank
+    shape[axis] = width
+    return jax.lax.broadcasted_iota(jnp.int32, tuple(shape), rank + axis)
+
+
+def _phases(positions: jax.Array, turns: tuple, width: int, axis: int):
+    """``(cos, sin)`` of ``position · θ_f`` for int32 positions ``[..., T, 1]`` (``axis=-1``: ``[..., T, width]``) or
+    ``[..., 1, S]`` (``axis=-2``: ``[..., width, S]``), zero in the lanes past the F frequencies.
+
+    The phase is reduced modulo one turn exactly: each 8-bit digit of ``|position|`` times the
+    frequency's fixed-point turns, summed in int32 arithmetic that wraps modulo ``2**32`` (one
+    turn), then converted to radians once (as
+    :func:`~posenc_jax.functional.core.positions.position_angles` does in uint32). The per-lane
+    turns are built by selections from scalars, so no array constant enters a kernel.
+    """
+    lanes = _lanes(width, axis, positions.ndim)
+    magnitude = jnp.abs(positions)  # -2**31 stays -2**31: its bits are 2**31, read by logical shifts
+    phase = jnp.zeros((), jnp.int32)
+    for k, per_frequency in enumerate(turns):
+        row = jnp.zeros(lanes.shape, jnp.int32)
+        for f, turn in enumerate(per_frequency):
+            row = jnp.where(lanes == f, np.int32(turn), row)
+        digit = jax.lax.shift_right_logical(magnitude, np.int32(_DIGIT_BITS * k)) & ((1 << _DIGIT_BITS) - 1)
+        phase = phase + digit * row  # wraps modulo 2**32: one turn
+    angles = phase.astype(jnp.float32) * jnp.float32(2.0 * math.pi / 2.0**32)
+    angles = jnp.where(positions < 0, -angles, angles)
+    used = lanes < len(turns[0])
+    return jnp.where(used, jnp.cos(angles), 0.0), jnp.where(used, jnp.sin(angles), 0.0)
+
+
+def _sandwich_head(num_heads: int, dim: int, base: float) -> HeadBias:
+    """Sandwich's per-head form: the factors ``1 / (h · 8 / N)`` ``[N, 1]`` and :func:`_sandwich_at`."""
+    num_heads = _check_num_heads(num_heads)
+    turns = _digit_turns(sandwich_frequencies(dim, base=base))
+    # 1 / (h · 8 / N) for h = 1..N, computed on the host in float64.
+    ratio = num_heads / (8.0 * np.arange(1, num_heads + 1, dtype=np.float64))
+    return HeadBias((jnp.asarray(ratio, jnp.float32).reshape(num_heads, 1),), functools.partial(_sandwich_at, turns))
+
+
+def _sandwich_at(turns: tuple, parameters, query_positions, key_positions) -> jax.Array:
+    """The one definition of Sandwich's bias: ``(Σ_i cos((j - i) θ_i) - d̄/2) · ratio`` of the head, as
+    ``cos α cos β + sin α sin β`` summed by two products of the positions' phase tables."""
+    half = len(turns[0])
+    width = max(16, 1 << (half - 1).bit_length())  # a power of two >= 16: Triton's matrix products
+    q_cos, q_sin = _phases(query_positions, turns, width, -1)  # [..., T, W]
+    k_cos, k_sin = _phases(key_positions, turns, width, -2)  # [..., W, S]
+    # Σ_i cos((β - α)_i): full float32 precision (TF32/bf16 passes would cost ~1e-3 a term).
+    product = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    total = product(q_cos, k_cos) + product(q_sin, k_sin)
+    bias = jnp.minimum(total - jnp.float32(half), jnp.float32(0.0))  # Σ cos <= d̄/2: rounding only
+    bias = jnp.where(key_positions == query_positions, jnp.float32(0.0), bias)  # every cos is 1 at r = 0
+    return bias * head_column(parameters[0], 0)
 
 
 def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, base: float = 10000.0) -> jax.Array:
@@ -109,8 +179,8 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
 
     ``bias[b, h-1, t, s] = (Σ_{i=1}^{dim/2} cos(r θ_i) - dim/2) / (h · 8 / N)`` with
     ``r = key_pos[b, s] - query_pos[b, t]`` and ``θ_i = base^(-2i/dim)`` (Chi et al. 2023,
-    arXiv:2212.10356). The sum is one ``[T, dim] × [dim, S]`` matmul of the positions'
-    ``[cos, sin]`` tables (``cos(β - α) = cos α cos β + sin α sin β``), with phases reduced
+    arXiv:2212.10356). The sum is two ``[T, dim/2] × [dim/2, S]`` matmuls of the positions'
+    cos and sin tables (``cos(β - α) = cos α cos β + sin α sin β``), with phases reduced
     modulo 2π exactly, so no ``[T, S, dim/2]`` tensor is formed and large positions keep
     full accuracy.
 
@@ -133,9 +203,6 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
       array([[-0.156,  0.   , -0.156, -0.57 ],
              [-0.078,  0.   , -0.078, -0.285]])
     """
-    num_heads = _check_num_heads(num_heads)
-    theta = sandwich_frequencies(dim, base=base)
-    half = theta.shape[0]
     q = _positions(query_positions, "query_positions")  # [Bq, T]
     k = _positions(key_positions, "key_positions")  # [Bk, S]
     if q.shape[0] != k.shape[0] and 1 not in (q.shape[0], k.shape[0]):
@@ -143,18 +210,7 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
             f"query_positions {q.shape} and key_positions {k.shape} have different batch sizes; "
             "pass equal batch sizes, or 1-D positions shared by the batch"
         )
-    batch = max(q.shape[0], k.shape[0])
-    q_table = jnp.broadcast_to(_phase_table(q, theta), (batch, q.shape[1], 2 * half))
-    k_table = jnp.broadcast_to(_phase_table(k, theta), (batch, k.shape[1], 2 * half))
-    # Σ_i cos((β - α)_i): full float32 precision (TF32/bf16 passes would cost ~1e-3 a term).
-    total = jnp.einsum(
-        "btf,bsf->bts", q_table, k_table, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32
-    )
-    bias = jnp.minimum(total - jnp.float32(half), jnp.float32(0.0))  # Σ cos <= d̄/2: rounding only
-    bias = jnp.where(k[:, None, :] == q[:, :, None], jnp.float32(0.0), bias)  # every cos is 1 at r = 0
-    # 1 / (h · 8 / N) for h = 1..N, computed on the host in float64.
-    ratio = num_heads / (8.0 * np.arange(1, num_heads + 1, dtype=np.float64))
-    return bias[:, None] * jnp.asarray(ratio, jnp.float32).reshape(1, num_heads, 1, 1)
+    return head_bias_at(_sandwich_head(num_heads, dim, base), q, k)
 
 
 @register_encoding(
@@ -163,7 +219,7 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
     source=SANDWICH,
     forms=("causal", "bidirectional"),
     hooks=("logits",),
-    tiled=(),
+    tiled=("head",),
     cached=(),
     prepared="bias",
 )
@@ -196,10 +252,17 @@ class Sandwich(BiasHook, ParameterFree):
             _check_dim(self.dim)
         _check_base(self.base)
 
+    def _dim(self, context: AttentionContext) -> int:
+        if self.dim is None:
+            return _check_dim(context.head_dim, f"dim (None: the head dim, {context.head_dim})")
+        return self.dim
+
     def bias(self, context: AttentionContext) -> jax.Array:
         """The ``[B|1, N, T, S]`` bias, to compute once and share across layers."""
-        if self.dim is None:
-            dim = _check_dim(context.head_dim, f"dim (None: the head dim, {context.head_dim})")
-        else:
-            dim = self.dim
-        return sandwich_bias(context.num_heads, context.query_positions, context.key_positions, dim=dim, base=self.base)
+        return sandwich_bias(
+            context.num_heads, context.query_positions, context.key_positions, dim=self._dim(context), base=self.base
+        )
+
+    def head_bias(self, context: AttentionContext) -> HeadBias:
+        """The per-head form of :meth:`bias` (the Pallas kernel computes it per tile)."""
+        return _sandwich_head(context.num_heads, self._dim(context), self.base)
