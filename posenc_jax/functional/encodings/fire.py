@@ -10,7 +10,13 @@ the log (rounded once to float32), so the bias is right at any int32 position.
 
 The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
 activations are never stored whole; a blockwise tile sums it unit by unit instead
-(:mod:`posenc_jax.functional.kernels.fire`).
+(:mod:`posenc_jax.functional.kernels.fire`). The Pallas kernel computes it per tile from the
+per-head form (the tiled form ``head``): each head's ``w2`` row and ``b2``, and the shared ``w1``,
+``b1``, ``c``, ``L`` repeated per head, the MLP summed unit by unit (about five operations per
+hidden unit and score, forward; the backward kernels evaluate it again and pull the tile's score
+cotangent back through it for every parameter's gradient). The materialising path and the kernel
+compute the MLP's input with one function (:func:`_normalised_distance`); the forms sum the MLP in
+different orders, so they agree to float32 rounding.
 
 Reference: Li et al., "Functional Interpolation for Relative Positions Improves
 Long Context Transformers", ICLR 2024, arXiv:2310.04418.
@@ -18,12 +24,14 @@ Long Context Transformers", ICLR 2024, arXiv:2310.04418.
 
 from __future__ import annotations
 
+import functools
 from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from posenc_jax.functional.core.head_bias import HeadBias, head_column
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -33,7 +41,7 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.core.positions import batched_positions
+from posenc_jax.functional.core.positions import batched_positions, position_difference
 from posenc_jax.functional.core.products import broadcasts_to
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import by_query_blocks, relative_positions
@@ -82,6 +90,52 @@ def fire_init(key: jax.Array, num_heads: int, *, hidden: int = 32, c: float = 0.
     }
 
 
+def _check_params(params: dict) -> None:
+    missing = {"w1", "b1", "w2", "b2", "c", "threshold"} - set(params)
+    if missing:
+        raise ValueError(f"FIRE params are missing {sorted(missing)}")
+
+
+def _normalised_distance(distance, query, c, threshold):
+    """``ψ(i - j) / ψ(max(L, i))`` with ``ψ(x) = log(c·x + 1)``, for float32 distances ``i - j >= 0`` and query
+    positions ``i`` broadcasting against them (every form of FIRE computes its MLP's input here)."""
+    return jnp.log1p(c * distance) / jnp.log1p(c * jnp.maximum(threshold, query))
+
+
+def _fire_head(params: dict) -> HeadBias:
+    """FIRE's per-head form: rows ``w1``, ``b1`` (shared, repeated per head), ``w2ᵀ`` ``[N, hidden]`` and
+    ``[b2, |c|, |L|]`` ``[N, 3]``, and :func:`_fire_at`. Gradients of the repeated rows sum back to the
+    shared parameters."""
+    _check_params(params)
+    hidden, num_heads = np.shape(params["w2"])
+    per_head = lambda name: jnp.broadcast_to(jnp.asarray(params[name], jnp.float32), (num_heads, hidden))
+    scalar = lambda value: jnp.broadcast_to(jnp.asarray(value, jnp.float32), (num_heads,))
+    scalars = jnp.stack(
+        [
+            scalar(params["b2"]),
+            scalar(jnp.abs(jnp.asarray(params["c"], jnp.float32))),
+            scalar(jnp.abs(jnp.asarray(params["threshold"], jnp.float32))),
+        ],
+        axis=1,
+    )
+    w2 = jnp.asarray(params["w2"], jnp.float32).T
+    return HeadBias((per_head("w1"), per_head("b1"), w2, scalars), functools.partial(_fire_at, hidden))
+
+
+def _fire_at(hidden: int, parameters, query_positions, key_positions) -> jax.Array:
+    """FIRE's bias from its per-head form: ``b2 + Σ_h w2[h] · relu(w1[h] · x + b1[h])``, unit by unit."""
+    w1, b1, w2, scalars = parameters
+    b2, c, threshold = (head_column(scalars, i) for i in range(3))
+    # i - j, exact until rounded once to float32; future keys (masked) at 0.
+    distance = jnp.maximum(-position_difference(key_positions, query_positions, dtype=jnp.float32), 0.0)
+    x = _normalised_distance(distance, query_positions.astype(jnp.float32), c, threshold)
+    total = None
+    for h in range(hidden):
+        unit = jax.nn.relu(x * head_column(w1, h) + head_column(b1, h)) * head_column(w2, h)
+        total = unit if total is None else total + unit
+    return total + b2
+
+
 def fire_bias(
     params: dict, query_positions, key_positions, *, block_elements: int = 1 << 18, into: jax.Array | None = None
 ) -> jax.Array:
@@ -100,15 +154,12 @@ def fire_bias(
       >>> fire_bias(params, jnp.arange(5), jnp.arange(5)).shape
       (1, 4, 5, 5)
     """
-    missing = {"w1", "b1", "w2", "b2", "c", "threshold"} - set(params)
-    if missing:
-        raise ValueError(f"FIRE params are missing {sorted(missing)}")
+    _check_params(params)
     hidden, num_heads = np.shape(params["w2"])
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
     c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
     threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
-    psi = lambda x: jnp.log1p(c * x)
     w1 = jnp.asarray(params["w1"], jnp.float32).reshape(1, 1, 1, hidden)
     b1 = jnp.asarray(params["b1"], jnp.float32).reshape(1, 1, 1, hidden)
     w2 = jnp.asarray(params["w2"], jnp.float32)
@@ -120,7 +171,7 @@ def fire_bias(
         # i - j as an exact integer, rounded once to float32 only for the log: a float32
         # difference of float32 positions would be off by up to 8 at position 1e8.
         distance = jnp.maximum(-relative_positions(qb, k, dtype=jnp.float32), 0.0)  # [B, rows, S]
-        x = psi(distance) / psi(jnp.maximum(threshold, qb.astype(jnp.float32)))[:, :, None]
+        x = _normalised_distance(distance, qb.astype(jnp.float32)[:, :, None], c, threshold)
         h = jax.nn.relu(x[..., None] * w1 + b1)  # [B, rows, S, hidden]
         out = jnp.einsum("BTSh,hN->BNTS", h, w2) + b2
         return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))
@@ -163,6 +214,11 @@ class Fire(CausalOnly, BiasHook):
         key_positions = batched_positions(context.key_positions, "key_positions")
         return fire_tile(self.params, query_positions, key_positions)
 
+    def head_bias(self, context: AttentionContext) -> HeadBias:
+        """The per-head form (the Pallas kernel computes the bias per tile; every parameter gets its gradient)."""
+        context.check_heads(np.shape(self.params["w2"])[1], f"FIRE's w2 [hidden, N] {np.shape(self.params['w2'])}")
+        return _fire_head(self.params)
+
 
 @register_encoding(
     "fire",
@@ -172,7 +228,7 @@ class Fire(CausalOnly, BiasHook):
     small_settings=dict(hidden=4),
     hook=Fire,
     hooks=("logits",),
-    tiled=("logits",),
+    tiled=("logits", "head"),
     cached=(),
     prepared="bias",
     fused=("rows",),
