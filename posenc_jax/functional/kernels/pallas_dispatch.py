@@ -16,8 +16,9 @@ from posenc_jax.functional.core.normalizers import Softmax
 __all__ = ["SUPPORTED", "pallas_attention", "unsupported"]
 
 SUPPORTED = (
-    "implementation='pallas' supports softmax attention with biases that declare a per-head form (ALiBi, T5, Kerple; "
-    "NoPE adds none), causal or bidirectional, grouped-query heads, explicit positions, segment ids and key_mask"
+    "implementation='pallas' supports softmax attention with biases that declare a per-head form (ALiBi, T5, Kerple, "
+    "Sandwich, the learned clipped bias, FIRE; NoPE adds none), causal or bidirectional, grouped-query heads, explicit "
+    "positions, segment ids and key_mask"
 )
 
 

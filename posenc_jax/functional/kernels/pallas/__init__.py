@@ -5,7 +5,17 @@ The bias of a tile comes from the encoding's per-head form
 function the materialising and blockwise paths compute the bias with: the kernel calls it on each
 tile's query positions ``[bq, 1]``, key positions ``[1, bk]`` and the head's parameter rows, and
 its backward kernel pulls the tile's score cotangent back through it (``jax.vjp``) for the
-parameters' gradient (T5's table). No ``[T, S]`` array is built.
+parameters' gradient (T5's and the clipped bias's tables, Kerple's ``r1``, ``r2``, FIRE's MLP, ``c``
+and ``L``). No ``[T, S]`` array is built. The encodings: ALiBi, T5, Kerple (log, power), Sandwich,
+the learned clipped bias and FIRE, and sums of them.
+
+What a tile's bias costs beside its ``q kᵀ`` (per score, forward; each backward kernel evaluates
+it again, and the key-tile kernel also pulls its cotangent back): ALiBi and Kerple a few
+elementwise operations; T5 one selection per bucket; the clipped bias ``2k`` selections (a tree on
+the bits of the clipped distance, :func:`~posenc_jax.functional.core.head_bias.head_select`);
+FIRE about five operations per hidden unit; Sandwich two ``[bq, F'] × [F', bk]`` products at full
+float32 precision (``F'`` its ``d̄/2`` frequencies padded to a power of two >= 16) and the tiles'
+phase tables, ``O((bq + bk) · F')``. These are operation counts, not measurements.
 
 Backends: on the CPU the kernels run in Pallas' interpret mode (chosen in one place,
 :func:`~posenc_jax.functional.kernels.pallas.backend.interpret_mode`); on a GPU they lower through
