@@ -1,7 +1,8 @@
 """The Pallas flash-attention kernels (``implementation="pallas"``) against the materialising path.
 
 On the CPU the kernels run in Pallas' interpret mode: these tests check their values and
-gradients (q, k, v and the bias parameters: T5's table) per encoding, causal and bidirectional,
+gradients (q, k, v and the bias parameters: T5's and the clipped bias's tables, Kerple's r1 and
+r2, FIRE's MLP, c and L) per encoding, causal and bidirectional,
 with grouped-query heads and gapped per-row positions, in float32 (tight) and bfloat16 (stated
 tolerance). The lowering tests export the kernels (forward and gradient) for ``cuda`` (Triton)
 and ``tpu`` (Mosaic) on this CPU: lowering is not compiling, Triton and Mosaic compile on the
@@ -22,7 +23,17 @@ if jax.__version_info__ < (0, 10):
         allow_module_level=True,
     )
 
-from posenc_jax.functional import ALiBi, Kerple, NoPE, RoPE, T5Bias, dot_product_attention
+from posenc_jax.functional import (
+    ALiBi,
+    ClippedRelativeBias,
+    Fire,
+    Kerple,
+    NoPE,
+    RoPE,
+    Sandwich,
+    T5Bias,
+    dot_product_attention,
+)
 from posenc_jax.functional.core.head_bias import head_bias_at
 from posenc_jax.functional.core.hooks import attention_context
 
@@ -42,14 +53,37 @@ def _inputs(dtype=jnp.float32, length=T):
     return q, k, v, cotangent, table, positions
 
 
+def _fire_params(table):
+    """FIRE's parameters (4 hidden units) from ``table``'s first rows: the MLP as :func:`fire_init` shapes it,
+    ``c`` in (0.1, 1.1) and the threshold L in (10, 20), below the gapped positions' largest."""
+    return {
+        "w1": 0.5 + jax.nn.sigmoid(table[4, :4]),
+        "b1": -0.5 * jax.nn.sigmoid(table[5, :4]),
+        "w2": -0.5 * table[:4],
+        "b2": table[6],
+        "c": 0.1 + jax.nn.sigmoid(table[7, 0]),
+        "threshold": 10.0 + 10.0 * jax.nn.sigmoid(table[7, 1]),
+    }
+
+
 def _encodings(name, table):
-    """The encodings of a case; ``table`` ``[8, N]`` holds every learned parameter (T5's table; Kerple's r1
-    and r2 from its first rows, kept in (0.1, 1.1)), so its gradient covers them all."""
+    """The encodings of a case (``+`` joins several); ``table`` ``[8, N]`` holds every learned parameter (T5's
+    table; the clipped bias's first 7 rows, k = 3; Kerple's r1 and r2 from its first rows, kept in
+    (0.1, 1.1); FIRE's, :func:`_fire_params`), so its gradient covers them all."""
+    if "+" in name:
+        return [hook for part in name.split("+") for hook in _encodings(part, table)]
     if name.startswith("kerple"):
         r1, r2 = 0.1 + jax.nn.sigmoid(table[0]), 0.1 + jax.nn.sigmoid(table[1])
         return [Kerple(r1, r2, variant=name.split("-")[1])]
-    t5 = T5Bias(table, max_distance=16)
-    return {"nope": [NoPE()], "alibi": [ALiBi()], "t5": [t5], "alibi+t5": [ALiBi(), t5]}[name]
+    makers = {
+        "nope": NoPE,
+        "alibi": ALiBi,
+        "t5": lambda: T5Bias(table, max_distance=16),
+        "sandwich": Sandwich,
+        "clipped": lambda: ClippedRelativeBias(table[:7], max_distance=3),
+        "fire": lambda: Fire(_fire_params(table)),
+    }
+    return [makers[name]()]
 
 
 def _value_and_grads(implementation, name, causal, dtype=jnp.float32, **masks):
@@ -92,11 +126,16 @@ def _close(a, b, tolerance):
         ("alibi+t5", False),
         ("kerple-log", True),
         ("kerple-power", False),
+        ("clipped+sandwich+fire", True),
+        pytest.param("sandwich", False, marks=pytest.mark.slow),
+        pytest.param("clipped", False, marks=pytest.mark.slow),
+        pytest.param("fire", True, marks=pytest.mark.slow),
     ],
 )
 def test_kernel_matches_materialized_float32(name, causal):
-    """Values and gradients (q, k, v, T5's table, Kerple's r1 and r2) of the kernels equal the materialising
-    path's, GQA and gapped positions, to float32 rounding."""
+    """Values and gradients (q, k, v, T5's and the clipped bias's tables, Kerple's r1 and r2, FIRE's
+    parameters) of the kernels equal the materialising path's, GQA and gapped positions, to float32
+    rounding."""
     out, grads = _value_and_grads("pallas", name, causal)
     expected_out, expected_grads = _value_and_grads("materialize", name, causal)
     _close(out, expected_out, 1e-5)
@@ -106,12 +145,13 @@ def test_kernel_matches_materialized_float32(name, causal):
         assert float(jnp.abs(expected_grads[3]).max()) > 0  # the parameters' gradient is compared, not zeros
 
 
-def test_kernel_matches_materialized_bfloat16():
+@pytest.mark.parametrize("name", ["alibi+t5", pytest.param("clipped+sandwich+fire", marks=pytest.mark.slow)])
+def test_kernel_matches_materialized_bfloat16(name):
     """bfloat16 inputs: the kernels multiply bfloat16 tiles with float32 accumulation and round the weights
     to bfloat16 before the value product; within 2e-2 of the largest magnitude of the materialising path
     (which also takes bfloat16 inputs), forward and gradients."""
-    out, grads = _value_and_grads("pallas", "alibi+t5", True, jnp.bfloat16)
-    expected_out, expected_grads = _value_and_grads("materialize", "alibi+t5", True, jnp.bfloat16)
+    out, grads = _value_and_grads("pallas", name, True, jnp.bfloat16)
+    expected_out, expected_grads = _value_and_grads("materialize", name, True, jnp.bfloat16)
     assert out.dtype == jnp.bfloat16
     _close(out, expected_out, 2e-2)
     for grad, expected in zip(grads, expected_grads, strict=True):
@@ -160,6 +200,54 @@ def test_t5_per_head_form_agrees_with_its_table_form(causal):
     np.testing.assert_array_equal(per_head, tiled)
 
 
+def test_clipped_per_head_form_agrees_with_its_table_form():
+    """The clipped bias's per-head form (the kernel's: the table's entry by selections) equals its bias (the
+    table gathered) and its per-distance form, exactly, at gapped positions past k."""
+    *_, table, positions = _inputs()
+    (hook,) = _encodings("clipped", table)
+    context = attention_context(positions, positions, scale=0.25, causal=False, head_dim=H, num_heads=N)
+    per_head = head_bias_at(hook.head_bias(context), positions, positions)
+    np.testing.assert_array_equal(per_head, hook.bias(context))
+    distances = (positions[:, None, :] - positions[:, :, None]).reshape(B, T * T).astype(jnp.float32)
+    np.testing.assert_array_equal(per_head, hook.distance_bias(distances, context).reshape(B, N, T, T))
+
+
+def test_fire_per_head_form_agrees_with_its_bias():
+    """FIRE's per-head form (the kernel's: the MLP unit by unit on each head's rows) equals its bias (the
+    MLP as a contraction over the hidden units) to float32 rounding, values and every parameter's
+    gradient, at positions on both sides of the threshold."""
+    *_, table, positions = _inputs()
+    context = attention_context(positions, positions, scale=0.25, causal=True, head_dim=H, num_heads=N)
+    weights = jax.random.normal(jax.random.key(2), (B, N, T, T))
+
+    def pulled(form):
+        return lambda table: jnp.sum(weights * form(_encodings("fire", table)[0]))
+
+    per_head = lambda hook: head_bias_at(hook.head_bias(context), positions, positions)
+    _close(per_head(_encodings("fire", table)[0]), _encodings("fire", table)[0].bias(context), 1e-6)
+    grad = jax.grad(pulled(per_head))(table)
+    expected = jax.grad(pulled(lambda hook: hook.bias(context)))(table)
+    assert float(jnp.abs(expected).max()) > 0
+    _close(grad, expected, 1e-5)
+
+
+def test_sandwich_per_head_form_at_a_tile_keeps_exact_phases():
+    """Sandwich's per-head function on one tile as the kernel calls it (positions ``[bq, 1]`` and ``[1, bk]``,
+    a head's row ``[1, 1]``) equals the materialising path's bias, near the int32 limit and at negative
+    positions, where a float32 product of position and frequency would be off by whole radians."""
+    hook = Sandwich()
+    queries = jnp.array([2**31 - 1, 2**31 - 40, -(2**31), -7, 0, 12345678, 5, 2**30], jnp.int32)
+    keys = jnp.array([2**31 - 3, 2**31 - 41, -(2**31) + 2, -9, 3, 12345000, 5, 2**30 + 17], jnp.int32)
+    context = attention_context(queries, keys, scale=0.25, causal=False, head_dim=64, num_heads=N)
+    head = hook.head_bias(context)
+    expected = hook.bias(context)[0]  # [N, T, S]
+    for n in range(N):
+        rows = tuple(p[n : n + 1] for p in head.parameters)
+        tile = head.function(rows, queries[:, None], keys[None, :])
+        _close(tile, expected[n], 1e-6)
+    assert float(jnp.abs(expected).max()) > 1.0
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -183,14 +271,19 @@ CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 
 @pytest.mark.parametrize(
     ("name", "dtype", "precision"),
-    [("t5", jnp.bfloat16, None), ("kerple-power", jnp.bfloat16, None), ("t5", jnp.float32, jax.lax.Precision.HIGHEST)],
+    [
+        ("t5", jnp.bfloat16, None),
+        ("kerple-power", jnp.bfloat16, None),
+        ("t5", jnp.float32, jax.lax.Precision.HIGHEST),
+        ("clipped+sandwich+fire", jnp.bfloat16, None),
+    ],
 )
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernels_lower_for_gpu_and_tpu(platform, name, dtype, precision):
-    """Forward and gradient of the kernels (T5 or Kerple with segment ids, causal, GQA, tiles of 128; bfloat16,
-    or float32 at full precision) lower to Triton's and Mosaic's custom calls. Lowering only: Triton and
-    Mosaic compile on the device."""
-    from posenc_jax.functional.kernels.pallas import flash_attention
+    """Forward and gradient of the kernels (T5, Kerple, or the clipped bias, Sandwich and FIRE together, with
+    segment ids, causal, GQA, tiles of 128; bfloat16, or float32 at full precision) lower to Triton's and
+    Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
+    from posenc_jax.functional.kernels.pallas import flash_attention, joined_head_bias
 
     length, head_dim = 256, 64
     q = jnp.zeros((1, length, N, head_dim), dtype)
@@ -206,7 +299,9 @@ def test_kernels_lower_for_gpu_and_tpu(platform, name, dtype, precision):
             v,
             query_positions=positions,
             key_positions=positions,
-            head_bias=(T5Bias(table) if name == "t5" else _encodings(name, table)[0]).head_bias(context),
+            head_bias=joined_head_bias(
+                [hook.head_bias(context) for hook in ([T5Bias(table)] if name == "t5" else _encodings(name, table))]
+            ),
             causal=True,
             query_segment_ids=segments,
             key_segment_ids=segments,
