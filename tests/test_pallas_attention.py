@@ -141,7 +141,7 @@ def test_kernel_matches_materialized_float32(name, causal):
     _close(out, expected_out, 1e-5)
     for grad, expected in zip(grads, expected_grads, strict=True):
         _close(grad, expected, 1e-5)
-    if name != "nope" and name != "alibi":
+    if name not in ("nope", "alibi", "sandwich"):  # the others have learned parameters
         assert float(jnp.abs(expected_grads[3]).max()) > 0  # the parameters' gradient is compared, not zeros
 
 
