@@ -38,7 +38,12 @@ from posenc_jax.functional.core.positions import batched_positions, inverse_freq
 from posenc_jax.functional.core.products import key_heads_for_queries
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
-from posenc_jax.functional.kernels.transformer_xl import tile_distance_table, tile_terms, transformer_xl_terms
+from posenc_jax.functional.kernels.transformer_xl import (
+    by_query_rows,
+    tile_distance_table,
+    tile_terms,
+    transformer_xl_terms,
+)
 
 __all__ = ["TransformerXL", "TransformerXLConfig", "project_distances", "rel_shift", "transformer_xl_logits"]
 
@@ -296,8 +301,14 @@ class TransformerXL:
             return self.logits(q, k, context)
         _check_params(q, self.position_projection, self.content_bias, self.position_bias, None)
         plain = dataclasses.replace(self, distance_table=None, tile_table=None)
-        # The identity for any positions: the terms' plain form (not causal: no ladder to try in a tile).
-        identity = lambda: plain._terms(q, k, dataclasses.replace(context, causal=False, mask=None))
+        # The identity for any positions: the terms' plain form (not causal: no ladder to try in a tile), by
+        # blocks of query rows in turn, so that this branch, rarely taken, needs no more memory than the table's.
+        rows_context = lambda positions: dataclasses.replace(
+            context, causal=False, mask=None, query_positions=positions
+        )
+        identity = lambda: by_query_rows(
+            lambda q_rows, positions: plain._terms(q_rows, k, rows_context(positions)), q, context.query_positions
+        )
         features = self.cached_keys if self.cached_keys is not None else self.key_features(k, context.key_positions)
         content = jnp.swapaxes(features["content"], 1, 2)[:, :, None, :]  # u · k_s: [B, N, 1, bk]
         shifted_q = q.astype(jnp.float32) + jnp.asarray(self.position_bias, jnp.float32)[None, None]

@@ -53,7 +53,14 @@ from posenc_jax.functional.core.relative import (
 )
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
-__all__ = ["shift_ladder_scores", "skew_rows", "tile_distance_table", "tile_terms", "transformer_xl_terms"]
+__all__ = [
+    "by_query_rows",
+    "shift_ladder_scores",
+    "skew_rows",
+    "tile_distance_table",
+    "tile_terms",
+    "transformer_xl_terms",
+]
 
 # Positions whose distances reach this far take the identity in a tile (the table's index arithmetic is
 # exact well inside int32).
@@ -415,6 +422,28 @@ def _row_block(block_q: int) -> int:
     return next((rows for rows in (128, 64, 32) if block_q > rows and block_q % rows == 0), block_q)
 
 
+def by_query_rows(rows_terms: Callable, q, query_positions) -> jax.Array:
+    """A tile's ``[B, N, bq, bk]`` from ``rows_terms(q_rows, positions_rows)`` ``[B, N, m, bk]`` of each block
+    of ``m`` query rows (as :func:`tile_terms` blocks them), one block after another.
+
+    A loop whose step's gradient computes its forward again: the terms' intermediates (the identity's
+    ``[m, N, D]`` projected queries) are a block's, not the tile's. For the identity a tile falls back on,
+    which a conditional's memory counts (the costlier branch's) though tiles of runs never take it.
+    ``q`` ``[B, bq, N, H]``; ``query_positions`` ``[B|1, bq]``.
+    """
+    block_q = q.shape[1]
+    rows = _row_block(block_q)
+    if rows == block_q:
+        return rows_terms(q, query_positions)
+    blocks = block_q // rows
+    q_rows = jnp.moveaxis(q.reshape(q.shape[0], blocks, rows, *q.shape[2:]), 1, 0)
+    positions = with_batch_axis(query_positions)
+    positions = jnp.moveaxis(positions.reshape(positions.shape[0], blocks, rows), 1, 0)
+    out = jax.lax.map(jax.checkpoint(lambda part: rows_terms(*part)), (q_rows, positions))  # [blocks, B, N, m, bk]
+    out = jnp.moveaxis(out, 0, 2)
+    return out.reshape(*out.shape[:2], block_q, out.shape[-1])
+
+
 def tile_terms(
     content, shifted_q, query_positions, key_positions, table, *, projection, project, scale: float, identity: Callable
 ):
@@ -459,18 +488,40 @@ def tile_terms(
     def by_table():
         distances = highest[0] - jnp.arange(width, dtype=jnp.int32)  # the slice's, largest first
         window = _table_slice(project, projection, rows_of_table, start[0], distances)
-        # Each block of ``rows`` query rows against its own ``rows + bk - 1`` distances (largest first): the
-        # position product is (rows + bk - 1) / bk score products, not the whole tile's (bq + bk - 1) / bk.
-        parts = []
-        for first in range(0, block_q, rows):
-            offset = block_q - rows - first  # the slice's row of this block's largest distance
-            q_rows = jax.lax.slice_in_dim(shifted_q, first, first + rows, axis=1)
-            scores = _scores_against(q_rows, jax.lax.slice_in_dim(window, offset, offset + rows + block_k - 1))
-            parts.append(skew_rows(scores, block_k))  # [B, N, rows, bk]
-        position = parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=2)
-        return (content + position) * jnp.float32(scale)
+        return (content + _position_by_rows(shifted_q, window, block_k, rows)) * jnp.float32(scale)
 
     return jax.lax.cond(fits, by_table, identity)
+
+
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _position_by_rows(shifted_q, window, block_k: int, rows: int) -> jax.Array:
+    """A tile's ``(q_t + v)·W_R R_{t-s}`` ``[B, N, bq, bk]`` from its ``bq + bk - 1`` projected distances
+    ``window`` (largest first), by blocks of ``rows`` query rows.
+
+    Each block of rows against its own ``rows + bk - 1`` distances: the position product is
+    ``(rows + bk - 1) / bk`` score products, not the whole tile's ``(bq + bk - 1) / bk``. A checkpoint: the
+    gradient keeps ``shifted_q`` and ``window``, not a copy of each block's slice of the window (the
+    products being linear, nothing is computed again for the gradient but those slices). The blocks are
+    written into the tile one by one, so one block's product is held at a time.
+    """
+    batch, block_q, num_heads, _ = shifted_q.shape
+
+    def block(first):  # [B, N, rows, bk]: query rows first .. first + rows - 1
+        offset = block_q - rows - first  # the window's row of this block's largest distance
+        q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, first, rows, axis=1)
+        return skew_rows(
+            _scores_against(q_rows, jax.lax.dynamic_slice_in_dim(window, offset, rows + block_k - 1)), block_k
+        )
+
+    if rows == block_q:
+        return block(0)
+    # A loop that writes each block into the tile in place: one block's product is held at a time.
+    return jax.lax.fori_loop(
+        0,
+        block_q // rows,
+        lambda i, position: jax.lax.dynamic_update_slice_in_dim(position, block(i * rows), i * rows, axis=2),
+        jnp.zeros((batch, num_heads, block_q, block_k), jnp.float32),
+    )
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
