@@ -2,7 +2,7 @@
 
     python benchmarks/device.py                        # an accelerator: T = 1k to 32k, H = 128 and 64, ~4 minutes
     python benchmarks/device.py --budget-seconds 900   # more of the grid
-    python benchmarks/device.py --tiny                 # a CPU, in seconds: T = 128 and 256, H = 64, Pallas interpreted
+    python benchmarks/device.py --tiny                 # a CPU: T = 128 and 256, H = 64, Pallas interpreted
 
 Causal self-attention of bfloat16 ``q, k, v [B, T, N, H]`` (``B·T = --tokens``, ``N·H = --width``, so the
 arithmetic per call grows as T), forward, and forward and backward (the gradients with respect to q, k, v and
@@ -68,7 +68,7 @@ LENGTHS = (1024, 2048, 4096, 8192, 16384, 32768)
 HEAD_DIMS = (128, 64)
 TARGET_LENGTH = 8192  # the issue's target size, measured first
 FIRST_ENCODINGS = ("nope", "alibi", "t5", "rope")  # the baseline, the issue's targets, the rotation
-TINY = dict(lengths=(128, 256), head_dims=(64,), tokens=256, width=128, reps=2, budget_seconds=600.0)
+TINY = dict(lengths=(128, 256), head_dims=(64,), tokens=256, width=128, reps=2, budget_seconds=3600.0)
 DEFAULT_COMPILE_SECONDS = 10.0  # the guess for a path's first compile, before any was measured
 
 
@@ -451,14 +451,18 @@ def baseline_path(backend: str) -> str:
 
 
 def ratios(rows: list[dict], backend: str) -> dict:
-    """``(length, head_dim, mode) -> seconds`` of the baseline (NoPE on cudnn, or xla without cuDNN)."""
-    base = baseline_path(backend)
+    """``(length, head_dim, mode) -> (seconds, mark)`` of the baseline: NoPE on cudnn (on xla without cuDNN);
+    where cuDNN's was not measured on a GPU, xla's, marked ``†``."""
+    paths = ("cudnn", "xla") if baseline_path(backend) == "cudnn" else ("xla",)
     found = {}
-    for row in rows:
-        if row["encoding"] == "nope" and row["path"] == base:
+    for path, mark in zip(paths, ("", " †"), strict=False):
+        for row in rows:
+            if row["encoding"] != "nope" or row["path"] != path:
+                continue
             for mode in MODES:
-                if row.get(mode, {}).get("status") == "measured":
-                    found[(row["length"], row["head_dim"], mode)] = row[mode]["seconds"]
+                at = (row["length"], row["head_dim"], mode)
+                if row.get(mode, {}).get("status") == "measured" and at not in found:
+                    found[at] = (row[mode]["seconds"], mark)
     return found
 
 
@@ -484,8 +488,9 @@ def header(facts: dict) -> str:
             f"{settings['width']:,} (B = max(1, {settings['tokens']:,} / T), N = {settings['width']:,} / H); "
             "forward, and forward and backward (gradients of q, k, v and the encoding's parameters). Time: "
             f"median of {settings['reps']} runs after a compile and one run not counted, ms. Ratio (×): to "
-            f"{base} plain attention without a bias ({base_row}) at the same T and H, measured in this run. "
-            "Memory: the compiled program's account (temporaries + arguments + output); device peak: the "
+            f"{base} plain attention without a bias ({base_row}) at the same T and H, measured in this run"
+            + ("; † where cuDNN's was not measured: to `xla` NoPE. " if facts["backend"] == "gpu" else ". ")
+            + "Memory: the compiled program's account (temporaries + arguments + output); device peak: the "
             "allocator's peak while the row ran, where the row raised it (≤: it did not, so at most that). "
             "rel. diff: largest difference from the blockwise path's result over its largest magnitude. "
             "`cudnn`/`xla` take a bias encoding as a materialised `[1, N, T, S]` bias and rotate q, k for RoPE; "
@@ -500,7 +505,7 @@ def _cell(result: dict | None, key: str, base: float | None = None) -> str:
     if key == "seconds":
         return _ms(result["seconds"])
     if key == "ratio":
-        return f"{result['seconds'] / base:.2f}×" if base else "–"
+        return f"{result['seconds'] / base[0]:.2f}×{base[1]}" if base else "–"
     if key == "memory":
         return _size(result.get("memory_bytes"))
     if key == "peak":
@@ -600,7 +605,11 @@ def write(out: pathlib.Path, rows: list[dict], facts: dict) -> None:
 
 def parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a CPU preset: T = 128, 256; H = 64; 256 tokens, N·H = 128")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a CPU preset: T = 128, 256; H = 64; 256 tokens, N·H = 128; budget 3600 s (compiling dominates)",
+    )
     parser.add_argument("--lengths", type=int, nargs="+", help=f"T (default {', '.join(map(str, LENGTHS))})")
     parser.add_argument("--head-dims", type=int, nargs="+", help="H (default 128 64)")
     parser.add_argument("--tokens", type=int, help="B·T per call (default 16384)")

@@ -6,7 +6,9 @@ import json
 import math
 import pathlib
 import sys
+import time
 
+import jax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -72,7 +74,7 @@ def test_a_small_run_writes_a_row_per_encoding_path_and_length(device, tmp_path)
     _check_run(device, tmp_path, ["nope", "alibi"], [128])
 
 
-@pytest.mark.slow  # every default encoding, two lengths: about 50 programs compiled (the test above stays)
+@pytest.mark.slow  # every default encoding, two lengths: about 100 programs compiled (the test above stays)
 def test_the_tiny_preset_writes_a_row_per_encoding_path_and_length(device, tmp_path):
     device.main(["--tiny", "--out", str(tmp_path)])
     results = _check_run(device, tmp_path, device.default_encodings(), [128, 256])
@@ -119,3 +121,49 @@ def test_bad_arguments_are_refused_naming_them(device, capsys):
         with pytest.raises(SystemExit):
             device.parse(argv)
         assert named in capsys.readouterr().err
+
+
+def _measured(seconds):
+    return {"status": "measured", "seconds": seconds, "memory_bytes": 2**20, "finite": True}
+
+
+def test_a_gpu_table_divides_by_cudnn_nope_and_marks_where_xla_stands_in(device):
+    facts = {
+        "backend": "gpu",
+        "device_kind": "NVIDIA H200",
+        "command": "python benchmarks/device.py",
+        "date": "today",
+        "jax": jax.__version__,
+        "jaxlib": "?",
+        "device_count": 1,
+        "matmul_precision": "None",
+        "settings": dict(tokens=16384, width=2048, reps=5, bidirectional=False, encodings=["nope", "alibi"]),
+    }
+    failed = {"status": "error", "reason": "NotImplementedError: not here"}
+    rows = []
+    for length, cudnn in ((1024, _measured(0.002)), (2048, failed)):
+        for encoding, path, result in (
+            ("nope", "cudnn", cudnn),
+            ("nope", "xla", _measured(0.004)),
+            ("alibi", "pallas", _measured(0.003)),
+        ):
+            row = dict(encoding=encoding, path=path, length=length, head_dim=128, batch=16384 // length, heads=16)
+            rows.append({**row, "fwd": result, "fwd+bwd": result})
+    table = device.table(rows, facts)
+    assert "Attention on NVIDIA H200 (gpu)" in table and "bfloat16" in table and "TF32" in table
+    cells = _rows(table)
+    assert cells[("alibi", "pallas", 1024)][5] == "1.50×"  # over cuDNN's 2 ms
+    assert cells[("alibi", "pallas", 2048)][5] == "0.75× †"  # cuDNN failed there: over XLA's 4 ms, marked
+    assert cells[("nope", "cudnn", 2048)][4] == "error" and "NotImplementedError" in cells[("nope", "cudnn", 2048)][-1]
+
+
+def test_the_planner_scales_a_measured_run_by_the_work_and_skips_what_would_pass_the_deadline(device):
+    planner = device.Planner(deadline=time.monotonic() + 100.0, reps=5)
+    planner.record(("pallas", "nope", 128, "fwd"), work=1e6, compile_seconds=2.0, run_seconds=1.0)
+    assert planner.run_seconds(("pallas", "nope", 128, "fwd"), 4e6) == pytest.approx(4.0)
+    assert planner.run_seconds(("pallas", "alibi", 128, "fwd"), 2e6) == pytest.approx(2.0)  # NoPE's, scaled
+    assert planner.run_seconds(("xla", "alibi", 128, "fwd"), 2e6) is None
+    assert planner.plan(("pallas", "alibi", 128, "fwd"), 1e7) == (5, None)  # 2 s + 6 runs of 10 s
+    assert planner.plan(("pallas", "alibi", 128, "fwd"), 4e7)[0] == 1  # 6 runs of 40 s would not fit; 2 do
+    reps, why = planner.plan(("pallas", "alibi", 128, "fwd"), 1e8)
+    assert reps == 0 and why.startswith("budget: predicted")
