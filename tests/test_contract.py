@@ -1,6 +1,7 @@
 """The encoding contract: metadata for every name, hooks as pytrees, defaults that follow the model,
 and a new encoding added in one place."""
 
+import functools
 import importlib.util
 import pathlib
 import re
@@ -250,6 +251,15 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
         content = jnp.einsum("BTNH,BSNH->BNTS", q, k) * context.scale
         got = hook.carried_logits_from_content(content, q, k, context, carry)
         want = hook.carried_logits(q, k, context, carry)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        checked += 1
+    if forms_of(hook).has("tiled", "per_query_block"):  # what a query block's tiles share, computed for it
+        if forms_of(hook).has("tiled", "carried"):  # after later key tiles counted 1.5 gates per row
+            tile = lambda h: h.carried_logits(q, k, context, h.init_carry(q, context) + 1.5)
+        else:
+            tile = lambda h: h.tile_logits(q, k, context)
+        got, want = tile(hook.for_query_block(q, context)), tile(hook)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         checked += 1
@@ -575,7 +585,50 @@ def test_declare_forms_checks_the_hooks_too():
     declare_forms(Rotation, Forms(hooks=("rotate", "logits")))
     assert hook_names(Rotation()) == ("rotate", "logits")
     with pytest.raises(ValueError, match=r"already declares"):
-        declare_forms(Rotation, Forms(hooks=("rotate", "logits"), tiled=None))
+        declare_forms(Rotation, Forms(hooks=("rotate", "logits"), tiled=()))
+
+
+def test_a_term_whose_tile_form_is_not_declared_is_not_computed_per_tile(rng, monkeypatch):
+    """A class filling ``logits`` or ``values`` without saying ``tiled`` is taken as ``tiled=None``: its
+    term may need every key (CoPE's gates sum over them), so blockwise attention refuses it by name and
+    ``auto`` materialises it, even past the size where it would go blockwise; ``tiled=()`` opts in. A
+    rotation acts before the scores: per tile without saying so."""
+    assert Forms(hooks=("logits",)).tiled is None and Forms(hooks=("values",)).tiled is None
+    assert Forms(hooks=("rotate",)).tiled == () and Forms(hooks=()).tiled == ()
+    assert Forms(hooks=("logits",), tiled=()).tiled == ()
+
+    @pytree_dataclass
+    class RowMean:  # a term of every key: the mean of each query's content scores over all keys
+        def logits(self, q, k, context):
+            return jnp.einsum("bthd,bshd->bht", q, k)[..., None] / k.shape[1]
+
+    declare_forms(RowMean, Forms(hooks=("logits",)))
+    B, T, N, H = 1, 64, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32) for _ in range(3))
+    pos = jnp.arange(T)
+    attend = functools.partial(
+        dot_product_attention, q, k, v, query_positions=pos, key_positions=pos, encodings=[RowMean()], causal=True
+    )
+    with pytest.raises(ValueError, match=r"RowMean cannot be computed per tile.*implementation='materialize'"):
+        attend(implementation="blockwise", block_q=16, block_k=16)
+    whole = attend(implementation="materialize")
+    import posenc_jax.functional.core.attention as attention
+
+    monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
+    monkeypatch.setattr(attention, "AUTO_TILED_FROM_LENGTH", 0)  # "auto" goes blockwise where it can
+    np.testing.assert_array_equal(np.asarray(attend(implementation="auto")), np.asarray(whole))
+
+    # Declared per tile (wrongly, for this term), the tiles compute it from their own keys: a different answer
+    # (from "auto" too, now), which is why the declaration is the class's to make, not a default.
+    @pytree_dataclass
+    class RowMeanTiled(RowMean):
+        pass
+
+    declare_forms(RowMeanTiled, Forms(hooks=("logits",), tiled=()))
+    tiled = attend(encodings=[RowMeanTiled()], implementation="blockwise", block_q=16, block_k=16)
+    assert float(jnp.max(jnp.abs(tiled - whole))) > 1e-3
+    auto = attend(encodings=[RowMeanTiled()], implementation="auto", block_q=16, block_k=16)
+    assert float(jnp.max(jnp.abs(auto - whole))) > 1e-3
 
 
 def test_an_object_whose_class_declares_no_hooks_is_refused_where_it_enters(rng):
@@ -620,7 +673,7 @@ def test_the_attention_calls_the_declared_hooks_not_the_methods_an_object_has(rn
         def logits(self, q, k, context):
             return relative_positions(context.query_positions, context.key_positions, dtype=jnp.float32)[:, None]
 
-    declare_forms(Bias, Forms(hooks=("logits",)))
+    declare_forms(Bias, Forms(hooks=("logits",), tiled=()))  # a term of the tile's own positions
     tampered = Bias()
     tampered.rotate = lambda q, k, context: (q * 0, k * 0)
     tampered.values = lambda weights, context: jnp.full((B, T, N, H), jnp.nan)

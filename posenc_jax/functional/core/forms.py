@@ -24,6 +24,8 @@ tiled       ``distance``          ``distance_bias(distance, context)``: a Toepli
                                   a normaliser's online form
             ``per_call``          ``for_tiles(context, block_q, block_k)``: what every    Transformer-XL
                                   tile shares, computed once for the call
+            ``per_query_block``   ``for_query_block(q, context)``: what a query block's   CoPE
+                                  key tiles share, computed once for the block
 cached      ``rotation``          ``rotates_per_token``: keys stored rotated when True    RoPE, axial RoPE
             ``rotation_about``    ``rotate_about(q, k, context, reference)``              xPos
             ``key_term``          ``key_features``, ``with_key_features``                 DeBERTa, Transformer-XL, ...
@@ -39,8 +41,12 @@ fused       ``rows``              ``add_logits(scores, q, k, context)``         
 ==========  ====================  ======================================================  =========================
 
 ``tiled=None`` says the hook cannot be computed per tile (blockwise attention refuses it by
-name); ``tiled=()`` that blockwise attention calls its ``logits`` and ``values`` on each
-tile's context, which every hook of the contract must allow.
+name, and ``implementation="auto"`` materialises); ``tiled=()`` that blockwise attention calls
+its ``logits`` and ``values`` on each tile's context alone, which is right only for a term of
+the tile's own queries and keys (a bias of positions, say; not CoPE's gates, which sum over
+every key). A class that fills ``logits`` or ``values`` and does not say ``tiled`` is taken as
+``tiled=None``: correct everywhere, materialised; declaring ``tiled=()`` opts in to the tiles.
+A class filling neither (a rotation, an embedding) acts before the scores and has ``tiled=()``.
 
 Example:
   >>> Forms(hooks=("logits",), tiled=("distance",), prepared="bias").methods()
@@ -68,6 +74,7 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
         "carried_from_content": ("carried_logits_from_content",),
         "weights": ("tile_init", "tile_weights", "tile_denominator"),
         "per_call": ("for_tiles",),
+        "per_query_block": ("for_query_block",),
     },
     "cached": {
         "rotation": ("rotates_per_token",),
@@ -87,6 +94,10 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# Forms' ``tiled`` when the declaration leaves it out (see the class).
+_UNSAID = object()
+
+
 @dataclasses.dataclass(frozen=True)
 class Forms:
     """The forms a hook class declares, by group (see the module's table).
@@ -95,7 +106,8 @@ class Forms:
       hooks: the hooks the class fills (:data:`HOOKS`: ``("rotate",)``, ``("logits", "values")``, ...),
         kept in the order of :data:`HOOKS`; ``()`` for none (NoPE).
       tiled: the tiled forms (a tuple; ``()``: the hook's own ``logits``/``values`` per tile), or
-        None when it cannot be computed per tile.
+        None when it cannot be computed per tile. Left out: None for a class filling ``logits``
+        or ``values`` (their per-tile form must be declared, not assumed), ``()`` otherwise.
       cached: what decoding keeps per key beyond the keys.
       prepared: ``"tables"``, ``"bias"`` or None: what a model computes once per forward and
         shares across its layers.
@@ -104,7 +116,7 @@ class Forms:
         DeBERTa's ``1/√(3H)``), else None.
     """
 
-    tiled: tuple[str, ...] | None = ()
+    tiled: tuple[str, ...] | None | object = _UNSAID
     cached: tuple[str, ...] = ()
     prepared: str | None = None
     fused: tuple[str, ...] = ()
@@ -118,6 +130,9 @@ class Forms:
         if unknown:
             raise ValueError(f"unknown hook {unknown[0]!r}; the hooks are {list(HOOKS)}")
         object.__setattr__(self, "hooks", tuple(hook for hook in HOOKS if hook in self.hooks))
+        if self.tiled is _UNSAID:
+            scores = {"logits", "values"} & set(self.hooks)
+            object.__setattr__(self, "tiled", None if scores else ())
         for group in ("tiled", "cached", "fused"):
             value = getattr(self, group)
             if group == "tiled" and value is None:

@@ -195,4 +195,4 @@ class ALiBiSlopes(BiasHook, ParameterFree):
 
 
 # Not registered (a checkpoint's own slopes, built by posenc_jax.hf); its forms are ALiBi's.
-declare_forms(ALiBiSlopes, Forms(hooks=("logits",), prepared="bias"))
+declare_forms(ALiBiSlopes, Forms(hooks=("logits",), tiled=(), prepared="bias"))

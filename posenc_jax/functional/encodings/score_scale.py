@@ -50,4 +50,4 @@ class FixedScoreScale(ParameterFree):
 
 
 # Not registered (a setting of a checkpoint, not an encoding): it adds no term, so it has no other form.
-declare_forms(FixedScoreScale, Forms(hooks=("logits",), scale="prescribed"))
+declare_forms(FixedScoreScale, Forms(hooks=("logits",), tiled=(), scale="prescribed"))
