@@ -621,7 +621,7 @@ def auto_threshold(args) -> None:
     if limit is not None:
         print(
             f"threshold: MATERIALIZE_LIMIT_BYTES_BY_BACKEND[{backend!r}] = {limit}  ({limit / 2**20:,.0f} MiB; "
-            f"today {today})"
+            f"the code has {today})"
         )
 
 

@@ -31,7 +31,8 @@ def score_buffer_bytes(length: int) -> int:
 
 
 def causal_attention_temp(make_hooks, length: int) -> int:
-    """Compiled temporary bytes of causal attention on ``[1, length, HEADS, HEAD_DIM]`` q, k, v
+    """Compiled temporary bytes of causal materialised attention (``implementation="materialize"``, the
+    path that builds the scores, whatever ``auto`` would pick) on ``[1, length, HEADS, HEAD_DIM]`` q, k, v
     with the hooks ``make_hooks()`` builds (inside the compiled function, as in a model). The positions
     are an argument, as a model's are: run-time checks on them stay in the program, where a constant
     would let XLA fold them away (and with them, say, a conditional's copy of the scores)."""
@@ -40,6 +41,15 @@ def causal_attention_temp(make_hooks, length: int) -> int:
 
     def attend(q, k, v, pos):
         hooks = make_hooks()
-        return dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, encodings=hooks, causal=True)
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            query_positions=pos,
+            key_positions=pos,
+            encodings=hooks,
+            causal=True,
+            implementation="materialize",
+        )
 
     return compiled(jax.jit(attend).lower(spec, spec, spec, positions)).memory_analysis().temp_size_in_bytes

@@ -8,6 +8,7 @@ references are checked for the blockwise path in ``test_properties.py``.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -350,12 +351,30 @@ def test_masked_nan_keys_never_leak_and_empty_rows_are_zero():
     np.testing.assert_array_equal(np.asarray(early), 0.0)
 
 
+def test_auto_goes_blockwise_by_size_and_length_only(monkeypatch):
+    """``auto``'s size rule: blockwise above the backend's budget of float32 scores, but never for a
+    sequence within one default tile, however large the batch (the loop would be the materialised
+    computation and its overhead); the CPU's budget is the measured 8 MiB."""
+    import posenc_jax.functional.core.attention as attention
+
+    assert attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND["cpu"] == 8 << 20
+    monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 8 << 20)
+    rule = functools.partial(attention.goes_blockwise, "auto")
+    assert rule(batch=1, num_heads=4, query_length=1024, key_length=1024)  # 16 MiB, two tiles
+    assert not rule(batch=1, num_heads=2, query_length=1024, key_length=1024)  # 8 MiB: within the budget
+    assert not rule(batch=4096, num_heads=8, query_length=512, key_length=512)  # 32 GiB, but one tile
+    assert rule(batch=64, num_heads=64, query_length=1, key_length=1024)  # a decoding step: 16 MiB of scores
+    assert attention.goes_blockwise("blockwise", batch=1, num_heads=1, query_length=2, key_length=2)
+    assert not attention.goes_blockwise("materialize", batch=64, num_heads=64, query_length=4096, key_length=4096)
+
+
 def test_auto_goes_blockwise_above_the_budget(monkeypatch):
     import posenc_jax.functional.core.attention as attention
 
     q, k, v, kwargs = _inputs(seed=14)
     plain = dot_product_attention(q, k, v, causal=True, **kwargs)
     monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
+    monkeypatch.setattr(attention, "AUTO_TILED_FROM_LENGTH", 0)
     tiled, blockwise = [], attention.blockwise_attention
     monkeypatch.setattr(attention, "blockwise_attention", lambda *a, **kw: tiled.append(1) or blockwise(*a, **kw))
     auto = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True, **kwargs))(q, k, v)
@@ -390,6 +409,7 @@ def test_a_models_shared_bias_follows_the_attentions_dispatch_rule(monkeypatch):
     assert isinstance(terms("materialize"), SharedBias) and isinstance(terms("auto"), SharedBias)
     assert isinstance(terms("blockwise"), ALiBi)
     monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
+    monkeypatch.setattr(attention, "AUTO_TILED_FROM_LENGTH", 0)
     assert isinstance(terms("auto"), ALiBi)  # over the budget: the tiles compute it
     # ... unless something of the layer has no tiled form: "auto" then materialises, and so does the bias.
     assert isinstance(terms("auto", normalizer=lambda s, m: softmax_weights(s, m)), SharedBias)

@@ -96,6 +96,7 @@ from posenc_jax.functional.core.stages import _dropout, attention_output, attent
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "AUTO_TILED_FROM_LENGTH",
     "MATERIALIZE_LIMIT_BYTES",
     "MATERIALIZE_LIMIT_BYTES_BY_BACKEND",
     "SharedBias",
@@ -134,12 +135,15 @@ IMPLEMENTATIONS = ("auto", "materialize", "blockwise", "pallas")
 MATERIALIZE_LIMIT_BYTES = 1 << 30
 MATERIALIZE_LIMIT_BYTES_BY_BACKEND: dict[str, int] = {
     # Measured (2 cores, jax 0.10.2; docs/blockwise/auto-threshold-cpu.md): blockwise forward+backward is the
-    # faster from 16 MiB of scores on (0.72x at T = 1,024, 4 heads; 0.55x at 4,096). Not applied yet: at 8 MiB,
-    # a SharedBias array (no tile form) and hooks declared tiled=() whose logits need every key go blockwise.
-    "cpu": 1 << 30,
+    # faster from 16 MiB of scores on when the sequence spans more than one tile (0.72x at T = 1,024 with 4
+    # heads, 0.55x at 4,096), and the slower within one tile (1.43x at T = 512 with 8 heads).
+    "cpu": 8 << 20,
     "gpu": 1 << 30,  # unmeasured: the default
     "tpu": 1 << 30,  # unmeasured: the default
 }
+# ... and "auto" materialises a sequence of at most this many queries and keys whatever the batch: within one
+# default tile the blockwise loop is the materialised computation plus its own overhead.
+AUTO_TILED_FROM_LENGTH = DEFAULT_BLOCK_Q
 
 
 @pytree_dataclass
@@ -160,7 +164,9 @@ class SharedBias(BiasHook):
         return self.value
 
 
-declare_forms(SharedBias, Forms(hooks=("logits",), prepared="bias"))
+# One whole [.., T, S] array: no tile form (the tiles would each read the whole array; a model gives the
+# tiles the hook itself instead: forward_terms), so blockwise attention refuses it and "auto" materialises.
+declare_forms(SharedBias, Forms(hooks=("logits",), tiled=None, prepared="bias"))
 
 
 def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
@@ -263,8 +269,9 @@ def dot_product_attention(
         ``block_k`` keys with an online softmax, in memory linear in T and S (see
         :mod:`posenc_jax.functional.core.blockwise`); ``"auto"`` (default) goes blockwise when
         the float32 scores would take more than the backend's threshold
-        (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``, 1 GiB on every backend for now) and every hook and
-        the normaliser have a blockwise form.
+        (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``: 8 MiB on the CPU, where it was measured; 1 GiB on
+        the others for now), the sequence spans more than one default tile (T or S over 512), and
+        every hook and the normaliser have a blockwise form.
         ``"pallas"`` (opt-in): the flash-attention kernels of :mod:`posenc_jax.functional.kernels.pallas`.
       block_q, block_k: tile sizes for the blockwise path (default 512 each; any positive
         size, dividing the lengths or not), and for ``"pallas"`` (powers of two >= 16, default 128).
@@ -577,16 +584,18 @@ def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_len
 
     ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed the threshold of
     the backend (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``; ``MATERIALIZE_LIMIT_BYTES`` for one not
-    in it) (and then falls back to materialising for a hook or normaliser without a blockwise
-    form, which this size rule does not see; a model's per-forward terms follow the whole rule:
-    :func:`forward_terms`).
+    in it) and T or S exceeds ``AUTO_TILED_FROM_LENGTH`` (512, one default tile: within one tile
+    the blockwise loop is the materialised computation and its overhead, whatever the batch).
+    It then still materialises a hook or normaliser without a blockwise form, which this size
+    rule does not see; a model's per-forward terms follow the whole rule (:func:`forward_terms`).
     """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation != "auto":
         return implementation == "blockwise"
     limit = MATERIALIZE_LIMIT_BYTES_BY_BACKEND.get(current_backend(), MATERIALIZE_LIMIT_BYTES)
-    return 4 * batch * num_heads * query_length * key_length > limit
+    one_tile = max(query_length, key_length) <= AUTO_TILED_FROM_LENGTH
+    return not one_tile and 4 * batch * num_heads * query_length * key_length > limit
 
 
 def _has_blockwise_form(hooks, normalizer) -> bool:
