@@ -203,7 +203,8 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
     of keys far before its queries, across them, and (bidirectional) far after: ``distance_bias`` at the
     tile's distances is ``bias``, ``tile_logits`` is ``logits``, ``tile_scores`` is the content plus
     ``logits``, ``tile_values`` is ``values``,
-    ``carried_logits_from_content`` is ``carried_logits``."""
+    ``carried_logits_from_content`` is ``carried_logits``, and a tile's form after ``for_query_block`` is the
+    same without it."""
     hook = _built(name)
     hook = jax.tree.map(lambda p: p + 0.3 * _normal(rng, p.shape), hook)  # parameters away from their init
     forms = encoding_info(name).forms
@@ -251,6 +252,15 @@ def test_declared_tile_forms_equal_their_reference(rng, name, keys_at):
         content = jnp.einsum("BTNH,BSNH->BNTS", q, k) * context.scale
         got = hook.carried_logits_from_content(content, q, k, context, carry)
         want = hook.carried_logits(q, k, context, carry)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+        checked += 1
+    if forms_of(hook).has("tiled", "per_query_block"):  # what a query block's tiles share, computed for it
+        if forms_of(hook).has("tiled", "carried"):  # after later key tiles counted 1.5 gates per row
+            tile = lambda h: h.carried_logits(q, k, context, h.init_carry(q, context) + 1.5)
+        else:
+            tile = lambda h: h.tile_logits(q, k, context)
+        got, want = tile(hook.for_query_block(q, context)), tile(hook)
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
         checked += 1

@@ -11,7 +11,8 @@ through either on each device. One step (:func:`_tile_step`) takes one query til
    ids, the tile of an extra mask);
 3. the tile's scores (:func:`_tile_scores`): ``scale · q·k`` plus each hook's term from its
    declared tiled form (``distance``, ``logits``, ``scores``, ``carried``; see
-   :mod:`~posenc_jax.functional.core.forms`);
+   :mod:`~posenc_jax.functional.core.forms`), from what the hook computed once for the call
+   (``per_call``) and once for the query block (``per_query_block``);
 4. the online softmax's accumulation (:func:`_accumulate`): the normaliser's tiled form, the
    running output and value terms rescaled and added to.
 
@@ -406,6 +407,13 @@ def tile_loop(plan: _Plan, qi, block: _QueryTile, carry, keys: _Keys, first_tile
     keys; ring attention once per query block and key shard; sequence-parallel attention through either."""
     q_segments = _tile(plan.query_segments, qi, plan.block_q, 1)
     q_extra = _tile(keys.mask_columns, qi, plan.block_q, 2)
+    # What a hook's tiles share within this query block, computed once for it and read by every key tile
+    # (CoPE's q·eᵀ over its positions).
+    hooks = [
+        h.for_query_block(block.q, block.context) if forms_of(h).has("tiled", "per_query_block") else h
+        for h in keys.hooks
+    ]
+    keys = keys._replace(hooks=hooks)
     step = functools.partial(_tile_step, plan, qi, block, keys, first_tile, q_segments, q_extra)
 
     def maybe_step(carry, kj):

@@ -132,10 +132,13 @@ def cope_logits(
     )
 
 
-def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask, later=None, gate_logits=None):
+def _cope_tile(
+    q, k, query_positions, key_positions, embeddings, *, scale, mask, later=None, gate_logits=None, per_position=None
+):
     """CoPE's term for a tile of keys, given ``later`` ``[B, N, T]``: the gate sums of the keys after the tile.
 
-    ``gate_logits``: the gates' logits ``scale · q·k`` ``[B, N, T, S]`` where the caller has them.
+    ``gate_logits``: the gates' logits ``scale · q·k`` ``[B, N, T, S]`` where the caller has them;
+    ``per_position``: ``z = q · eᵀ`` ``[B, N, T, P]`` where the caller has it (:func:`_position_logits`).
 
     Returns the term and the gate sums including this tile's keys (to pass to the tile before it).
     """
@@ -154,9 +157,18 @@ def _cope_tile(q, k, query_positions, key_positions, embeddings, *, scale, mask,
         counts = counts + later[..., None]
         total = total + later
     counts = jnp.minimum(counts, num_positions - 1)
-    spec = "BTNH,PH->BNTP" if np.ndim(embeddings) == 2 else "BTNH,NPH->BNTP"
-    per_position = jnp.einsum(spec, q, embeddings, preferred_element_type=jnp.float32)  # z = q · eᵀ: [B, N, T, P]
+    if per_position is None:
+        per_position = _position_logits(q, embeddings)
     return interpolate_positions(per_position, counts), total
+
+
+def _position_logits(q, embeddings) -> jax.Array:
+    """``z = q · eᵀ``: each query against each position embedding, ``[B, N, T, P]`` float32.
+
+    ``q`` ``[B, T, N, H]``; ``embeddings`` ``[P, H]`` shared or ``[N, P, H]`` per head.
+    """
+    spec = "BTNH,PH->BNTP" if np.ndim(embeddings) == 2 else "BTNH,NPH->BNTP"
+    return jnp.einsum(spec, q, embeddings, preferred_element_type=jnp.float32)
 
 
 def interpolate_positions(per_position: jax.Array, counts: jax.Array) -> jax.Array:
@@ -200,7 +212,8 @@ class CoPE(CausalOnly):
     """CoPE as a ``logits`` hook; ``embeddings`` ``[P, H]`` or ``[N, P, H]`` is a parameter.
 
     Also a :class:`~posenc_jax.functional.core.hooks.CarriedLogits`: in blockwise attention the
-    gate sums of later key tiles are carried to earlier ones.
+    gate sums of later key tiles are carried to earlier ones, and ``z = q · eᵀ`` is computed once
+    per query block (:meth:`for_query_block`) and read by each of its key tiles.
 
     Example:
       >>> from posenc_jax.functional import dot_product_attention
@@ -212,6 +225,8 @@ class CoPE(CausalOnly):
 
     embeddings: jax.Array = parameter()
     scale: float | None = None
+    # z = q · eᵀ [B, N, bq, P] of one query block (blockwise attention), from for_query_block.
+    query_block_logits: jax.Array | None = parameter(default=None)
 
     def logits(self, q, k, context: AttentionContext):
         return self._term(q, k, context)
@@ -248,6 +263,11 @@ class CoPE(CausalOnly):
         """No gate counted yet: zeros ``[B, N, T]`` for a block of queries (blockwise attention)."""
         return jnp.zeros((q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
 
+    def for_query_block(self, q, context: AttentionContext) -> CoPE:
+        """This hook with ``z = q · eᵀ`` of a block of queries ``q`` ``[B, bq, N, H]`` computed once, which
+        :meth:`carried_logits` reads for each key tile the block visits (instead of computing it per tile)."""
+        return dataclasses.replace(self, query_block_logits=_position_logits(q, self.embeddings))
+
     def carried_logits(self, q, k, context: AttentionContext, carry):
         """One tile's term from the gate sums of the key tiles after it; the sums passed on."""
         return self._carried(q, k, context, carry, None)
@@ -276,14 +296,20 @@ class CoPE(CausalOnly):
                 mask=context.mask,
                 later=carry,
                 gate_logits=gate_logits,
+                per_position=self.query_block_logits,
             )
 
         def top():  # every count at P - 1: q_t · e[P - 1]
+            if self.query_block_logits is not None:
+                per_row = self.query_block_logits[..., -1]
+                return jnp.broadcast_to(per_row[..., None], (*per_row.shape, k.shape[1]))
             spec = "BTNH,H->BNT" if np.ndim(self.embeddings) == 2 else "BTNH,NH->BNT"
             per_row = jnp.einsum(spec, q, self.embeddings[..., -1, :], preferred_element_type=jnp.float32)
             return jnp.broadcast_to(per_row[..., None], (*per_row.shape, k.shape[1]))
 
-        return carried_unless_saturated(tile, top, carry, np.shape(self.embeddings)[-2])
+        # The tile's term checkpointed: its gradient keeps the tile's inputs, not its gates, counts and
+        # interpolation weights (fewer tile-sized buffers held through the step's backward).
+        return carried_unless_saturated(jax.checkpoint(tile), top, carry, np.shape(self.embeddings)[-2])
 
 
 @register_encoding(
@@ -294,7 +320,7 @@ class CoPE(CausalOnly):
     small_settings=dict(num_positions=6),
     hook=CoPE,
     hooks=("logits",),
-    tiled=("carried", "carried_from_content"),
+    tiled=("carried", "carried_from_content", "per_query_block"),
     cached=(),
     prepared=None,
     fused=("rows", "rows_from_content"),
