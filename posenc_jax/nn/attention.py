@@ -368,6 +368,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             causal = True
         length = x.shape[1]
         key_length = length if kv is None else kv[0].shape[1]
+        indices = query_positions is None and key_positions is None and cache is None  # arange, made here
         if query_positions is None:
             query_positions = jnp.arange(length, dtype=jnp.int32)
             if cache is not None:
@@ -399,6 +400,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             key_positions=key_positions,
             mask=flat_mask(mask, batch_shape, self.num_heads, length, key_length),
             rngs=rngs,
+            positions_are_indices=indices,
         )
         if cache is not None:
             out, cache = out
@@ -447,12 +449,14 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         key_positions: jax.Array | None = None,
         mask: jax.Array | None = None,
         rngs=None,
+        positions_are_indices: bool = False,
     ):
         """:meth:`__call__` for arguments already checked and flattened: ``x`` ``[B, T, D]`` and its ``positions``.
 
         A model's layers call it (the model checked the positions once). ``kv``: the keys' and
         values' inputs ``[B, S, D]`` in cross-attention (None: ``x``), at ``key_positions``
-        (default ``positions``); ``mask``: booleans ``[B, heads|1, T, S]``.
+        (default ``positions``); ``mask``: booleans ``[B, heads|1, T, S]``; ``positions_are_indices``:
+        the positions are ``arange``, made by the caller (see :func:`~posenc_jax.functional.core.attention.attend`).
 
         ``prepared``: the model's per-forward rotations (:meth:`_forward_terms`), one entry per
         encoding of this layer, None where the layer uses its own hook. They were prepared for
@@ -533,7 +537,9 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         if mesh is not None:
             out = sequence_parallel_attention(q, k, v, mesh=mesh, ring=bool(ring), mask=mask, **arguments)
         elif mask is None:
-            out = attend(q, k, v, implementation=implementation, **arguments)
+            out = attend(
+                q, k, v, implementation=implementation, positions_are_indices=positions_are_indices, **arguments
+            )
         else:
             out = _attend_masked(q, k, v, mask, implementation, arguments)
         out = self.out(out)

@@ -62,6 +62,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.functional.core import operations
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
@@ -88,7 +89,7 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
+from posenc_jax.functional.core.normalizers import Softmax, as_normalizer, softmax_weights
 from posenc_jax.functional.core.operations import current_backend
 from posenc_jax.functional.core.products import masked_value_product
 from posenc_jax.functional.core.registry import resolve_encodings
@@ -97,6 +98,7 @@ from posenc_jax.functional.core.stages import _dropout, attention_output, attent
 __all__ = [
     "IMPLEMENTATIONS",
     "AUTO_TILED_FROM_LENGTH",
+    "FUSED_ATTENTION",
     "MATERIALIZE_LIMIT_BYTES",
     "MATERIALIZE_LIMIT_BYTES_BY_BACKEND",
     "SharedBias",
@@ -302,7 +304,19 @@ def dot_product_attention(
         query_positions, key_positions, needed=causal or bool(hooks), q_len=q_len, k_len=k_len, batch=batch
     )
     settings = (scale, (dropout_rate, dropout_rng), return_weights, implementation, (block_q, block_k))
-    out, weights = _attend(query, key, value, hooks, positions, normalizer, causal, (*per_token, mask), *settings)
+    indices = bool(causal) and implementation == "auto" and _known_indices(*positions, q_len, k_len)
+    out, weights = _attend(
+        query,
+        key,
+        value,
+        hooks,
+        positions,
+        normalizer,
+        causal,
+        (*per_token, mask),
+        *settings,
+        positions_are_indices=indices,
+    )
     if unbatched:
         out, weights = out[0], None if weights is None else weights[0]
     return (out, weights) if return_weights else out
@@ -338,6 +352,41 @@ def _no_pallas(call, normalizer, masks, dropout, blocks):
 PALLAS_ATTENTION = operations.Operation("pallas_attention", _no_pallas)
 
 
+def _not_fused(query, key, value, *, causal: bool, scale: float):
+    """The plain form of ``FUSED_ATTENTION``: no fused kernel here (None: the attention computes it itself)."""
+    return None
+
+
+# implementation="auto" where the scores are plain scale · q'·k' (see _plain_scores): a backend's fused attention
+# of the rotated q and k, registered by kernels/ (the GPU's: cuDNN), returning None where it cannot take the call.
+FUSED_ATTENTION = operations.Operation("fused_attention", _not_fused)
+
+
+def _plain_scores(call, normalizer, masks, dropout_rate, return_weights, positions_are_indices) -> bool:
+    """Whether, from facts known at trace time, this call is plain softmax attention of its (rotated) q and k
+    with at most a causal mask that counts indices: no term in the scores or the output (every hook only
+    rotates, or acts before attention), softmax, no key mask, segments, extra mask, dropout or weights, and,
+    when causal, T == S and positions known to be the indices ``0..T-1`` (a causal mask of other positions
+    is not the index mask a fused kernel applies)."""
+    if any(set(hook_names(hook)) & {"logits", "values", "normalize"} for hook in call.hooks):
+        return False
+    if not isinstance(normalizer, Softmax) or any(m is not None for m in masks) or dropout_rate or return_weights:
+        return False
+    context = call.context
+    return not context.causal or (positions_are_indices and call.query.shape[1] == call.key.shape[1])
+
+
+def _known_indices(query_positions, key_positions, q_len: int, k_len: int) -> bool:
+    """Whether the positions are concrete arrays (not traced) holding ``0..T-1`` and ``0..S-1`` in every row."""
+    for positions, length in ((query_positions, q_len), (key_positions, k_len)):
+        if positions is None or isinstance(positions, jax.core.Tracer):
+            return False
+        values = np.asarray(positions)
+        if values.shape[-1] != length or not np.array_equal(values, np.broadcast_to(np.arange(length), values.shape)):
+            return False
+    return True
+
+
 def attend(
     query: jax.Array,
     key: jax.Array,
@@ -356,6 +405,7 @@ def attend(
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
+    positions_are_indices: bool = False,
 ) -> jax.Array:
     """:func:`dot_product_attention` for a module that has checked its arguments itself.
 
@@ -369,6 +419,9 @@ def attend(
       query_positions, key_positions: int32 ``[T]`` / ``[S]`` or ``[B, T]`` / ``[B, S]`` as
         :func:`~posenc_jax.functional.core.positions.check_positions` returned them, fitting
         the query and key lengths (the same array twice in self-attention).
+      positions_are_indices: the module made the positions itself as ``arange`` (none given, no
+        cache): a fact its traced arrays cannot show, which lets ``"auto"`` hand causal attention
+        with no term in the scores to a fused kernel (on a GPU: cuDNN).
       the others: as in :func:`dot_product_attention`.
 
     Returns:
@@ -392,6 +445,7 @@ def attend(
         False,
         implementation,
         (block_q, block_k),
+        positions_are_indices=positions_are_indices,
     )
     return out
 
@@ -410,11 +464,14 @@ def _attend(
     return_weights,
     implementation,
     blocks,
+    *,
+    positions_are_indices: bool = False,
 ):
     """The attention of checked, batched arguments: the dispatch, the call's context (made once), the stages.
 
     ``positions``: ``(query_positions, key_positions)``; ``masks``: ``(key_mask, query_segment_ids,
-    key_segment_ids, mask)``; ``dropout``: ``(rate, rng)``; ``blocks``: ``(block_q, block_k)``.
+    key_segment_ids, mask)``; ``dropout``: ``(rate, rng)``; ``blocks``: ``(block_q, block_k)``;
+    ``positions_are_indices``: the positions are known to be ``arange`` (see :func:`_plain_scores`).
     Returns ``(out in query's dtype, float32 weights or None)``.
     """
     (query_positions, key_positions), (key_mask, query_segment_ids, key_segment_ids, mask) = positions, masks
@@ -447,6 +504,20 @@ def _attend(
     )
     if implementation == "pallas":
         return PALLAS_ATTENTION(call, normalizer, masks, dropout, blocks).astype(query.dtype), None
+    if implementation == "auto" and _plain_scores(
+        call, normalizer, masks, dropout_rate, return_weights, positions_are_indices
+    ):
+        # The rotations are done (stage 1): what is left is a fused kernel's plain attention, in the inputs' dtype.
+        cast = lambda x, like: x.astype(like.dtype)
+        fused = FUSED_ATTENTION(
+            cast(call.query, query),
+            cast(call.key, key),
+            cast(call.value, value),
+            causal=bool(causal),
+            scale=call.context.scale,
+        )
+        if fused is not None:
+            return fused.astype(query.dtype), None
     if blockwise:
         out = _blockwise_call(call, call.key, call.value, normalizer, masks, *blocks, dropout_rate, dropout_rng)
         return out.astype(query.dtype), None

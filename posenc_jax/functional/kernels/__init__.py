@@ -11,6 +11,7 @@ Core never imports a kernel: importing this package registers the forms of core'
 from posenc_jax.functional.kernels import (
     broadcast,
     cope,
+    cudnn,
     fire,
     pallas_dispatch,
     relative,
@@ -18,4 +19,4 @@ from posenc_jax.functional.kernels import (
     transformer_xl,
 )
 
-__all__ = ["broadcast", "cope", "fire", "pallas_dispatch", "relative", "relative_tiles", "transformer_xl"]
+__all__ = ["broadcast", "cope", "cudnn", "fire", "pallas_dispatch", "relative", "relative_tiles", "transformer_xl"]
