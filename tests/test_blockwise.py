@@ -466,6 +466,35 @@ def test_dropout_in_tiles_keeps_the_expectation():
     assert not np.allclose(np.asarray(dropped(jax.random.key(1))), np.asarray(plain), atol=1e-3)
 
 
+@pytest.mark.parametrize("implementation", ["materialize", "blockwise"])
+def test_broadcast_dropout_draws_one_mask_for_every_row_and_head(implementation):
+    """With ``broadcast_dropout`` (Flax's default in its layers) the dropped weights are the same ``[T, S]``
+    pattern in every batch row and head; without, they differ. Read through values that are one-hot per key:
+    each output row is then its weights after dropout (equal scores: 1/S kept, scaled, or 0)."""
+    batch, length, heads = 2, 12, 3
+    q = k = jnp.zeros((batch, length, heads, length))
+    v = jnp.broadcast_to(jnp.eye(length)[None, :, None, :], (batch, length, heads, length))
+
+    def dropped(broadcast):
+        return dot_product_attention(
+            q,
+            k,
+            v,
+            implementation=implementation,
+            block_q=4,
+            block_k=5,
+            dropout_rate=0.5,
+            dropout_rng=jax.random.key(3),
+            broadcast_dropout=broadcast,
+        )
+
+    one = np.asarray(dropped(True)) > 0  # [B, T, N, S]: which weights were kept
+    assert 0.3 < one.mean() < 0.7
+    assert all(np.array_equal(one[b, :, n], one[0, :, 0]) for b in range(batch) for n in range(heads))
+    each = np.asarray(dropped(False)) > 0
+    assert not all(np.array_equal(each[b, :, n], each[0, :, 0]) for b in range(batch) for n in range(heads))
+
+
 def _temp_bytes(length, gradient=False, **kwargs):
     shape = jax.ShapeDtypeStruct((1, length, 2, 16), jnp.float32)
     pos = jnp.arange(length)

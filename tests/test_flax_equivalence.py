@@ -109,8 +109,9 @@ def test_dtypes_equal_flax():
     assert ours(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
 
 
-def test_dropout_off_equals_flax_and_on_changes_the_output():
-    theirs, ours = _pair(dropout_rate=0.5, broadcast_dropout=False)
+@pytest.mark.parametrize("broadcast", [True, False], ids=["broadcast", "per-weight"])
+def test_dropout_off_equals_flax_and_on_changes_the_output(broadcast):
+    theirs, ours = _pair(dropout_rate=0.5, broadcast_dropout=broadcast)
     x = _normal(0, (2, 5, WIDTH))
     np.testing.assert_allclose(ours(x, deterministic=True), theirs(x, deterministic=True), atol=1e-5, rtol=1e-5)
     dropped = ours(x, deterministic=False, rngs=nnx.Rngs(dropout=3))
@@ -176,11 +177,6 @@ def test_positions_default_to_arange_and_may_be_given():
         (lambda: MultiHeadAttention(4, 16, head_dim=8, rngs=nnx.Rngs(0)), TypeError, r"qkv_features=32 here"),
         (lambda: MultiHeadAttention(16, 4, rngs=nnx.Rngs(0)), ValueError, r"MultiHeadAttention\(4, 16, \.\.\.\)"),
         (lambda: MultiHeadAttention(4, 16, 10, rngs=nnx.Rngs(0)), ValueError, r"qkv_features=10 is not divisible"),
-        (
-            lambda: MultiHeadAttention(4, 16, dropout_rate=0.1, rngs=nnx.Rngs(0)),
-            ValueError,
-            r"broadcast_dropout=True .* pass broadcast_dropout=False",
-        ),
         (
             lambda: MultiHeadAttention(4, 16, rngs=nnx.Rngs(0))(jnp.ones((1, 3, 16)), jnp.arange(3), causal=True),
             TypeError,

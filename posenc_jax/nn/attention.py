@@ -51,7 +51,6 @@ from posenc_jax.nn.attention_inputs import (
     flat_mask,
     flat_per_token,
     flat_positions,
-    refuse_broadcast_dropout,
     refuse_renamed,
 )
 from posenc_jax.nn.encoding import PositionEncoding, check_dropout_rate, check_rngs, check_size
@@ -129,8 +128,8 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         parameters, as Flax's); the attention's scores and softmax run in float32 and return
         in the queries' dtype.
       param_dtype: the projections' parameter dtype.
-      broadcast_dropout: Flax's default True shares one dropout mask over the batch and heads,
-        which this layer does not draw: with ``dropout_rate > 0`` pass False (one mask per weight).
+      broadcast_dropout: one dropout mask ``[T, S]`` shared by every batch row and head (Flax's
+        default, True); False draws one mask per attention weight.
       dropout_rate: dropout on the attention weights.
       deterministic: no dropout (a call's ``deterministic`` overrides it); needed, here or per
         call, when ``dropout_rate > 0``.
@@ -210,7 +209,6 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         ):
             check_size(name, size)
         check_sizes(num_heads, in_features, qkv_features, num_kv_heads)
-        refuse_broadcast_dropout(dropout_rate, broadcast_dropout)
         head_dim = qkv_features // num_heads
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.in_features, self.qkv_features, self.out_features = in_features, qkv_features, out_features
@@ -531,6 +529,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             key_segment_ids=segment_ids,
             dropout_rate=self.dropout_rate if use_dropout else 0.0,
             dropout_rng=dropout_key(self.dropout_rngs if rngs is None else rngs) if use_dropout else None,
+            broadcast_dropout=bool(self.broadcast_dropout),
             block_q=self.block_q,
             block_k=self.block_k,
         )

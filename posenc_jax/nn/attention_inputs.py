@@ -69,15 +69,6 @@ def check_sizes(num_heads: int, in_features: int, qkv_features: int, num_kv_head
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
 
 
-def refuse_broadcast_dropout(dropout_rate: float, broadcast_dropout: bool) -> None:
-    """Flax's default shares one dropout mask over the batch and heads, which the attention does not draw."""
-    if dropout_rate > 0 and broadcast_dropout:
-        raise ValueError(
-            f"dropout_rate={dropout_rate} with broadcast_dropout=True (flax's default: one dropout mask shared over "
-            f"the batch and heads): this layer draws one mask per attention weight; pass broadcast_dropout=False"
-        )
-
-
 def dropout_key(rngs) -> jax.Array:
     """A dropout key from an ``nnx.Rngs`` (its ``dropout`` stream) or a stream; None has none to give."""
     if rngs is None:

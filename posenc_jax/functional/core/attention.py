@@ -224,6 +224,7 @@ def dot_product_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
     return_weights: bool = False,
     implementation: str = "auto",
     block_q: int | None = None,
@@ -265,6 +266,8 @@ def dot_product_attention(
         CoPE, the functional relative encoding) read it from the context.
       dropout_rate: dropout on the attention weights (needs ``dropout_rng``).
       dropout_rng: PRNG key for dropout.
+      broadcast_dropout: one dropout mask ``[T, S]`` for every batch row and head (Flax's
+        ``broadcast_dropout``); default False, one mask per weight.
       return_weights: also return the ``[B, N, T, S]`` float32 weights (materialising only).
       implementation: ``"materialize"`` computes the ``[B, N, T, S]`` scores in one piece;
         ``"blockwise"`` computes the same attention in tiles of ``block_q`` queries by
@@ -303,7 +306,8 @@ def dot_product_attention(
     positions = _checked_positions(
         query_positions, key_positions, needed=causal or bool(hooks), q_len=q_len, k_len=k_len, batch=batch
     )
-    settings = (scale, (dropout_rate, dropout_rng), return_weights, implementation, (block_q, block_k))
+    dropout = (dropout_rate, dropout_rng, bool(broadcast_dropout))
+    settings = (scale, dropout, return_weights, implementation, (block_q, block_k))
     indices = bool(causal) and implementation == "auto" and _known_indices(*positions, q_len, k_len)
     out, weights = _attend(
         query,
@@ -402,6 +406,7 @@ def attend(
     key_segment_ids: jax.Array | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
     implementation: str = "auto",
     block_q: int | None = None,
     block_k: int | None = None,
@@ -430,7 +435,7 @@ def attend(
     hooks = _attention_hooks(encodings, causal=bool(causal))
     positions = (query_positions, key_positions)
     masks = (key_mask, query_segment_ids, key_segment_ids, None)
-    normalizer, dropout = as_normalizer(normalizer), (dropout_rate, dropout_rng)
+    normalizer, dropout = as_normalizer(normalizer), (dropout_rate, dropout_rng, bool(broadcast_dropout))
     out, _ = _attend(
         query,
         key,
@@ -470,12 +475,12 @@ def _attend(
     """The attention of checked, batched arguments: the dispatch, the call's context (made once), the stages.
 
     ``positions``: ``(query_positions, key_positions)``; ``masks``: ``(key_mask, query_segment_ids,
-    key_segment_ids, mask)``; ``dropout``: ``(rate, rng)``; ``blocks``: ``(block_q, block_k)``;
+    key_segment_ids, mask)``; ``dropout``: ``(rate, rng, broadcast)``; ``blocks``: ``(block_q, block_k)``;
     ``positions_are_indices``: the positions are known to be ``arange`` (see :func:`_plain_scores`).
     Returns ``(out in query's dtype, float32 weights or None)``.
     """
     (query_positions, key_positions), (key_mask, query_segment_ids, key_segment_ids, mask) = positions, masks
-    dropout_rate, dropout_rng = dropout
+    dropout_rate, dropout_rng, broadcast_dropout = dropout
     batch, q_len, num_heads, _ = query.shape
     blockwise = _goes_blockwise(
         implementation,
@@ -519,18 +524,34 @@ def _attend(
         if fused is not None:
             return fused.astype(query.dtype), None
     if blockwise:
-        out = _blockwise_call(call, call.key, call.value, normalizer, masks, *blocks, dropout_rate, dropout_rng)
+        out = _blockwise_call(
+            call, call.key, call.value, normalizer, masks, *blocks, dropout_rate, dropout_rng, broadcast_dropout
+        )
         return out.astype(query.dtype), None
     scores = attention_scores(call.query, call.key, call.hooks, call.context, mask_parts=call.mask_parts)
     weights = attention_weights(scores, call.mask, normalizer, call.context)
     out = attention_output(
-        _dropout(weights, dropout_rate, dropout_rng), call.value, call.hooks, call.context, mask_parts=call.mask_parts
+        _dropout(weights, dropout_rate, dropout_rng, broadcast_dropout),
+        call.value,
+        call.hooks,
+        call.context,
+        mask_parts=call.mask_parts,
     )
     return out.astype(query.dtype), weights
 
 
 def _blockwise_call(
-    call: _Call, key, value, normalizer, masks, block_q, block_k, dropout_rate, dropout_rng, ring=None
+    call: _Call,
+    key,
+    value,
+    normalizer,
+    masks,
+    block_q,
+    block_k,
+    dropout_rate,
+    dropout_rng,
+    broadcast_dropout,
+    ring=None,
 ) -> jax.Array:
     """Stage 1's ``call`` (made with ``build_mask=False``) computed in tiles: the blockwise attention of one
     device (``key``, ``value``: the call's), or of one device of a ring (``key``, ``value``: its shard) or of
@@ -552,6 +573,7 @@ def _blockwise_call(
         block_k=DEFAULT_BLOCK_K if block_k is None else block_k,
         dropout_rate=dropout_rate,
         dropout_rng=dropout_rng,
+        broadcast_dropout=broadcast_dropout,
         ring=ring,
     )
 

@@ -199,6 +199,7 @@ def blockwise_attention(
     block_k: int = DEFAULT_BLOCK_K,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
     ring: KeyRing | None = None,
 ) -> jax.Array:
     """Attention over tiles; the inputs as checked by ``dot_product_attention``'s first stage.
@@ -218,7 +219,16 @@ def blockwise_attention(
     _check_arguments(hooks, normalizer, block_q, block_k, dropout_rate, dropout_rng)
     masks = (key_mask, query_segment_ids, key_segment_ids, mask)
     plan, key = _plan(
-        query, key, hooks, normalizer, context, masks, block_q, block_k, (dropout_rate, dropout_rng), ring
+        query,
+        key,
+        hooks,
+        normalizer,
+        context,
+        masks,
+        block_q,
+        block_k,
+        (dropout_rate, dropout_rng, bool(broadcast_dropout)),
+        ring,
     )
     blocks = _over_all_keys(plan, key, value) if ring is None else _over_ring(plan, key, value, ring)
     out = einops.rearrange(blocks, "Q B T N H -> B (Q T) N H")  # [nq, B, bq, N, H] -> [B, T, N, H]

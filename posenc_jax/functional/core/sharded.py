@@ -147,6 +147,7 @@ def sequence_parallel_attention(
     scale: float | None = None,
     dropout_rate: float = 0.0,
     dropout_rng: jax.Array | None = None,
+    broadcast_dropout: bool = False,
     block_q: int | None = None,
     block_k: int | None = None,
     ring: bool = False,
@@ -198,6 +199,7 @@ def sequence_parallel_attention(
         causal=causal,
         scale=scale,
         dropout_rate=dropout_rate,
+        broadcast_dropout=bool(broadcast_dropout),
         block_q=block_q,
         block_k=block_k,
     )
@@ -379,5 +381,16 @@ def _local(
     )
     masks = (kmask, qseg, kseg, extra)
     blocks = (settings["block_q"], settings["block_k"])
-    out = _blockwise_call(call, k, v, local_normalizer, masks, *blocks, settings["dropout_rate"], rng, ring=ring)
+    out = _blockwise_call(
+        call,
+        k,
+        v,
+        local_normalizer,
+        masks,
+        *blocks,
+        settings["dropout_rate"],
+        rng,
+        settings["broadcast_dropout"],
+        ring=ring,
+    )
     return out.astype(q.dtype)

@@ -150,11 +150,14 @@ def attention_output(
     return out
 
 
-def _dropout(weights: jax.Array, rate: float, rng) -> jax.Array:
+def _dropout(weights: jax.Array, rate: float, rng, broadcast: bool = False) -> jax.Array:
+    """Dropout on ``weights`` ``[B, N, T, S]``: one mask per weight, or with ``broadcast`` one ``[T, S]`` mask
+    for every batch row and head (Flax's ``broadcast_dropout``)."""
     if rate == 0.0:
         return weights
     if rng is None:
         raise ValueError(f"dropout_rate={rate} needs a dropout_rng PRNG key")
     check_key("dropout_rng", rng)
-    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, 1.0 - rate, shape)
     return jnp.where(keep, weights / (1.0 - rate), 0.0)

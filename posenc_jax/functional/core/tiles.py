@@ -143,6 +143,7 @@ class _Plan:
     key_order: jax.Array
     dropout_rate: float
     dropout_rng: jax.Array | None
+    dropout_broadcast: bool  # one mask per tile for every batch row and head
 
 
 class _QueryTile(NamedTuple):
@@ -154,7 +155,7 @@ class _QueryTile(NamedTuple):
 def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropout, ring):
     """The call set up for the tile loop, and ``key`` (rotated here when its rotation cannot go per tile).
 
-    ``masks``: ``(key_mask, query_segment_ids, key_segment_ids, mask)``; ``dropout``: ``(rate, rng)``.
+    ``masks``: ``(key_mask, query_segment_ids, key_segment_ids, mask)``; ``dropout``: ``(rate, rng, broadcast)``.
     """
     key_mask, query_segment_ids, key_segment_ids, mask = masks
     batch, q_len, num_heads, head_dim = query.shape
@@ -237,6 +238,7 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
         key_order=key_order,
         dropout_rate=dropout[0],
         dropout_rng=dropout[1],
+        dropout_broadcast=dropout[2],
     )
     return plan, key
 
@@ -364,7 +366,8 @@ def _accumulate(plan: _Plan, s, v, tile_mask, tile_context, values_hooks, state,
     if plan.dropout_rate > 0.0:
         qi, first_tile, kj = dropout_key
         rng = jax.random.fold_in(jax.random.fold_in(plan.dropout_rng, qi), first_tile + kj)
-        keep = jax.random.bernoulli(rng, 1.0 - plan.dropout_rate, p.shape)
+        shape = (1,) * (p.ndim - 2) + p.shape[-2:] if plan.dropout_broadcast else p.shape
+        keep = jax.random.bernoulli(rng, 1.0 - plan.dropout_rate, shape)
         p = jnp.where(keep, p / (1.0 - plan.dropout_rate), 0.0)
     out = _tile_product(p, v, tile_mask)
     terms = []
