@@ -23,10 +23,11 @@ the query's, are imposed exactly.
 
 The one definition of the bias at a pair of positions is its per-head form (the tiled form
 ``head``): the per-head factor ``N / (8h)`` as a parameter row and a function of the query and key
-positions that builds their phase tables (exact phases, in int32 arithmetic) and multiplies them.
-The materialising and blockwise paths call it over their positions; the Pallas kernel calls it
-per tile, where the sum is two ``[bq, F'] × [F', bk]`` products (``F' = d̄/2`` padded to a power of
-two, at least 16) at full float32 precision for each head, beside the tile's ``q kᵀ``.
+positions that builds their ``[cos, sin]`` tables (exact phases, in int32 arithmetic) and multiplies
+them. The materialising and blockwise paths call it over their positions; the Pallas kernel calls
+it per tile, where the sum is one ``[bq, W] × [W, bk]`` product (``W = d̄`` rounded up to a power of
+two, at least 16: Triton's shapes) at full float32 precision for each head, beside the tile's
+``q kᵀ``, and the tables cost ``O((bq + bk) · W)``.
 
 Reference: Chi, Fan, Rudnicky and Ramadge, "Dissecting Transformer Length Extrapolation
 via the Lens of Receptive Field Analysis", ACL 2023, arXiv:2212.10356.
@@ -125,29 +126,33 @@ def _lanes(width: int, axis: int, rank: int) -> jax.Array:
     return jax.lax.broadcasted_iota(jnp.int32, tuple(shape), rank + axis)
 
 
-def _phases(positions: jax.Array, turns: tuple, width: int, axis: int):
-    """``(cos, sin)`` of ``position · θ_f`` for int32 positions ``[..., T, 1]`` (``axis=-1``: ``[..., T, width]``) or
-    ``[..., 1, S]`` (``axis=-2``: ``[..., width, S]``), zero in the lanes past the F frequencies.
+def _phase_table(positions: jax.Array, turns: tuple, width: int, axis: int) -> jax.Array:
+    """``[cos(p θ), sin(p θ)]`` of int32 positions ``[..., T, 1]`` along a new last axis (``axis=-1``:
+    ``[..., T, width]``) or of ``[..., 1, S]`` along the second-to-last (``axis=-2``: ``[..., width, S]``):
+    lanes ``0 .. F - 1`` the cosines, ``F .. 2F - 1`` the sines, the rest zero.
 
     The phase is reduced modulo one turn exactly: each 8-bit digit of ``|position|`` times the
     frequency's fixed-point turns, summed in int32 arithmetic that wraps modulo ``2**32`` (one
-    turn), then converted to radians once (as
-    :func:`~posenc_jax.functional.core.positions.position_angles` does in uint32). The per-lane
-    turns are built by selections from scalars, so no array constant enters a kernel.
+    turn), signed, shifted by a quarter turn in the sine lanes (``sin x = cos(x - π/2)``), then
+    converted to radians once (as :func:`~posenc_jax.functional.core.positions.position_angles`
+    does in uint32): one cosine per position and lane. The per-lane turns are built by selections
+    from scalars, so no array constant enters a kernel.
     """
+    half = len(turns[0])
     lanes = _lanes(width, axis, positions.ndim)
     magnitude = jnp.abs(positions)  # -2**31 stays -2**31: its bits are 2**31, read by logical shifts
     phase = jnp.zeros((), jnp.int32)
     for k, per_frequency in enumerate(turns):
         row = jnp.zeros(lanes.shape, jnp.int32)
         for f, turn in enumerate(per_frequency):
-            row = jnp.where(lanes == f, np.int32(turn), row)
+            row = jnp.where((lanes == f) | (lanes == f + half), np.int32(turn), row)
         digit = jax.lax.shift_right_logical(magnitude, np.int32(_DIGIT_BITS * k)) & ((1 << _DIGIT_BITS) - 1)
         phase = phase + digit * row  # wraps modulo 2**32: one turn
-    angles = phase.astype(jnp.float32) * jnp.float32(2.0 * math.pi / 2.0**32)
-    angles = jnp.where(positions < 0, -angles, angles)
-    used = lanes < len(turns[0])
-    return jnp.where(used, jnp.cos(angles), 0.0), jnp.where(used, jnp.sin(angles), 0.0)
+    phase = jnp.where(positions < 0, -phase, phase)  # the signed phase, still exact modulo one turn
+    # sin x = cos(x - a quarter turn): the sine lanes' phase shifted exactly, so one cosine per lane.
+    phase = jnp.where(lanes < half, phase, phase - np.int32(1 << 30))
+    angles = phase.astype(jnp.float32) * jnp.float32(2.0 * math.pi / 2.0**32)  # in [-π, π)
+    return jnp.where(lanes < 2 * half, jnp.cos(angles), 0.0)
 
 
 def _sandwich_head(num_heads: int, dim: int, base: float) -> HeadBias:
@@ -161,14 +166,15 @@ def _sandwich_head(num_heads: int, dim: int, base: float) -> HeadBias:
 
 def _sandwich_at(turns: tuple, parameters, query_positions, key_positions) -> jax.Array:
     """The one definition of Sandwich's bias: ``(Σ_i cos((j - i) θ_i) - d̄/2) · ratio`` of the head, as
-    ``cos α cos β + sin α sin β`` summed by two products of the positions' phase tables."""
+    ``cos α cos β + sin α sin β`` summed by one product of the positions' ``[cos, sin]`` tables."""
     half = len(turns[0])
-    width = max(16, 1 << (half - 1).bit_length())  # a power of two >= 16: Triton's matrix products
-    q_cos, q_sin = _phases(query_positions, turns, width, -1)  # [..., T, W]
-    k_cos, k_sin = _phases(key_positions, turns, width, -2)  # [..., W, S]
+    width = 2 * half
+    if query_positions.ndim == 2:  # a kernel's tile: a power of two >= 16 (Triton's matrix products)
+        width = max(16, 1 << (width - 1).bit_length())
+    q_table = _phase_table(query_positions, turns, width, -1)  # [..., T, W]
+    k_table = _phase_table(key_positions, turns, width, -2)  # [..., W, S]
     # Σ_i cos((β - α)_i): full float32 precision (TF32/bf16 passes would cost ~1e-3 a term).
-    product = functools.partial(jnp.matmul, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    total = product(q_cos, k_cos) + product(q_sin, k_sin)
+    total = jnp.matmul(q_table, k_table, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     bias = jnp.minimum(total - jnp.float32(half), jnp.float32(0.0))  # Σ cos <= d̄/2: rounding only
     bias = jnp.where(key_positions == query_positions, jnp.float32(0.0), bias)  # every cos is 1 at r = 0
     return bias * head_column(parameters[0], 0)
@@ -179,8 +185,8 @@ def sandwich_bias(num_heads: int, query_positions, key_positions, *, dim: int, b
 
     ``bias[b, h-1, t, s] = (Σ_{i=1}^{dim/2} cos(r θ_i) - dim/2) / (h · 8 / N)`` with
     ``r = key_pos[b, s] - query_pos[b, t]`` and ``θ_i = base^(-2i/dim)`` (Chi et al. 2023,
-    arXiv:2212.10356). The sum is two ``[T, dim/2] × [dim/2, S]`` matmuls of the positions'
-    cos and sin tables (``cos(β - α) = cos α cos β + sin α sin β``), with phases reduced
+    arXiv:2212.10356). The sum is one ``[T, dim] × [dim, S]`` matmul of the positions'
+    ``[cos, sin]`` tables (``cos(β - α) = cos α cos β + sin α sin β``), with phases reduced
     modulo 2π exactly, so no ``[T, S, dim/2]`` tensor is formed and large positions keep
     full accuracy.
 
