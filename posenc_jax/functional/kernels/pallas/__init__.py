@@ -13,9 +13,9 @@ What a tile's bias costs beside its ``q kᵀ`` (per score, forward; each backwar
 it again, and the key-tile kernel also pulls its cotangent back): ALiBi and Kerple a few
 elementwise operations; T5 one selection per bucket; the clipped bias ``2k`` selections (a tree on
 the bits of the clipped distance, :func:`~posenc_jax.functional.core.head_bias.head_select`);
-FIRE about five operations per hidden unit; Sandwich two ``[bq, F'] × [F', bk]`` products at full
-float32 precision (``F'`` its ``d̄/2`` frequencies padded to a power of two >= 16) and the tiles'
-phase tables, ``O((bq + bk) · F')``. These are operation counts, not measurements.
+FIRE about five operations per hidden unit; Sandwich one ``[bq, W] × [W, bk]`` product at full
+float32 precision (``W`` its sinusoid width d̄ rounded up to a power of two >= 16) and the tiles'
+phase tables, ``O((bq + bk) · W)``. These are operation counts, not measurements.
 
 Backends: on the CPU the kernels run in Pallas' interpret mode (chosen in one place,
 :func:`~posenc_jax.functional.kernels.pallas.backend.interpret_mode`); on a GPU they lower through
