@@ -278,7 +278,7 @@ CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
         ("t5", jnp.bfloat16, None),
         ("kerple-power", jnp.bfloat16, None),
         ("t5", jnp.float32, jax.lax.Precision.HIGHEST),
-        ("clipped+sandwich+fire", jnp.bfloat16, None),
+        pytest.param("clipped+sandwich+fire", jnp.bfloat16, None, marks=pytest.mark.slow),  # 3 biases: ~15 s each
     ],
 )
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
