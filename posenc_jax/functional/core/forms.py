@@ -14,7 +14,9 @@ group       form                  methods                                       
 ==========  ====================  ======================================================  =========================
 tiled       ``distance``          ``distance_bias(distance, context)``: a Toeplitz tile   T5, Kerple, clipped bias
             ``logits``            ``tile_logits(q, k, context)``                          Shaw, DeBERTa, FIRE
-            ``head``              ``head_bias(context)``: one head's bias at positions    ALiBi, T5, Kerple
+            ``head``              ``head_bias(context)``: one head's bias at positions    ALiBi, T5, Kerple,
+                                                                                          Sandwich, clipped
+                                                                                          bias, FIRE
             ``scores``            ``tile_scores(q, k, context, content)``                 Shaw, DeBERTa
             ``values``            ``tile_values(weights, context)``                       Shaw
             ``carried``           ``init_carry``, ``carried_logits``                      CoPE
