@@ -3,6 +3,7 @@
     python benchmarks/device.py                        # an accelerator: T = 1k to 32k, H = 128 and 64, ~4 minutes
     python benchmarks/device.py --budget-seconds 900   # more of the grid
     python benchmarks/device.py --tiny                 # a CPU: T = 128 and 256, H = 64, Pallas interpreted
+                                                       # (about 100 small programs compiled: minutes)
 
 Causal self-attention of bfloat16 ``q, k, v [B, T, N, H]`` (``B·T = --tokens``, ``N·H = --width``, so the
 arithmetic per call grows as T), forward, and forward and backward (the gradients with respect to q, k, v and
@@ -25,12 +26,13 @@ an encoding gets a row saying why.
 Time: each program is compiled first (``lower().compile()``, timed apart), run once (not counted), then run
 ``--reps`` times, each ended by ``block_until_ready``; the figure is the median. Every row of one run is
 measured in the same process, so its ratios are side by side: each time over the baseline's (``cudnn`` NoPE at
-the same T and H; XLA's plain attention, ``xla`` NoPE, on a backend without cuDNN). Memory: the compiled
+the same T and H; XLA's plain attention, ``xla`` NoPE, on a backend without cuDNN or, marked †, where cuDNN's
+failed). Memory: the compiled
 program's own account (``memory_analysis()``: temporaries + arguments + output); on a GPU also the
 allocator's peak in use (``memory_stats()``), given where the row raised it (the allocator's peak never comes
 down, so a row that did not raise it is at most the earlier peak). ``rel. diff``: the largest difference from
-the ``blockwise`` path's result (forward: the output; forward and backward: every gradient), each over the
-largest magnitude of the blockwise result, in float32.
+the ``blockwise`` path's result over the largest magnitude of that result, in float32 (forward: the output;
+forward and backward: the largest of dq's, dk's, dv's and the parameters' gradients' taken together).
 
 Sizes: the grid is measured in priority order (H = 128 first; T = 8,192 first, then the lengths farthest from
 those done), and a combination predicted to exceed what is left of ``--budget-seconds`` (from the compiles and
@@ -219,11 +221,25 @@ def _float_leaves(tree) -> list:
 
 
 def _relative_difference(result, reference) -> float:
-    """max over leaves of ``max |result - reference| / max |reference|``, in float32."""
+    """The largest of ``max |result - reference| / max |reference|`` over the output (forward) or over dq, dk,
+    dv and the parameters' gradients taken together (forward and backward), in float32. Together, because a
+    parameter whose exact gradient is zero (FIRE's output bias: a constant per row, which softmax ignores) gets
+    bfloat16 rounding noise on every path, with no scale of its own to be relative to."""
+    if isinstance(reference, tuple):  # (dq, dk, dv, d hooks)
+        groups = [[x] for x in reference[:3]], [[x] for x in result[:3]]
+        groups = (groups[0] + [_float_leaves(reference[3])], groups[1] + [_float_leaves(result[3])])
+    else:
+        groups = [[reference]], [[result]]
     worst = 0.0
-    for a, b in zip(_float_leaves(result), _float_leaves(reference), strict=True):
-        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-        worst = max(worst, float(jnp.max(jnp.abs(a - b))) / max(float(jnp.max(jnp.abs(b))), 1e-30))
+    for expected, found in zip(*groups, strict=True):
+        if not expected:
+            continue
+        scale = max(float(jnp.max(jnp.abs(x.astype(jnp.float32)))) for x in expected)
+        error = max(
+            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+            for a, b in zip(found, expected, strict=True)
+        )
+        worst = max(worst, error / max(scale, 1e-30))
     return worst
 
 
@@ -492,7 +508,8 @@ def header(facts: dict) -> str:
             + ("; † where cuDNN's was not measured: to `xla` NoPE. " if facts["backend"] == "gpu" else ". ")
             + "Memory: the compiled program's account (temporaries + arguments + output); device peak: the "
             "allocator's peak while the row ran, where the row raised it (≤: it did not, so at most that). "
-            "rel. diff: largest difference from the blockwise path's result over its largest magnitude. "
+            "rel. diff: largest difference from the blockwise path's result over its largest magnitude (the "
+            "output; the largest of dq's, dk's, dv's and the parameters' gradients' taken together). "
             "`cudnn`/`xla` take a bias encoding as a materialised `[1, N, T, S]` bias and rotate q, k for RoPE; "
             "`pallas` computes the bias per tile (RoPE: q, k rotated before the kernel).",
         ]

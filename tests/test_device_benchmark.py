@@ -49,7 +49,7 @@ def _check_run(device, out: pathlib.Path, encodings, lengths) -> dict:
             assert (fwd_ms, both_ms) == ("skipped", "skipped") and "no cuDNN on cpu" in cells[-1]
             continue
         for ms, memory in ((fwd_ms, memory_fwd), (both_ms, memory_both)):
-            assert math.isfinite(float(ms)) and float(ms) > 0, cells
+            assert math.isfinite(float(ms.replace(",", ""))) and float(ms.replace(",", "")) > 0, cells
             assert memory.endswith(("MiB", "GiB")) and float(memory.split()[0]) > 0, cells
         assert fwd_ratio.endswith("×") and both_ratio.endswith("×"), cells  # over xla NoPE of the same run
         if (encoding, path) == ("nope", "xla"):
