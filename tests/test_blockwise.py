@@ -370,11 +370,12 @@ def test_auto_goes_blockwise_by_size_and_length_only(monkeypatch):
 
 def test_auto_goes_blockwise_above_the_budget(monkeypatch):
     import posenc_jax.functional.core.attention as attention
+    import posenc_jax.functional.core.dispatch as dispatch
 
     q, k, v, kwargs = _inputs(seed=14)
     plain = dot_product_attention(q, k, v, causal=True, **kwargs)
     monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
-    monkeypatch.setattr(attention, "AUTO_TILED_FROM_LENGTH", 0)
+    monkeypatch.setattr(dispatch, "AUTO_TILED_FROM_LENGTH", 0)
     tiled, blockwise = [], attention.blockwise_attention
     monkeypatch.setattr(attention, "blockwise_attention", lambda *a, **kw: tiled.append(1) or blockwise(*a, **kw))
     auto = jax.jit(lambda q, k, v: dot_product_attention(q, k, v, causal=True, **kwargs))(q, k, v)
@@ -391,6 +392,7 @@ def test_a_models_shared_bias_follows_the_attentions_dispatch_rule(monkeypatch):
     # forward_terms computes a shared bias once ([B, N, T, S]) where the layers will materialise and
     # leaves it to the tiles where they go blockwise, by the rule the attention itself applies.
     import posenc_jax.functional.core.attention as attention
+    import posenc_jax.functional.core.dispatch as dispatch
     from posenc_jax.functional import SharedBias
 
     positions = jnp.arange(6)
@@ -409,7 +411,7 @@ def test_a_models_shared_bias_follows_the_attentions_dispatch_rule(monkeypatch):
     assert isinstance(terms("materialize"), SharedBias) and isinstance(terms("auto"), SharedBias)
     assert isinstance(terms("blockwise"), ALiBi)
     monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
-    monkeypatch.setattr(attention, "AUTO_TILED_FROM_LENGTH", 0)
+    monkeypatch.setattr(dispatch, "AUTO_TILED_FROM_LENGTH", 0)
     assert isinstance(terms("auto"), ALiBi)  # over the budget: the tiles compute it
     # ... unless something of the layer has no tiled form: "auto" then materialises, and so does the bias.
     assert isinstance(terms("auto", normalizer=lambda s, m: softmax_weights(s, m)), SharedBias)

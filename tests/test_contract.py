@@ -614,9 +614,10 @@ def test_a_term_whose_tile_form_is_not_declared_is_not_computed_per_tile(rng, mo
         attend(implementation="blockwise", block_q=16, block_k=16)
     whole = attend(implementation="materialize")
     import posenc_jax.functional.core.attention as attention
+    import posenc_jax.functional.core.dispatch as dispatch
 
     monkeypatch.setitem(attention.MATERIALIZE_LIMIT_BYTES_BY_BACKEND, jax.default_backend(), 16)
-    monkeypatch.setattr(attention, "AUTO_TILED_FROM_LENGTH", 0)  # "auto" goes blockwise where it can
+    monkeypatch.setattr(dispatch, "AUTO_TILED_FROM_LENGTH", 0)  # "auto" goes blockwise where it can
     np.testing.assert_array_equal(np.asarray(attend(implementation="auto")), np.asarray(whole))
 
     # Declared per tile (wrongly, for this term), the tiles compute it from their own keys: a different answer

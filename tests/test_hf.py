@@ -1854,14 +1854,15 @@ def test_config_values_that_would_load_as_a_wrong_answer_are_refused_naming_the_
 
 def test_the_hooks_the_loader_builds_declare_their_forms():
     """They live beside their encodings and declare their forms there, as registered encodings do:
-    ALiBiSlopes' bias is computed once per forward and shared across layers, RoPEOnLastFeatures'
-    keys are cached rotated (as its RoPE's), FixedScoreScale prescribes the score scale and adds no term."""
+    ALiBiSlopes' bias is computed once per forward and shared across layers (and per tile from the tile's
+    positions), RoPEOnLastFeatures' keys are cached rotated (as its RoPE's), FixedScoreScale prescribes the
+    score scale and adds no term (in tiles too)."""
     from posenc_jax.functional import RoPE
     from posenc_jax.functional.core.forms import Forms, forms_of
 
     declared = {
-        FixedScoreScale(2.0): Forms(hooks=("logits",), scale="prescribed"),
-        ALiBiSlopes((0.5, 0.25)): Forms(hooks=("logits",), prepared="bias"),
+        FixedScoreScale(2.0): Forms(hooks=("logits",), tiled=(), scale="prescribed"),
+        ALiBiSlopes((0.5, 0.25)): Forms(hooks=("logits",), tiled=(), prepared="bias"),
         RoPEOnLastFeatures(RoPE(), num_features=8): Forms(hooks=("rotate",), cached=("rotation",)),
     }
     for hook, forms in declared.items():

@@ -398,7 +398,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             key_positions=key_positions,
             mask=flat_mask(mask, batch_shape, self.num_heads, length, key_length),
             rngs=rngs,
-            positions_are_indices=indices,
+            indices=indices,
         )
         if cache is not None:
             out, cache = out
@@ -447,14 +447,14 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         key_positions: jax.Array | None = None,
         mask: jax.Array | None = None,
         rngs=None,
-        positions_are_indices: bool = False,
+        indices: bool = False,
     ):
         """:meth:`__call__` for arguments already checked and flattened: ``x`` ``[B, T, D]`` and its ``positions``.
 
         A model's layers call it (the model checked the positions once). ``kv``: the keys' and
         values' inputs ``[B, S, D]`` in cross-attention (None: ``x``), at ``key_positions``
-        (default ``positions``); ``mask``: booleans ``[B, heads|1, T, S]``; ``positions_are_indices``:
-        the positions are ``arange``, made by the caller (see :func:`~posenc_jax.functional.core.attention.attend`).
+        (default ``positions``); ``mask``: booleans ``[B, heads|1, T, S]``; ``indices``: the
+        positions are ``arange``, made by the caller (see :func:`~posenc_jax.functional.core.attention.attend`).
 
         ``prepared``: the model's per-forward rotations (:meth:`_forward_terms`), one entry per
         encoding of this layer, None where the layer uses its own hook. They were prepared for
@@ -536,11 +536,9 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         if mesh is not None:
             out = sequence_parallel_attention(q, k, v, mesh=mesh, ring=bool(ring), mask=mask, **arguments)
         elif mask is None:
-            out = attend(
-                q, k, v, implementation=implementation, positions_are_indices=positions_are_indices, **arguments
-            )
-        else:
-            out = _attend_masked(q, k, v, mask, implementation, arguments)
+            out = attend(q, k, v, implementation=implementation, positions_are_indices=indices, **arguments)
+        else:  # Flax's boolean mask [B, heads|1, T, S] too: the public attention, which takes one
+            out = dot_product_attention(q, k, v, mask=mask, implementation=implementation, **arguments)
         out = self.out(out)
         return out if cache is None else (out, new_cache)
 
@@ -596,8 +594,3 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             else:
                 q, k = hook.rotate(q, k, context)
         return q, k
-
-
-def _attend_masked(q, k, v, mask, implementation: str, arguments: dict) -> jax.Array:
-    """:func:`attend` with Flax's boolean ``mask`` ``[B, heads|1, T, S]`` too: the public attention, which takes one."""
-    return dot_product_attention(q, k, v, mask=mask, implementation=implementation, **arguments)

@@ -13,6 +13,7 @@ Scaled dot-product attention written with the survey pseudocode's einsums
    padding, segment ids, any extra) and the ``normalize`` hook (softmax by default);
 4. **output** (:func:`attention_output`): ``weights · v`` plus every ``values`` term.
 
+Which path computes a call (``implementation``) is :mod:`~posenc_jax.functional.core.dispatch`'s rule.
 Stage 1's checks and context are in :mod:`~posenc_jax.functional.core.checks`, stages 2 to 4 in
 :mod:`~posenc_jax.functional.core.stages` (their public functions are importable from here too),
 and the blockwise path's one tile loop in :mod:`~posenc_jax.functional.core.tiles`.
@@ -62,10 +63,8 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from posenc_jax.functional.core import operations
-from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention, check_blockwise
+from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_K, DEFAULT_BLOCK_Q, blockwise_attention
 from posenc_jax.functional.core.checks import (
     _Call,
     _call,
@@ -74,6 +73,18 @@ from posenc_jax.functional.core.checks import (
     _check_shapes,
     _checked_positions,
     _score_scale,
+)
+from posenc_jax.functional.core.dispatch import (
+    AUTO_TILED_FROM_LENGTH,
+    FUSED_ATTENTION,
+    IMPLEMENTATIONS,
+    MATERIALIZE_LIMIT_BYTES,
+    MATERIALIZE_LIMIT_BYTES_BY_BACKEND,
+    PALLAS_ATTENTION,
+    goes_blockwise,
+    goes_blockwise_for,
+    known_indices,
+    plain_scores,
 )
 from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
 from posenc_jax.functional.core.hooks import (
@@ -89,8 +100,7 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.core.normalizers import Softmax, as_normalizer, softmax_weights
-from posenc_jax.functional.core.operations import current_backend
+from posenc_jax.functional.core.normalizers import as_normalizer, softmax_weights
 from posenc_jax.functional.core.products import masked_value_product
 from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.functional.core.stages import _dropout, attention_output, attention_scores, attention_weights
@@ -101,6 +111,7 @@ __all__ = [
     "FUSED_ATTENTION",
     "MATERIALIZE_LIMIT_BYTES",
     "MATERIALIZE_LIMIT_BYTES_BY_BACKEND",
+    "PALLAS_ATTENTION",
     "SharedBias",
     "attention_output",
     "attention_scores",
@@ -128,24 +139,6 @@ def __getattr__(name: str):
         )
         return control.cond_over_batch
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-IMPLEMENTATIONS = ("auto", "materialize", "blockwise", "pallas")
-# "auto" goes blockwise when the float32 [B, N, T, S] scores would exceed this many bytes on the backend
-# (jax.default_backend()): where blockwise attention's forward and backward becomes the faster, as
-# `python benchmarks/blockwise.py --auto-threshold` measures it. A backend not in the table: the default.
-MATERIALIZE_LIMIT_BYTES = 1 << 30
-MATERIALIZE_LIMIT_BYTES_BY_BACKEND: dict[str, int] = {
-    # Measured (2 cores, jax 0.10.2; docs/blockwise/auto-threshold-cpu.md): blockwise forward+backward is the
-    # faster from 16 MiB of scores on when the sequence spans more than one tile (0.72x at T = 1,024 with 4
-    # heads, 0.55x at 4,096), and the slower within one tile (1.43x at T = 512 with 8 heads).
-    "cpu": 8 << 20,
-    "gpu": 1 << 30,  # unmeasured: the default
-    "tpu": 1 << 30,  # unmeasured: the default
-}
-# ... and "auto" materialises a sequence of at most this many queries and keys whatever the batch: within one
-# default tile the blockwise loop is the materialised computation plus its own overhead.
-AUTO_TILED_FROM_LENGTH = DEFAULT_BLOCK_Q
 
 
 @pytree_dataclass
@@ -243,18 +236,15 @@ def dot_product_attention(
       query_positions: integer ``[T]`` or ``[B, T]``; required when ``causal`` or any
         encoding is given, and by a normaliser that reads positions (URPE).
       key_positions: integer ``[S]`` or ``[B, S]``; as above.
-      encodings: hooks filling ``rotate``/``logits``/``values`` (see
-        :mod:`posenc_jax.functional.core.hooks`), applied in order (e.g. ``[RoPE()]``;
-        hybrids like RoPE + ALiBi are two entries), or, as the modules take them, the
-        registered names of parameter-free encodings (``["rope", "alibi"]``; see
-        :func:`~posenc_jax.functional.encoding_names`). An encoding with learned
-        parameters is passed built (its hook), as the function holds no parameters.
+      encodings: hooks (:mod:`posenc_jax.functional.core.hooks`) applied in order (``[RoPE()]``;
+        RoPE + ALiBi is two entries), or registered names of parameter-free encodings
+        (``["rope", "alibi"]``); one with learned parameters is passed built (its hook).
       normalizer: the ``normalize`` hook (an object with ``normalize(scores, mask,
         context)``: ``softmax_weights``, ``l2_normalized_weights``, ``ReLU2()``, a built
         ``URPE``), a registered name (``"softmax"``, ``"l2"``, ``"relu2"``), or a plain
         function ``(scores [B,N,T,S] f32, mask) -> weights`` (materialising only; see
-        :mod:`posenc_jax.functional.core.normalizers`). A hook that also fills
-        :class:`~posenc_jax.functional.core.hooks.TiledNormalize` runs blockwise.
+        :mod:`posenc_jax.functional.core.normalizers`). One whose class declares
+        ``tiled=("weights",)`` runs blockwise.
       causal: mask keys whose position is after the query's position; encodings with
         a causal and a bidirectional form follow it unless set explicitly.
       key_mask: boolean ``[B, S]``, True for real (non-padding) keys.
@@ -272,12 +262,10 @@ def dot_product_attention(
       implementation: ``"materialize"`` computes the ``[B, N, T, S]`` scores in one piece;
         ``"blockwise"`` computes the same attention in tiles of ``block_q`` queries by
         ``block_k`` keys with an online softmax, in memory linear in T and S (see
-        :mod:`posenc_jax.functional.core.blockwise`); ``"auto"`` (default) goes blockwise when
-        the float32 scores would take more than the backend's threshold
-        (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``: 8 MiB on the CPU, where it was measured; 1 GiB on
-        the others for now), the sequence spans more than one default tile (T or S over 512), and
-        every hook and the normaliser have a blockwise form.
-        ``"pallas"`` (opt-in): the flash-attention kernels of :mod:`posenc_jax.functional.kernels.pallas`.
+        :mod:`posenc_jax.functional.core.blockwise`); ``"pallas"`` (opt-in): the flash-attention
+        kernels of :mod:`posenc_jax.functional.kernels.pallas`; ``"auto"`` (default): blockwise
+        above the backend's measured size, cuDNN on a GPU for plain attention of rotated q and k,
+        else materialised, by the rule of :mod:`posenc_jax.functional.core.dispatch`.
       block_q, block_k: tile sizes for the blockwise path (default 512 each; any positive
         size, dividing the lengths or not), and for ``"pallas"`` (powers of two >= 16, default 128).
 
@@ -301,26 +289,14 @@ def dot_product_attention(
     normalizer = as_normalizer(normalizer)
     _check_shapes(query, key, value)
     hooks = _attention_hooks(encodings, causal=bool(causal))
-    # The one check of the positions on this call's way: below, they travel in its context.
-    (batch, q_len), k_len = query.shape[:2], key.shape[1]
+    (batch, q_len), k_len = query.shape[:2], key.shape[1]  # the positions' one check on this call's way
     positions = _checked_positions(
         query_positions, key_positions, needed=causal or bool(hooks), q_len=q_len, k_len=k_len, batch=batch
     )
-    dropout = (dropout_rate, dropout_rng, bool(broadcast_dropout))
-    settings = (scale, dropout, return_weights, implementation, (block_q, block_k))
-    indices = bool(causal) and implementation == "auto" and _known_indices(*positions, q_len, k_len)
-    out, weights = _attend(
-        query,
-        key,
-        value,
-        hooks,
-        positions,
-        normalizer,
-        causal,
-        (*per_token, mask),
-        *settings,
-        positions_are_indices=indices,
-    )
+    settings = (scale, (dropout_rate, dropout_rng, bool(broadcast_dropout)), return_weights, implementation)
+    call = (query, key, value, hooks, positions, normalizer, causal, (*per_token, mask), *settings, (block_q, block_k))
+    indices = bool(causal) and implementation == "auto" and known_indices(*positions, q_len, k_len)
+    out, weights = _attend(*call, positions_are_indices=indices)
     if unbatched:
         out, weights = out[0], None if weights is None else weights[0]
     return (out, weights) if return_weights else out
@@ -344,51 +320,6 @@ def _check_implementation(implementation, return_weights) -> None:
             f"return_weights=True needs the [B, N, T, S] weights, which {implementation} attention never holds; use "
             "implementation='materialize' to get them"
         )
-
-
-def _no_pallas(call, normalizer, masks, dropout, blocks):
-    raise ValueError(
-        "implementation='pallas' needs posenc_jax.functional.kernels (import posenc_jax.functional, which imports it)"
-    )
-
-
-# implementation="pallas": the flash-attention kernels of kernels/pallas, registered there (core never imports them).
-PALLAS_ATTENTION = operations.Operation("pallas_attention", _no_pallas)
-
-
-def _not_fused(query, key, value, *, causal: bool, scale: float):
-    """The plain form of ``FUSED_ATTENTION``: no fused kernel here (None: the attention computes it itself)."""
-    return None
-
-
-# implementation="auto" where the scores are plain scale · q'·k' (see _plain_scores): a backend's fused attention
-# of the rotated q and k, registered by kernels/ (the GPU's: cuDNN), returning None where it cannot take the call.
-FUSED_ATTENTION = operations.Operation("fused_attention", _not_fused)
-
-
-def _plain_scores(call, normalizer, masks, dropout_rate, return_weights, positions_are_indices) -> bool:
-    """Whether, from facts known at trace time, this call is plain softmax attention of its (rotated) q and k
-    with at most a causal mask that counts indices: no term in the scores or the output (every hook only
-    rotates, or acts before attention), softmax, no key mask, segments, extra mask, dropout or weights, and,
-    when causal, T == S and positions known to be the indices ``0..T-1`` (a causal mask of other positions
-    is not the index mask a fused kernel applies)."""
-    if any(set(hook_names(hook)) & {"logits", "values", "normalize"} for hook in call.hooks):
-        return False
-    if not isinstance(normalizer, Softmax) or any(m is not None for m in masks) or dropout_rate or return_weights:
-        return False
-    context = call.context
-    return not context.causal or (positions_are_indices and call.query.shape[1] == call.key.shape[1])
-
-
-def _known_indices(query_positions, key_positions, q_len: int, k_len: int) -> bool:
-    """Whether the positions are concrete arrays (not traced) holding ``0..T-1`` and ``0..S-1`` in every row."""
-    for positions, length in ((query_positions, q_len), (key_positions, k_len)):
-        if positions is None or isinstance(positions, jax.core.Tracer):
-            return False
-        values = np.asarray(positions)
-        if values.shape[-1] != length or not np.array_equal(values, np.broadcast_to(np.arange(length), values.shape)):
-            return False
-    return True
 
 
 def attend(
@@ -476,13 +407,13 @@ def _attend(
 
     ``positions``: ``(query_positions, key_positions)``; ``masks``: ``(key_mask, query_segment_ids,
     key_segment_ids, mask)``; ``dropout``: ``(rate, rng, broadcast)``; ``blocks``: ``(block_q, block_k)``;
-    ``positions_are_indices``: the positions are known to be ``arange`` (see :func:`_plain_scores`).
+    ``positions_are_indices``: the positions are known to be ``arange`` (see ``dispatch.plain_scores``).
     Returns ``(out in query's dtype, float32 weights or None)``.
     """
     (query_positions, key_positions), (key_mask, query_segment_ids, key_segment_ids, mask) = positions, masks
     dropout_rate, dropout_rng, broadcast_dropout = dropout
     batch, q_len, num_heads, _ = query.shape
-    blockwise = _goes_blockwise(
+    blockwise = goes_blockwise_for(
         implementation,
         batch=batch,
         num_heads=num_heads,
@@ -509,7 +440,7 @@ def _attend(
     )
     if implementation == "pallas":
         return PALLAS_ATTENTION(call, normalizer, masks, dropout, blocks).astype(query.dtype), None
-    if implementation == "auto" and _plain_scores(
+    if implementation == "auto" and plain_scores(
         call, normalizer, masks, dropout_rate, return_weights, positions_are_indices
     ):
         # The rotations are done (stage 1): what is left is a fused kernel's plain attention, in the inputs' dtype.
@@ -578,27 +509,6 @@ def _blockwise_call(
     )
 
 
-def _goes_blockwise(
-    implementation: str,
-    *,
-    batch: int,
-    num_heads: int,
-    query_length: int,
-    key_length: int,
-    hooks: Sequence,
-    normalizer,
-    return_weights: bool = False,
-) -> bool:
-    """The dispatch rule: :func:`goes_blockwise` by size, and ``"auto"`` materialises what has no
-    blockwise form or whose weights are asked for (the caller did not ask for blockwise)."""
-    tiled = goes_blockwise(
-        implementation, batch=batch, num_heads=num_heads, query_length=query_length, key_length=key_length
-    )
-    if implementation != "auto":
-        return tiled
-    return tiled and not return_weights and _has_blockwise_form(hooks, normalizer)
-
-
 def forward_terms(
     hooks: Sequence,
     biases: Sequence,
@@ -653,7 +563,7 @@ def forward_terms(
         head_dim=head_dim,
         num_heads=num_heads,
     )
-    tiled = implementation == "pallas" or _goes_blockwise(
+    tiled = implementation == "pallas" or goes_blockwise_for(
         implementation,
         batch=batch,
         num_heads=num_heads,
@@ -670,32 +580,3 @@ def forward_terms(
         for hook in hooks
     ]
     return shared, prepared if any(hook is not None for hook in prepared) else None
-
-
-def goes_blockwise(implementation: str, *, batch: int, num_heads: int, query_length: int, key_length: int) -> bool:
-    """Whether ``implementation`` computes attention of these sizes in tiles.
-
-    ``"auto"`` does when the float32 ``[B, N, T, S]`` scores would exceed the threshold of
-    the backend (``MATERIALIZE_LIMIT_BYTES_BY_BACKEND``; ``MATERIALIZE_LIMIT_BYTES`` for one not
-    in it) and T or S exceeds ``AUTO_TILED_FROM_LENGTH`` (512, one default tile: within one tile
-    the blockwise loop is the materialised computation and its overhead, whatever the batch).
-    It then still materialises a hook or normaliser without a blockwise form, which this size
-    rule does not see; a model's per-forward terms follow the whole rule (:func:`forward_terms`).
-    """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation != "auto":
-        return implementation == "blockwise"
-    limit = MATERIALIZE_LIMIT_BYTES_BY_BACKEND.get(current_backend(), MATERIALIZE_LIMIT_BYTES)
-    one_tile = max(query_length, key_length) <= AUTO_TILED_FROM_LENGTH
-    return not one_tile and 4 * batch * num_heads * query_length * key_length > limit
-
-
-def _has_blockwise_form(hooks, normalizer) -> bool:
-    for item in (*hooks, normalizer):
-        forms_of(item)  # a class defining a form it does not declare is refused by name here, not materialised
-    try:
-        check_blockwise(hooks, normalizer)
-    except ValueError:
-        return False
-    return True

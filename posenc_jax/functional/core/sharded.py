@@ -194,15 +194,8 @@ def sequence_parallel_attention(
       (1, 16, 2, 8)
     """
     axis = _mesh_axis(mesh, axis_name)
-    settings = dict(
-        normalizer=normalizer,
-        causal=causal,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        broadcast_dropout=bool(broadcast_dropout),
-        block_q=block_q,
-        block_k=block_k,
-    )
+    settings = dict(normalizer=normalizer, causal=causal, scale=scale, block_q=block_q, block_k=block_k)
+    settings.update(dropout_rate=dropout_rate, broadcast_dropout=bool(broadcast_dropout))
     masks = (key_mask, query_segment_ids, key_segment_ids, mask)
     _check_as_one_device(query, key, value, query_positions, key_positions, encodings, masks, dropout_rng, settings)
     unbatched = query.ndim == 3

@@ -205,7 +205,9 @@ class CachedSinusoidalRelative:
         return _score_features(self.encoding, q, context, self.key_sinusoids)
 
 
-declare_forms(CachedSinusoidalRelative, Forms(hooks=("logits",), tiled=(), cached=("key_features",), fused=("features",)))
+declare_forms(
+    CachedSinusoidalRelative, Forms(hooks=("logits",), tiled=(), cached=("key_features",), fused=("features",))
+)
 
 
 def _scaled_logits(encoding: SinusoidalRelative, q, context: AttentionContext, key_features) -> jax.Array:

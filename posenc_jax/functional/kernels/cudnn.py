@@ -5,7 +5,7 @@ acts before attention (absolute encodings, NoPE), leaves softmax attention of th
 and ``k`` with no term in the scores: what cuDNN's fused flash attention, behind
 ``jax.nn.dot_product_attention(..., implementation="cudnn")``, computes without building the
 ``[B, N, T, S]`` scores. Core decides from facts of the call known at trace time whether its scores
-are plain (``_plain_scores`` in :mod:`posenc_jax.functional.core.attention`: no term, softmax, no
+are plain (:func:`~posenc_jax.functional.core.dispatch.plain_scores`: no term, softmax, no
 mask beyond a causal one over indices); this form adds cuDNN's own limits, which
 ``jax.nn.dot_product_attention`` checks while tracing (float16 or bfloat16, the head sizes and
 GPU generations it takes), and returns None for core's own path when they refuse.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.core.attention import FUSED_ATTENTION
+from posenc_jax.functional.core.dispatch import FUSED_ATTENTION
 
 __all__ = ["HALF_PRECISION", "cudnn_attention"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from posenc_jax.functional.core.attention import PALLAS_ATTENTION
+from posenc_jax.functional.core.dispatch import PALLAS_ATTENTION
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.normalizers import Softmax
 
