@@ -43,6 +43,9 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 # Whole tests (every case), each with why it is slow and what keeps its feature in the main suite.
 SLOW = {
+    "tests/test_broadcast.py::test_shared_bias_gradients_match_a_bias_broadcast_by_hand": (
+        "its cost check (test_shared_bias_gradient_sums_the_batch_at_less_cost_than_plain_broadcasting) stays"
+    ),
     "tests/test_nn.py::test_length_dependent_scalings_decode_one_layer_as_the_forward_of_each_prefix": (
         "a decode per prefix; test_contract's length-dependent scalings and test_hf's current-length rotation stay"
     ),

@@ -46,8 +46,20 @@ def _attend(q, k, v, positions, implementation="auto", **kwargs):
     )
 
 
-@pytest.mark.parametrize("encodings", [[RoPE()], [XPos()], []], ids=["rope", "xpos", "nope"])
-@pytest.mark.parametrize("kv_heads", [N, K], ids=["mha", "gqa"])
+_SLOW = pytest.mark.slow  # one rotation per head layout stays in the main suite: RoPE with N heads, NoPE with K
+
+
+@pytest.mark.parametrize(
+    "encodings, kv_heads",
+    [
+        pytest.param([RoPE()], N, id="rope-mha"),
+        pytest.param([RoPE()], K, id="rope-gqa", marks=_SLOW),
+        pytest.param([XPos()], N, id="xpos-mha", marks=_SLOW),
+        pytest.param([XPos()], K, id="xpos-gqa", marks=_SLOW),
+        pytest.param([], N, id="nope-mha", marks=_SLOW),
+        pytest.param([], K, id="nope-gqa"),
+    ],
+)
 def test_a_rotation_only_call_is_handed_to_cudnn_with_the_plain_paths_values(handed, encodings, kv_heads):
     q, k, v = _inputs(kv_heads=kv_heads)
     positions = jnp.arange(T)
