@@ -45,6 +45,7 @@ from posenc_jax.functional.core.hooks import (
 from posenc_jax.functional.core.operations import broadcast_to
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
 from posenc_jax.functional.core.relative import toeplitz_where_runs
+from posenc_jax.functional.core.stages import _dropout
 
 __all__ = ["tile_loop"]
 
@@ -366,9 +367,7 @@ def _accumulate(plan: _Plan, s, v, tile_mask, tile_context, values_hooks, state,
     if plan.dropout_rate > 0.0:
         qi, first_tile, kj = dropout_key
         rng = jax.random.fold_in(jax.random.fold_in(plan.dropout_rng, qi), first_tile + kj)
-        shape = (1,) * (p.ndim - 2) + p.shape[-2:] if plan.dropout_broadcast else p.shape
-        keep = jax.random.bernoulli(rng, 1.0 - plan.dropout_rate, shape)
-        p = jnp.where(keep, p / (1.0 - plan.dropout_rate), 0.0)
+        p = _dropout(p, plan.dropout_rate, rng, plan.dropout_broadcast)
     out = _tile_product(p, v, tile_mask)
     terms = []
     for hook in values_hooks:
