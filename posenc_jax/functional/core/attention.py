@@ -83,7 +83,6 @@ from posenc_jax.functional.core.dispatch import (
     PALLAS_ATTENTION,
     goes_blockwise,
     goes_blockwise_for,
-    known_indices,
     plain_scores,
 )
 from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
@@ -295,8 +294,7 @@ def dot_product_attention(
     )
     settings = (scale, (dropout_rate, dropout_rng, bool(broadcast_dropout)), return_weights, implementation)
     call = (query, key, value, hooks, positions, normalizer, causal, (*per_token, mask), *settings, (block_q, block_k))
-    indices = bool(causal) and implementation == "auto" and known_indices(*positions, q_len, k_len)
-    out, weights = _attend(*call, positions_are_indices=indices)
+    out, weights = _attend(*call, positions_are_indices=None)  # read from the positions if they are concrete
     if unbatched:
         out, weights = out[0], None if weights is None else weights[0]
     return (out, weights) if return_weights else out
@@ -401,13 +399,13 @@ def _attend(
     implementation,
     blocks,
     *,
-    positions_are_indices: bool = False,
+    positions_are_indices: bool | None = False,
 ):
     """The attention of checked, batched arguments: the dispatch, the call's context (made once), the stages.
 
     ``positions``: ``(query_positions, key_positions)``; ``masks``: ``(key_mask, query_segment_ids,
     key_segment_ids, mask)``; ``dropout``: ``(rate, rng, broadcast)``; ``blocks``: ``(block_q, block_k)``;
-    ``positions_are_indices``: the positions are known to be ``arange`` (see ``dispatch.plain_scores``).
+    ``positions_are_indices``: whether the positions are ``arange``, None: read them (``dispatch.plain_scores``).
     Returns ``(out in query's dtype, float32 weights or None)``.
     """
     (query_positions, key_positions), (key_mask, query_segment_ids, key_segment_ids, mask) = positions, masks
@@ -440,18 +438,14 @@ def _attend(
     )
     if implementation == "pallas":
         return PALLAS_ATTENTION(call, normalizer, masks, dropout, blocks).astype(query.dtype), None
-    if implementation == "auto" and plain_scores(
-        call, normalizer, masks, dropout_rate, return_weights, positions_are_indices
+    if (
+        implementation == "auto"
+        and FUSED_ATTENTION.implemented()
+        and plain_scores(call, normalizer, masks, dropout_rate, return_weights, positions_are_indices)
     ):
         # The rotations are done (stage 1): what is left is a fused kernel's plain attention, in the inputs' dtype.
-        cast = lambda x, like: x.astype(like.dtype)
-        fused = FUSED_ATTENTION(
-            cast(call.query, query),
-            cast(call.key, key),
-            cast(call.value, value),
-            causal=bool(causal),
-            scale=call.context.scale,
-        )
+        q, k, v = call.query.astype(query.dtype), call.key.astype(key.dtype), call.value.astype(value.dtype)
+        fused = FUSED_ATTENTION(q, k, v, causal=bool(causal), scale=call.context.scale)
         if fused is not None:
             return fused.astype(query.dtype), None
     if blockwise:

@@ -5,13 +5,13 @@ core hands a call to.
 tiles (:mod:`~posenc_jax.functional.core.blockwise`); ``"pallas"`` runs the flash-attention kernels
 that ``kernels/pallas`` registers (:data:`PALLAS_ATTENTION`); ``"auto"`` (the default):
 
-- goes blockwise by size (:func:`goes_blockwise`: the backend's measured threshold of float32
+- on a backend with a fused attention (:data:`FUSED_ATTENTION`; the GPU's cuDNN, registered by
+  ``kernels/cudnn.py``), where the scores hold no term (every hook only rotates, or acts before
+  attention) and the call allows it from facts known while tracing (:func:`plain_scores`), hands
+  the rotated q and k to it, unless it refuses the call;
+- else goes blockwise by size (:func:`goes_blockwise`: the backend's measured threshold of float32
   scores, and more than one default tile) when every hook and the normaliser have a tiled form,
   and the weights are not asked for;
-- else, where the scores hold no term (every hook only rotates, or acts before attention), hands
-  the rotated q and k to the backend's fused attention (:data:`FUSED_ATTENTION`; the GPU's cuDNN,
-  registered by ``kernels/cudnn.py``) when the call allows it from facts known while tracing
-  (:func:`plain_scores`);
 - else materialises.
 
 Core never imports a kernel: the kernels register their forms of these operations
@@ -138,13 +138,22 @@ def plain_scores(call, normalizer, masks, dropout_rate, return_weights, position
     with at most a causal mask that counts indices: no term in the scores or the output (every hook only
     rotates, or acts before attention), softmax, no key mask, segments, extra mask, dropout or weights, and,
     when causal, T == S and positions known to be the indices ``0..T-1`` (a causal mask of other positions
-    is not the index mask a fused kernel applies)."""
+    is not the index mask a fused kernel applies): ``positions_are_indices``, True or False as the caller
+    knows it (a module that made them), or None: the concrete positions read here, last, so only a call that
+    is otherwise plain reads them (``dot_product_attention``'s)."""
     if any(set(hook_names(hook)) & {"logits", "values", "normalize"} for hook in call.hooks):
         return False
     if not isinstance(normalizer, Softmax) or any(m is not None for m in masks) or dropout_rate or return_weights:
         return False
     context = call.context
-    return not context.causal or (positions_are_indices and call.query.shape[1] == call.key.shape[1])
+    if not context.causal:
+        return True
+    q_len, k_len = call.query.shape[1], call.key.shape[1]
+    if q_len != k_len:
+        return False
+    if positions_are_indices is None:
+        return known_indices(context.query_positions, context.key_positions, q_len, k_len)
+    return positions_are_indices
 
 
 def known_indices(query_positions, key_positions, q_len: int, k_len: int) -> bool:

@@ -64,6 +64,10 @@ class Operation:
     def __call__(self, *args, **kwargs):
         return self.form()(*args, **kwargs)
 
+    def implemented(self) -> bool:
+        """Whether a form other than the plain one runs on the current backend."""
+        return self.form() is not self.plain
+
     def __repr__(self) -> str:
         return f"Operation({self.name!r}, forms={sorted(self._forms)})"
 
