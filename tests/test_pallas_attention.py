@@ -277,13 +277,14 @@ CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
     [
         ("t5", jnp.bfloat16, None),
         ("kerple-power", jnp.bfloat16, None),
+        ("alibi+kerple-log", jnp.bfloat16, None),
         ("t5", jnp.float32, jax.lax.Precision.HIGHEST),
         pytest.param("clipped+sandwich+fire", jnp.bfloat16, None, marks=pytest.mark.slow),  # 3 biases: ~15 s each
     ],
 )
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernels_lower_for_gpu_and_tpu(platform, name, dtype, precision):
-    """Forward and gradient of the kernels (T5, Kerple, or the clipped bias, Sandwich and FIRE together, with
+    """Forward and gradient of the kernels (T5, Kerple, ALiBi with Kerple, or the clipped bias, Sandwich and FIRE together, with
     segment ids, causal, GQA, tiles of 128; bfloat16, or float32 at full precision) lower to Triton's and
     Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
     from posenc_jax.functional.kernels.pallas import flash_attention, joined_head_bias
