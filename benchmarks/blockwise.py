@@ -420,6 +420,22 @@ def _run(compiled, inputs) -> float:
     return time.perf_counter() - start
 
 
+def paired_ratios(baselines, baseline_inputs, programs, inputs, rounds: int):
+    """Each program's run over its baseline's run just before it, ``rounds`` times (after one warm-up run of
+    each), and the baselines' median seconds. A round runs baseline 0, program 0, baseline 1, program 1, ...,
+    so a change in the machine's load between rounds falls on both sides of each ratio; the table gives the
+    median of each program's ratios."""
+    for c in programs:
+        _run(c, inputs)
+    times = [([], []) for _ in programs]
+    for _ in range(rounds):
+        for (base, own), baseline, program in zip(times, baselines, programs, strict=True):
+            base.append(_run(baseline, baseline_inputs))
+            own.append(_run(program, inputs))
+    ratios = [[e / p for e, p in zip(own, base, strict=True)] for base, own in times]
+    return ratios, [statistics.median(base) for base, _ in times]
+
+
 def versus_plain(args) -> None:
     """The ``--versus-plain`` table (see the module's docstring)."""
     print(
@@ -458,19 +474,9 @@ def versus_plain(args) -> None:
             ratios = None
             base = ""
             if timed:
-                for c in programs:
-                    _run(c, (q, k, v, hooks))
-                times = {key: [] for key in ("p0", "e0", "p1", "e1")}
-                for _ in range(args.rounds):
-                    for i in range(2):
-                        times[f"p{i}"].append(_run(plain[i], (q, k, v, plain_hooks)))
-                        times[f"e{i}"].append(_run(programs[i], (q, k, v, hooks)))
-                medians = {key: statistics.median(x) for key, x in times.items()}
-                # The median of each round's ratio (the encoding's run over the NoPE run just before it):
-                # a change in the machine's load between rounds falls on both sides of each ratio.
-                ratios = [[e / p for e, p in zip(times[f"e{i}"], times[f"p{i}"], strict=True)] for i in range(2)]
+                ratios, seconds = paired_ratios(plain, (q, k, v, plain_hooks), programs, (q, k, v, hooks), args.rounds)
                 cells = [f"{statistics.median(r):.2f}×" for r in ratios]
-                base = f"{medians['p0']:.3g}, {medians['p1']:.3g}"
+                base = f"{seconds[0]:.3g}, {seconds[1]:.3g}"
             within = all(t <= 1.5 for t in temp)
             if ratios is not None:
                 within = within and all(statistics.median(r) <= b for r, b in zip(ratios, budgets, strict=True))
