@@ -10,12 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, ParameterFree
+from posenc_jax.functional.core.registry import carries_encodings
 from posenc_jax.functional.encodings.rope import RoPE
 from posenc_jax.functional.encodings.rope_decoupled import RoPEOnLastFeatures
 
 __all__ = ["HFEncoding", "sliding_window_mask"]
 
 
+@carries_encodings
 @dataclasses.dataclass(frozen=True)
 class HFEncoding:
     """The position settings of a transformers config, in this library's terms.

@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from posenc_jax.functional.core.attention import dot_product_attention
-from posenc_jax.functional.core.hooks import ATTENTION_HOOKS, EncodingConfig, ParameterFree, hook_names
+from posenc_jax.functional.core.hooks import ATTENTION_HOOKS, EncodingConfig, builds_itself, hook_names
 from posenc_jax.functional.core.registry import resolve_encodings
 from posenc_jax.nn.encoding import PositionEncoding, resolve_config
 
@@ -338,7 +338,7 @@ def _fixed_hooks(encodings) -> list:
             hooks.append(encoding)  # a built hook with its arrays (e.g. T5Bias(table))
             continue
         config = resolve_config(encoding)
-        if not isinstance(config, ParameterFree):
+        if not builds_itself(config):
             raise ValueError(
                 f"{config!r} has parameters; wrap the NNX MultiHeadAttention with posenc_jax.linen.to_linen, use "
                 f"posenc_jax.nn.AttentionFunction in NNX, or pass a built hook with fixed arrays (e.g. T5Bias(table))"

@@ -92,8 +92,8 @@ from posenc_jax.functional.core.hooks import (
     BiasHook,
     EncodingConfig,
     Normalize,
-    ParameterFree,
     attention_context,
+    builds_itself,
     check_together,
     hook_names,
     parameter,
@@ -160,7 +160,8 @@ class SharedBias(BiasHook):
 
 # One whole [.., T, S] array: no tile form (the tiles would each read the whole array; a model gives the
 # tiles the hook itself instead: forward_terms), so blockwise attention refuses it and "auto" materialises.
-declare_forms(SharedBias, Forms(hooks=("logits",), tiled=None, prepared="bias"))
+# Several may be given together (one per bias): repeatable.
+declare_forms(SharedBias, Forms(hooks=("logits",), tiled=None, prepared="bias", repeatable=True))
 
 
 def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
@@ -173,7 +174,7 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
     """
     hooks = []
     for encoding in resolve_encodings(encodings):
-        if isinstance(encoding, EncodingConfig) and not isinstance(encoding, ParameterFree):
+        if isinstance(encoding, EncodingConfig) and not builds_itself(encoding):
             raise ValueError(
                 f"{encoding!r} has learned parameters, which dot_product_attention does not hold: pass its built "
                 f"hook (config.build(config.init(key, num_heads=N, head_dim=H, model_dim=D))) or use it in a module "
@@ -195,7 +196,7 @@ def _attention_hooks(encodings, *, causal: bool | None = None) -> list:
                 f"{encoding!r} fills none of the attention hooks {ATTENTION_HOOKS}; an encoding passed to "
                 f"dot_product_attention must define at least one (see posenc_jax.functional.core.hooks)"
             )
-    check_together([h for h in hooks if not isinstance(h, SharedBias)], causal=causal)
+    check_together(hooks, causal=causal)
     return hooks
 
 
@@ -568,9 +569,7 @@ def forward_terms(
     )
     shared = [bias if tiled else SharedBias(bias.bias(context)) for bias in biases]
     prepared = [
-        hook.prepare(context, head_dim)
-        if isinstance(hook, ParameterFree) and forms_of(hook).has("prepared", "tables")
-        else None
+        hook.prepare(context, head_dim) if builds_itself(hook) and forms_of(hook).has("prepared", "tables") else None
         for hook in hooks
     ]
     return shared, prepared if any(hook is not None for hook in prepared) else None

@@ -27,9 +27,8 @@ import numpy as np
 
 from posenc_jax.functional.core import operations
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_Q, check_blockwise
-from posenc_jax.functional.core.forms import forms_of
+from posenc_jax.functional.core.forms import declares, forms_of
 from posenc_jax.functional.core.hooks import hook_names
-from posenc_jax.functional.core.normalizers import Softmax
 from posenc_jax.functional.core.operations import current_backend
 
 __all__ = [
@@ -143,7 +142,7 @@ def plain_scores(call, normalizer, masks, dropout_rate, return_weights, position
     is otherwise plain reads them (``dot_product_attention``'s)."""
     if any(set(hook_names(hook)) & {"logits", "values", "normalize"} for hook in call.hooks):
         return False
-    if not isinstance(normalizer, Softmax) or any(m is not None for m in masks) or dropout_rate or return_weights:
+    if not declares(normalizer, "softmax") or any(m is not None for m in masks) or dropout_rate or return_weights:
         return False
     context = call.context
     if not context.causal:

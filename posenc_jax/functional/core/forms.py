@@ -42,6 +42,13 @@ fused       ``rows``              ``add_logits(scores, q, k, context)``         
             ``per_call``          ``per_token_for(context)``                              RoPE, xPos
 ==========  ====================  ======================================================  =========================
 
+Beside its forms, a class declares three facts (no methods go with them): ``causal_only`` (defined
+for causal attention only: bidirectional attention and models refuse it by name; registration sets
+it from ``forms=("causal",)`` for the hook class and its config alike), ``repeatable`` (several
+objects of the class may be given to one attention: each carries its own value, as a
+``SharedBias`` does) and ``softmax`` (a normaliser that is exactly softmax, which the fused kernels
+compute themselves). :func:`declares` reads them; nothing tests a class or probes an attribute.
+
 ``tiled=None`` says the hook cannot be computed per tile (blockwise attention refuses it by
 name, and ``implementation="auto"`` materialises); ``tiled=()`` that blockwise attention calls
 its ``logits`` and ``values`` on each tile's context alone, which is right only for a term of
@@ -58,8 +65,23 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
-__all__ = ["FORMS", "HOOKS", "Forms", "check_declared", "declare_forms", "declared_forms", "forms_of"]
+__all__ = [
+    "CausalOnly",
+    "FACTS",
+    "MaterializeOnly",
+    "FORMS",
+    "HOOKS",
+    "Forms",
+    "check_declared",
+    "class_facts",
+    "declare_facts",
+    "declare_forms",
+    "declared_forms",
+    "declares",
+    "forms_of",
+]
 
 # The hooks, each a method of the same name, in the order of the design's table.
 HOOKS: tuple[str, ...] = ("embed", "rotate", "logits", "values", "normalize", "sample")
@@ -96,6 +118,12 @@ FORMS: dict[str, dict[str, tuple[str, ...]]] = {
 }
 
 
+# The facts a class declares beside its forms (Forms' boolean fields), and those a base class records for
+# its subclasses (declare_facts): "materialize_only" (MaterializeOnly: tiled=None), "builds_itself"
+# (ParameterFree: the config is its own hook, registered without hook=).
+FACTS: tuple[str, ...] = ("causal_only", "repeatable", "softmax")
+CLASS_FACTS: tuple[str, ...] = (*FACTS, "materialize_only", "builds_itself")
+
 # Forms' ``tiled`` when the declaration leaves it out (see the class).
 _UNSAID = object()
 
@@ -116,6 +144,9 @@ class Forms:
       fused: faster forms of the materialising path.
       scale: ``"prescribed"`` when the hook prescribes the content-score scale (``score_scale(head_dim)``,
         DeBERTa's ``1/√(3H)``), else None.
+      causal_only: defined for causal attention only (xPos, FIRE, CoPE): bidirectional attention refuses it.
+      repeatable: several objects of the class may be given to one attention (``SharedBias``: one per bias).
+      softmax: a normaliser that is exactly softmax (the fused kernels compute it themselves).
     """
 
     tiled: tuple[str, ...] | None | object = _UNSAID
@@ -124,8 +155,14 @@ class Forms:
     fused: tuple[str, ...] = ()
     scale: str | None = None
     hooks: tuple[str, ...] = ()
+    causal_only: bool = False
+    repeatable: bool = False
+    softmax: bool = False
 
     def __post_init__(self):
+        for fact in FACTS:
+            if not isinstance(self.fact(fact), bool):
+                raise TypeError(f"{fact} must be True or False, got {self.fact(fact)!r}")
         if isinstance(self.hooks, str) or not isinstance(self.hooks, (tuple, list)):
             raise TypeError(f"hooks must be a tuple of hook names, e.g. ('logits',), got {self.hooks!r}")
         unknown = [hook for hook in self.hooks if hook not in HOOKS]
@@ -162,6 +199,13 @@ class Forms:
         """The methods the declared hooks and forms need, in the order of the declaration."""
         return self.hooks + tuple(m for methods in self.declared().values() for m in methods)
 
+    def fact(self, fact: str) -> bool:
+        """The declared fact ``fact`` (:data:`FACTS`: ``"causal_only"``, ``"repeatable"``, ``"softmax"``)."""
+        facts = {"causal_only": self.causal_only, "repeatable": self.repeatable, "softmax": self.softmax}
+        if fact not in facts:
+            raise ValueError(f"unknown fact {fact!r}; the facts are {list(FACTS)}")
+        return facts[fact]
+
     def has(self, group: str, form: str) -> bool:
         """Whether ``form`` of ``group`` is declared (``has("prepared", "bias")``)."""
         value = getattr(self, group)
@@ -193,7 +237,7 @@ def check_declared(hook_type: type, forms: Forms, *, name: str) -> None:
                     f"declare the form {key}: declare it ({group}=... in register_encoding, or "
                     f"declare_forms({hook_type.__name__}, Forms({group}=...))) so the attention uses it"
                 )
-    if forms.tiled is not None and getattr(hook_type, "_materialize_only", False):
+    if forms.tiled is not None and class_facts(hook_type).get("materialize_only"):
         raise ValueError(f"encoding {name!r}: {hook_type.__name__} is MaterializeOnly; declare tiled=None")
 
 
@@ -227,8 +271,10 @@ def declare_forms(hook_type: type, forms: Forms, *, name: str | None = None) -> 
     check_declared(hook_type, forms, name=name or hook_type.__name__)
     previous = hook_type.__dict__.get("_declared_forms")
     if previous is not None and previous != forms:
+        fields = [f.name for f in dataclasses.fields(Forms) if getattr(previous, f.name) != getattr(forms, f.name)]
         raise ValueError(
-            f"{hook_type.__name__} already declares {previous}; a second registration declares {forms}: give one"
+            f"{hook_type.__name__} already declares {previous}; a second registration declares {forms} (they differ "
+            f"in {', '.join(fields)}): give one"
         )
     hook_type._declared_forms = forms
     return hook_type
@@ -242,10 +288,56 @@ def declared_forms(hook) -> Forms | None:
     """
     hook_type = type(hook)
     declared = next((c.__dict__["_declared_forms"] for c in hook_type.__mro__ if "_declared_forms" in c.__dict__), None)
-    if declared is not None and declared.tiled is not None and getattr(hook_type, "_materialize_only", False):
+    if declared is None:
+        return None
+    facts = class_facts(hook_type)
+    if declared.tiled is not None and facts.get("materialize_only"):
         # MaterializeOnly mixed into a declared class (its own subclass of ALiBi, say): not per tile.
         declared = dataclasses.replace(declared, tiled=None)
+    if facts.get("causal_only") and not declared.causal_only:
+        # A hook class deriving from the deprecated CausalOnly base, declared without causal_only.
+        declared = dataclasses.replace(declared, causal_only=True)
     return declared
+
+
+def declare_facts(cls: type, **facts: bool) -> type:
+    """Records ``facts`` (:data:`CLASS_FACTS`) on ``cls`` for it and its subclasses; returns it.
+
+    What a base class says of its subclasses (``MaterializeOnly``: not per tile; ``ParameterFree``:
+    the config is its own hook), and what registration says of a config class (``causal_only``).
+    A fact ``cls`` itself recorded before with the other value is an error naming it.
+    """
+    unknown = sorted(set(facts) - set(CLASS_FACTS))
+    if unknown:
+        raise ValueError(f"unknown fact {unknown[0]!r}; the facts are {list(CLASS_FACTS)}")
+    own = dict(cls.__dict__.get("_declared_facts", {}))
+    clash = [fact for fact, value in facts.items() if own.get(fact, value) != value]
+    if clash:
+        raise ValueError(
+            f"{cls.__name__} already declares {clash[0]}={own[clash[0]]}; a second declaration says "
+            f"{clash[0]}={facts[clash[0]]}: give one"
+        )
+    cls._declared_facts = {**own, **facts}
+    return cls
+
+
+def class_facts(cls: type) -> dict[str, bool]:
+    """The facts ``cls`` and its bases recorded (:func:`declare_facts`), the nearest class's first."""
+    facts: dict[str, bool] = {}
+    for c in reversed(cls.__mro__):
+        facts.update(c.__dict__.get("_declared_facts", {}))
+    return facts
+
+
+def declares(obj, fact: str) -> bool:
+    """Whether ``obj``'s class declares ``fact`` (:data:`FACTS`): read from its forms when it declared
+    some (a hook), else from the facts its class recorded (a config: registration records ``causal_only``)."""
+    declared = declared_forms(obj)
+    if declared is not None:
+        return declared.fact(fact)
+    if fact not in FACTS:
+        raise ValueError(f"unknown fact {fact!r}; the facts are {list(FACTS)}")
+    return bool(class_facts(type(obj)).get(fact, False))
 
 
 def forms_of(hook) -> Forms:
@@ -284,3 +376,39 @@ class FormInterface(type):
         group, name = form.split(".")
         declared = declared_forms(instance)
         return declared is not None and declared.has(group, name)
+
+
+class _CausalOnlyType(type):
+    # isinstance(x, CausalOnly) reads the declaration (declares(x, "causal_only")), not the class's bases.
+    def __instancecheck__(cls, instance) -> bool:
+        return declares(instance, "causal_only") if cls is CausalOnly else super().__instancecheck__(instance)
+
+
+class CausalOnly(metaclass=_CausalOnlyType):
+    """Deprecated base: an encoding defined for causal attention only declares it at registration
+    (``register_encoding(..., forms=("causal",))``, which declares it for the hook class and its config)
+    or, for a hook class of one's own, with ``declare_forms(MyHook, Forms(..., causal_only=True))``.
+
+    ``isinstance(x, CausalOnly)`` answers from the declaration (xPos, FIRE, CoPE and their configs). A
+    subclass still works (it records the fact ``causal_only``) and warns, naming the declaration.
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        warnings.warn(
+            f"{cls.__name__} derives from CausalOnly, which is deprecated: declare causal-only forms instead, "
+            f"register_encoding(..., forms=('causal',)) or declare_forms({cls.__name__}, Forms(..., causal_only=True))",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        declare_facts(cls, causal_only=True)
+
+
+class MaterializeOnly:
+    """Base of a hook that cannot be computed per tile: blockwise attention refuses it by name. Deriving
+    from it declares ``tiled=None`` (:mod:`posenc_jax.functional.core.forms`) for the class and its
+    subclasses, over what a base declared (a subclass of ALiBi that is not computed per tile)."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        declare_facts(cls, materialize_only=True)

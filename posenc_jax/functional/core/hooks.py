@@ -40,6 +40,7 @@ A built hook can therefore be an argument of a transformed function.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
@@ -52,7 +53,16 @@ from posenc_jax.functional.core.context import (
     pytree_dataclass,
     rotation_context,
 )
-from posenc_jax.functional.core.forms import FormInterface, declared_forms, forms_of, undeclared_message
+from posenc_jax.functional.core.forms import (
+    CausalOnly,
+    FormInterface,
+    MaterializeOnly,
+    declare_facts,
+    declared_forms,
+    declares,
+    forms_of,
+    undeclared_message,
+)
 from posenc_jax.functional.core.validation import check_init_sizes
 
 __all__ = [
@@ -88,6 +98,7 @@ __all__ = [
     "TiledValues",
     "Values",
     "attention_context",
+    "builds_itself",
     "check_together",
     "hook_names",
     "one_or_more",
@@ -188,18 +199,6 @@ class KeyFeatures(metaclass=FormInterface):
     _form: ClassVar[str] = "cached.key_features"
 
     def map_key_features(self, fn: Callable[[jax.Array], jax.Array]) -> Any: ...
-
-
-class CausalOnly:
-    """Base of an encoding (its config and its hook) defined for causal attention only (xPos, FIRE,
-    CoPE): bidirectional attention and bidirectional models refuse it by name."""
-
-
-class MaterializeOnly:
-    """Base of a hook that cannot be computed per tile: blockwise attention refuses it by name (its
-    forms: ``tiled=None``, :mod:`posenc_jax.functional.core.forms`)."""
-
-    _materialize_only: ClassVar[bool] = True
 
 
 class PerTokenRotation(metaclass=FormInterface):
@@ -448,10 +447,9 @@ def one_or_more(encodings) -> list:
 def check_together(encodings: Sequence, *, causal: bool | None) -> None:
     """Refuses encodings (configs or hooks) that cannot mean what was asked together.
 
-    Two rotations, one encoding given twice (two objects of one type, pytrees only: a shared
-    bias is passed once per bias and is exempt by the caller), two absolute encodings, or
-    (``causal=False``) an encoding defined for causal attention only; ``causal=None`` skips
-    that last check.
+    Two rotations, one encoding given twice (two objects of one type, pytrees only; a class that
+    declares ``repeatable``, as a shared bias does, is exempt), two absolute encodings, or
+    (``causal=False``) an encoding declared causal-only; ``causal=None`` skips that last check.
     """
 
     def names(chosen) -> str:
@@ -462,7 +460,7 @@ def check_together(encodings: Sequence, *, causal: bool | None) -> None:
         raise ValueError(
             f"the encodings {names(rotations)} would rotate queries and keys {len(rotations)} times; give one rotation"
         )
-    kinds = [type(e) for e in encodings if not jax.tree_util.all_leaves([e])]
+    kinds = [type(e) for e in encodings if not jax.tree_util.all_leaves([e]) and not declares(e, "repeatable")]
     twice = sorted({kind.__name__ for kind in kinds if kinds.count(kind) > 1})
     if twice:
         raise ValueError(f"{', '.join(twice)} is given more than once; give each encoding once")
@@ -472,7 +470,7 @@ def check_together(encodings: Sequence, *, causal: bool | None) -> None:
             f"the absolute encodings {names(absolute)} would both be added to the token embeddings; give one"
         )
     if causal is False:
-        only = [e for e in encodings if isinstance(e, CausalOnly)]
+        only = [e for e in encodings if declares(e, "causal_only")]
         if only:
             raise ValueError(
                 f"{names(only)} is defined for causal attention only; pass causal=True (a causal model), or choose "
@@ -501,6 +499,11 @@ def hook_names(hook) -> tuple[str, ...]:
     raise TypeError(undeclared_message(hook))
 
 
+# The inits EncodingConfig wrapped with the size check (a class made again from its namespace, as a slotted
+# dataclass is, finds its init wrapped already).
+_SIZE_CHECKED_INITS: weakref.WeakSet = weakref.WeakSet()
+
+
 class EncodingConfig:
     """Base of every registered encoding's configuration (a frozen dataclass of settings).
 
@@ -518,14 +521,14 @@ class EncodingConfig:
         # name, before any table is made with that size.
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("init")
-        if init is not None and not getattr(init, "_checks_sizes", False):
+        if init is not None and init not in _SIZE_CHECKED_INITS:
 
             @functools.wraps(init)
             def checked_init(self, key, *, num_heads, head_dim, model_dim):
                 check_init_sizes(key, num_heads, head_dim, model_dim)
                 return init(self, key, num_heads=num_heads, head_dim=head_dim, model_dim=model_dim)
 
-            checked_init._checks_sizes = True
+            _SIZE_CHECKED_INITS.add(checked_init)
             cls.init = checked_init
 
     def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
@@ -552,13 +555,29 @@ class EncodingConfig:
 
 
 class ParameterFree(EncodingConfig):
-    """Base of encodings without parameters: each is its own config (``build`` returns it)."""
+    """Base of encodings without parameters: each is its own config (``build`` returns it).
+
+    Deriving from it records the fact ``builds_itself``, which registration checks against
+    ``hook=`` (left out: the config is its own hook); the attention tells a parameter-free config
+    from one with parameters by its declaration (:func:`builds_itself`).
+    """
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        declare_facts(cls, builds_itself=True)
 
     def init(self, key: jax.Array, *, num_heads: int, head_dim: int, model_dim: int) -> dict:
         return {}
 
     def build(self, params: dict):
         return self
+
+
+def builds_itself(encoding) -> bool:
+    """Whether ``encoding`` is a config that is its own hook (parameter-free: RoPE, ALiBi): its class declared
+    its hooks and forms (registered without ``hook=``, or :func:`~posenc_jax.functional.core.forms.declare_forms`).
+    A config with learned parameters declares them on the hook its ``build`` returns, so this is False for it."""
+    return isinstance(encoding, EncodingConfig) and declared_forms(encoding) is not None
 
 
 class BiasHook:

@@ -381,5 +381,6 @@ def normalizer_config(name: str):
 
 
 for _normalizer in (Softmax, L2Normalized, ReLU2PerRow, ReLU2, URPE):
-    declare_forms(_normalizer, Forms(hooks=("normalize",), tiled=("weights",)))
+    # softmax: exactly softmax, which the fused kernels compute themselves.
+    declare_forms(_normalizer, Forms(hooks=("normalize",), tiled=("weights",), softmax=_normalizer is Softmax))
 declare_forms(FunctionNormalizer, Forms(hooks=("normalize",)))

@@ -27,12 +27,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jax
 
-from posenc_jax.functional.core.forms import Forms, declare_forms, declared_forms, forms_of
-from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, ParameterFree, hook_names
+from posenc_jax.functional.core.forms import Forms, class_facts, declare_facts, declare_forms, forms_of
+from posenc_jax.functional.core.hooks import PLACEMENTS, EncodingConfig, hook_names
 
 __all__ = [
     "EncodingInfo",
     "Source",
+    "carries_encodings",
     "encoding_config",
     "encoding_info",
     "encoding_names",
@@ -83,7 +84,10 @@ class EncodingInfo:
       hooks: the hooks its built object fills (``("rotate",)``, ``("logits", "values")``, ...), as
         its hook class declared them.
       forms: ``("causal", "bidirectional")`` when it has both forms (it then follows the
-        attention's ``causal`` unless set), or the one form it is defined for.
+        attention's ``causal`` unless set), or the one form it is defined for. ``("causal",)``
+        declares the encoding causal-only, for its hook class and its config alike (the fact
+        ``causal_only``, :mod:`posenc_jax.functional.core.forms`), and bidirectional attention
+        and models refuse it by name.
       kv_cache: whether decoding with a KV cache gives the logits of the full forward.
       length_dependent: whether it reads the sequence length (``max(position) + 1``).
       blockwise: whether blockwise attention can compute it tile by tile (read off the
@@ -155,7 +159,9 @@ def register_encoding(
     Args:
       name: the name users pass to ``encoding_config``, models and the benchmark.
       description, source, forms, kv_cache, length_dependent, small_settings:
-        the metadata (see :class:`EncodingInfo`).
+        the metadata (see :class:`EncodingInfo`); ``forms=("causal",)`` declares the encoding
+        causal-only, which a hook class or config whose base says otherwise contradicts (an error
+        naming the form).
       fixed: settings this name fixes (``kerple-log`` fixes ``variant="log"``); they are
         not among the name's settings.
       factory: ``factory(**settings) -> config`` when the name is not the class itself
@@ -181,7 +187,10 @@ def register_encoding(
             f"{', '.join(f'{group}=' for group in missing)} too (() or None where the hook has none; the hooks and "
             f"forms are listed in posenc_jax.functional.core.forms)"
         )
-    declared = Forms(hooks=hooks, tiled=tiled, cached=cached, prepared=prepared, fused=fused, scale=scale)
+    causal_only = tuple(forms) == ("causal",)
+    declared = Forms(
+        hooks=hooks, tiled=tiled, cached=cached, prepared=prepared, fused=fused, scale=scale, causal_only=causal_only
+    )
 
     def add(config_type):
         if name in _REGISTRY:
@@ -191,12 +200,14 @@ def register_encoding(
         if config_type.acts_on not in PLACEMENTS:
             raise ValueError(f"{config_type.__name__}.acts_on must be one of {PLACEMENTS}, got {config_type.acts_on!r}")
         hook_type = hook if hook is not None else config_type
-        if hook is None and not issubclass(config_type, ParameterFree):
+        if hook is None and not class_facts(config_type).get("builds_itself"):
             raise ValueError(
                 f"register_encoding({name!r}): {config_type.__name__} builds a hook of another class; pass hook= (the "
                 f"class its build returns) so its forms can be checked"
             )
+        _check_causal_only(name, forms, hook_type, config_type)
         declare_forms(hook_type, declared, name=name)
+        declare_facts(config_type, causal_only=causal_only)
         make = factory if factory is not None else functools.partial(config_type, **fixed) if fixed else config_type
         names, needed = (
             (tuple(settings), tuple(required)) if factory is not None else dataclass_settings(config_type, fixed)
@@ -215,6 +226,23 @@ def register_encoding(
         return config_type
 
     return add
+
+
+def _check_causal_only(name: str, forms: tuple[str, ...], hook_type: type, config_type: type) -> None:
+    """Raises a ValueError naming the form ``causal`` where ``forms`` and what the hook class or the config
+    class already declares (a base's fact, an earlier declaration) disagree on being causal-only."""
+    causal_only = tuple(forms) == ("causal",)
+    for cls in dict.fromkeys((hook_type, config_type)):
+        said = class_facts(cls).get("causal_only")
+        previous = cls.__dict__.get("_declared_forms")
+        said = previous.causal_only if said is None and previous is not None else said
+        if said is not None and said != causal_only:
+            want = "forms=('causal',)" if said else "forms=('causal', 'bidirectional') (the default)"
+            raise ValueError(
+                f"register_encoding({name!r}) declares forms={tuple(forms)!r}, but {cls.__name__} is declared "
+                f"{'causal-only' if said else 'with a bidirectional form'} (the form 'causal' "
+                f"{'alone' if said else 'and bidirectional'}): the hook and its config must agree; declare {want}"
+            )
 
 
 def encoding_names() -> list[str]:
@@ -270,6 +298,24 @@ def resolve_encoding(encoding):
     return encoding_config(encoding) if isinstance(encoding, str) else encoding
 
 
+# The classes of objects that carry encodings (carries_encodings), each with how to read them.
+_CARRIERS: dict[type, Callable] = {}
+
+
+def carries_encodings(cls: type | None = None, *, read: Callable = lambda carrier: tuple(carrier.encodings)):
+    """Declares ``cls`` a class whose objects carry encodings (a class decorator; ``read(obj)``: the
+    encodings, by default its ``encodings`` field): :func:`resolve_encodings` and everything that takes
+    encodings then read them from such an object (``posenc_jax.hf.HFEncoding``, ``from_hf_config``'s result)."""
+
+    def add(carrier: type) -> type:
+        if not isinstance(carrier, type):
+            raise TypeError(f"carries_encodings decorates a class, got {carrier!r}")
+        _CARRIERS[carrier] = read
+        return carrier
+
+    return add if cls is None else add(cls)
+
+
 def resolve_encodings(encodings) -> list:
     """Encodings as the attention, the modules and the benchmark take them, as a list of configs and hooks.
 
@@ -287,9 +333,9 @@ def resolve_encodings(encodings) -> list:
     """
     if encodings is None:
         return []
-    carried = getattr(encodings, "encodings", None)
-    if isinstance(carried, tuple) and not isinstance(encodings, EncodingConfig) and declared_forms(encodings) is None:
-        encodings = carried  # e.g. posenc_jax.hf.HFEncoding
+    read = next((_CARRIERS[c] for c in type(encodings).__mro__ if c in _CARRIERS), None)
+    if read is not None:
+        encodings = read(encodings)  # e.g. posenc_jax.hf.HFEncoding
     if isinstance(encodings, (str, EncodingConfig)) or not isinstance(encodings, Sequence):
         encodings = [encodings]
     resolved = []

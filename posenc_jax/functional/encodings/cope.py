@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, CausalOnly, EncodingConfig, parameter, pytree_dataclass
+from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, parameter, pytree_dataclass
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.positions import batched_positions
 from posenc_jax.functional.core.products import key_heads_for_queries
@@ -208,7 +208,7 @@ def _check_causal(context: AttentionContext) -> None:
 
 
 @pytree_dataclass
-class CoPE(CausalOnly):
+class CoPE:
     """CoPE as a ``logits`` hook; ``embeddings`` ``[P, H]`` or ``[N, P, H]`` is a parameter.
 
     Also a :class:`~posenc_jax.functional.core.hooks.CarriedLogits`: in blockwise attention the
@@ -326,7 +326,7 @@ class CoPE(CausalOnly):
     fused=("rows", "rows_from_content"),
 )
 @pytree_dataclass
-class CoPEConfig(CausalOnly, EncodingConfig):
+class CoPEConfig(EncodingConfig):
     """CoPE position embeddings ``[P, H]`` (or ``[N, P, H]``), zeros at init as in the authors' code."""
 
     num_positions: int = 64

@@ -35,7 +35,6 @@ from posenc_jax.functional.core.head_bias import HeadBias, head_column
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
-    CausalOnly,
     EncodingConfig,
     Placement,
     parameter,
@@ -185,7 +184,7 @@ def fire_bias(
 
 
 @pytree_dataclass
-class Fire(CausalOnly, BiasHook):
+class Fire(BiasHook):
     """FIRE as a ``logits`` hook; ``params`` as made by :func:`fire_init`.
 
     Example:
@@ -234,7 +233,7 @@ class Fire(CausalOnly, BiasHook):
     fused=("rows",),
 )
 @pytree_dataclass
-class FireConfig(CausalOnly, EncodingConfig):
+class FireConfig(EncodingConfig):
     """FIRE MLP (``hidden`` units), ``c`` and threshold ``L``; see :func:`fire_init`."""
 
     hidden: int = 32

@@ -27,7 +27,6 @@ import numpy as np
 from posenc_jax.functional.core.forms import Forms, declare_forms
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
-    CausalOnly,
     ParameterFree,
     parameter,
     pytree_dataclass,
@@ -155,7 +154,7 @@ def apply_xpos_qk(
     fused=("per_call",),
 )
 @pytree_dataclass
-class XPos(CausalOnly, ParameterFree):
+class XPos(ParameterFree):
     """xPos as a ``rotate`` hook (causal use, as in the paper).
 
     Example:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from posenc_jax.functional.core.dispatch import PALLAS_ATTENTION
-from posenc_jax.functional.core.forms import forms_of
-from posenc_jax.functional.core.normalizers import Softmax
+from posenc_jax.functional.core.forms import declares, forms_of
 
 __all__ = ["SUPPORTED", "pallas_attention", "unsupported"]
 
@@ -27,7 +26,7 @@ def unsupported(hooks, normalizer, mask, dropout_rate) -> str | None:
     for hook in hooks:
         if not forms_of(hook).has("tiled", "head"):
             return f"{type(hook).__name__} has no per-head form (the tiled form 'head')"
-    if not isinstance(normalizer, Softmax):
+    if not declares(normalizer, "softmax"):
         return f"the normalizer {type(normalizer).__name__} is not softmax"
     if mask is not None:
         return "an extra mask= is given"
