@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, ParameterFree
+from posenc_jax.functional.core.hooks import AttentionContext, EncodingConfig, builds_itself
 from posenc_jax.functional.core.registry import carries_encodings
 from posenc_jax.functional.encodings.rope import RoPE
 from posenc_jax.functional.encodings.rope_decoupled import RoPEOnLastFeatures
@@ -91,7 +91,7 @@ class HFEncoding:
             )
         hooks = []
         for i, encoding in enumerate(self.encodings):
-            if isinstance(encoding, ParameterFree):
+            if builds_itself(encoding):
                 hooks.append(encoding.build({}))
                 continue
             if params is None or not params[i]:

@@ -29,10 +29,9 @@ from flax.nnx.nn.linear import default_kernel_init
 
 from posenc_jax.functional.core.attention import IMPLEMENTATIONS, attend, dot_product_attention, forward_terms
 from posenc_jax.functional.core.cache import KVCache
-from posenc_jax.functional.core.forms import Forms, declare_forms, forms_of
+from posenc_jax.functional.core.forms import Forms, declare_forms, declared_forms, forms_of
 from posenc_jax.functional.core.hooks import (
     EncodingConfig,
-    Normalize,
     PreparedRotation,
     attention_context,
     hook_names,
@@ -226,7 +225,8 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             )
         else:
             # A built hook with arrays (e.g. a fixed URPE table) is data of the module, not a static setting.
-            has_arrays = isinstance(normalizer, Normalize) and jax.tree.leaves(normalizer)
+            declared = declared_forms(normalizer)
+            has_arrays = declared is not None and "normalize" in declared.hooks and jax.tree.leaves(normalizer)
             self.normalizer = nnx.data(normalizer) if has_arrays else normalizer
             self.normalizer_params = None
         self.dropout_rate = dropout_rate
