@@ -244,13 +244,19 @@ def compile_times(args) -> tuple[str, dict]:
     return text, results
 
 
+def _device() -> str:
+    device = jax.devices()[0]
+    kind = device.device_kind
+    return device.platform if kind.lower() == device.platform else f"{device.platform} ({kind})"
+
+
 def run(args) -> dict:
     """Measure the three tables, write them to ``args.out`` and return their figures."""
     shape = (B, args.length, args.heads, H)
     q, k, v = (jax.random.normal(jax.random.key(i), shape) for i in range(3))
     command = "python benchmarks/materialized.py" + "".join(f" {shlex.quote(a)}" for a in args.argv)
     machine = (
-        f"jax {jax.__version__}, {jax.default_backend()} ({jax.devices()[0].device_kind}), {os.cpu_count()} cores; "
+        f"jax {jax.__version__}, {_device()}, {os.cpu_count()} cores; "
         f"causal self-attention, B={B}, N={args.heads}, H={H}, T={args.length:,}, float32; time: the median over "
         f"{args.rounds} round{'s' * (args.rounds > 1)} of each run over its baseline's run just before it"
     )
@@ -260,7 +266,11 @@ def run(args) -> dict:
     page = [f"# Materialised attention: T = {args.length:,}, {args.heads} heads", "", f"`{command}`", "", machine]
     for title, (text, _) in zip(titles, sections, strict=True):
         page += ["", f"## {title}", "", text]
-    floors = [f"- {n}: {blockwise.FLOOR_WHY[n]}" for n in args.encodings if n in blockwise.FLOOR_WHY and n != "nope"]
+    why = {}  # each reason once, with the encodings it covers (RoPE's scalings share RoPE's)
+    for name in args.encodings:
+        if name in blockwise.FLOOR_WHY and name != "nope":
+            why.setdefault(blockwise.FLOOR_WHY[name], []).append(name)
+    floors = [f"- {', '.join(names)}: {reason}" for reason, names in why.items()]
     page += ["", "Floors (blockwise.py's, the tile being the whole score matrix):", "", *floors]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
