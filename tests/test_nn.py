@@ -525,3 +525,22 @@ def test_a_sequence_mesh_is_refused_where_it_cannot_split_the_queries():
     tokens = jnp.zeros((1, 6), jnp.int32)
     with pytest.raises(TypeError, match="ring must be True or False, got 'no'"):
         predict(_model("alibi"), dict(inputs=tokens, targets=tokens, positions=positions), mesh=mesh, ring="no")
+
+
+def test_a_built_normalizer_with_arrays_is_module_data():
+    """A normaliser hook built with its own arrays (URPE with a fixed table) is data of the module: its table
+    is in the layer's state, and the layer runs under nnx.jit with the same output as the functional call."""
+    from posenc_jax.functional import URPE
+
+    table = jnp.linspace(0.5, 1.5, 14).reshape(2, 7)
+    layer = MultiHeadAttention(2, 16, normalizer=URPE(table, max_distance=3), rngs=nnx.Rngs(0))
+    paths = [path for path, _ in nnx.to_flat_state(nnx.state(layer))]
+    assert ("normalizer", "table") in paths
+    x = jax.random.normal(jax.random.key(1), (1, 5, 16))
+    out = nnx.jit(lambda layer, x: layer(x, causal=True))(layer, x)
+    q, k, v = layer.query(x), layer.key(x), layer.value(x)
+    positions = jnp.arange(5)
+    expected = dot_product_attention(
+        q, k, v, query_positions=positions, key_positions=positions, normalizer=URPE(table, max_distance=3), causal=True
+    )
+    np.testing.assert_allclose(out, layer.out(expected), rtol=1e-5, atol=1e-5)
