@@ -217,7 +217,7 @@ def compile_times(args) -> tuple[str, dict]:
     cases += [(f"{name}, materialize", [name], "materialize", None) for name in singles]
     built = [(label, _hooks(names, args.length, args.heads), way, limit) for label, names, way, limit in cases]
     times = {label: ([], []) for label, *_ in built}
-    for _ in range(args.rounds):
+    for _ in range(args.compile_rounds):
         for label, hooks, way, _ in built:
             base, own = times[label]
             base.append(_compile_seconds(lambda: _jax_nn()[1], shape, shape, shape))
@@ -235,7 +235,7 @@ def compile_times(args) -> tuple[str, dict]:
     text = (
         f"The first call's compile (`jax.jit(f).lower(...).compile()` wall time, a fresh function and "
         f"`jax.clear_caches()` before each) of the forward and backward (gradients of q, k, v and the "
-        f"parameters), as the median over {args.rounds} round{'s' * (args.rounds > 1)} of its ratio to "
+        f"parameters), as the median over {args.compile_rounds} round{'s' * (args.compile_rounds > 1)} of its ratio to "
         f"`jax.nn.dot_product_attention`'s forward and backward compiled the same way just before it. "
         f"Budget {COMPILE_BUDGET:g}× for the "
         f"composition; the single encodings show which term costs compile time.\n\n"
@@ -285,6 +285,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--length", type=int, default=1024, help="T = S (default 1,024)")
     parser.add_argument("--heads", type=int, default=8, help="heads of 64 (default 8)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per table (default 5)")
+    parser.add_argument("--compile-rounds", type=int, default=3, help="compile rounds per case (default 3)")
     parser.add_argument("--encodings", nargs="+", help="default every registered encoding that fills a hook")
     parser.add_argument(
         "--composition",
@@ -294,9 +295,9 @@ def main(argv=None) -> dict:
     )
     parser.add_argument("--out", help="markdown path (default docs/blockwise/materialized-<T>[-heads<N>].md)")
     args = parser.parse_args(argv)
-    for flag in ("length", "heads", "rounds"):
+    for flag in ("length", "heads", "rounds", "compile_rounds"):
         if getattr(args, flag) < 1:
-            raise SystemExit(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+            raise SystemExit(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
     unknown = sorted(set(args.encodings or ()).union(args.composition) - set(encoding_names()))
     if unknown:
         raise SystemExit(f"unknown encodings {unknown}: choose from {', '.join(encoding_names())}")

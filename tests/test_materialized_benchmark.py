@@ -47,7 +47,7 @@ def _ratio(cell: str) -> float:
 
 def test_materialized_benchmark_writes_its_three_tables(materialized, tmp_path):
     out = tmp_path / "materialized.md"
-    argv = ["--length", "64", "--heads", "2", "--rounds", "1", "--encodings", *ENCODINGS]
+    argv = ["--length", "64", "--heads", "2", "--rounds", "1", "--compile-rounds", "1", "--encodings", *ENCODINGS]
     results = materialized.main([*argv, "--composition", "rope", "alibi", "--out", str(out)])
     page = out.read_text()
     assert page.startswith("# Materialised attention: T = 64, 2 heads")
