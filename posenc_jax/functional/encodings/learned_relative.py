@@ -4,12 +4,13 @@
 ``[2k+1, N]`` table; distances beyond ±k share the end rows. Like T5 without the
 log buckets. Computed as ``2k+1`` distinct values per head, expanded by a gather.
 
-The one definition of the bias at a pair of positions is its per-head form (the tiled form
-``head``): the table's entry at the clipped distance, read by selections
-(:func:`~posenc_jax.functional.core.head_bias.head_select`). The materialising and blockwise
-paths evaluate it once at the ``2k+1`` distances and gather; the Pallas kernel evaluates it per
-tile, where no gather lowers: ``2k`` selections and ``⌈log2(2k+1)⌉`` bit tests per score, forward and
-in each backward kernel (and as many masked sums for the table's gradient), so its cost grows with k.
+The materialising and blockwise paths read the table as it is: its rows are the bias at the
+``2k+1`` distances, expanded by a gather. The Pallas kernel uses the per-head form (the tiled
+form ``head``), the table's entry at the clipped distance read by selections
+(:func:`~posenc_jax.functional.core.head_bias.head_select`), since no gather lowers in a tile:
+``2k`` selections and ``⌈log2(2k+1)⌉`` bit tests per score, forward and in each backward kernel
+(and as many masked sums for the table's gradient), so its cost grows with k. The tests hold the
+per-head form equal to the table read directly.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.head_bias import HeadBias, head_bias_at, head_select
+from posenc_jax.functional.core.head_bias import HeadBias, head_select
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -66,13 +67,16 @@ def clipped_relative_bias(table, query_positions, key_positions, *, max_distance
     """
     k = check_max_distance(max_distance)
     _check_table(table, k)
-    return expand_relative_bias(_per_distance(table, k), query_positions, key_positions, k)
+    return expand_relative_bias(_per_distance(table), query_positions, key_positions, k)
 
 
-def _per_distance(table, max_distance: int) -> jax.Array:
-    """The bias at distances ``-k .. k``, ``[N, 2k+1]`` (the table's rows: past ``±k`` it is constant)."""
-    distances = np.arange(-max_distance, max_distance + 1, dtype=np.int32)
-    return head_bias_at(_clipped_head(table, max_distance), np.zeros((1,), np.int32), distances)[0, :, 0, :]
+def _per_distance(table) -> jax.Array:
+    """The bias at distances ``-k .. k``, ``[N, 2k+1]``: the table itself, transposed (past ``±k`` it is constant).
+
+    The per-head form at distance d reads entry ``clip(d, -k, k) + k = d + k``, row ``d + k`` of the table, so
+    the table is already the bias at every distance (``tests/test_relative.py`` holds the two forms equal).
+    """
+    return jnp.asarray(table, jnp.float32).T
 
 
 def _clipped_head(table, max_distance: int) -> HeadBias:
@@ -112,7 +116,7 @@ class ClippedRelativeBias(BiasHook):
 
     def distance_bias(self, distance: jax.Array, context: AttentionContext) -> jax.Array:
         """The bias at float32 distances ``[B|1, D]``, ``[B|1, N, D]``: a function of ``j - i`` alone."""
-        return clipped_at_distances(_per_distance(self.table, self.max_distance), distance, self.max_distance)
+        return clipped_at_distances(_per_distance(self.table), distance, self.max_distance)
 
     def head_bias(self, context: AttentionContext) -> HeadBias:
         """The per-head form of :meth:`bias` (the Pallas kernel computes it per tile; the table gets its gradient)."""
