@@ -12,8 +12,8 @@ causal attention uses T5's causal buckets and a bidirectional one the bidirectio
 buckets; an explicit setting wins.
 
 Fast path: buckets saturate past ``±max_distance``, so the bias has only
-``2·max_distance + 1`` distinct values per head; they are computed once
-(``[N, 2M+1]``) and expanded by a gather. Compute the bias once per forward and
+``2·max_distance + 1`` distinct values per head; they are read from the table
+once (``[N, 2M+1]``, at the distances' buckets) and expanded by a gather. Compute the bias once per forward and
 share it across layers with :class:`posenc_jax.functional.SharedBias`.
 
 Reference: Raffel et al., "Exploring the Limits of Transfer Learning with a
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.head_bias import HeadBias, head_bias_at, head_column
+from posenc_jax.functional.core.head_bias import HeadBias, head_column
 from posenc_jax.functional.core.hooks import (
     AttentionContext,
     BiasHook,
@@ -141,12 +141,28 @@ def t5_bias(
 
 
 def _per_distance(table, *, bidirectional: bool, max_distance: int) -> jax.Array:
-    """The bias at distances ``-M .. M`` (``M = max_distance``), ``[N, 2M+1]``: past ``±M`` it is constant."""
+    """The bias at distances ``-M .. M`` (``M = max_distance``), ``[N, 2M+1]``: past ``±M`` it is constant.
+
+    The table's rows read at each distance's bucket: the buckets of ``-M .. M`` are known while tracing
+    (:func:`_distance_buckets`), so this is one gather at constant indices, its gradient a sum into the
+    table's rows (the per-head form :func:`_t5_at`, for the Pallas kernel, selects per bucket instead; the
+    tests hold the two equal).
+    """
     if np.ndim(table) != 2:
         raise ValueError(f"table must have shape [num_buckets, N], got {np.shape(table)}")
-    head = _t5_head(table, bidirectional=bidirectional, max_distance=max_distance)
+    buckets = _distance_buckets(np.shape(table)[0], bidirectional, max_distance)
+    return jnp.take(jnp.asarray(table, jnp.float32).T, buckets, axis=1, mode="clip")
+
+
+@functools.lru_cache(maxsize=64)
+def _distance_buckets(num_buckets: int, bidirectional: bool, max_distance: int) -> np.ndarray:
+    """The buckets of the distances ``-M .. M``, int32 ``[2M+1]``, computed once, outside any trace."""
     distances = np.arange(-max_distance, max_distance + 1, dtype=np.int32)
-    return head_bias_at(head, np.zeros((1,), np.int32), distances)[0, :, 0, :]
+    with jax.ensure_compile_time_eval():
+        buckets = t5_relative_bucket(
+            distances, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+        )
+    return np.asarray(buckets, np.int32)
 
 
 def _t5_head(table, *, bidirectional: bool, max_distance: int) -> HeadBias:
