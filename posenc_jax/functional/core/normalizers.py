@@ -30,6 +30,7 @@ ICML 2022, arXiv:2202.10447.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import ClassVar
@@ -69,6 +70,39 @@ __all__ = [
 _MIN = jnp.finfo(jnp.float32).min
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _floor(x: jax.Array, low: float) -> jax.Array:
+    """``max(x, low)`` whose tangent is ``x``'s: no mask of where it clamped is kept for the backward.
+
+    For the softmax's floor, below which a score gets zero weight (or, in a row that has no score above it,
+    a weight that the caller holds constant), so the clamped entries' gradient is zero either way.
+    """
+    return jnp.maximum(x, low)
+
+
+@_floor.defjvp
+def _floor_jvp(low, primals, tangents):
+    return _floor(primals[0], low), tangents[0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _shifted_exp(masked: jax.Array, shift: jax.Array, low: float) -> jax.Array:
+    """``exp(masked - shift)``, with zero tangent in the rows whose ``shift`` (their maximum) is the floor ``low``.
+
+    With ``masked`` from :func:`_floor`, a row whose every seen score is at or below the floor is uniform over
+    its seen keys and gets no gradient, as ``max(s, low)`` gives it. ``shift`` is held constant (its tangent
+    is ignored).
+    """
+    return jnp.exp(masked - shift)
+
+
+@_shifted_exp.defjvp
+def _shifted_exp_jvp(low, primals, tangents):
+    masked, shift = primals
+    out = _shifted_exp(masked, shift, low)
+    return out, out * jnp.where(shift > low, tangents[0], 0.0)
+
+
 def _visible(scores: jax.Array, mask: jax.Array | None) -> jax.Array:
     return jnp.ones(scores.shape, bool) if mask is None else jnp.broadcast_to(mask, scores.shape)
 
@@ -88,10 +122,12 @@ class _Running:
 
     def tile_weights(self, scores, visible, state, context: AttentionContext):
         m, l = state
-        masked = jnp.where(visible, jnp.maximum(scores, _MIN), _MIN)
+        # The floor keeps no mask for the backward; _shifted_exp gives no gradient to a row that has seen
+        # no score above it, as max(s, finfo.min) does (a floored score elsewhere has weight exactly 0).
+        masked = jnp.where(visible, _floor(scores, _MIN), _MIN)
         m_new = jax.lax.stop_gradient(jnp.maximum(m, masked.max(-1)))
         correction = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(masked - m_new[..., None]), 0.0)
+        p = jnp.where(visible, _shifted_exp(masked, m_new[..., None], _MIN), 0.0)
         # L2 sums p², rescaled by c²; softmax and URPE sum p.
         l_new = l * correction * correction + (p * p).sum(-1) if self.squares else l * correction + p.sum(-1)
         return p, (m_new, l_new), correction
@@ -125,9 +161,14 @@ class Softmax(_Running):
         # underflows to exactly 0, also in a fully masked row, whose sum is 0 and whose weights
         # are 0 · (1 / tiny) = 0. Nothing is -inf, so no (s - m) is NaN. No selection follows
         # the exponential: the form XLA fuses into one pass, as jax.nn.dot_product_attention's.
-        masked = jnp.where(mask, jnp.maximum(scores, _MIN / 2), _MIN)
+        # The floor keeps no mask for the backward (its tangent passes through): a floored score in a row
+        # with a seen score above the floor has weight exactly 0 (exp(finfo.min / 2 - m) underflows: m is
+        # at least one float32 step, 2**104, above it), so its gradient is 0 as max's would be; a row with
+        # no seen score above the floor is uniform over its seen keys, and _shifted_exp gives its scores
+        # no gradient, as max does.
+        masked = jnp.where(mask, _floor(scores, _MIN / 2), _MIN)
         shift = jnp.maximum(masked.max(axis=-1, keepdims=True), _MIN / 2)
-        unnormalized = jnp.exp(masked - jax.lax.stop_gradient(shift))
+        unnormalized = _shifted_exp(masked, jax.lax.stop_gradient(shift), _MIN / 2)
         total = unnormalized.sum(axis=-1, keepdims=True)
         return unnormalized * (1.0 / jnp.maximum(total, jnp.finfo(jnp.float32).tiny))
 
