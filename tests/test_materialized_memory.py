@@ -5,10 +5,12 @@ that meet them against the plain formulas they replace (values and gradients equ
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from compiled import compiled
 
 from posenc_jax.functional import dot_product_attention
 from posenc_jax.functional.core.normalizers import softmax_weights
+from posenc_jax.functional.encodings.kerple import KerpleConfig, kerple_bias
 
 LENGTH, HEADS, HEAD_DIM = 256, 2, 32
 LOWEST = np.finfo(np.float32).min
@@ -21,6 +23,10 @@ def backward_temp(attend, *extra) -> int:
     argnums = tuple(range(3 + len(extra)))
     grad = jax.grad(lambda *args: jnp.sum(attend(*args)), argnums=argnums)
     return compiled(jax.jit(grad).lower(SPEC, SPEC, SPEC, *extra)).memory_analysis().temp_size_in_bytes
+
+
+def _built(config):
+    return config.build(config.init(jax.random.key(0), num_heads=HEADS, head_dim=HEAD_DIM, model_dim=HEADS * HEAD_DIM))
 
 
 def ours(q, k, v, hooks=()):
@@ -102,3 +108,42 @@ def test_softmax_tile_floor_gives_the_values_and_gradients_of_max(rng):
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got == 0, want == 0)
     assert np.isfinite(got).all()
+
+
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_kerple_backward_memory_is_within_half_again_plain_attention(variant):
+    """Kerple's gradient in r1 and r2 sums over the pairs while it recomputes the kernel: no ``[N, T, S]``
+    term of the forward is kept for it."""
+    hook = _built(KerpleConfig(variant=variant))
+    assert backward_temp(ours, [hook]) <= 1.5 * backward_temp(ours)
+
+
+def _plain_kerple(r1, r2, query_positions, key_positions, variant):
+    """Kerple's bias by the paper's formula, differentiated by autodiff."""
+    q, k = jnp.atleast_2d(query_positions), jnp.atleast_2d(key_positions)
+    distance = jnp.abs(k[:, None, :].astype(jnp.float32) - q[:, :, None].astype(jnp.float32))[:, None]
+    r1, r2 = r1[None, :, None, None], r2[None, :, None, None]
+    if variant == "log":
+        return -r1 * jnp.log1p(r2 * distance)
+    safe = jnp.where(distance > 0, distance, 1.0)
+    return jnp.where(distance > 0, -r1 * safe**r2, 0.0)
+
+
+@pytest.mark.parametrize("variant", ["log", "power"])
+def test_kerple_bias_and_its_derivatives_are_the_formula(rng, variant):
+    """Values, gradients, forward-mode tangents and vmap over parameters, at runs and at gapped per-row positions."""
+    r1 = jnp.asarray(rng.uniform(0.05, 1.0, 3), jnp.float32)
+    r2 = jnp.asarray(rng.uniform(0.05, 2.0 if variant == "power" else 1.0, 3), jnp.float32)
+    gapped = [jnp.asarray(np.sort(rng.integers(-5, 40, (2, n))), jnp.int32) for n in (7, 9)]
+    for q, k in [(jnp.arange(7), jnp.arange(9)), gapped]:
+        ours_bias = lambda a, b, q=q, k=k: kerple_bias(a, b, q, k, variant=variant)
+        plain = lambda a, b, q=q, k=k: _plain_kerple(a, b, q, k, variant)
+        np.testing.assert_allclose(ours_bias(r1, r2), plain(r1, r2), rtol=1e-6, atol=1e-6)
+        cotangent = jnp.asarray(rng.normal(size=plain(r1, r2).shape), jnp.float32)
+        grad = lambda f, c=cotangent: jax.jit(jax.grad(lambda a, b: (f(a, b) * c).sum(), argnums=(0, 1)))(r1, r2)
+        for got, want in zip(grad(ours_bias), grad(plain), strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-5)
+        tangent = lambda f: jax.jvp(f, (r1, r2), (jnp.ones_like(r1), jnp.full_like(r2, -0.5)))[1]
+        np.testing.assert_allclose(tangent(ours_bias), tangent(plain), rtol=1e-5, atol=1e-6)
+        mapped = jax.vmap(ours_bias)(jnp.stack([r1, 0.5 * r1]), jnp.stack([r2, 0.5 * r2]))
+        np.testing.assert_allclose(mapped[1], plain(0.5 * r1, 0.5 * r2), rtol=1e-6, atol=1e-6)

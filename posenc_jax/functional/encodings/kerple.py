@@ -32,10 +32,10 @@ from posenc_jax.functional.core.hooks import (
     parameter,
     pytree_dataclass,
 )
-from posenc_jax.functional.core.positions import position_difference
+from posenc_jax.functional.core.positions import batched_positions, position_difference
 from posenc_jax.functional.core.registry import Source, register_encoding
-from posenc_jax.functional.core.relative import relative_positions
 from posenc_jax.functional.core.validation import check_number
+from posenc_jax.functional.kernels.autodiff import linear_primitives
 
 __all__ = ["Kerple", "KerpleConfig", "kerple_bias"]
 
@@ -61,8 +61,63 @@ def kerple_bias(r1, r2, query_positions, key_positions, *, variant: Literal["log
     _check_variant(variant)
     if np.ndim(r1) != 1 or np.shape(r1) != np.shape(r2):
         raise ValueError(f"r1 and r2 must both have shape [N], got {np.shape(r1)} and {np.shape(r2)}")
-    distance = relative_positions(query_positions, key_positions, dtype=jnp.float32)  # [B|1, T, S]
-    return _kernel(r1, r2, distance, variant)
+    q = batched_positions(query_positions, "query_positions")
+    k = batched_positions(key_positions, "key_positions")
+    return _pairwise(r1, r2, q, k, variant)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _pairwise(r1, r2, query_positions, key_positions, variant):
+    """The bias at every pair; its tangent is :data:`_tangent`'s, whose transpose keeps no ``[N, T, S]`` term."""
+    return _kernel(r1, r2, _distance(query_positions, key_positions), variant)
+
+
+@_pairwise.defjvp
+def _pairwise_jvp(variant, primals, tangents):
+    r1, r2, query_positions, key_positions = primals
+    rows = jnp.stack([jnp.asarray(r1, jnp.float32), jnp.asarray(r2, jnp.float32)])[None]  # [1, 2, N]
+    direction = jnp.stack([jnp.asarray(t, jnp.float32) for t in tangents[:2]])[None]
+    out = _pairwise(r1, r2, query_positions, key_positions, variant)
+    return out, _tangent(direction, rows, query_positions, key_positions, variant=variant)
+
+
+def _distance(query_positions, key_positions) -> jax.Array:
+    """``|key_pos - query_pos|``, float32 ``[B|1, T, S]``, of positions ``[B|1, T]``, ``[B|1, S]``."""
+    return jnp.abs(position_difference(key_positions[:, None, :], query_positions[:, :, None], dtype=jnp.float32))
+
+
+def _partials(rows, query_positions, key_positions, variant):
+    """The bias's derivatives in r1 and r2 at every pair, ``[B|1, N, T, S]`` each; ``rows`` ``[B|1, 2, N]``."""
+    distance = _distance(query_positions, key_positions)[:, None]
+    r1, r2 = rows[:, 0, :, None, None], rows[:, 1, :, None, None]
+    if variant == "log":
+        return -jnp.log1p(r2 * distance), -r1 * distance / (1.0 + r2 * distance)
+    safe = jnp.where(distance > 0, distance, 1.0)
+    power = jnp.where(distance > 0, safe**r2, 0.0)
+    return -power, -r1 * power * jnp.log(safe)
+
+
+def _apply_tangent(direction, rows, query_positions, key_positions, *, variant):
+    """The bias's tangent along ``direction`` ``[B|1, 2, N]`` (of r1, r2): ``[B|1, N, T, S]``."""
+    by_r1, by_r2 = _partials(rows, query_positions, key_positions, variant)
+    return direction[:, 0, :, None, None] * by_r1 + direction[:, 1, :, None, None] * by_r2
+
+
+def _transpose_tangent(cotangent, rows, query_positions, key_positions, *, variant):
+    """The cotangent of r1 and r2, ``[B, 2, N]``: both sums over the pairs in one pass, which XLA fuses with the
+    partials' recomputation (the barrier keeps it from sharing the forward's bias, which would then be kept)."""
+    rows, query_positions, key_positions = jax.lax.optimization_barrier((rows, query_positions, key_positions))
+    by_r1, by_r2 = _partials(rows, query_positions, key_positions, variant)
+    zero = jnp.zeros((), jnp.float32)
+    sums = jax.lax.reduce(
+        (cotangent * by_r1, cotangent * by_r2), (zero, zero), lambda x, y: (x[0] + y[0], x[1] + y[1]), (2, 3)
+    )
+    return jnp.stack(sums, axis=1)
+
+
+# The tangent is linear in the direction, with the parameters and positions read as fixed: forward mode
+# applies it, reverse mode its transpose (kernels.autodiff).
+_tangent, _ = linear_primitives("kerple_tangent", _apply_tangent, _transpose_tangent)
 
 
 def _kernel(r1, r2, distance, variant):
