@@ -4,13 +4,14 @@ A bias that depends only on positions and per-head parameters (ALiBi, T5, Kerple
 learned clipped bias, FIRE) declares the
 tiled form ``head`` (:mod:`~posenc_jax.functional.core.forms`): ``head_bias(context)`` returns a
 :class:`HeadBias`, its parameters as one row per head and a pure, elementwise function of a
-head's row and a pair of positions. Every path computes the bias with that one function: the
-materialising path over ``[B|1, N, T, S]`` (:func:`head_bias_at`), the blockwise path through the
-encoding's ``bias``/``distance_bias`` (which call it), and the Pallas kernel
-(:mod:`posenc_jax.functional.kernels.pallas`) on each tile's ``[bq, 1]`` query and ``[1, bk]`` key
-positions with one head's row ``[1, P]``. FIRE is the exception: its materialising and blockwise
-forms keep the MLP as a contraction over its hidden units (cheaper there), and agree with its
-per-head form to float32 rounding.
+head's row and a pair of positions. The Pallas kernel (:mod:`posenc_jax.functional.kernels.pallas`)
+evaluates it on each tile's ``[bq, 1]`` query and ``[1, bk]`` key positions with one head's row
+``[1, P]``; over ``[B|1, N, T, S]`` it is :func:`head_bias_at`. The materialising and blockwise
+paths use the encoding's ``bias``/``distance_bias``, which call the same function where it is
+arithmetic (ALiBi, Sandwich) and read a learned table directly where it is a lookup (T5,
+the clipped bias: a gather there, not :func:`head_select`'s selections, whose program grows with
+the table); FIRE keeps its MLP as a contraction over the hidden units. The tests hold every
+encoding's per-head form equal to its ``bias`` and ``distance_bias`` (FIRE's to float32 rounding).
 
 The function uses only elementwise operations, selections, sums and matrix products of
 broadcast operands (no slice, gather, reshape or array constant), so it traces inside a Pallas
