@@ -10,6 +10,7 @@ from compiled import compiled
 
 from posenc_jax.functional import dot_product_attention
 from posenc_jax.functional.core.normalizers import softmax_weights
+from posenc_jax.functional.encodings.fire import FireConfig
 from posenc_jax.functional.encodings.kerple import KerpleConfig, kerple_bias
 
 LENGTH, HEADS, HEAD_DIM = 256, 2, 32
@@ -116,6 +117,12 @@ def test_kerple_backward_memory_is_within_half_again_plain_attention(variant):
     term of the forward is kept for it."""
     hook = _built(KerpleConfig(variant=variant))
     assert backward_temp(ours, [hook]) <= 1.5 * backward_temp(ours)
+
+
+def test_fire_backward_memory_is_within_half_again_plain_attention():
+    """FIRE's MLP runs on blocks of query rows, each rematerialised: the backward recomputes a block's hidden
+    activations (32 per pair) instead of keeping them for every pair, and a block's are a quarter of the bias."""
+    assert backward_temp(ours, [_built(FireConfig())]) <= 1.5 * backward_temp(ours)
 
 
 def _plain_kerple(r1, r2, query_positions, key_positions, variant):

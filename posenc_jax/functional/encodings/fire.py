@@ -136,7 +136,7 @@ def _fire_at(hidden: int, parameters, query_positions, key_positions) -> jax.Arr
 
 
 def fire_bias(
-    params: dict, query_positions, key_positions, *, block_elements: int = 1 << 18, into: jax.Array | None = None
+    params: dict, query_positions, key_positions, *, block_elements: int | None = None, into: jax.Array | None = None
 ) -> jax.Array:
     """FIRE bias ``[B|1, N, T, S]`` float32 from ``params`` (see :func:`fire_init`).
 
@@ -144,7 +144,9 @@ def fire_bias(
       params: ``w1`` ``[hidden]``, ``b1`` ``[hidden]``, ``w2`` ``[hidden, N]``, ``b2`` ``[N]``,
         and positive scalars ``c`` and ``threshold`` (L).
       query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
-      block_elements: about how many (query, key) pairs each block of rows holds.
+      block_elements: about how many (query, key) pairs each block of rows holds; by default so many that a
+        block's hidden activations, ``[rows, S, hidden]``, are about a quarter of the bias's ``[N, T, S]``.
+        Each block is rematerialised: the backward recomputes its activations instead of keeping them.
       into: optional float32 ``[B, N, T, S]`` scores: the bias is added to them block by block,
         in place, and ``into + bias`` is returned without the bias ever stored whole.
 
@@ -164,7 +166,10 @@ def fire_bias(
     w2 = jnp.asarray(params["w2"], jnp.float32)
     b2 = jnp.asarray(params["b2"], jnp.float32).reshape(1, num_heads, 1, 1)
     batch = max(q.shape[0], k.shape[0])
+    if block_elements is None:
+        block_elements = q.shape[1] * k.shape[1] * num_heads // (4 * hidden)
 
+    @functools.partial(jax.checkpoint, static_argnums=(1,))
     def block(start, rows):
         qb = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)  # int32 [B|1, rows]
         # i - j as an exact integer, rounded once to float32 only for the log: a float32
