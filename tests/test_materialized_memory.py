@@ -9,7 +9,7 @@ import pytest
 from compiled import compiled
 
 from posenc_jax.functional import dot_product_attention
-from posenc_jax.functional.core.normalizers import softmax_weights
+from posenc_jax.functional.core.normalizers import l2_normalized_weights, softmax_weights
 from posenc_jax.functional.encodings.fire import FireConfig
 from posenc_jax.functional.encodings.kerple import KerpleConfig, kerple_bias
 
@@ -83,6 +83,26 @@ def test_softmax_floor_gives_the_values_and_gradients_of_max(rng):
         np.testing.assert_array_equal(got == 0, want == 0)
         assert np.isfinite(got).all()
     np.testing.assert_array_equal(grad(softmax_weights)[0, :, 4], 0.0)  # held constant: uniform over its keys
+
+
+def _max_l2(scores, mask):
+    """The L2-normalised weights with the floor as ``max(s, finfo.min)``."""
+    masked = jnp.where(mask, jnp.maximum(scores, LOWEST), LOWEST)
+    e = jnp.where(mask, jnp.exp(masked - jax.lax.stop_gradient(masked.max(-1, keepdims=True))), 0.0)
+    norm = jnp.sqrt((e * e).sum(-1, keepdims=True))
+    return e / jnp.where(norm > 0, norm, 1.0)
+
+
+def test_l2_floor_gives_the_values_and_gradients_of_max(rng):
+    scores, mask = _hard_scores(rng)
+    mask = jnp.broadcast_to(mask, scores.shape)
+    cotangent = jnp.asarray(rng.normal(size=scores.shape), jnp.float32)
+    np.testing.assert_array_equal(l2_normalized_weights(scores, mask), _max_l2(scores, mask))
+    grad = lambda fn: jax.jit(jax.grad(lambda s: (fn(s, mask) * cotangent).sum()))(scores)
+    got, want = grad(l2_normalized_weights), grad(_max_l2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(got == 0, want == 0)
+    assert np.isfinite(got).all()
 
 
 def test_softmax_tile_floor_gives_the_values_and_gradients_of_max(rng):

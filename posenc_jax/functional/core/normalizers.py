@@ -190,8 +190,8 @@ class L2Normalized(_Running):
     def __call__(self, scores: jax.Array, mask: jax.Array | None = None) -> jax.Array:
         scores = scores.astype(jnp.float32)
         visible = _visible(scores, mask)
-        masked = jnp.where(visible, jnp.maximum(scores, _MIN), _MIN)
-        e = jnp.where(visible, jnp.exp(masked - jax.lax.stop_gradient(masked.max(-1, keepdims=True))), 0.0)
+        masked = jnp.where(visible, _floor(scores, _MIN), _MIN)  # as the tile's: no mask kept for the backward
+        e = jnp.where(visible, _shifted_exp(masked, jax.lax.stop_gradient(masked.max(-1, keepdims=True)), _MIN), 0.0)
         norm = jnp.sqrt((e * e).sum(-1, keepdims=True))
         return e / jnp.where(norm > 0, norm, 1.0)
 
