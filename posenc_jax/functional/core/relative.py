@@ -215,9 +215,9 @@ def expand_relative_bias(per_distance: jax.Array, query_positions, key_positions
 
     Gradient: the plain transpose of that gather scatters every one of the ``T·S`` (per
     batch row) cotangents into the table. The form ``kernels/`` registers
-    (:data:`EXPAND_RELATIVE_BIAS`) first sums the cotangent along its ``T + S - 1`` diagonals
-    where every row of positions is a run of consecutive integers (the usual training batch);
-    both give the plain autodiff gradient (``tests/test_relative.py`` compares them).
+    (:data:`EXPAND_RELATIVE_BIAS`) sums the cotangent by clipped distance (:func:`sum_by_distance`),
+    with no scatter where every row of positions is a run of consecutive integers (the usual
+    training batch); both give the plain autodiff gradient (``tests/test_relative.py`` compares them).
     """
     k = check_max_distance(max_distance)
     q = batched_positions(query_positions, "query_positions")

@@ -5,8 +5,10 @@ Each function here is registered as a form of one of core's operations
 the operation, and the tests hold the two equal (``tests/test_relative.py``):
 
 - the Toeplitz bias from its ``T + S - 1`` diagonals where positions are runs, its gradient
-  the sums along the diagonals (:data:`~posenc_jax.functional.core.relative.TOEPLITZ_WHERE_RUNS`,
-  :data:`~posenc_jax.functional.core.relative.EXPAND_RELATIVE_BIAS`), every backend;
+  the sums along the diagonals (:data:`~posenc_jax.functional.core.relative.TOEPLITZ_WHERE_RUNS`), every backend;
+- the clipped-distance bias expanded from its table
+  (:data:`~posenc_jax.functional.core.relative.EXPAND_RELATIVE_BIAS`), its tangent the gather by
+  clipped distance below, so that the table's gradient is the sums by distance, every backend;
 - the gather by clipped distance and its transpose, the sum by distance, as linear primitives
   (:func:`~posenc_jax.functional.kernels.autodiff.linear_primitives`) whose gradients gather
   where positions are runs and scatter otherwise, every backend;
@@ -27,7 +29,6 @@ from posenc_jax.functional.core.relative import (
     _expand_by_gather,
     _gather_plain,
     _sums_by_scatter,
-    clipped_at_distances,
     take_along_last_axis,
     toeplitz,
 )
@@ -99,45 +100,6 @@ def _toeplitz_tile_jvp(rows: int, cols: int, primals, tangents):
     return _toeplitz_tile(primals[0], rows, cols), toeplitz(tangents[0], rows, cols)
 
 
-def _expand_by_diagonals(per_distance, query_positions, key_positions, k: int) -> jax.Array:
-    """The clipped-distance bias where every row of positions is a run of consecutive integers.
-
-    Then the bias depends on ``s - t`` alone: the ``T + S - 1`` diagonals' values are read from the
-    table (a gather of ``T + S - 1`` entries, not ``T·S``) and laid out by ``toeplitz``. Its
-    transpose, which reverse mode takes, sums the cotangent along its diagonals (a dense
-    pad-reshape-sum) and only those sums reach the table.
-    """
-    q_len, k_len = query_positions.shape[-1], key_positions.shape[-1]
-    # Row b's diagonal c is at distance (key_pos[b, 0] - query_pos[b, 0]) + c - (T - 1); clipping the
-    # offset first keeps the sum in int32 and changes no slot.
-    reach = k + q_len + k_len
-    offset = jnp.clip(position_difference(key_positions[:, :1], query_positions[:, :1]), -reach, reach)
-    distance = offset + (jnp.arange(q_len + k_len - 1, dtype=jnp.int32) - (q_len - 1))[None]  # [B|1, T + S - 1]
-    return toeplitz(clipped_at_distances(per_distance, distance, k), q_len, k_len)
-
-
-@relative.EXPAND_RELATIVE_BIAS.implement()
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _expand(per_distance, query_positions, key_positions, k: int) -> jax.Array:
-    return _expand_by_gather(per_distance, query_positions, key_positions, k)
-
-
-@_expand.defjvp
-def _expand_jvp(k: int, primals, tangents):
-    # The bias is linear in the table: its tangent is the same expansion of the table's tangent, by
-    # diagonals when the positions are runs (so that reverse mode sums diagonals instead of scattering
-    # T·S cotangents into the table), by the gather otherwise.
-    per_distance, query_positions, key_positions = primals
-    runs = _consecutive_rows(query_positions) & _consecutive_rows(key_positions)
-    tangent = jax.lax.cond(
-        runs,
-        lambda t: _expand_by_diagonals(t, query_positions, key_positions, k),
-        lambda t: _expand_by_gather(t, query_positions, key_positions, k),
-        tangents[0],
-    )
-    return _expand(per_distance, query_positions, key_positions, k), tangent
-
-
 def _gathered(per_distance, q, k, *mask, sign, offset, slots, key_side, block_elements):
     """The gather by slot (``take_along_last_axis``, on the CPU the flat gather: in a program with the
     gradient, XLA:CPU does not fuse the gather into the scores and stores it, and take_along_axis's
@@ -162,6 +124,25 @@ _gather_primitive, _sum_primitive = linear_primitives("gather_by_distance", _gat
 
 def _slot_map(sign, offset, slots, key_side, block_elements=relative._SCATTER_BLOCK) -> dict:
     return dict(sign=sign, offset=offset, slots=slots, key_side=key_side, block_elements=block_elements)
+
+
+@relative.EXPAND_RELATIVE_BIAS.implement()
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _expand(per_distance, query_positions, key_positions, k: int) -> jax.Array:
+    return _expand_by_gather(per_distance, query_positions, key_positions, k)
+
+
+@_expand.defjvp
+def _expand_jvp(k: int, primals, tangents):
+    # The bias is linear in the table: its tangent is the gather by clipped distance of the table's tangent,
+    # shared by the batch and the queries ([1, N, 1, 2k+1]). Reverse mode takes that primitive's transpose,
+    # the sums by distance: where positions are runs, two masked row sums for the end slots and a gather of
+    # the interior ones ([B|1, N, T, 2k+1], summed over the queries), no scatter of T·S cotangents and no
+    # copy of them; gapped positions scatter.
+    per_distance, query_positions, key_positions = primals
+    slot_map = _slot_map(1, k, 2 * k + 1, False)
+    tangent = _gather_primitive(tangents[0][None, :, None, :], query_positions, key_positions, **slot_map)
+    return _expand(per_distance, query_positions, key_positions, k), tangent
 
 
 @relative.GATHER_BY_DISTANCE.implement()
