@@ -9,7 +9,8 @@ get distance 0 and are expected to be masked. Distances are exact integers until
 the log (rounded once to float32), so the bias is right at any int32 position.
 
 The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
-activations are never stored whole; a blockwise tile sums it unit by unit instead
+activations are never stored whole, and each block is rematerialised: the backward
+recomputes a block's activations instead of keeping them. A blockwise tile sums it unit by unit instead
 (:mod:`posenc_jax.functional.kernels.fire`). The Pallas kernel computes it per tile from the
 per-head form (the tiled form ``head``): each head's ``w2`` row and ``b2``, and the shared ``w1``,
 ``b1``, ``c``, ``L`` repeated per head, the MLP summed unit by unit (about five operations per
