@@ -122,8 +122,9 @@ def test_urpe_factor_gradient_matches_plain_broadcasting(rng):
 
 def test_shared_bias_gradient_sums_the_batch_at_less_cost_than_plain_broadcasting(monkeypatch):
     """The CPU form of the shared bias's gradient adds the batch's slices of the ``[B, N, T, S]`` cotangent:
-    the compiled gradient reads and writes at least four such arrays fewer than the plain form's reduction over
-    the batch axis (XLA's cost analysis; XLA:CPU ran that strided reduction at five copies' cost)."""
+    the compiled gradient reads and writes at least two such arrays fewer than the plain form's reduction over
+    the batch axis (XLA's cost analysis; XLA:CPU ran that strided reduction at five copies' cost). The margin was
+    four arrays before the softmax's backward stopped keeping a mask (4d3d99a), which changed both programs."""
     B, T, N, H = 4, 32, 2, 8
     spec = jax.ShapeDtypeStruct((B, T, N, H), jnp.float32)
     args = (spec, spec, spec, jax.ShapeDtypeStruct((32, N), jnp.float32), jax.ShapeDtypeStruct((T,), jnp.int32))
@@ -133,7 +134,7 @@ def test_shared_bias_gradient_sums_the_batch_at_less_cost_than_plain_broadcastin
         grad = jax.jit(jax.grad(_shared_bias_loss, argnums=3))  # a new function: traced with this form
         return compiled(grad.lower(*args)).cost_analysis()["bytes accessed"]
 
-    assert bytes_accessed("cpu") + 4 * (B * N * T * T * 4) <= bytes_accessed("gpu")
+    assert bytes_accessed("cpu") + 2 * (B * N * T * T * 4) <= bytes_accessed("gpu")
 
 
 def test_cpu_forms_is_deprecated_for_the_one_place_the_backend_is_read():
