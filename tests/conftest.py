@@ -55,6 +55,32 @@ SLOW = {
     "tests/test_notebooks.py::test_install_cell_installs_a_wheel_uploaded_beside_it_in_a_fresh_kernel": (
         "a fresh environment and kernel; CI's own step runs the whole quickstart from an uploaded wheel"
     ),
+    "tests/test_project.py::test_readme_quickstart_runs": (
+        "a subprocess running every python block of the README; the calls it makes are tested in test_nn and"
+        " test_attention"
+    ),
+    "tests/test_training.py::test_checkpoint_round_trip_and_exact_resume": (
+        "a model with dropout trained, saved and resumed; test_checkpoint's restores with the optimizer stay"
+    ),
+    "tests/test_training.py::test_sharded_training_equals_single_device_on_8_simulated_devices": (
+        "a subprocess with 8 simulated devices; test_train_dispatch's data-parallel mesh test stays"
+    ),
+    "tests/test_bench.py::test_a_finished_cell_leaves_no_checkpoints_unless_asked": (
+        "two benchmark runs; test_bench's resume tests stay"
+    ),
+    "tests/test_queue.py::test_a_unit_killed_after_its_first_row_leaves_a_folder_the_report_reads": (
+        "a unit interrupted and read; test_the_queue_runs_each_cell_seed_once_and_resumes stays"
+    ),
+    "tests/test_queue.py::test_a_cells_seeds_run_together_when_they_fit": (
+        "the tiny queue run again; test_chunks_keep_the_seeds_order_within_the_limit stays"
+    ),
+    "tests/test_hosts.py::test_processes_train_their_share_of_the_cells_and_merge": (
+        "two child processes; test_two_hosts_write_their_own_folders_and_merge_into_one_report stays"
+    ),
+    (
+        "tests/test_train_dispatch.py::"
+        "test_device_batches_train_as_a_plain_loop_of_them_and_a_resumed_run_as_an_uninterrupted_one"
+    ): ("three training runs; test_host_batches_one_step_a_call_train_exactly_as_a_plain_loop_of_host_batches stays"),
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_in_a_fresh_kernel": (
         "a wheel, a fresh environment and kernel per notebook; the install cell in a fresh kernel stays, and CI's"
         " own steps run the quickstart from a clone and from an uploaded wheel"
