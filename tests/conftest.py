@@ -81,6 +81,31 @@ SLOW = {
         "tests/test_train_dispatch.py::"
         "test_device_batches_train_as_a_plain_loop_of_them_and_a_resumed_run_as_an_uninterrupted_one"
     ): ("three training runs; test_host_batches_one_step_a_call_train_exactly_as_a_plain_loop_of_host_batches stays"),
+    "tests/test_bench.py::test_hybrids_with_randomized_positions_run_and_are_sized_from_the_sampler": (
+        "a benchmark run of the hybrids; test_nn's randomized positions in training and evaluation stay"
+    ),
+    "tests/test_caches.py::test_a_half_precision_cache_decodes_close_to_the_full_forward": (
+        "a prefill and decode per dtype; test_nn's test_prefill_then_decode_equals_full_forward stays (float32)"
+    ),
+    (
+        "tests/test_checkpoint.py::"
+        "test_ones_own_model_is_refused_a_checkpoint_of_other_encodings_or_heads_of_the_same_shapes"
+    ): ("several models saved; test_another_encoding_of_the_same_shapes_is_refused_naming_both stays"),
+    "tests/test_checkpoint.py::test_flipped_bytes_are_found_and_the_previous_intact_step_restored": (
+        "two steps saved and one damaged; test_every_step_damaged_is_an_error_naming_them stays"
+    ),
+    "tests/test_bench_method.py::test_to_criterion_stops_once_every_seed_held_the_criterion_at_two_checks": (
+        "the older protocol's training run; test_held_reads_two_checks_in_a_row and the fixed-budget run stay"
+    ),
+    "tests/test_encoding_names.py::test_sequence_parallel_attention_takes_every_form": (
+        "every form on a simulated mesh; test_sharded's sequence-parallel tests stay"
+    ),
+    "tests/test_materialized_benchmark.py::test_materialized_benchmark_writes_its_three_tables": (
+        "a benchmark end to end; the budgets it reports are pinned by test_materialized_memory and test_sizes"
+    ),
+    "tests/test_project.py::test_relative_memory_benchmark_small_run": (
+        "a benchmark end to end; test_relative's compiled-memory checks (term_checks) stay"
+    ),
     "tests/test_notebooks.py::test_notebook_runs_top_to_bottom_in_a_fresh_kernel": (
         "a wheel, a fresh environment and kernel per notebook; the install cell in a fresh kernel stays, and CI's"
         " own steps run the quickstart from a clone and from an uploaded wheel"
