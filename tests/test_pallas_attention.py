@@ -284,9 +284,9 @@ CUSTOM_CALLS = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
 )
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_kernels_lower_for_gpu_and_tpu(platform, name, dtype, precision):
-    """Forward and gradient of the kernels (T5, Kerple, ALiBi with Kerple, or the clipped bias, Sandwich and FIRE together, with
-    segment ids, causal, GQA, tiles of 128; bfloat16, or float32 at full precision) lower to Triton's and
-    Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
+    """Forward and gradient of the kernels (T5, Kerple, ALiBi with Kerple, or the clipped bias, Sandwich and
+    FIRE together, with segment ids, causal, GQA, tiles of 128; bfloat16, or float32 at full precision) lower
+    to Triton's and Mosaic's custom calls. Lowering only: Triton and Mosaic compile on the device."""
     from posenc_jax.functional.kernels.pallas import flash_attention, joined_head_bias
 
     length, head_dim = 256, 64
