@@ -387,9 +387,9 @@ def longest(args) -> None:
         )
 
 
-def _versus_programs(name: str, length: int, causal: bool = True):
-    """``name``'s blockwise forward and its forward and backward, compiled, with their inputs."""
-    hooks = _hooks(name, length)
+def attention_functions(length: int, implementation: str, causal: bool = True):
+    """Our attention's forward ``f(q, k, v, hooks)`` and its forward and backward (the gradients of q, k, v and
+    the hooks' parameters), self-attention over ``arange(length)``; a fresh pair per call."""
     positions = jnp.arange(length)
 
     def forward(q, k, v, hooks):
@@ -401,13 +401,19 @@ def _versus_programs(name: str, length: int, causal: bool = True):
             key_positions=positions,
             encodings=hooks,
             causal=causal,
-            implementation="blockwise",
+            implementation=implementation,
         )
 
     def loss(q, k, v, hooks):
         return jnp.sum(forward(q, k, v, hooks))
 
-    backward = jax.grad(loss, argnums=(0, 1, 2, 3))
+    return forward, jax.grad(loss, argnums=(0, 1, 2, 3))
+
+
+def _versus_programs(name: str, length: int, causal: bool = True):
+    """``name``'s blockwise forward and its forward and backward, compiled, with their inputs."""
+    hooks = _hooks(name, length)
+    forward, backward = attention_functions(length, "blockwise", causal)
     shape = jax.ShapeDtypeStruct((B, length, N, H), jnp.float32)
     compiled = [jax.jit(f).lower(shape, shape, shape, hooks).compile() for f in (forward, backward)]
     return compiled, hooks

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import blockwise  # the helpers beside this script: floors, budgets, the paired timing
 
-from posenc_jax.functional import dot_product_attention, encoding_names
+from posenc_jax.functional import encoding_names
 from posenc_jax.functional.core.dispatch import goes_blockwise
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -70,24 +70,7 @@ def _hooks(names, length: int, heads: int) -> list:
 
 def _ours(length: int, implementation: str = "materialize"):
     """Our causal attention's forward ``f(q, k, v, hooks)`` and its forward and backward (a fresh pair per call)."""
-    positions = jnp.arange(length)
-
-    def forward(q, k, v, hooks):
-        return dot_product_attention(
-            q,
-            k,
-            v,
-            query_positions=positions,
-            key_positions=positions,
-            encodings=hooks,
-            causal=True,
-            implementation=implementation,
-        )
-
-    def loss(q, k, v, hooks):
-        return jnp.sum(forward(q, k, v, hooks))
-
-    return forward, jax.grad(loss, argnums=(0, 1, 2, 3))
+    return blockwise.attention_functions(length, implementation)
 
 
 def _jax_nn():
