@@ -34,6 +34,7 @@ from posenc_jax.functional.core.hooks import (
 )
 from posenc_jax.functional.core.positions import batched_positions, position_difference
 from posenc_jax.functional.core.registry import Source, register_encoding
+from posenc_jax.functional.core.relative import relative_positions
 from posenc_jax.functional.core.validation import check_number
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
@@ -83,7 +84,7 @@ def _pairwise_jvp(variant, primals, tangents):
 
 def _distance(query_positions, key_positions) -> jax.Array:
     """``|key_pos - query_pos|``, float32 ``[B|1, T, S]``, of positions ``[B|1, T]``, ``[B|1, S]``."""
-    return jnp.abs(position_difference(key_positions[:, None, :], query_positions[:, :, None], dtype=jnp.float32))
+    return jnp.abs(relative_positions(query_positions, key_positions, dtype=jnp.float32))
 
 
 def _partials(rows, query_positions, key_positions, variant):
