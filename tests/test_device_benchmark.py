@@ -1,27 +1,22 @@
 """The device benchmark (benchmarks/device.py) at its CPU sizes: a row per (encoding, path, T) in its table,
 finite times and a memory figure where a path ran, and a reason where it did not."""
 
-import importlib.util
 import json
 import math
 import pathlib
-import sys
 import time
 
 import jax
 import pytest
+from scripts import benchmark_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def device():
-    spec = importlib.util.spec_from_file_location("device_benchmark", ROOT / "benchmarks" / "device.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["device_benchmark"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("device_benchmark", None)
+    with benchmark_script("device.py", "device_benchmark") as module:
+        yield module
 
 
 def _rows(table: str) -> dict[tuple[str, str, int], list[str]]:

@@ -1,12 +1,11 @@
 """benchmarks/materialized.py end to end at a tiny size: its three tables have a row per encoding, composition
 and baseline, and every ratio in them is a positive finite number."""
 
-import importlib.util
 import math
 import pathlib
-import sys
 
 import pytest
+from scripts import benchmark_script
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENCODINGS = ("rope", "alibi", "cope")
@@ -14,12 +13,8 @@ ENCODINGS = ("rope", "alibi", "cope")
 
 @pytest.fixture(scope="module")
 def materialized():
-    spec = importlib.util.spec_from_file_location("materialized_benchmark", ROOT / "benchmarks" / "materialized.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["materialized_benchmark"] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop("materialized_benchmark", None)
+    with benchmark_script("materialized.py", "materialized_benchmark") as module:
+        yield module
 
 
 def _tables(page: str) -> list[list[list[str]]]:
