@@ -382,7 +382,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             key_length = cache.key.shape[1]
         if segment_ids is not None and kv is not None:
             raise ValueError("segment_ids mark packed sequences in self-attention; for cross-attention pass a mask")
-        out = self._attend(
+        out = self.attend(
             x,
             query_positions,
             causal=bool(causal),
@@ -408,12 +408,12 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             return out
         return out if cache is None else (out, cache)
 
-    def _forward_terms(self, positions, key_positions, *, biases: Sequence, causal: bool, batch: int, implementation):
+    def forward_terms(self, positions, key_positions, *, biases: Sequence, causal: bool, batch: int, implementation):
         """What a model computes once per forward for all its layers made like this one: ``(shared, prepared)``.
 
         :func:`~posenc_jax.functional.core.attention.forward_terms` for this layer's encodings,
         sizes, normaliser and implementation (overridden by ``implementation`` when given), at
-        positions the model checked; the model gives both to every layer's :meth:`_attend`.
+        positions the model checked; the model gives both to every layer's :meth:`attend`.
         """
         return forward_terms(
             self._hooks(),
@@ -428,7 +428,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
             implementation=self.implementation if implementation is None else implementation,
         )
 
-    def _attend(
+    def attend(
         self,
         x: jax.Array,
         positions: jax.Array,
@@ -456,7 +456,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         (default ``positions``); ``mask``: booleans ``[B, heads|1, T, S]``; ``indices``: the
         positions are ``arange``, made by the caller (see :func:`~posenc_jax.functional.core.attention.attend`).
 
-        ``prepared``: the model's per-forward rotations (:meth:`_forward_terms`), one entry per
+        ``prepared``: the model's per-forward rotations (:meth:`forward_terms`), one entry per
         encoding of this layer, None where the layer uses its own hook. They were prepared for
         the tokens at ``positions``, this layer's own queries and keys, which they rotate
         (:meth:`~posenc_jax.functional.core.hooks.PreparedRotation.rotate_prepared`) with no
@@ -487,7 +487,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
                 raise ValueError("a KV cache needs causal attention: bidirectional layers cannot decode step by step")
             if segment_ids is not None:
                 raise ValueError("decoding with a cache takes no segment_ids: decode one sequence per row")
-            self._check_cache(cache)
+            self.check_cache(cache)
             positions = jnp.broadcast_to(positions, (batch, length))
             encodings, terms = own + list(shared), []
             if _stores_rotated_keys(encodings):
@@ -508,7 +508,7 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
                     _table_maker(hook, capacity, stored) for hook, stored in zip(terms, cache.tables, strict=True)
                 )
             # Padding (key_mask False, e.g. left padding) is stored as invalid slots: never attended.
-            new_cache = cache._append(k, v, positions, valid=key_mask, features=features, tables=tables)
+            new_cache = cache.append_checked(k, v, positions, valid=key_mask, features=features, tables=tables)
             k, v = new_cache.key, new_cache.value
             query_positions, key_positions = positions, new_cache.positions
             key_mask = new_cache.valid  # empty slots and padding, whatever their positions

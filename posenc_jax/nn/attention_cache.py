@@ -68,7 +68,7 @@ class CachedDecoding:
             max_length=max_length,
         )
 
-    def _check_cache(self, cache, what: str = "this cache", fix: str = "") -> None:
+    def check_cache(self, cache, what: str = "this cache", fix: str = "") -> None:
         """Refuses a cache made for another layer (encodings, heads, head size) or of integer keys, naming
         what differs (static facts: before tracing, nothing inside ``jit``)."""
         if not isinstance(cache, KVCache):

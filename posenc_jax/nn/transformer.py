@@ -68,7 +68,7 @@ class Block(nnx.Module):
 
     A layer of :class:`Transformer`, called with the model's positions (checked once, by the
     model) and the terms it computed for the forward (``shared``, ``prepared``: see
-    :meth:`MultiHeadAttention._forward_terms`).
+    :meth:`MultiHeadAttention.forward_terms`).
     """
 
     def __init__(
@@ -122,7 +122,7 @@ class Block(nnx.Module):
         mesh=None,
         ring=False,
     ):
-        attended = self.attention._attend(
+        attended = self.attention.attend(
             self.attention_norm(x),
             positions,
             causal=causal,
@@ -323,7 +323,7 @@ class Transformer(nnx.Module):
         x = self.dropout(x, deterministic=deterministic)
         # What every layer shares for this forward, as the attention makes it: the position-only biases
         # (computed once, or per tile when the layers go blockwise) and parameter-free rotations' tables.
-        shared, prepared = self.blocks[0].attention._forward_terms(
+        shared, prepared = self.blocks[0].attention.forward_terms(
             positions,
             key_positions,
             biases=[module() for module in self.shared],
@@ -459,7 +459,7 @@ class Transformer(nnx.Module):
                     f"caches[{i}] was made for another model: encodings {show_encodings(made.model)} there, "
                     f"{show_encodings(encodings)} here; {fix}"
                 )
-            layer._check_cache(cache, f"caches[{i}]", fix)
+            layer.check_cache(cache, f"caches[{i}]", fix)
             if made is not None and made.layer is not None and made.layer != i:
                 raise ValueError(
                     f"caches[{i}] was made for layer {made.layer} of this model, not layer {i}: pass the caches in "

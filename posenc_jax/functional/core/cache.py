@@ -323,9 +323,9 @@ class KVCache(NamedTuple):
         new (valid) token placed at or before a position the row already holds: positions
         only move forward in a cache.
         """
-        return self._append(key, value, check_positions(positions), valid, features, tables)
+        return self.append_checked(key, value, check_positions(positions), valid, features, tables)
 
-    def _append(self, key, value, positions: jax.Array, valid=None, features=(), tables=()) -> KVCache:
+    def append_checked(self, key, value, positions: jax.Array, valid=None, features=(), tables=()) -> KVCache:
         """:meth:`append` of int32 positions already checked (a layer's, checked once where they entered);
         everything else is checked as there."""
         batch, capacity, heads, head_dim = self.key.shape
