@@ -8,15 +8,19 @@ sequence interpolates rather than extrapolates. Causal: future keys (``j > i``)
 get distance 0 and are expected to be masked. Distances are exact integers until
 the log (rounded once to float32), so the bias is right at any int32 position.
 
-The MLP runs on ``[rows, S]`` blocks of query rows, so its ``[T, S, hidden]``
-activations are never stored whole, and each block is rematerialised: the backward
-recomputes a block's activations instead of keeping them. A blockwise tile sums it unit by unit instead
-(:mod:`posenc_jax.functional.kernels.fire`). The Pallas kernel computes it per tile from the
+The bias is computed on ``[rows, S]`` blocks of query rows, each rematerialised (the backward
+recomputes a block instead of keeping it), its MLP as :func:`~posenc_jax.functional.kernels.fire.fire_mlp`
+evaluates it: ``f`` is piecewise linear in its one input, so each pair evaluates the line of its interval
+between the ``hidden`` kinks, ``O(N)`` per pair, and the backward contracts the units' masks with the
+cotangent once. The paper's form, ``[rows, S, hidden]`` activations and a contraction with ``w2``
+(:func:`_paper_mlp`), is the reference it is tested against, values and every parameter's gradient. A
+blockwise tile evaluates the same :func:`~posenc_jax.functional.kernels.fire.fire_mlp` (on the tile's
+distances alone where its queries are below L). The Pallas kernel computes it per tile from the
 per-head form (the tiled form ``head``): each head's ``w2`` row and ``b2``, and the shared ``w1``,
 ``b1``, ``c``, ``L`` repeated per head, the MLP summed unit by unit (about five operations per
 hidden unit and score, forward; the backward kernels evaluate it again and pull the tile's score
-cotangent back through it for every parameter's gradient). The materialising path and the kernel
-compute the MLP's input with one function (:func:`_normalised_distance`); the forms sum the MLP in
+cotangent back through it for every parameter's gradient). Every form computes the MLP's input with one
+function (:func:`~posenc_jax.functional.kernels.fire.normalised_distance`); they sum the MLP in
 different orders, so they agree to float32 rounding.
 
 Reference: Li et al., "Functional Interpolation for Relative Positions Improves
@@ -46,7 +50,7 @@ from posenc_jax.functional.core.products import broadcasts_to
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.core.relative import by_query_blocks, relative_positions
 from posenc_jax.functional.core.validation import check_count, check_key, check_number
-from posenc_jax.functional.kernels.fire import fire_tile
+from posenc_jax.functional.kernels.fire import fire_mlp, fire_tile, normalised_distance
 
 __all__ = ["Fire", "FireConfig", "fire_bias", "fire_init"]
 
@@ -96,12 +100,6 @@ def _check_params(params: dict) -> None:
         raise ValueError(f"FIRE params are missing {sorted(missing)}")
 
 
-def _normalised_distance(distance, query, c, threshold):
-    """``ψ(i - j) / ψ(max(L, i))`` with ``ψ(x) = log(c·x + 1)``, for float32 distances ``i - j >= 0`` and query
-    positions ``i`` broadcasting against them (every form of FIRE computes its MLP's input here)."""
-    return jnp.log1p(c * distance) / jnp.log1p(c * jnp.maximum(threshold, query))
-
-
 def _fire_head(params: dict) -> HeadBias:
     """FIRE's per-head form: rows ``w1``, ``b1`` (shared, repeated per head), ``w2ᵀ`` ``[N, hidden]`` and
     ``[b2, |c|, |L|]`` ``[N, 3]``, and :func:`_fire_at`. Gradients of the repeated rows sum back to the
@@ -128,7 +126,7 @@ def _fire_at(hidden: int, parameters, query_positions, key_positions) -> jax.Arr
     b2, c, threshold = (head_column(scalars, i) for i in range(3))
     # i - j, exact until rounded once to float32; future keys (masked) at 0.
     distance = jnp.maximum(-position_difference(key_positions, query_positions, dtype=jnp.float32), 0.0)
-    x = _normalised_distance(distance, query_positions.astype(jnp.float32), c, threshold)
+    x = normalised_distance(distance, query_positions.astype(jnp.float32), c, threshold)
     total = None
     for h in range(hidden):
         unit = jax.nn.relu(x * head_column(w1, h) + head_column(b1, h)) * head_column(w2, h)
@@ -145,9 +143,9 @@ def fire_bias(
       params: ``w1`` ``[hidden]``, ``b1`` ``[hidden]``, ``w2`` ``[hidden, N]``, ``b2`` ``[N]``,
         and positive scalars ``c`` and ``threshold`` (L).
       query_positions, key_positions: integer ``[T]``/``[B, T]``, ``[S]``/``[B, S]``.
-      block_elements: about how many (query, key) pairs each block of rows holds; by default so many that a
-        block's hidden activations, ``[rows, S, hidden]``, are about a quarter of the bias's ``[N, T, S]``.
-        Each block is rematerialised: the backward recomputes its activations instead of keeping them.
+      block_elements: about how many (query, key) pairs each block of rows holds; by default ``T·S·N /
+        (4·hidden)``. Each block is rematerialised: the backward recomputes its MLP inputs instead of keeping
+        them.
       into: optional float32 ``[B, N, T, S]`` scores: the bias is added to them block by block,
         in place, and ``into + bias`` is returned without the bias ever stored whole.
 
@@ -156,16 +154,27 @@ def fire_bias(
       >>> fire_bias(params, jnp.arange(5), jnp.arange(5)).shape
       (1, 4, 5, 5)
     """
+    return _fire_bias(params, query_positions, key_positions, block_elements=block_elements, into=into, mlp=fire_mlp)
+
+
+def _paper_mlp(params: dict, x: jax.Array) -> jax.Array:
+    """The paper's MLP, ``[B, N, ...]`` from ``x`` ``[B, ...]``: the activations ``relu(x·w1 + b1)``
+    ``[B, ..., hidden]``, then their contraction with ``w2``, plus ``b2`` (the reference of
+    :func:`~posenc_jax.functional.kernels.fire.fire_mlp`)."""
+    w1, b1, w2, b2 = (jnp.asarray(params[name], jnp.float32) for name in ("w1", "b1", "w2", "b2"))
+    h = jax.nn.relu(x[..., None] * w1.reshape((1,) * x.ndim + (-1,)) + b1.reshape((1,) * x.ndim + (-1,)))
+    out = jnp.einsum("B...h,hN->BN...", h, w2)
+    return out + b2.reshape((1, -1) + (1,) * (out.ndim - 2))
+
+
+def _fire_bias(params: dict, query_positions, key_positions, *, block_elements, into, mlp) -> jax.Array:
+    """:func:`fire_bias` with its MLP ``mlp(params, x)`` (``[B, N, ...]`` from ``x`` ``[B, ...]``)."""
     _check_params(params)
     hidden, num_heads = np.shape(params["w2"])
     q = batched_positions(query_positions, "query_positions")
     k = batched_positions(key_positions, "key_positions")
     c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
     threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
-    w1 = jnp.asarray(params["w1"], jnp.float32).reshape(1, 1, 1, hidden)
-    b1 = jnp.asarray(params["b1"], jnp.float32).reshape(1, 1, 1, hidden)
-    w2 = jnp.asarray(params["w2"], jnp.float32)
-    b2 = jnp.asarray(params["b2"], jnp.float32).reshape(1, num_heads, 1, 1)
     batch = max(q.shape[0], k.shape[0])
     if block_elements is None:
         block_elements = q.shape[1] * k.shape[1] * num_heads // (4 * hidden)
@@ -176,10 +185,8 @@ def fire_bias(
         # i - j as an exact integer, rounded once to float32 only for the log: a float32
         # difference of float32 positions would be off by up to 8 at position 1e8.
         distance = jnp.maximum(-relative_positions(qb, k, dtype=jnp.float32), 0.0)  # [B, rows, S]
-        x = _normalised_distance(distance, qb.astype(jnp.float32)[:, :, None], c, threshold)
-        h = jax.nn.relu(x[..., None] * w1 + b1)  # [B, rows, S, hidden]
-        out = jnp.einsum("BTSh,hN->BNTS", h, w2) + b2
-        return jnp.broadcast_to(out, (batch, num_heads, rows, k.shape[1]))
+        x = normalised_distance(distance, qb.astype(jnp.float32)[:, :, None], c, threshold)
+        return jnp.broadcast_to(mlp(params, x), (batch, num_heads, rows, k.shape[1]))
 
     out_shape = (batch, num_heads, q.shape[1], k.shape[1])
     if into is not None:

@@ -1,26 +1,117 @@
-"""FIRE's bias for one blockwise tile, its MLP evaluated one hidden unit at a time.
+"""FIRE's MLP as a piecewise linear function of its one input, for the materialising path and for tiles.
 
-:func:`~posenc_jax.functional.encodings.fire.fire_bias` writes the MLP as the paper does: the
-``[T, S, hidden]`` activations, then a contraction with ``w2`` (by blocks of query rows, so
-the activations are never stored whole). On a tile that contraction's operand is still
-``[bq, bk, hidden]``, stored, and read again by its gradient. Written as a sum over the hidden
-units, ``f(x)[n] = b2[n] + Σ_h w2[h, n] · relu(w1[h] · x + b1[h])`` is one elementwise
-computation XLA fuses whole: no activation is stored, and the gradient recomputes each unit
-where it needs it (``benchmarks/blockwise.py`` measures the tile's time and temporaries).
-
-The same values up to the order of the sums; ``tests/test_blockwise.py`` holds blockwise FIRE
-(through this form) to the materialising path (through the plain one), values and gradients.
+The paper writes ``f(x)[n] = b2[n] + Σ_h w2[h, n] · relu(w1[h] · x + b1[h])``
+(:func:`~posenc_jax.functional.encodings.fire.fire_bias`'s reference form: the ``[T, S, hidden]``
+activations, then a contraction with ``w2``). Its input ``x`` is a scalar per (query, key) pair, so
+``f`` is piecewise linear in ``x``, with a kink where a unit switches, at ``x = -b1[h] / w1[h]``: on
+each of the ``hidden + 1`` intervals between the sorted kinks, ``f(x)[n] = A[k, n] · x + B[k, n]``,
+``A`` and ``B`` summed over the units active there. :func:`fire_mlp` finds each pair's interval (one
+comparison per kink) and evaluates that line, ``O(N)`` per pair instead of ``O(hidden · N)``, with no
+activation stored. Its backward pulls the cotangent ``g`` back through the units' masks
+``m[h] = [w1[h] · x + b1[h] > 0]`` by one contraction, ``Σ_pairs m[h] · (g[n], g[n] · x)``, in chunks of
+pairs so that no ``[pairs, hidden]`` array larger than a chunk is stored: ``w2``'s gradient is
+``w1[h] · Σ m g x + b1[h] · Σ m g`` (``relu(z) = z · m``), ``w1``'s and ``b1``'s are those sums
+through ``w2``, and ``x``'s is ``A[k] · g`` at the pair's interval. The same function up to the order
+of its sums (and at a kink, where the unit is 0); ``tests/test_fire_cost.py`` holds it to the
+reference form, values and every parameter's gradient.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from posenc_jax.functional.core.relative import relative_positions, toeplitz_where_runs
 
-__all__ = ["fire_bias_by_units", "fire_tile"]
+__all__ = ["fire_mlp", "fire_tile", "normalised_distance"]
+
+# Pairs per chunk of the backward's contraction: its masks are [chunk, hidden] float32 (1 MiB at 32 units).
+BACKWARD_CHUNK = 1 << 13
+
+
+def fire_mlp(params: dict, x: jax.Array) -> jax.Array:
+    """``f(x)`` per head, ``[B, N, ...]`` float32 from ``x`` float32 ``[B, ...]``: FIRE's MLP (``w1``, ``b1``,
+    ``w2``, ``b2`` of ``params``, as :func:`~posenc_jax.functional.encodings.fire.fire_init` makes them) as
+    the line of ``x``'s interval between its kinks (see the module's docstring); gradients to ``x`` and the
+    four weights."""
+    weights = tuple(jnp.asarray(params[name], jnp.float32) for name in ("w1", "b1", "w2", "b2"))
+    return _fire_mlp(weights, jnp.asarray(x, jnp.float32))
+
+
+def _lines(w1, b1, w2, b2):
+    """The kinks sorted ``[hidden]`` and each interval's slope ``A`` and intercept ``B``, ``[hidden + 1, N]``.
+
+    Interval ``k`` holds the ``x`` with ``k`` kinks below them. Unit ``h`` with ``w1[h] > 0`` is active
+    where ``x`` exceeds its kink, so in the intervals ``k > lo[h]``, ``lo[h]`` the number of kinks strictly
+    below its own; with ``w1[h] < 0`` where ``x`` is below it, ``k <= lo[h]``; with ``w1[h] = 0`` everywhere
+    or nowhere, as ``b1[h] > 0``.
+    """
+    hidden = w1.shape[0]
+    kinks = jnp.where(w1 != 0, -b1 / jnp.where(w1 != 0, w1, 1.0), jnp.inf)
+    lo = jnp.sum(kinks[None, :] < kinks[:, None], axis=1)[None, :]
+    k = jnp.arange(hidden + 1)[:, None]
+    rising, falling, on = (w1 > 0)[None, :], (w1 < 0)[None, :], (b1 > 0)[None, :]
+    active = jnp.where(rising, k > lo, jnp.where(falling, k <= lo, on)).astype(jnp.float32)
+    return jnp.sort(kinks), active @ (w1[:, None] * w2), b2[None, :] + active @ (b1[:, None] * w2)
+
+
+def _interval(x, kinks):
+    """How many kinks lie strictly below each ``x``, int32 (one comparison per kink, fused elementwise)."""
+    count = jnp.zeros(x.shape, jnp.int32)
+    for m in range(kinks.shape[0]):
+        count = count + (x > kinks[m]).astype(jnp.int32)
+    return count
+
+
+def _by_heads(table, k, x=None):
+    """``table[k, n] (· x)`` per head ``n``, stacked at axis 1: ``[B, N, ...]`` from ``k`` ``[B, ...]``."""
+    heads = [jnp.take(table[:, n], k) for n in range(table.shape[1])]
+    if x is not None:
+        heads = [h * x for h in heads]
+    return jnp.stack(heads, axis=1)
+
+
+@jax.custom_vjp
+def _fire_mlp(weights, x):
+    kinks, slope, intercept = _lines(*weights)
+    k = _interval(x, kinks)
+    return _by_heads(slope, k, x) + _by_heads(intercept, k)
+
+
+def _fire_mlp_forward(weights, x):
+    return _fire_mlp(weights, x), (weights, x)
+
+
+def _fire_mlp_backward(residuals, g):
+    (w1, b1, w2, b2), x = residuals
+    kinks, slope, _ = _lines(w1, b1, w2, b2)
+    dx = jnp.sum(_by_heads(slope, _interval(x, kinks)) * g, axis=1)
+    heads, hidden = w2.shape[1], w1.shape[0]
+    g = jnp.moveaxis(g, 1, 0).reshape(heads, -1)  # [N, pairs], the pairs in x's order
+    flat = x.reshape(-1)
+    pairs = flat.shape[0]
+    chunk = min(BACKWARD_CHUNK, pairs)
+
+    def add(i, sums):
+        # The last chunk is shifted back to stay in bounds; the pairs it shares with the one before count once.
+        start = jnp.minimum(i * chunk, pairs - chunk)
+        xs = jax.lax.dynamic_slice_in_dim(flat, start, chunk)
+        gs = jax.lax.dynamic_slice_in_dim(g, start, chunk, axis=1)
+        fresh = start + jnp.arange(chunk) >= i * chunk
+        # [chunk, hidden]: each unit's ReLU derivative, as the paper's form computes it
+        mask = ((xs[:, None] * w1[None, :] + b1[None, :] > 0) & fresh[:, None]).astype(jnp.float32)
+        return sums + jnp.concatenate([gs, gs * xs[None, :]], axis=0) @ mask
+
+    sums = jax.lax.fori_loop(0, -(-pairs // chunk), add, jnp.zeros((2 * heads, hidden), jnp.float32))
+    plain, times_x = sums[:heads].T, sums[heads:].T  # [hidden, N]: Σ m g and Σ m g x
+    dw2 = w1[:, None] * times_x + b1[:, None] * plain
+    dw1 = jnp.sum(w2 * times_x, axis=1)
+    db1 = jnp.sum(w2 * plain, axis=1)
+    db2 = jnp.sum(g, axis=1)
+    return (dw1, db1, dw2, db2), dx
+
+
+_fire_mlp.defvjp(_fire_mlp_forward, _fire_mlp_backward)
 
 
 def fire_tile(params: dict, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
@@ -29,42 +120,27 @@ def fire_tile(params: dict, query_positions: jax.Array, key_positions: jax.Array
     Where every query of the tile is at or below the threshold L, its normaliser is ``ψ(L)``
     for all of them and the bias depends on ``i - j`` alone: on a tile of consecutive
     positions the MLP then runs on the tile's ``bq + bk - 1`` distances only
-    (:func:`~posenc_jax.functional.core.relative.toeplitz_where_runs`). Elsewhere
-    :func:`fire_bias_by_units`. Either way the tile is one buffer, which XLA does not fuse into
-    (and evaluate again in) each of the scores' consumers.
+    (:func:`~posenc_jax.functional.core.relative.toeplitz_where_runs`). Elsewhere on each pair. Either
+    way :func:`fire_mlp`, and the tile is one buffer, which XLA does not fuse into (and evaluate again in)
+    each of the scores' consumers.
     """
+    c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
     threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
     below = jnp.all(query_positions.astype(jnp.float32) <= threshold)
 
     def per_distance(distance):  # j - i, float32 [B|1, D] -> [B|1, N, D]; queries at L
-        level = jnp.broadcast_to(threshold, distance.shape)
-        return _mlp(params, jnp.maximum(-distance, 0.0), level, axis=1)
+        return fire_mlp(params, normalised_distance(jnp.maximum(-distance, 0.0), threshold, c, threshold))
 
-    plain = lambda: fire_bias_by_units(params, query_positions, key_positions)
+    def plain():
+        distance = jnp.maximum(-relative_positions(query_positions, key_positions, dtype=jnp.float32), 0.0)
+        query = query_positions.astype(jnp.float32)[:, :, None]
+        return fire_mlp(params, normalised_distance(distance, query, c, threshold))
+
     return toeplitz_where_runs(per_distance, plain, query_positions, key_positions, also=below)
 
 
-def fire_bias_by_units(params: dict, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
-    """FIRE's bias ``[B|1, N, T, S]`` float32 with its MLP summed unit by unit (see the module's docstring).
-
-    ``params`` as :func:`~posenc_jax.functional.encodings.fire.fire_init` makes them;
-    positions int32 ``[B|1, T]`` and ``[B|1, S]``.
-    """
-    distance = jnp.maximum(-relative_positions(query_positions, key_positions, dtype=jnp.float32), 0.0)  # i - j
-    # Rematerialised: the gradient recomputes each unit inside its own sums instead of storing 32 of them.
-    mlp = jax.checkpoint(lambda params, distance, query: _mlp(params, distance, query, axis=1))
-    return mlp(params, distance, query_positions.astype(jnp.float32)[:, :, None])
-
-
-def _mlp(params: dict, distance: jax.Array, query: jax.Array, *, axis: int) -> jax.Array:
-    """``f(ψ(i - j) / ψ(max(L, i)))`` per head, the heads stacked at ``axis``, summed unit by unit."""
-    hidden, num_heads = np.shape(params["w2"])
-    c = jnp.abs(jnp.asarray(params["c"], jnp.float32))
-    threshold = jnp.abs(jnp.asarray(params["threshold"], jnp.float32))
-    w1, b1, w2, b2 = (jnp.asarray(params[name], jnp.float32) for name in ("w1", "b1", "w2", "b2"))
-    x = jnp.log1p(c * distance) / jnp.log1p(c * jnp.maximum(threshold, query))
-    heads = [jnp.zeros_like(x) + b2[n] for n in range(num_heads)]
-    for h in range(hidden):
-        unit = jax.nn.relu(x * w1[h] + b1[h])
-        heads = [out + w2[h, n] * unit for n, out in enumerate(heads)]
-    return jnp.stack(heads, axis=axis)
+def normalised_distance(distance, query, c, threshold) -> jax.Array:
+    """FIRE's MLP input ``ψ(i - j) / ψ(max(L, i))`` with ``ψ(x) = log(c·x + 1)``, for float32 distances
+    ``i - j >= 0`` and query positions ``i`` broadcasting against them, ``c`` and ``L`` positive (every form
+    of FIRE computes its MLP's input here)."""
+    return jnp.log1p(c * distance) / jnp.log1p(c * jnp.maximum(threshold, query))
