@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from posenc_jax.functional.core.operations import broadcast_to
 
-__all__ = ["by_causal_prefix_blocks", "by_causal_prefixes_where", "by_query_blocks"]
+__all__ = ["by_causal_prefix_blocks", "by_causal_prefixes_where", "by_query_blocks", "causal_prefix_stages"]
 
 
 def by_query_blocks(
@@ -102,12 +102,11 @@ def by_causal_prefix_blocks(
     if q_len != k_len:
         raise ValueError(f"causal prefix blocks pair query t with key t: T = {q_len} and S = {k_len} must be equal")
     checked = not (isinstance(prefix_ok, bool) and prefix_ok)
-    bounds = sorted({int(round(q_len * (j + 1) / max(1, stages))) for j in range(max(1, stages))} - {0})
-    out, first = into, 0
-    for last in bounds:
+    out = into
+    for first, last, rows in causal_prefix_stages(
+        q_len, batch * heads, block_elements, stages=stages, full_width=k_len if checked else None
+    ):
         width = last  # keys 0 .. last - 1: every key a row of this stage may see
-        per_row = batch * heads * (k_len if checked else width)
-        rows = int(max(1, min(last - first, block_elements // max(1, per_row))))
         num_blocks = -(-(last - first) // rows)
 
         def body(block, out, first=first, last=last, rows=rows, width=width):
@@ -128,6 +127,20 @@ def by_causal_prefix_blocks(
             )
 
         out = body(0, out) if num_blocks == 1 else jax.lax.fori_loop(0, num_blocks, body, out)
+    return out
+
+
+def causal_prefix_stages(
+    q_len: int, per_key: int, block_elements: int, *, stages: int = 4, full_width: int | None = None
+) -> list[tuple[int, int, int]]:
+    """:func:`by_causal_prefix_blocks`' stages: ``(first, last, rows)`` for each, the query rows ``first ..
+    last - 1`` taking the keys ``0 .. last - 1``, by blocks of ``rows`` rows of about ``block_elements``
+    values (``per_key`` values per row and key: ``B · N``; each row ``full_width`` keys wide where given)."""
+    bounds = sorted({int(round(q_len * (j + 1) / max(1, stages))) for j in range(max(1, stages))} - {0})
+    out, first = [], 0
+    for last in bounds:
+        per_row = per_key * (last if full_width is None else full_width)
+        out.append((first, last, int(max(1, min(last - first, block_elements // max(1, per_row))))))
         first = last
     return out
 

@@ -16,7 +16,8 @@ run time the cheaper way the positions allow:
   lets through is at a distance the table holds;
 - blocks: the terms added into ``[B, N, T, S]`` scores by blocks of query rows, so the terms
   are never stored whole; in causal self-attention each block against the keys up to its
-  last row only (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`);
+  last row only (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`), with a
+  gradient that takes the blocks' shares one after another (:func:`_add_ladder_terms`);
 - tiles, for blockwise attention: ``W_R R_d`` projected once per call for every distance the
   call's tiles can need (:func:`tile_distance_table`), and each tile whose positions are runs
   scored against the ``bq + bk - 1`` of them it needs, each score moved to its key by a skew
@@ -43,11 +44,12 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from posenc_jax.functional.core.blocks import causal_prefix_stages
 from posenc_jax.functional.core.operations import Operation
 from posenc_jax.functional.core.positions import position_difference, with_batch_axis
 from posenc_jax.functional.core.relative import (
     _consecutive_rows,
-    by_causal_prefixes_where,
+    by_causal_prefix_blocks,
     by_query_blocks,
     take_along_last_axis,
 )
@@ -184,22 +186,104 @@ def _ladder_by_prefixes(standard, make_scores, operands, *, scale: float, block_
     k_len = content.shape[-1]
     expected = (shifted_q.shape[0], shifted_q.shape[2], shifted_q.shape[1], k_len)
 
-    def ladder_blocks():
-        projected = project()  # a block of width w reads the ladder's last w rows: w-1 .. 0
+    def ladder():
+        return _add_ladder_terms(make_scores(), content, shifted_q, project(), scale, block_elements)
 
-        def block(start, rows: int, width: int, current=None) -> jax.Array:
-            q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
-            position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
-            return (content[..., :width] + position) * jnp.float32(scale)
-
-        return block
-
-    def every_key(scores):
+    def every_key():
         sinusoids = sinusoids_of_keys()
         terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
-        return by_query_blocks(terms, expected, jnp.float32, block_elements=block_elements, into=scores)
+        return by_query_blocks(terms, expected, jnp.float32, block_elements=block_elements, into=make_scores())
 
-    return by_causal_prefixes_where(standard, make_scores, ladder_blocks, every_key, block_elements=block_elements)
+    # One conditional, each branch making the scores itself (as by_causal_prefixes_where, and why); the
+    # identity's branch rematerialised in the gradient, so it keeps no residuals where not taken.
+    return jax.lax.cond(standard, ladder, jax.checkpoint(every_key))
+
+
+def _ladder_block(content, q_rows, projected, start, width: int, scale: float) -> jax.Array:
+    """The terms of query rows ``start ..`` (``q_rows``) against keys ``0 .. width - 1`` by the ladder:
+    ``[B, N, rows, width]``; ``projected`` the whole ladder ``S-1 .. 0``, of which a block reads the last
+    ``width`` rows (``width - 1 .. 0``)."""
+    k_len = projected.shape[0]
+    position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
+    return (content[..., :width] + position) * jnp.float32(scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _add_ladder_terms(scores, content, shifted_q, projected, scale: float, block_elements: int) -> jax.Array:
+    """``scores`` plus the terms by the ladder, each block of query rows against the keys up to its rows
+    (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`), in place.
+
+    The gradient, by hand: the terms are linear in ``content``, ``shifted_q`` and ``projected``, so it
+    keeps only those (not the blocks'), passes the scores' cotangent through as it is, and takes each
+    block's share of the others from that cotangent's rows, one block after another (each block's
+    transients freed before the next: autodiff's gradient ran the blocks side by side, holding every
+    block's cotangent rows and ladder scores at once).
+    """
+
+    def block(start, rows: int, width: int, current=None) -> jax.Array:
+        q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+        return _ladder_block(content, q_rows, projected, start, width, scale)
+
+    return by_causal_prefix_blocks(block, scores.astype(jnp.float32), block_elements=block_elements)
+
+
+def _add_ladder_terms_forward(scores, content, shifted_q, projected, scale, block_elements):
+    out = _add_ladder_terms(scores, content, shifted_q, projected, scale, block_elements)
+    return out, (content, shifted_q, projected)
+
+
+def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
+    content, shifted_q, projected = residuals
+    batch, heads, q_len, k_len = cotangent.shape
+
+    def stage_block(first: int, last: int, rows: int):
+        """Adds the share of one block of rows of the stage ``first .. last - 1`` (keys ``0 .. last - 1``)."""
+
+        def add(block, grads):
+            d_content, d_q, d_projected = grads
+            begin = first + block * rows
+            start = jnp.minimum(begin, last - rows)
+            query = start + jnp.arange(rows)[:, None]  # [rows, 1]
+            fresh = query >= begin  # a shifted-back block's overlap was added once
+            keys = jnp.arange(last)[None, :]
+            # The position term's: each key's cotangent moved back to its ladder column (as _shifted_back, but
+            # read from the whole cotangent: one buffer), then the ladder product's two transposes. Column
+            # c < last - 1 of query t holds key c - (last - 1) + t; the last, distance 0, every key from t on.
+            source = keys - (last - 1) + query
+            source = jnp.where(fresh & (keys < last - 1) & (source >= 0), source, k_len)  # k_len: none (0)
+            d_ladder = cotangent.at[:, :, query, source].get(mode="fill", fill_value=0.0)  # [B, N, rows, last]
+            row_cotangent = jnp.where(fresh, cotangent[:, :, query[:, 0], :last], 0.0)
+            tail = jnp.where(keys >= query, row_cotangent, 0.0).sum(axis=-1)  # [B, N, rows]: the last column's
+            d_content = d_content.at[..., :last].add(row_cotangent.sum(axis=2, keepdims=True) * jnp.float32(scale))
+            ladder = projected[k_len - last :]  # distances last - 1 .. 0
+            q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
+            d_rows = jnp.einsum("BNTL,LNH->BTNH", d_ladder, ladder, preferred_element_type=jnp.float32)
+            d_rows = d_rows + jnp.einsum("BNT,NH->BTNH", tail, ladder[-1], preferred_element_type=jnp.float32)
+            d_q = jax.lax.dynamic_update_slice_in_dim(
+                d_q, jax.lax.dynamic_slice_in_dim(d_q, start, rows, axis=1) + d_rows * jnp.float32(scale), start, axis=1
+            )
+            d_ladder_rows = jnp.einsum("BNTL,BTNH->LNH", d_ladder, q_rows, preferred_element_type=jnp.float32)
+            d_ladder_rows = d_ladder_rows.at[-1].add(jnp.einsum("BNT,BTNH->NH", tail, q_rows))
+            return d_content, d_q, d_projected.at[k_len - last :].add(d_ladder_rows * jnp.float32(scale))
+
+        return add
+
+    # Every block of every stage, one after another in one loop (a branch per stage): each block's
+    # transients are freed before the next (unrolled, XLA:CPU ran the stages' blocks side by side).
+    stages = causal_prefix_stages(q_len, batch * heads, block_elements)
+    branches, stage_of, block_of = [], [], []
+    for index, (first, last, rows) in enumerate(stages):
+        branches.append(stage_block(first, last, rows))
+        count = -(-(last - first) // rows)
+        stage_of += [index] * count
+        block_of += list(range(count))
+    stage_of, block_of = jnp.asarray(stage_of, jnp.int32), jnp.asarray(block_of, jnp.int32)
+    body = lambda i, grads: jax.lax.switch(stage_of[i], branches, block_of[i], grads)
+    grads = jax.lax.fori_loop(0, len(block_of), body, jax.tree.map(jnp.zeros_like, residuals))
+    return cotangent, *grads
+
+
+_add_ladder_terms.defvjp(_add_ladder_terms_forward, _add_ladder_terms_backward)
 
 
 def _identity_at(position_scores, key_sinusoids, offset, shifted_q, projection, query_positions, key_positions, given):
