@@ -14,7 +14,9 @@ interpolated at them. Here, with the plain form of each beside it:
 - :func:`cope_added_by_blocks`, the term added into ``[B, N, T, S]`` scores by blocks of
   query rows (its gates, counts and ``q·eᵀ`` never stored whole), in causal self-attention
   each block over the keys up to its last row; the plain form is the term computed whole
-  and added.
+  and added. Where the gates' logits are the content scores the call makes, the gradient is
+  written by hand (:func:`_added_by_prefixes`): it keeps only the content scores the blocks
+  read, and recomputes each block's gates, counts and ``q·eᵀ`` one block at a time.
 
 Backends: every form here runs on every backend. The first two were shaped on XLA:CPU and
 are registered for the CPU only (:class:`~posenc_jax.functional.core.operations.Operation`),
@@ -23,13 +25,20 @@ the plain forms run on the others.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from posenc_jax.functional.core.blocks import by_causal_prefix_blocks, by_causal_prefixes_where, by_query_blocks
+from posenc_jax.functional.core.blocks import (
+    by_causal_prefix_blocks,
+    by_causal_prefixes_where,
+    by_query_blocks,
+    causal_prefix_stages,
+)
+from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.operations import Operation
 from posenc_jax.functional.kernels.autodiff import linear_primitives
 
@@ -81,20 +90,36 @@ REVERSE_CUMSUM = Operation("reverse_cumsum", lambda x, *, block: jax.lax.cumsum(
 
 @REVERSE_CUMSUM.implement(backend="cpu")
 def _reverse_cumsum_by_blocks(x: jax.Array, *, block: int) -> jax.Array:
+    return _cumsum_by_blocks(x, block=block, reverse=True)
+
+
+def _cumsum_by_blocks(x: jax.Array, *, block: int, reverse: bool) -> jax.Array:
+    """The cumulative sums along the last axis (from the end where ``reverse``) by blocks: a product with a
+    ``[block, block]`` triangle of ones within each block, and the totals of the blocks before (after) it."""
     *lead, length = x.shape
     num_blocks = -(-length // block)
     padded = jnp.pad(x, [(0, 0)] * len(lead) + [(0, num_blocks * block - length)])
-    triangle = jnp.asarray(np.tril(np.ones((block, block), np.float32)))  # [i, j] = 1 where i >= j
+    ones = np.ones((block, block), np.float32)
+    triangle = jnp.asarray(np.tril(ones) if reverse else np.triu(ones))  # [i, j] = 1 where i >= j (i <= j)
     within = jnp.einsum(
         "...ki,ij->...kj",
         padded.reshape(*lead, num_blocks, block),
         triangle,
         precision=jax.lax.Precision.HIGHEST,
         preferred_element_type=jnp.float32,
-    )  # Σ over the block's entries from j on
-    totals = within[..., 0]  # [..., num_blocks]
-    later = jax.lax.cumsum(totals, axis=totals.ndim - 1, reverse=True) - totals  # the blocks after each
-    return (within + later[..., None]).reshape(*lead, num_blocks * block)[..., :length]
+    )  # Σ over the block's entries from (up to) j
+    totals = within[..., 0] if reverse else within[..., -1]  # [..., num_blocks]
+    others = jax.lax.cumsum(totals, axis=totals.ndim - 1, reverse=reverse) - totals  # the blocks after (before)
+    return (within + others[..., None]).reshape(*lead, num_blocks * block)[..., :length]
+
+
+def _cumsum(x: jax.Array, *, block: int = 32) -> jax.Array:
+    """``out[..., s] = Σ_{s' <= s} x[..., s']``, the transpose of :func:`reverse_cumsum` (by blocks on the CPU)."""
+    return CUMSUM(jnp.asarray(x, jnp.float32), block=block)
+
+
+CUMSUM = Operation("cumsum", lambda x, *, block: jax.lax.cumsum(x, axis=x.ndim - 1))
+CUMSUM.implement(backend="cpu")(lambda x, *, block: _cumsum_by_blocks(x, block=block, reverse=False))
 
 
 def interpolate_pairs(per_position: jax.Array, lower: jax.Array, weight: jax.Array) -> jax.Array:
@@ -273,8 +298,155 @@ def cope_added_by_blocks(
         return all_keys(make_scores())
 
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
+    if callable(scores) and content_scale is not None:
+        # One conditional, each branch making the scores itself (as by_causal_prefixes_where, and why); the
+        # every-key branch rematerialised in the gradient, so it keeps no residuals where not taken.
+        operands = (q, k, query_positions, key_positions, embeddings, mask)
+        prefixes = lambda: _added_by_prefixes(term, ratio, block_elements, make_scores(), *operands)
+        return jax.lax.cond(increasing, prefixes, jax.checkpoint(lambda: all_keys(make_scores())))
     if callable(scores):
         return by_causal_prefixes_where(increasing, make_scores, lambda: block, all_keys, block_elements=block_elements)
     return by_causal_prefix_blocks(
         block, scores.astype(jnp.float32), block_elements=block_elements, prefix_ok=increasing
     )
+
+
+def _prefix_block(term: Callable, ratio: float, q, k, query_positions, key_positions, embeddings, mask):
+    """The block function of :func:`~posenc_jax.functional.core.blocks.by_causal_prefix_blocks` for CoPE's
+    term with its gates' logits read from the content scores: ``block(start, rows, width, current)``."""
+
+    def block(start, rows: int, width: int, current) -> jax.Array:
+        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
+        keys_of = lambda x, axis: x if x.shape[axis] in (1, width) else jax.lax.slice_in_dim(x, 0, width, axis=axis)
+        return term(
+            rows_of(q, 1),
+            keys_of(k, 1),
+            rows_of(query_positions, 1),
+            keys_of(key_positions, 1),
+            embeddings[..., : width + 2, :],
+            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
+            gate_logits=current if ratio == 1.0 else current * jnp.float32(ratio),
+        )
+
+    return block
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _added_by_prefixes(term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask):
+    """``scores`` (the content scores) plus CoPE's term, its gates' logits ``ratio · scores``, by causal
+    prefix blocks (:func:`~posenc_jax.functional.core.blocks.by_causal_prefix_blocks`), in place.
+
+    The gradient, by hand (:func:`_prefixes_backward`): it keeps the content scores the blocks read (the
+    keys up to each stage's rows, 5/8 of them), recomputes each block's gates, counts and ``q · eᵀ`` from
+    them, and goes through the blocks one after another in one loop, so that only one block's transients
+    live at a time. Autodiff's gradient kept each block's gates, counts, interpolation weights and pairs,
+    several score-sized buffers in all. ``k`` is read for its shape only (the gates' logits are the scores').
+    """
+    block = _prefix_block(term, ratio, q, k, query_positions, key_positions, embeddings, mask)
+    return by_causal_prefix_blocks(block, scores.astype(jnp.float32), block_elements=block_elements)
+
+
+def _prefixes_forward(term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask):
+    batch, heads, q_len, _ = scores.shape
+    stages = causal_prefix_stages(q_len, batch * heads, block_elements)
+    read = tuple(scores[:, :, first:last, :last].astype(jnp.float32) for first, last, _ in stages)
+    out = _added_by_prefixes(
+        term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask
+    )
+    return out, (read, q, k, query_positions, key_positions, embeddings, mask)
+
+
+def _prefixes_backward(term, ratio, block_elements, residuals, cotangent):
+    read, q, k, query_positions, key_positions, embeddings, mask = residuals
+    batch, heads, q_len, _ = cotangent.shape
+    first_rows = np.cumsum([0] + [stage.shape[2] for stage in read])[:-1]  # each stage's first row
+
+    def stage_block(read_stage, first: int, rows: int):
+        last = read_stage.shape[-1]
+
+        def add(block, carry):
+            d_scores, d_q, d_embeddings = carry
+            begin = first + block * rows
+            start = jnp.minimum(begin, last - rows)
+            fresh = (start + jnp.arange(rows)) >= begin  # a shifted-back block's overlap was counted once
+            rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis)
+            keys_of = lambda x, axis: x if x.shape[axis] in (1, last) else jax.lax.slice_in_dim(x, 0, last, axis=axis)
+            visible = combine_masks(
+                causal_mask(rows_of(query_positions, 1), keys_of(key_positions, 1)),
+                None if mask is None else keys_of(rows_of(mask, 2), 3),
+            )
+            logits = jax.lax.dynamic_slice_in_dim(read_stage, start - first, rows, axis=2)
+            if ratio != 1.0:
+                logits = logits * jnp.float32(ratio)
+            d_rows_in = jax.lax.dynamic_slice(d_scores, (0, 0, start, 0), (batch, heads, rows, last))
+            d_term = jnp.where(fresh[:, None], d_rows_in, 0.0)
+            q_rows = jax.lax.dynamic_slice_in_dim(q, start, rows, axis=1)
+            table = embeddings[..., : last + 2, :]
+            d_logits, d_rows, d_table = _block_backward(logits, visible, q_rows, table, d_term)
+            d_scores = jax.lax.dynamic_update_slice(
+                d_scores, d_rows_in + d_logits * jnp.float32(ratio), (0, 0, start, 0)
+            )  # the gates' logits were read from the scores
+            d_q = jax.lax.dynamic_update_slice_in_dim(
+                d_q, jax.lax.dynamic_slice_in_dim(d_q, start, rows, axis=1) + d_rows.astype(d_q.dtype), start, axis=1
+            )
+            d_embeddings = d_embeddings.at[..., : last + 2, :].add(d_table.astype(d_embeddings.dtype))
+            return d_scores, d_q, d_embeddings
+
+        return add
+
+    # Blocks a quarter of the forward's, every block of every stage one after another in one loop (a
+    # branch per stage): unrolled, XLA:CPU ran the blocks side by side, each holding its transients.
+    branches, stage_of, block_of = [], [], []
+    for index, (read_stage, first) in enumerate(zip(read, first_rows, strict=True)):
+        last = read_stage.shape[-1]
+        ((_, _, rows),) = causal_prefix_stages(
+            last - first, batch * heads, max(1, block_elements // 4), stages=1, full_width=last
+        )
+        branches.append(stage_block(read_stage, int(first), rows))
+        count = -(-(last - first) // rows)
+        stage_of += [index] * count
+        block_of += list(range(count))
+    stage_of, block_of = jnp.asarray(stage_of, jnp.int32), jnp.asarray(block_of, jnp.int32)
+    body = lambda i, carry: jax.lax.switch(stage_of[i], branches, block_of[i], carry)
+    carry = (cotangent, jnp.zeros_like(q), jnp.zeros(jnp.shape(embeddings), jnp.float32))
+    d_scores, d_q, d_embeddings = jax.lax.fori_loop(0, len(block_of), body, carry)
+    # None: no cotangent for k (read for its shape), the positions and the mask.
+    return d_scores, d_q, None, None, None, d_embeddings.astype(jnp.result_type(embeddings)), None
+
+
+_added_by_prefixes.defvjp(_prefixes_forward, _prefixes_backward)
+
+
+def _block_backward(logits, visible, q_rows, table, d_term):
+    """One block's share of CoPE's gradient, given its gates' logits ``[B, N, rows, w]``, what its rows see,
+    its queries ``[B, rows, N, H]``, the position embeddings it reads ``[(N,) P', H]`` and its term's
+    cotangent ``d_term``: ``(d_logits, d_q_rows, d_table)``.
+
+    The term is ``(1 - w) · z[⌊c⌋] + w · z[⌊c⌋ + 1]`` of ``z = q · eᵀ`` at the counts ``c``, the reverse
+    cumulative sums of the gates ``σ(logits)`` clipped to ``P' - 1``: its cotangent reaches ``z`` as one
+    scatter of pairs, the weights as ``d_term · (z[⌊c⌋ + 1] - z[⌊c⌋])`` (nothing where the count is
+    clipped), the gates as the forward cumulative sums of those (the reverse sums' transpose) and the
+    logits times ``σ'``.
+    """
+    num_positions = table.shape[-2]
+    spec = "BTNH,PH->BNTP" if table.ndim == 2 else "BTNH,NPH->BNTP"
+    per_position = jnp.einsum(spec, q_rows, table, preferred_element_type=jnp.float32)  # z: [B, N, rows, P']
+    if num_positions == 1:  # every count reads the one embedding
+        d_z = d_term.sum(axis=-1, keepdims=True)
+        d_logits = jnp.zeros_like(logits)
+    else:
+        gates = jnp.where(visible, jax.nn.sigmoid(logits), 0.0)
+        counts = jnp.minimum(reverse_cumsum(gates), num_positions - 1)
+        lower = jnp.clip(jnp.floor(counts), 0, num_positions - 2)
+        weight = jnp.where(counts >= num_positions - 1, 1.0, counts - lower)
+        lower = lower.astype(jnp.int32)
+        pairs = _read_pairs(per_position, lower)  # [..., w, 2]
+        d_counts = jnp.where(counts < num_positions - 1, d_term * (pairs[..., 1] - pairs[..., 0]), 0.0)
+        d_logits = jnp.where(visible, _cumsum(d_counts) * gates * (1.0 - gates), 0.0)
+        d_pairs = jnp.stack([d_term * (1.0 - weight), d_term * weight], axis=-1)
+        d_z = _pairs_back(d_pairs, lower, positions=num_positions)
+    back = "BNTP,PH->BTNH" if table.ndim == 2 else "BNTP,NPH->BTNH"
+    d_q_rows = jnp.einsum(back, d_z, table, preferred_element_type=jnp.float32)
+    onto = "BNTP,BTNH->PH" if table.ndim == 2 else "BNTP,BTNH->NPH"
+    d_table = jnp.einsum(onto, d_z, q_rows, preferred_element_type=jnp.float32)
+    return d_logits, d_q_rows, d_table
