@@ -406,8 +406,8 @@ def _prefixes_backward(term, ratio, block_elements, residuals, cotangent):
         count = -(-(last - first) // rows)
         stage_of += [index] * count
         block_of += list(range(count))
-    stage_of, block_of = jnp.asarray(stage_of, jnp.int32), jnp.asarray(block_of, jnp.int32)
-    body = lambda i, carry: jax.lax.switch(stage_of[i], branches, block_of[i], carry)
+    stage_of, block_of = np.asarray(stage_of, np.int32), np.asarray(block_of, np.int32)
+    body = lambda i, carry: jax.lax.switch(jnp.asarray(stage_of)[i], branches, jnp.asarray(block_of)[i], carry)
     carry = (cotangent, jnp.zeros_like(q), jnp.zeros(jnp.shape(embeddings), jnp.float32))
     d_scores, d_q, d_embeddings = jax.lax.fori_loop(0, len(block_of), body, carry)
     # None: no cotangent for k (read for its shape), the positions and the mask.

@@ -43,6 +43,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.functional.core.blocks import causal_prefix_stages
 from posenc_jax.functional.core.operations import Operation
@@ -277,8 +278,8 @@ def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
         count = -(-(last - first) // rows)
         stage_of += [index] * count
         block_of += list(range(count))
-    stage_of, block_of = jnp.asarray(stage_of, jnp.int32), jnp.asarray(block_of, jnp.int32)
-    body = lambda i, grads: jax.lax.switch(stage_of[i], branches, block_of[i], grads)
+    stage_of, block_of = np.asarray(stage_of, np.int32), np.asarray(block_of, np.int32)
+    body = lambda i, grads: jax.lax.switch(jnp.asarray(stage_of)[i], branches, jnp.asarray(block_of)[i], grads)
     grads = jax.lax.fori_loop(0, len(block_of), body, jax.tree.map(jnp.zeros_like, residuals))
     return cotangent, *grads
 
