@@ -7,11 +7,12 @@ activations, then a contraction with ``w2``). Its input ``x`` is a scalar per (q
 each of the ``hidden + 1`` intervals between the sorted kinks, ``f(x)[n] = A[k, n] · x + B[k, n]``,
 ``A`` and ``B`` summed over the units active there. :func:`fire_mlp` finds each pair's interval (one
 comparison per kink) and evaluates that line, ``O(N)`` per pair instead of ``O(hidden · N)``, with no
-activation stored. Its backward pulls the cotangent ``g`` back through the units' masks
-``m[h] = [w1[h] · x + b1[h] > 0]`` by one contraction, ``Σ_pairs m[h] · (g[n], g[n] · x)``, in chunks of
-pairs so that no ``[pairs, hidden]`` array larger than a chunk is stored: ``w2``'s gradient is
-``w1[h] · Σ m g x + b1[h] · Σ m g`` (``relu(z) = z · m``), ``w1``'s and ``b1``'s are those sums
-through ``w2``, and ``x``'s is ``A[k] · g`` at the pair's interval. The same function up to the order
+activation stored. Its backward reads the cotangent ``g`` once, in chunks of pairs (no
+``[pairs, hidden]`` array larger than a chunk is stored), and pulls it back through the units' masks
+``m[h] = [w1[h] · x + b1[h] > 0]`` by one contraction, ``Σ_pairs m[h] · (g[n], g[n] · x)``: ``w2``'s
+gradient is ``w1[h] · Σ m g x + b1[h] · Σ m g`` (``relu(z) = z · m``), ``w1``'s and ``b1``'s are those
+sums through ``w2``, ``b2``'s the sum of ``g`` (a unit always on), and ``x``'s is ``A[k] · g`` at the
+pair's interval. The same function up to the order
 of its sums (and at a kink, where the unit is 0); ``tests/test_fire_cost.py`` holds it to the
 reference form, values and every parameter's gradient.
 """
@@ -85,30 +86,34 @@ def _fire_mlp_forward(weights, x):
 def _fire_mlp_backward(residuals, g):
     (w1, b1, w2, b2), x = residuals
     kinks, slope, _ = _lines(w1, b1, w2, b2)
-    dx = jnp.sum(_by_heads(slope, _interval(x, kinks)) * g, axis=1)
     heads, hidden = w2.shape[1], w1.shape[0]
     g = jnp.moveaxis(g, 1, 0).reshape(heads, -1)  # [N, pairs], the pairs in x's order
     flat = x.reshape(-1)
     pairs = flat.shape[0]
     chunk = min(BACKWARD_CHUNK, pairs)
 
-    def add(i, sums):
-        # The last chunk is shifted back to stay in bounds; the pairs it shares with the one before count once.
+    def add(i, carry):
+        # One pass over g, a chunk of pairs at a time. The last chunk is shifted back to stay in bounds: the
+        # pairs it shares with the one before count once in the sums (their dx is written again, equal).
+        sums, dx = carry
         start = jnp.minimum(i * chunk, pairs - chunk)
         xs = jax.lax.dynamic_slice_in_dim(flat, start, chunk)
         gs = jax.lax.dynamic_slice_in_dim(g, start, chunk, axis=1)
-        fresh = start + jnp.arange(chunk) >= i * chunk
-        # [chunk, hidden]: each unit's ReLU derivative, as the paper's form computes it
-        mask = ((xs[:, None] * w1[None, :] + b1[None, :] > 0) & fresh[:, None]).astype(jnp.float32)
-        return sums + jnp.concatenate([gs, gs * xs[None, :]], axis=0) @ mask
+        fresh = (start + jnp.arange(chunk) >= i * chunk)[:, None]
+        # [chunk, hidden + 1]: each unit's ReLU derivative, as the paper's form computes it, and a unit always
+        # on, whose sums are b2's gradient
+        mask = jnp.concatenate([xs[:, None] * w1[None, :] + b1[None, :] > 0, fresh], axis=1) & fresh
+        sums = sums + jnp.concatenate([gs, gs * xs[None, :]], axis=0) @ mask.astype(jnp.float32)
+        dx_chunk = jnp.sum(_by_heads(slope, _interval(xs, kinks)[None])[0] * gs, axis=0)
+        return sums, jax.lax.dynamic_update_slice_in_dim(dx, dx_chunk, start, axis=0)
 
-    sums = jax.lax.fori_loop(0, -(-pairs // chunk), add, jnp.zeros((2 * heads, hidden), jnp.float32))
-    plain, times_x = sums[:heads].T, sums[heads:].T  # [hidden, N]: Σ m g and Σ m g x
+    carry = (jnp.zeros((2 * heads, hidden + 1), jnp.float32), jnp.zeros_like(flat))
+    sums, dx = jax.lax.fori_loop(0, -(-pairs // chunk), add, carry)
+    plain, times_x = sums[:heads, :hidden].T, sums[heads:, :hidden].T  # [hidden, N]: Σ m g and Σ m g x
     dw2 = w1[:, None] * times_x + b1[:, None] * plain
     dw1 = jnp.sum(w2 * times_x, axis=1)
     db1 = jnp.sum(w2 * plain, axis=1)
-    db2 = jnp.sum(g, axis=1)
-    return (dw1, db1, dw2, db2), dx
+    return (dw1, db1, dw2, sums[:heads, hidden]), dx.reshape(x.shape)
 
 
 _fire_mlp.defvjp(_fire_mlp_forward, _fire_mlp_backward)
