@@ -76,6 +76,8 @@ from posenc_jax.functional.core.tiles import (
     _plan,
     _query_tile,
     _start,
+    _tile,
+    _tile_step,
     tile_loop,
 )
 
@@ -138,6 +140,8 @@ def _check_arguments(hooks, normalizer, block_q, block_k, dropout_rate, dropout_
 
 def _over_all_keys(plan: _Plan, key, value) -> jax.Array:
     """Every query block against every key tile: ``[nq, B, bq, N, H]``."""
+    if plan.paired:
+        return _over_paired_blocks(plan, key, value)
     q_blocks = jnp.arange(plan.num_q_blocks)
     keys = _key_side(plan, key, value, None)
 
@@ -146,6 +150,57 @@ def _over_all_keys(plan: _Plan, key, value) -> jax.Array:
         return _finish(plan, block, tile_loop(plan, qi, block, _start(plan, block), keys, 0))
 
     return jax.lax.map(jax.checkpoint(attend), q_blocks)
+
+
+def _pairs(num_blocks: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """Causal query blocks in pairs that see as many key tiles together: block i sees tiles 0..i, so blocks i and
+    n - 1 - i see n + 1 (n even); n odd: blocks i and n - 2 - i see n, and so does block n - 1 alone (-1: none).
+    Returns the first and second block of each pair and the tiles a pair sees."""
+    if num_blocks % 2 == 0:
+        first = np.arange(num_blocks // 2)
+        return first, num_blocks - 1 - first, num_blocks + 1
+    first = np.arange((num_blocks - 1) // 2)
+    return np.append(first, num_blocks - 1), np.append(num_blocks - 2 - first, -1), num_blocks
+
+
+def _over_paired_blocks(plan: _Plan, key, value) -> jax.Array:
+    """:func:`_over_all_keys` where the tiles a causal query block sees are known while tracing (positions the
+    indices, square tiles): query block i sees key tiles 0..i, so two blocks (:func:`_pairs`) go through one
+    scan of a fixed length, the first's tiles then the second's, and no tile is skipped by a conditional
+    (a ``cond`` in the loop is compiled with both branches, in the backward pass three times over, and its
+    transposed hidden branch makes zeros of every residual)."""
+    keys = _key_side(plan, key, value, None)
+    first, second, steps = _pairs(plan.num_q_blocks)
+
+    def pair(blocks):
+        a, b = blocks
+        lone = b < 0  # n odd: the last block, alone; its scan never reaches a second block
+        b = jnp.maximum(b, 0)
+        block_a = _query_tile(plan, a)
+        start = _start(plan, block_a)
+
+        def step(carry, j):
+            running, done = carry
+            # The first block has seen its tiles 0..a: its carry is kept, and the second block starts.
+            switch = j == a + 1
+            done = jax.tree.map(lambda x, y: jnp.where(switch, x, y), running, done)
+            running = jax.tree.map(lambda x, y: jnp.where(switch, x, y), start, running)
+            qi, kj = jnp.where(j <= a, a, b), jnp.where(j <= a, j, j - a - 1)
+            q_segments = _tile(plan.query_segments, qi, plan.block_q, 1)
+            q_extra = _tile(keys.mask_columns, qi, plan.block_q, 2)
+            running = _tile_step(plan, qi, _query_tile(plan, qi), keys, 0, q_segments, q_extra, running, kj)
+            return (running, done), None
+
+        (running, done), _ = jax.lax.scan(jax.checkpoint(step), (start, start), jnp.arange(steps))
+        last = _finish(plan, _query_tile(plan, jnp.where(lone, a, b)), running)
+        return jnp.where(lone, last, _finish(plan, block_a, done)), last
+
+    firsts, seconds = jax.lax.map(jax.checkpoint(pair), (jnp.asarray(first), jnp.asarray(second)))
+    # The blocks in order: the pairs' first blocks count up, their second ones down (slices, not a gather,
+    # whose transpose XLA would try to fold as a constant scatter); n odd: the last block's pair has no second.
+    if plan.num_q_blocks % 2 == 0:
+        return jnp.concatenate([firsts, seconds[::-1]])
+    return jnp.concatenate([firsts[:-1], seconds[:-1][::-1], firsts[-1:]])
 
 
 def _over_ring(plan: _Plan, key, value, ring: KeyRing) -> jax.Array:

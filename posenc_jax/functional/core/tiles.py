@@ -33,6 +33,7 @@ from typing import NamedTuple
 import einops
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.functional.core.forms import forms_of
 from posenc_jax.functional.core.hooks import (
@@ -142,6 +143,7 @@ class _Plan:
     key_segments: jax.Array | None
     extra: jax.Array | None
     key_order: jax.Array
+    paired: bool  # causal, positions the indices, square tiles: query block i sees key tiles 0..i
     dropout_rate: float
     dropout_rng: jax.Array | None
     dropout_broadcast: bool  # one mask per tile for every batch row and head
@@ -237,11 +239,29 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
         key_segments=all_kseg,
         extra=extra,
         key_order=key_order,
+        paired=_sees_tiles_up_to_its_own(context, hooks, (q_len, k_len), (block_q, block_k), carried, ring),
         dropout_rate=dropout[0],
         dropout_rng=dropout[1],
         dropout_broadcast=dropout[2],
     )
     return plan, key
+
+
+def _sees_tiles_up_to_its_own(context: AttentionContext, hooks, lengths, blocks, carried, ring) -> bool:
+    """Whether query block i sees exactly key tiles 0..i, known while tracing: causal self-attention over
+    positions that are the indices (concrete ``0..T-1``, or none given), in square tiles, one device, and no
+    hook that carries sums across key tiles or shares a per-query-block table."""
+    from posenc_jax.functional.core.dispatch import known_indices  # dispatch imports blockwise, which imports this
+
+    (q_len, k_len), (block_q, block_k) = lengths, blocks
+    if not context.causal or ring is not None or carried or q_len != k_len or block_q != block_k:
+        return False
+    if any(forms_of(h).has("tiled", "per_query_block") for h in hooks):
+        return False
+    positions = [
+        np.arange(n) if p is None else p for p, n in ((context.query_positions, q_len), (context.key_positions, k_len))
+    ]
+    return known_indices(*positions, q_len, k_len)
 
 
 def _key_side(plan: _Plan, key, value, shard) -> _Keys:
