@@ -57,19 +57,14 @@ def _lines(w1, b1, w2, b2):
 
 
 def _interval(x, kinks):
-    """How many kinks lie strictly below each ``x``, int32 (one comparison per kink, fused elementwise)."""
-    count = jnp.zeros(x.shape, jnp.int32)
-    for m in range(kinks.shape[0]):
-        count = count + (x > kinks[m]).astype(jnp.int32)
-    return count
+    """How many kinks lie strictly below each ``x``, int32 (one comparison per kink, summed where made)."""
+    return jnp.sum(x[..., None] > kinks.reshape((1,) * x.ndim + (-1,)), axis=-1, dtype=jnp.int32)
 
 
 def _by_heads(table, k, x=None):
     """``table[k, n] (· x)`` per head ``n``, stacked at axis 1: ``[B, N, ...]`` from ``k`` ``[B, ...]``."""
-    heads = [jnp.take(table[:, n], k) for n in range(table.shape[1])]
-    if x is not None:
-        heads = [h * x for h in heads]
-    return jnp.stack(heads, axis=1)
+    heads = jnp.moveaxis(jnp.take(table.T, k, axis=1), 0, 1)
+    return heads if x is None else heads * jnp.expand_dims(x, 1)
 
 
 @jax.custom_vjp
