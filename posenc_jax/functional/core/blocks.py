@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from posenc_jax.functional.core.operations import broadcast_to
 
-__all__ = ["by_causal_prefix_blocks", "by_causal_prefixes_where", "by_query_blocks", "causal_prefix_stages"]
+__all__ = [
+    "by_causal_prefix_blocks",
+    "by_causal_prefixes_where",
+    "by_query_blocks",
+    "causal_prefix_stages",
+    "each_stage_block",
+]
 
 
 def by_query_blocks(
@@ -143,6 +150,23 @@ def causal_prefix_stages(
         out.append((first, last, int(max(1, min(last - first, block_elements // max(1, per_row))))))
         first = last
     return out
+
+
+def each_stage_block(stages, make_step, carry):
+    """``carry`` through ``make_step(first, last, rows)(block, carry)`` for every block of every stage of
+    ``stages`` (:func:`causal_prefix_stages`), one after another in one loop with a branch per stage, so
+    that one block's transients are freed before the next starts (unrolled, XLA:CPU may run the blocks
+    side by side, holding all their transients at once). Block ``b`` of a stage starts at row
+    ``min(first + b · rows, last - rows)``; what its rows share with the block before is the step's to skip.
+    """
+    branches, stage_of, block_of = [], [], []
+    for index, (first, last, rows) in enumerate(stages):
+        branches.append(make_step(first, last, rows))
+        count = -(-(last - first) // rows)
+        stage_of, block_of = stage_of + [index] * count, block_of + list(range(count))
+    stage_of, block_of = np.asarray(stage_of, np.int32), np.asarray(block_of, np.int32)
+    body = lambda i, carry: jax.lax.switch(jnp.asarray(stage_of)[i], branches, jnp.asarray(block_of)[i], carry)
+    return jax.lax.fori_loop(0, len(block_of), body, carry)
 
 
 def by_causal_prefixes_where(ok, make_scores, make_block, every_key, *, block_elements: int = 1 << 20) -> jax.Array:

@@ -37,6 +37,7 @@ from posenc_jax.functional.core.blocks import (
     by_causal_prefixes_where,
     by_query_blocks,
     causal_prefix_stages,
+    each_stage_block,
 )
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.operations import Operation
@@ -294,7 +295,8 @@ def cope_added_by_blocks(
         )
 
     rows_per_block = block_elements // max(1, shape[0] * shape[1] * k_len)
-    if not self_attention or q_len != k_len or q_len <= rows_per_block:
+    small = q_len <= rows_per_block and not (callable(scores) and content_scale is not None)
+    if not self_attention or q_len != k_len or small:
         return all_keys(make_scores())
 
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
@@ -394,22 +396,16 @@ def _prefixes_backward(term, ratio, block_elements, residuals, cotangent):
 
         return add
 
-    # Blocks a quarter of the forward's, every block of every stage one after another in one loop (a
-    # branch per stage): unrolled, XLA:CPU ran the blocks side by side, each holding its transients.
-    branches, stage_of, block_of = [], [], []
-    for index, (read_stage, first) in enumerate(zip(read, first_rows, strict=True)):
-        last = read_stage.shape[-1]
-        ((_, _, rows),) = causal_prefix_stages(
-            last - first, batch * heads, max(1, block_elements // 4), stages=1, full_width=last
-        )
-        branches.append(stage_block(read_stage, int(first), rows))
-        count = -(-(last - first) // rows)
-        stage_of += [index] * count
-        block_of += list(range(count))
-    stage_of, block_of = np.asarray(stage_of, np.int32), np.asarray(block_of, np.int32)
-    body = lambda i, carry: jax.lax.switch(jnp.asarray(stage_of)[i], branches, jnp.asarray(block_of)[i], carry)
+    # Blocks a quarter of the forward's, one after another (each block's transients freed before the next).
+    stages, reads = [], {}
+    for read_stage, first in zip(read, first_rows, strict=True):
+        first, last = int(first), read_stage.shape[-1]
+        width = dict(stages=1, full_width=last)
+        stages += [(first, last, causal_prefix_stages(last - first, batch * heads, block_elements // 4, **width)[0][2])]
+        reads[first] = read_stage
+    make_step = lambda first, last, rows: stage_block(reads[first], first, rows)
     carry = (cotangent, jnp.zeros_like(q), jnp.zeros(jnp.shape(embeddings), jnp.float32))
-    d_scores, d_q, d_embeddings = jax.lax.fori_loop(0, len(block_of), body, carry)
+    d_scores, d_q, d_embeddings = each_stage_block(stages, make_step, carry)
     # None: no cotangent for k (read for its shape), the positions and the mask.
     return d_scores, d_q, None, None, None, d_embeddings.astype(jnp.result_type(embeddings)), None
 

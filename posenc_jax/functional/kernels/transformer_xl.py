@@ -43,9 +43,8 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from posenc_jax.functional.core.blocks import causal_prefix_stages
+from posenc_jax.functional.core.blocks import causal_prefix_stages, each_stage_block
 from posenc_jax.functional.core.operations import Operation
 from posenc_jax.functional.core.positions import position_difference, with_batch_axis
 from posenc_jax.functional.core.relative import (
@@ -128,7 +127,7 @@ def transformer_xl_terms(
         last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
         standard = _consecutive_rows(query_positions) & _consecutive_rows(key_positions) & last_keys
         project = lambda: project_distances(jnp.arange(k_len - 1, -1, -1), position_projection)  # S-1 .. 0
-        if make_scores is not None and q_len == k_len and q_len > block_elements // max(1, batch * num_heads * k_len):
+        if make_scores is not None and q_len == k_len:
             # Self-attention with the ladder's positions: each block against the keys up to its last row.
             operands = (content, shifted_q, project, sinusoids_of_keys, by_identity)
             return _ladder_by_prefixes(standard, make_scores, operands, scale=scale, block_elements=block_elements)
@@ -195,15 +194,13 @@ def _ladder_by_prefixes(standard, make_scores, operands, *, scale: float, block_
         terms = lambda start, rows: (content + by_identity(start, rows, sinusoids)) * jnp.float32(scale)
         return by_query_blocks(terms, expected, jnp.float32, block_elements=block_elements, into=make_scores())
 
-    # One conditional, each branch making the scores itself (as by_causal_prefixes_where, and why); the
-    # identity's branch rematerialised in the gradient, so it keeps no residuals where not taken.
+    # As by_causal_prefixes_where: each branch makes the scores (no copy), the identity's rematerialised.
     return jax.lax.cond(standard, ladder, jax.checkpoint(every_key))
 
 
 def _ladder_block(content, q_rows, projected, start, width: int, scale: float) -> jax.Array:
-    """The terms of query rows ``start ..`` (``q_rows``) against keys ``0 .. width - 1`` by the ladder:
-    ``[B, N, rows, width]``; ``projected`` the whole ladder ``S-1 .. 0``, of which a block reads the last
-    ``width`` rows (``width - 1 .. 0``)."""
+    """The terms of query rows ``start ..`` (``q_rows``) against keys ``0 .. width - 1`` by the ladder, ``[B, N,
+    rows, width]``: of the whole ladder ``projected`` (``S-1 .. 0``), its last ``width`` rows."""
     k_len = projected.shape[0]
     position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
     return (content[..., :width] + position) * jnp.float32(scale)
@@ -214,11 +211,9 @@ def _add_ladder_terms(scores, content, shifted_q, projected, scale: float, block
     """``scores`` plus the terms by the ladder, each block of query rows against the keys up to its rows
     (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`), in place.
 
-    The gradient, by hand: the terms are linear in ``content``, ``shifted_q`` and ``projected``, so it
-    keeps only those (not the blocks'), passes the scores' cotangent through as it is, and takes each
-    block's share of the others from that cotangent's rows, one block after another (each block's
-    transients freed before the next: autodiff's gradient ran the blocks side by side, holding every
-    block's cotangent rows and ladder scores at once).
+    The gradient, by hand: the terms are linear in ``content``, ``shifted_q`` and ``projected``, so it keeps
+    only those, passes the scores' cotangent through, and takes each block's share of the others from that
+    cotangent's rows, one block after another (autodiff's held every block's transients at once).
     """
 
     def block(start, rows: int, width: int, current=None) -> jax.Array:
@@ -229,12 +224,15 @@ def _add_ladder_terms(scores, content, shifted_q, projected, scale: float, block
 
 
 def _add_ladder_terms_forward(scores, content, shifted_q, projected, scale, block_elements):
-    out = _add_ladder_terms(scores, content, shifted_q, projected, scale, block_elements)
-    return out, (content, shifted_q, projected)
+    return _add_ladder_terms(scores, content, shifted_q, projected, scale, block_elements), (
+        content,
+        shifted_q,
+        projected,
+    )
 
 
 def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
-    content, shifted_q, projected = residuals
+    _, shifted_q, projected = residuals
     batch, heads, q_len, k_len = cotangent.shape
 
     def stage_block(first: int, last: int, rows: int):
@@ -247,9 +245,8 @@ def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
             query = start + jnp.arange(rows)[:, None]  # [rows, 1]
             fresh = query >= begin  # a shifted-back block's overlap was added once
             keys = jnp.arange(last)[None, :]
-            # The position term's: each key's cotangent moved back to its ladder column (as _shifted_back, but
-            # read from the whole cotangent: one buffer), then the ladder product's two transposes. Column
-            # c < last - 1 of query t holds key c - (last - 1) + t; the last, distance 0, every key from t on.
+            # Each key's cotangent moved back to its ladder column (as _shifted_back, one buffer): column c < last - 1
+            # of query t holds key c - (last - 1) + t; the last (distance 0), every key from t on (the tail).
             source = keys - (last - 1) + query
             source = jnp.where(fresh & (keys < last - 1) & (source >= 0), source, k_len)  # k_len: none (0)
             d_ladder = cotangent.at[:, :, query, source].get(mode="fill", fill_value=0.0)  # [B, N, rows, last]
@@ -258,29 +255,16 @@ def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
             d_content = d_content.at[..., :last].add(row_cotangent.sum(axis=2, keepdims=True) * jnp.float32(scale))
             ladder = projected[k_len - last :]  # distances last - 1 .. 0
             q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
-            d_rows = jnp.einsum("BNTL,LNH->BTNH", d_ladder, ladder, preferred_element_type=jnp.float32)
-            d_rows = d_rows + jnp.einsum("BNT,NH->BTNH", tail, ladder[-1], preferred_element_type=jnp.float32)
-            d_q = jax.lax.dynamic_update_slice_in_dim(
-                d_q, jax.lax.dynamic_slice_in_dim(d_q, start, rows, axis=1) + d_rows * jnp.float32(scale), start, axis=1
-            )
+            d_rows = jnp.einsum("BNTL,LNH->BTNH", d_ladder, ladder) + jnp.einsum("BNT,NH->BTNH", tail, ladder[-1])
+            d_q = d_q.at[:, query[:, 0]].add(d_rows * jnp.float32(scale))
             d_ladder_rows = jnp.einsum("BNTL,BTNH->LNH", d_ladder, q_rows, preferred_element_type=jnp.float32)
             d_ladder_rows = d_ladder_rows.at[-1].add(jnp.einsum("BNT,BTNH->NH", tail, q_rows))
             return d_content, d_q, d_projected.at[k_len - last :].add(d_ladder_rows * jnp.float32(scale))
 
         return add
 
-    # Every block of every stage, one after another in one loop (a branch per stage): each block's
-    # transients are freed before the next (unrolled, XLA:CPU ran the stages' blocks side by side).
     stages = causal_prefix_stages(q_len, batch * heads, block_elements)
-    branches, stage_of, block_of = [], [], []
-    for index, (first, last, rows) in enumerate(stages):
-        branches.append(stage_block(first, last, rows))
-        count = -(-(last - first) // rows)
-        stage_of += [index] * count
-        block_of += list(range(count))
-    stage_of, block_of = np.asarray(stage_of, np.int32), np.asarray(block_of, np.int32)
-    body = lambda i, grads: jax.lax.switch(jnp.asarray(stage_of)[i], branches, jnp.asarray(block_of)[i], grads)
-    grads = jax.lax.fori_loop(0, len(block_of), body, jax.tree.map(jnp.zeros_like, residuals))
+    grads = each_stage_block(stages, stage_block, jax.tree.map(jnp.zeros_like, residuals))
     return cotangent, *grads
 
 
