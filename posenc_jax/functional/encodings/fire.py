@@ -220,8 +220,8 @@ class Fire(BiasHook):
         return fire_bias(self.params, context.query_positions, context.key_positions, into=scores)
 
     def tile_logits(self, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
-        """The bias of one blockwise tile (:func:`~posenc_jax.functional.kernels.fire.fire_tile`): its MLP summed
-        unit by unit, on the tile's distances alone where its queries are below the threshold."""
+        """The bias of one blockwise tile (:func:`~posenc_jax.functional.kernels.fire.fire_tile`): its MLP as the
+        line of each pair's interval, on the tile's distances alone where its queries are below the threshold."""
         query_positions = batched_positions(context.query_positions, "query_positions")
         key_positions = batched_positions(context.key_positions, "key_positions")
         return fire_tile(self.params, query_positions, key_positions)
