@@ -21,7 +21,7 @@ def _normal(rng, shape, scale=1.0):
 )
 def test_prefix_gradient_is_autodiffs(per_head, masked, gate_scale, num_positions):
     """Self-attention with increasing positions, the scores made by the call (so the causal prefixes and
-    their hand-written gradient): values and gradients of q, k and the embeddings as autodiff gives them
+    their hand-written gradient): values, gradients and tangents of q, k and the embeddings as autodiff gives them
     through the whole term added, for a cotangent on every key up to each query (masked ones too, which
     attention would leave out), with grouped heads and several blocks per stage, the last shifted
     back. Few embeddings clip the counts (no gradient there)."""
@@ -53,6 +53,11 @@ def test_prefix_gradient_is_autodiffs(per_head, masked, gate_scale, num_position
     np.testing.assert_allclose(jnp.where(visible, got, 0.0), jnp.where(visible, want, 0.0), rtol=1e-5, atol=1e-5)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+    tangents = (_normal(rng, q.shape), _normal(rng, k.shape), _normal(rng, emb.shape))  # forward mode too
+    tangent = jax.jit(
+        lambda prefixes: jax.jvp(lambda *a: loss(*a, prefixes)[0], (q, k, emb), tangents)[1], static_argnums=0
+    )
+    np.testing.assert_allclose(tangent(True), tangent(False), rtol=1e-4, atol=1e-4)
 
 
 def _temp(hooks, length: int, heads: int, dim: int) -> int:

@@ -18,8 +18,8 @@ def _normal(rng, shape):
 
 @pytest.mark.parametrize("block_elements", [2 * 3 * 12 * 2, 1 << 20], ids=["shifted-back-blocks", "one-per-stage"])
 def test_ladder_terms_gradient_is_autodiffs(block_elements):
-    """Values and gradients of every input (the scores, ``u·k``, ``q + v``, the projected ladder) as autodiff
-    gives them through the plain form, the same blocks by ``by_causal_prefix_blocks``, for a cotangent on
+    """Values, gradients of every input (the scores, ``u·k``, ``q + v``, the projected ladder) and tangents
+    as autodiff gives them through the plain form, the same blocks by ``by_causal_prefix_blocks``, for a cotangent on
     every entry (the keys past each query too, which attention would mask)."""
     rng = np.random.default_rng(0)
     batch, heads, length, dim = 2, 3, 12, 4
@@ -44,6 +44,9 @@ def test_ladder_terms_gradient_is_autodiffs(block_elements):
     np.testing.assert_array_equal(got, want)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    tangents = tuple(_normal(rng, np.shape(a)) for a in args)  # forward mode: autodiff's
+    tangent = lambda f: jax.jit(lambda *a: jax.jvp(f, a, tangents)[1])(*args)
+    np.testing.assert_allclose(tangent(fast), tangent(plain), rtol=1e-5, atol=1e-5)
 
 
 def _temp(hooks, length: int, heads: int, dim: int) -> int:

@@ -40,7 +40,7 @@ from jax.interpreters import ad, batching, mlir
 
 from posenc_jax.functional.core.operations import sum_to_shape
 
-__all__ = ["linear_primitives"]
+__all__ = ["linear_primitives", "tangent_primitive"]
 
 
 def linear_primitives(name: str, apply: Callable, transpose: Callable) -> tuple[Callable, Callable]:
@@ -129,3 +129,75 @@ def _batch(primitive: Primitive, impl: Callable, operands, dims, **params):
             folded.append(x.reshape(size * batch, *x.shape[2:]))
     out = primitive.bind(*folded, **params)
     return out.reshape(size, batch, *out.shape[1:]), 0
+
+
+def tangent_primitive(name: str) -> Callable:
+    """A primitive for a function's tangent with a hand-written transpose: ``tangent(jvp, transpose, tangents,
+    fixed)``, where ``jvp(tangents, fixed)`` is the tangent (linear in ``tangents``, a tuple of arrays) at the
+    point ``fixed`` describes (a tuple of arrays or None, read, never differentiated), and ``transpose(fixed,
+    cotangent)`` returns the tangents' cotangents (a tuple like ``tangents``).
+
+    Called from a ``jax.custom_jvp`` rule, it gives the function a reverse mode that runs ``transpose`` (what a
+    ``custom_vjp`` would give) while forward mode (``jax.jvp``) runs ``jvp``; reverse mode keeps ``fixed``
+    as its residuals. ``jax.vmap`` maps both functions. Derivatives of the tangent with respect to
+    ``fixed`` (second order) are not defined.
+    """
+    primitive = Primitive(name)
+
+    def split(operands, count):
+        return tuple(operands[:count]), operands[count:]
+
+    def impl(*operands, jvp, transpose, count, fixed_tree):
+        tangents, fixed = split(operands, count)
+        return jvp(tangents, jax.tree.unflatten(fixed_tree, fixed))
+
+    primitive.def_impl(impl)
+    primitive.def_abstract_eval(
+        lambda *operands, **params: jax.core.ShapedArray(
+            *(lambda out: (out.shape, out.dtype))(jax.eval_shape(functools.partial(impl, **params), *operands))
+        )
+    )
+    mlir.register_lowering(primitive, mlir.lower_fun(impl, multiple_results=False))
+
+    def jvp_rule(primals, tangents, *, jvp, transpose, count, fixed_tree):
+        if any(type(t) is not ad.Zero and t.dtype != jax.dtypes.float0 for t in tangents[count:]):
+            raise NotImplementedError(f"{name}: no derivative with respect to the point it is taken at")
+        params = dict(jvp=jvp, transpose=transpose, count=count, fixed_tree=fixed_tree)
+        out = primitive.bind(*primals, **params)
+        dots = [ad.instantiate_zeros(t) for t in tangents[:count]]
+        return out, primitive.bind(*dots, *primals[count:], **params)
+
+    def transpose_rule(cotangent, *operands, jvp, transpose, count, fixed_tree):
+        tangents, fixed = split(operands, count)
+        if any(ad.is_undefined_primal(f) for f in fixed):
+            raise NotImplementedError(f"{name} is linear in its tangents only")
+        if type(cotangent) is ad.Zero:
+            return (None,) * len(operands)
+        grads = transpose(jax.tree.unflatten(fixed_tree, fixed), ad.instantiate_zeros(cotangent))
+        grads = [sum_to_shape(g, t.aval.shape).astype(t.aval.dtype) for g, t in zip(grads, tangents, strict=True)]
+        return (*grads, *(None for _ in fixed))
+
+    def batch_rule(operands, dims, *, jvp, transpose, count, fixed_tree):
+        size = next(x.shape[d] for x, d in zip(operands, dims, strict=True) if d is not None)
+        moved = [x if d is None else jnp.moveaxis(x, d, 0) for x, d in zip(operands, dims, strict=True)]
+        tangents = [
+            x if d is not None else jnp.broadcast_to(x, (size, *x.shape)) for x, d in zip(moved, dims, strict=True)
+        ][:count]
+        fixed_axes = jax.tree.unflatten(fixed_tree, [None if d is None else 0 for d in dims[count:]])
+        mapped_jvp = jax.vmap(jvp, in_axes=(0, fixed_axes))
+        mapped_transpose = jax.vmap(transpose, in_axes=(fixed_axes, 0))
+        out = primitive.bind(
+            *tangents, *moved[count:], jvp=mapped_jvp, transpose=mapped_transpose, count=count, fixed_tree=fixed_tree
+        )
+        return out, 0
+
+    ad.primitive_jvps[primitive] = jvp_rule
+    ad.primitive_transposes[primitive] = transpose_rule
+    batching.primitive_batchers[primitive] = batch_rule
+
+    def tangent(jvp: Callable, transpose: Callable, tangents: tuple, fixed: tuple) -> jax.Array:
+        leaves, fixed_tree = jax.tree.flatten(fixed)
+        params = dict(jvp=jvp, transpose=transpose, count=len(tangents), fixed_tree=fixed_tree)
+        return primitive.bind(*tangents, *leaves, **params)
+
+    return tangent

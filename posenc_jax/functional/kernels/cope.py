@@ -41,7 +41,7 @@ from posenc_jax.functional.core.blocks import (
 )
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.operations import Operation
-from posenc_jax.functional.kernels.autodiff import linear_primitives
+from posenc_jax.functional.kernels.autodiff import linear_primitives, tangent_primitive
 
 __all__ = [
     "carried_unless_saturated",
@@ -333,32 +333,50 @@ def _prefix_block(term: Callable, ratio: float, q, k, query_positions, key_posit
     return block
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _added_by_prefixes(term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask):
+def _prefixes_plain(term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask):
     """``scores`` (the content scores) plus CoPE's term, its gates' logits ``ratio · scores``, by causal
     prefix blocks (:func:`~posenc_jax.functional.core.blocks.by_causal_prefix_blocks`), in place.
 
-    The gradient, by hand (:func:`_prefixes_backward`): it keeps the content scores the blocks read (the
-    keys up to each stage's rows, 5/8 of them), recomputes each block's gates, counts and ``q · eᵀ`` from
-    them, and goes through the blocks one after another in one loop, so that only one block's transients
-    live at a time. Autodiff's gradient kept each block's gates, counts, interpolation weights and pairs,
-    several score-sized buffers in all. ``k`` is read for its shape only (the gates' logits are the scores').
+    Its reverse mode by hand (:func:`_added_by_prefixes`, :func:`_prefixes_backward`): it keeps the content
+    scores the blocks read (the keys up to each stage's rows, 5/8 of them), recomputes each block's gates,
+    counts and ``q · eᵀ`` from them, and goes through the blocks one after another in one loop, so that only
+    one block's transients live at a time. Autodiff's kept each block's gates, counts, interpolation weights
+    and pairs, several score-sized buffers in all. Forward mode is autodiff's. ``k`` is read for its shape
+    only (the gates' logits are the scores').
     """
     block = _prefix_block(term, ratio, q, k, query_positions, key_positions, embeddings, mask)
     return by_causal_prefix_blocks(block, scores.astype(jnp.float32), block_elements=block_elements)
 
 
-def _prefixes_forward(term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask):
+_added_by_prefixes = jax.custom_jvp(_prefixes_plain, nondiff_argnums=(0, 1, 2))
+_PREFIXES_TANGENT = tangent_primitive("cope_prefixes_tangent")
+
+
+@_added_by_prefixes.defjvp
+def _prefixes_jvp(term, ratio, block_elements, primals, tangents):
+    scores, q, k, query_positions, key_positions, embeddings, mask = primals
     batch, heads, q_len, _ = scores.shape
     stages = causal_prefix_stages(q_len, batch * heads, block_elements)
     read = tuple(scores[:, :, first:last, :last].astype(jnp.float32) for first, last, _ in stages)
-    out = _added_by_prefixes(
-        term, ratio, block_elements, scores, q, k, query_positions, key_positions, embeddings, mask
-    )
-    return out, (read, q, k, query_positions, key_positions, embeddings, mask)
+    fixed = (read, q, k, query_positions, key_positions, embeddings, mask)
+
+    def jvp(tangents, fixed):  # forward mode: autodiff's, at the content scores the blocks read
+        read, *operands = fixed
+        at = jnp.zeros(tangents[0].shape, jnp.float32)
+        for (first, last, _), part in zip(stages, read, strict=True):
+            at = at.at[:, :, first:last, :last].set(part)
+        plain = lambda s, q, e: _prefixes_plain(
+            term, ratio, block_elements, s, q, operands[1], *operands[2:4], e, operands[5]
+        )
+        return jax.jvp(plain, (at, operands[0], operands[4]), tuple(tangents))[1]
+
+    transpose = functools.partial(_prefixes_backward, term, ratio, block_elements)
+    out = _added_by_prefixes(term, ratio, block_elements, *primals)
+    return out, _PREFIXES_TANGENT(jvp, transpose, (tangents[0], tangents[1], tangents[5]), fixed)
 
 
 def _prefixes_backward(term, ratio, block_elements, residuals, cotangent):
+    """Reverse mode: the cotangents of the scores, ``q`` and the embeddings."""
     read, q, k, query_positions, key_positions, embeddings, mask = residuals
     batch, heads, q_len, _ = cotangent.shape
     first_rows = np.cumsum([0] + [stage.shape[2] for stage in read])[:-1]  # each stage's first row
@@ -406,11 +424,7 @@ def _prefixes_backward(term, ratio, block_elements, residuals, cotangent):
     make_step = lambda first, last, rows: stage_block(reads[first], first, rows)
     carry = (cotangent, jnp.zeros_like(q), jnp.zeros(jnp.shape(embeddings), jnp.float32))
     d_scores, d_q, d_embeddings = each_stage_block(stages, make_step, carry)
-    # None: no cotangent for k (read for its shape), the positions and the mask.
-    return d_scores, d_q, None, None, None, d_embeddings.astype(jnp.result_type(embeddings)), None
-
-
-_added_by_prefixes.defvjp(_prefixes_forward, _prefixes_backward)
+    return d_scores, d_q, d_embeddings.astype(jnp.result_type(embeddings))
 
 
 def _block_backward(logits, visible, q_rows, table, d_term):

@@ -53,7 +53,7 @@ from posenc_jax.functional.core.relative import (
     by_query_blocks,
     take_along_last_axis,
 )
-from posenc_jax.functional.kernels.autodiff import linear_primitives
+from posenc_jax.functional.kernels.autodiff import linear_primitives, tangent_primitive
 
 __all__ = [
     "by_query_rows",
@@ -199,22 +199,16 @@ def _ladder_by_prefixes(standard, make_scores, operands, *, scale: float, block_
 
 
 def _ladder_block(content, q_rows, projected, start, width: int, scale: float) -> jax.Array:
-    """The terms of query rows ``start ..`` (``q_rows``) against keys ``0 .. width - 1`` by the ladder, ``[B, N,
-    rows, width]``: of the whole ladder ``projected`` (``S-1 .. 0``), its last ``width`` rows."""
+    """The terms of rows ``start ..`` against keys ``0 .. width - 1``, from ``projected``'s last ``width`` rows."""
     k_len = projected.shape[0]
     position = _position_term_by_ladder(q_rows, projected[k_len - width :], start, width)
     return (content[..., :width] + position) * jnp.float32(scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _add_ladder_terms(scores, content, shifted_q, projected, scale: float, block_elements: int) -> jax.Array:
-    """``scores`` plus the terms by the ladder, each block of query rows against the keys up to its rows
-    (:func:`~posenc_jax.functional.core.relative.by_causal_prefix_blocks`), in place.
-
-    The gradient, by hand: the terms are linear in ``content``, ``shifted_q`` and ``projected``, so it keeps
-    only those, passes the scores' cotangent through, and takes each block's share of the others from that
-    cotangent's rows, one block after another (autodiff's held every block's transients at once).
-    """
+def _add_ladder_terms_plain(scores, content, shifted_q, projected, scale: float, block_elements: int) -> jax.Array:
+    """``scores`` plus the terms by the ladder, each block of rows against the keys up to its rows, in place.
+    Its reverse mode (:func:`_add_ladder_terms`), the terms being linear, keeps ``content``, ``shifted_q`` and
+    ``projected`` only and takes each block's share from the cotangent one block after another."""
 
     def block(start, rows: int, width: int, current=None) -> jax.Array:
         q_rows = jax.lax.dynamic_slice_in_dim(shifted_q, start, rows, axis=1)
@@ -223,15 +217,23 @@ def _add_ladder_terms(scores, content, shifted_q, projected, scale: float, block
     return by_causal_prefix_blocks(block, scores.astype(jnp.float32), block_elements=block_elements)
 
 
-def _add_ladder_terms_forward(scores, content, shifted_q, projected, scale, block_elements):
-    return _add_ladder_terms(scores, content, shifted_q, projected, scale, block_elements), (
-        content,
-        shifted_q,
-        projected,
-    )
+_add_ladder_terms = jax.custom_jvp(_add_ladder_terms_plain, nondiff_argnums=(4, 5))
+_LADDER_TANGENT = tangent_primitive("transformer_xl_ladder_tangent")
+
+
+@_add_ladder_terms.defjvp
+def _add_ladder_terms_jvp(scale, block_elements, primals, tangents):
+    def jvp(tangents, fixed):  # forward mode: the scores' tangent plus the terms' (autodiff's)
+        terms = lambda *operands: _add_ladder_terms_plain(jnp.zeros_like(tangents[0]), *operands, scale, block_elements)
+        return tangents[0] + jax.jvp(terms, tuple(fixed), tuple(tangents[1:]))[1]
+
+    transpose = functools.partial(_add_ladder_terms_backward, scale, block_elements)
+    out = _add_ladder_terms(*primals, scale, block_elements)
+    return out, _LADDER_TANGENT(jvp, transpose, tuple(tangents), tuple(primals[1:]))
 
 
 def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
+    """Reverse mode: the cotangents of the scores, ``content``, ``shifted_q`` and ``projected``."""
     _, shifted_q, projected = residuals
     batch, heads, q_len, k_len = cotangent.shape
 
@@ -266,9 +268,6 @@ def _add_ladder_terms_backward(scale, block_elements, residuals, cotangent):
     stages = causal_prefix_stages(q_len, batch * heads, block_elements)
     grads = each_stage_block(stages, stage_block, jax.tree.map(jnp.zeros_like, residuals))
     return cotangent, *grads
-
-
-_add_ladder_terms.defvjp(_add_ladder_terms_forward, _add_ladder_terms_backward)
 
 
 def _identity_at(position_scores, key_sinusoids, offset, shifted_q, projection, query_positions, key_positions, given):
