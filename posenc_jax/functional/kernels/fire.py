@@ -12,7 +12,8 @@ activation stored. Its backward reads the cotangent ``g`` once, in chunks of pai
 ``m[h] = [w1[h] · x + b1[h] > 0]`` by one contraction, ``Σ_pairs m[h] · (g[n], g[n] · x)``: ``w2``'s
 gradient is ``w1[h] · Σ m g x + b1[h] · Σ m g`` (``relu(z) = z · m``), ``w1``'s and ``b1``'s are those
 sums through ``w2``, ``b2``'s the sum of ``g`` (a unit always on), and ``x``'s is ``A[k] · g`` at the
-pair's interval. The same function up to the order
+pair's interval. That backward is the transpose of the lines' tangent (``kernels.autodiff.tangent_primitive``),
+so forward mode (``jax.jvp``) works too. The same function up to the order
 of its sums (and at a kink, where the unit is 0); ``tests/test_fire_cost.py`` holds it to the
 reference form, values and every parameter's gradient.
 """
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from posenc_jax.functional.core.relative import relative_positions, toeplitz_where_runs
+from posenc_jax.functional.kernels.autodiff import tangent_primitive
 
 __all__ = ["fire_mlp", "fire_tile", "normalised_distance"]
 
@@ -67,19 +69,39 @@ def _by_heads(table, k, x=None):
     return heads if x is None else heads * jnp.expand_dims(x, 1)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _fire_mlp(weights, x):
     kinks, slope, intercept = _lines(*weights)
     k = _interval(x, kinks)
     return _by_heads(slope, k, x) + _by_heads(intercept, k)
 
 
-def _fire_mlp_forward(weights, x):
-    return _fire_mlp(weights, x), (weights, x)
+_FIRE_TANGENT = tangent_primitive("fire_mlp_tangent")
 
 
-def _fire_mlp_backward(residuals, g):
-    (w1, b1, w2, b2), x = residuals
+@_fire_mlp.defjvp
+def _fire_mlp_jvp(primals, tangents):
+    """Forward mode through the lines (:func:`_fire_mlp_tangent`); reverse mode is their transpose,
+    :func:`_fire_mlp_backward`, with the weights and ``x`` as its residuals."""
+    weights, x = primals
+    d_weights, dx = tangents
+    tangent = _FIRE_TANGENT(_fire_mlp_tangent, _fire_mlp_backward, (*d_weights, dx), (weights, x))
+    return _fire_mlp(weights, x), tangent
+
+
+def _fire_mlp_tangent(tangents, fixed):
+    """``f``'s tangent at ``x`` (the active units, so the interval, are constant between the kinks): each
+    interval's line moved by the weights' tangents, plus its slope times ``x``'s tangent."""
+    weights, x = fixed
+    *d_weights, dx = tangents
+    (kinks, slope, _), (_, d_slope, d_intercept) = jax.jvp(_lines, weights, tuple(d_weights))
+    k = _interval(x, kinks)
+    return _by_heads(d_slope, k, x) + _by_heads(d_intercept, k) + _by_heads(slope, k, dx)
+
+
+def _fire_mlp_backward(fixed, g):
+    """Reverse mode: the cotangents of ``w1``, ``b1``, ``w2``, ``b2`` and ``x`` (see the module's docstring)."""
+    (w1, b1, w2, b2), x = fixed
     kinks, slope, _ = _lines(w1, b1, w2, b2)
     heads, hidden = w2.shape[1], w1.shape[0]
     g = jnp.moveaxis(g, 1, 0).reshape(heads, -1)  # [N, pairs], the pairs in x's order
@@ -108,10 +130,7 @@ def _fire_mlp_backward(residuals, g):
     dw2 = w1[:, None] * times_x + b1[:, None] * plain
     dw1 = jnp.sum(w2 * times_x, axis=1)
     db1 = jnp.sum(w2 * plain, axis=1)
-    return (dw1, db1, dw2, sums[:heads, hidden]), dx.reshape(x.shape)
-
-
-_fire_mlp.defvjp(_fire_mlp_forward, _fire_mlp_backward)
+    return dw1, db1, dw2, sums[:heads, hidden], dx.reshape(x.shape)
 
 
 def fire_tile(params: dict, query_positions: jax.Array, key_positions: jax.Array) -> jax.Array:
