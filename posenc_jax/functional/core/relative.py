@@ -309,7 +309,7 @@ def toeplitz(diagonals: jax.Array, rows: int, cols: int) -> jax.Array:
     return padded.reshape(*lead, rows, cols + rows)[..., :cols][..., ::-1, :]
 
 
-def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, also=True, runs=False) -> jax.Array:
+def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, also=True) -> jax.Array:
     """A bias of the distance alone, ``[B|1, N, T, S]``: from its ``T + S - 1`` distances where positions are runs.
 
     Where every row of ``query_positions`` ``[B|1, T]`` and ``key_positions`` ``[B|1, S]``
@@ -323,8 +323,6 @@ def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, 
     run-time condition for the diagonals' form (a bias that depends on the distance alone only
     where it holds, FIRE's below its threshold). Either way the bias is a buffer of its own, the
     conditional's output: what made it is never fused, and evaluated again, into its consumers.
-    ``runs=True``: the caller knows while tracing that the positions are runs (a blockwise tile of
-    positions that are the indices), so the diagonals' form needs no conditional where ``also`` is True.
 
     Example:
       >>> f = lambda d: -jnp.abs(d)[:, None]  # [B|1, 1, D]
@@ -334,12 +332,12 @@ def toeplitz_where_runs(per_distance, plain, query_positions, key_positions, *, 
              [-1., -0., -1.]], dtype=float32)
     """
     q, k = with_batch_axis(query_positions), with_batch_axis(key_positions)
-    return TOEPLITZ_WHERE_RUNS(per_distance, plain, q, k, also=also, runs=runs)
+    return TOEPLITZ_WHERE_RUNS(per_distance, plain, q, k, also=also)
 
 
 # The plain form computes the bias pair by pair; kernels/ registers the diagonals' form.
 TOEPLITZ_WHERE_RUNS = Operation(
-    "toeplitz_where_runs", lambda per_distance, plain, q, k, *, also, runs: plain().astype(jnp.float32)
+    "toeplitz_where_runs", lambda per_distance, plain, q, k, *, also: plain().astype(jnp.float32)
 )
 
 

@@ -102,16 +102,14 @@ def _joined_scores(q, k, joined: Sequence, context: AttentionContext) -> jax.Arr
     return content_scores(q, k, context.scale)
 
 
-def _distance_tile(hook: DistanceBias, q, k, context: AttentionContext, runs: bool) -> jax.Array:
+def _distance_tile(hook: DistanceBias, q, k, context: AttentionContext) -> jax.Array:
     """A :class:`DistanceBias` hook's ``[B|1, N, bq, bk]`` tile: from the tile's ``bq + bk - 1`` distances
-    where its positions are runs (``runs``: every tile's are, known while tracing), else its ``logits``
-    pair by pair."""
+    where its positions are runs, else its ``logits`` pair by pair."""
     return toeplitz_where_runs(
         lambda distance: hook.distance_bias(distance, context),
         lambda: hook.logits(q, k, context),
         context.query_positions,
         context.key_positions,
-        runs=runs,
     )
 
 
@@ -146,7 +144,6 @@ class _Plan:
     extra: jax.Array | None
     key_order: jax.Array
     paired: bool  # causal, positions the indices, square tiles: query block i sees key tiles 0..i
-    runs: bool  # positions the indices, no padding: every tile's positions are runs
     dropout_rate: float
     dropout_rng: jax.Array | None
     dropout_broadcast: bool  # one mask per tile for every batch row and head
@@ -205,7 +202,6 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
         extra = _pad_to(extra, q_pad, 2) if extra.shape[2] != 1 else extra
 
     carried = [hook for hook in hooks if forms_of(hook).has("tiled", "carried")]
-    indices = _index_positions(context, q_len, whole_k_len)
     # Terms that split into per-query and per-key features join the tile's content product (as in the
     # materialising path): one contraction, and no [B, N, bq, bk] term of their own to add.
     joinable = query.dtype == jnp.float32 and key.dtype == jnp.float32
@@ -243,8 +239,7 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
         key_segments=all_kseg,
         extra=extra,
         key_order=key_order,
-        paired=indices and _sees_tiles_up_to_its_own(context, hooks, (q_len, k_len), (block_q, block_k), carried, ring),
-        runs=indices and q_pad == q_len and k_pad == k_len,
+        paired=_sees_tiles_up_to_its_own(context, hooks, (q_len, k_len), (block_q, block_k), carried, ring),
         dropout_rate=dropout[0],
         dropout_rng=dropout[1],
         dropout_broadcast=dropout[2],
@@ -252,25 +247,21 @@ def _plan(query, key, hooks, normalizer, context, masks, block_q, block_k, dropo
     return plan, key
 
 
-def _index_positions(context: AttentionContext, q_len: int, k_len: int) -> bool:
-    """Whether the call's positions are known while tracing to be the indices (concrete ``0..T-1`` and
-    ``0..S-1``, or none given)."""
+def _sees_tiles_up_to_its_own(context: AttentionContext, hooks, lengths, blocks, carried, ring) -> bool:
+    """Whether query block i sees exactly key tiles 0..i, known while tracing: causal self-attention over
+    positions that are the indices (concrete ``0..T-1``, or none given), in square tiles, one device, and no
+    hook that carries sums across key tiles or shares a per-query-block table."""
     from posenc_jax.functional.core.dispatch import known_indices  # dispatch imports blockwise, which imports this
 
+    (q_len, k_len), (block_q, block_k) = lengths, blocks
+    if not context.causal or ring is not None or carried or q_len != k_len or block_q != block_k:
+        return False
+    if any(forms_of(h).has("tiled", "per_query_block") for h in hooks):
+        return False
     positions = [
         np.arange(n) if p is None else p for p, n in ((context.query_positions, q_len), (context.key_positions, k_len))
     ]
     return known_indices(*positions, q_len, k_len)
-
-
-def _sees_tiles_up_to_its_own(context: AttentionContext, hooks, lengths, blocks, carried, ring) -> bool:
-    """Whether query block i sees exactly key tiles 0..i, given positions that are the indices: causal
-    self-attention in square tiles, one device, and no hook that carries sums across key tiles or shares a
-    per-query-block table."""
-    (q_len, k_len), (block_q, block_k) = lengths, blocks
-    if not context.causal or ring is not None or carried or q_len != k_len or block_q != block_k:
-        return False
-    return not any(forms_of(h).has("tiled", "per_query_block") for h in hooks)
 
 
 def _key_side(plan: _Plan, key, value, shard) -> _Keys:
@@ -378,7 +369,7 @@ def _tile_scores(plan: _Plan, q, k, tile_hooks: list, tile_context: AttentionCon
         elif forms.has("tiled", "logits"):
             term = hook.tile_logits(q, k, tile_context)
         elif forms.has("tiled", "distance"):
-            term = _distance_tile(hook, q, k, tile_context, plan.runs)
+            term = _distance_tile(hook, q, k, tile_context)
         else:
             term = hook.logits(q, k, tile_context) if "logits" in hook_names(hook) else None
         if term is not None:

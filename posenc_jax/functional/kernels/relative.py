@@ -58,9 +58,8 @@ def _take_flat(values, index, *, out_shape: tuple, transposed: bool) -> jax.Arra
 
 
 @relative.TOEPLITZ_WHERE_RUNS.implement()
-def _toeplitz_where_runs(per_distance, plain, q, k, *, also, runs) -> jax.Array:
-    """The bias from its diagonals where positions are runs (and ``also``), else ``plain()``: one conditional
-    (none where ``runs`` and ``also`` are True while tracing)."""
+def _toeplitz_where_runs(per_distance, plain, q, k, *, also) -> jax.Array:
+    """The bias from its diagonals where positions are runs (and ``also``), else ``plain()``: one conditional."""
     q_len, k_len = q.shape[-1], k.shape[-1]
     shape = jax.eval_shape(plain).shape
     # Diagonal c holds the pairs with s - t = c - (T - 1); its first pair is (t, s) below. The values are
@@ -70,8 +69,6 @@ def _toeplitz_where_runs(per_distance, plain, q, k, *, also, runs) -> jax.Array:
     t, s = jnp.maximum(q_len - 1 - diagonal, 0), jnp.maximum(diagonal - (q_len - 1), 0)
     distance = position_difference(k[:, s], q[:, t], dtype=jnp.float32)  # [B|1, T + S - 1]
     values = per_distance(distance).astype(jnp.float32)  # [B|1, N, T + S - 1]
-    if runs is True and also is True:  # the barrier keeps the values made once, as the conditional does
-        return jnp.broadcast_to(_toeplitz_tile(jax.lax.optimization_barrier(values), q_len, k_len), shape)
     runs = _consecutive_rows(q) & _consecutive_rows(k) & also
     return jax.lax.cond(
         runs,
