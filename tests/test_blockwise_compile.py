@@ -3,14 +3,12 @@
 XLA:CPU compiles each fusion of the optimised program on its own, so the first call's compile time
 follows the number of fusions; a ``conditional`` in the tile loop is compiled with both branches, and in
 the backward pass over again (its known half, its transpose, the zeros of the residuals a hidden tile does
-not make). Over positions that are the indices, which tiles a causal query block sees, and that every
-tile's positions are runs, are known while tracing: the program then holds no conditional. These tests
-pin that, and a budget on the number of fusions, deterministically (no wall time).
+not make). Over positions that are the indices, which tiles a causal query block sees is known while
+tracing: query blocks are paired in one scan and no tile is skipped by a conditional. These tests pin that,
+deterministically (no wall time), and that the paired blocks compute what the materialised path does.
 """
 
 from __future__ import annotations
-
-import re
 
 import jax
 import jax.numpy as jnp
@@ -62,14 +60,12 @@ def _forward_and_backward_hlo(names, length=64, block=16, positions=None) -> str
     return jax.jit(grad).lower(shape, shape, shape, _hooks(names)).compile().as_text()
 
 
-def _fusions(hlo: str) -> int:
-    return len(re.findall(r"= \S+ fusion\(", hlo))
-
-
-@pytest.mark.parametrize("names", [(), COMPOSITION])
+@pytest.mark.parametrize("names", [(), ("rope", "alibi")])
 def test_no_conditional_over_index_positions(names):
-    """Causal attention over positions 0..T-1 in square tiles: no tile is skipped by a conditional, and no
-    distance bias chooses between its diagonals and its pairs by one."""
+    """Causal attention over positions 0..T-1 in square tiles: no tile is skipped by a conditional.
+
+    (A distance bias, T5's, Kerple's, keeps its run-time choice between its diagonals and its pairs: the form
+    without that conditional compiled smaller but ran its tiles slower, 1.3-1.9x NoPE's forward at T=4096.)"""
     hlo = _forward_and_backward_hlo(names)
     assert " conditional(" not in hlo
 
@@ -77,16 +73,8 @@ def test_no_conditional_over_index_positions(names):
 def test_positions_not_known_keep_their_conditionals():
     """Positions that are not the indices (here, shifted by 100): the tiles a block sees are found at run
     time, by the conditional that skips hidden tiles."""
-    hlo = _forward_and_backward_hlo(COMPOSITION, positions=100 + jnp.arange(64))
+    hlo = _forward_and_backward_hlo(("rope", "alibi"), positions=100 + jnp.arange(64))
     assert " conditional(" in hlo
-
-
-def test_fusion_budget_of_a_three_encoding_composition():
-    """RoPE + ALiBi + T5's forward and backward within 1.5x NoPE's fusions (measured: 110 against 83 at this
-    size, 1.33x; 155 against 97, 1.6x, with the conditionals)."""
-    plain = _fusions(_forward_and_backward_hlo(()))
-    composed = _fusions(_forward_and_backward_hlo(COMPOSITION))
-    assert composed <= 1.5 * plain, (composed, plain)
 
 
 @pytest.mark.parametrize(("length", "block"), [(64, 16), (48, 16), (40, 16), (72, 16), (16, 16), (20, 32)])
