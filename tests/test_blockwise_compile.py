@@ -107,3 +107,30 @@ def test_masked_non_finite_values_stay_masked_in_paired_blocks():
     out = forward(q, k, v, [])
     assert bool(jnp.isfinite(out[:, :30]).all())
     assert bool(jnp.isnan(out[:, 30:]).all())
+
+
+def test_the_layer_over_its_own_positions_pairs_its_blocks_under_jit():
+    """The attention layer makes its positions (none given) as a constant, so under ``jit`` its causal
+    blockwise program is the paired one (no tile-skipping conditional); given positions, traced, keep it."""
+    from flax import nnx
+
+    from posenc_jax.nn import MultiHeadAttention
+
+    layer = MultiHeadAttention(
+        N, N * H, encodings=["rope", "alibi"], implementation="blockwise", block_q=16, block_k=16, rngs=nnx.Rngs(0)
+    )
+    graph, state = nnx.split(layer)
+    x = jax.ShapeDtypeStruct((B, 64, N * H), jnp.float32)
+
+    def program(positions):
+        def loss(state, x, positions):
+            out = nnx.merge(graph, state)(x, query_positions=positions, causal=True)
+            return jnp.sum(out)
+
+        grad = jax.grad(loss, argnums=(0, 1))
+        if positions is None:
+            return jax.jit(lambda state, x: grad(state, x, None)).lower(state, x).compile().as_text()
+        return jax.jit(grad).lower(state, x, positions).compile().as_text()
+
+    assert " conditional(" not in program(None)
+    assert " conditional(" in program(jax.ShapeDtypeStruct((64,), jnp.int32))

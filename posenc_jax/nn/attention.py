@@ -368,7 +368,8 @@ class MultiHeadAttention(CachedDecoding, nnx.Module):
         key_length = length if kv is None else kv[0].shape[1]
         indices = query_positions is None and key_positions is None and cache is None  # arange, made here
         if query_positions is None:
-            query_positions = jnp.arange(length, dtype=jnp.int32)
+            # A constant, not jnp.arange's traced array: known while tracing, as the paired causal tiles need.
+            query_positions = np.arange(length, dtype=np.int32)
             if cache is not None:
                 query_positions = cache.length + query_positions
         else:
