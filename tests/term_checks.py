@@ -53,3 +53,20 @@ def causal_attention_temp(make_hooks, length: int) -> int:
         )
 
     return compiled(jax.jit(attend).lower(spec, spec, spec, positions)).memory_analysis().temp_size_in_bytes
+
+
+def materialised_backward_temp(hooks, length: int, heads: int, dim: int) -> int:
+    """Temporary bytes of causal materialised attention's forward and backward (gradients of q, k, v and
+    the hooks' parameters) at ``[1, length, heads, dim]``, over positions ``arange(length)``."""
+    spec = jax.ShapeDtypeStruct((1, length, heads, dim), jnp.float32)
+    positions = jnp.arange(length)
+
+    def loss(q, k, v, hooks):
+        out = dot_product_attention(
+            q, k, v, query_positions=positions, key_positions=positions, encodings=hooks, causal=True,
+            implementation="materialize",
+        )  # fmt: skip
+        return out.sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    return compiled(grad.lower(spec, spec, spec, hooks)).memory_analysis().temp_size_in_bytes

@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import compiled
+from term_checks import materialised_backward_temp
 
-from posenc_jax.functional import CoPE, cope_logits, dot_product_attention
+from posenc_jax.functional import CoPE, cope_logits
 
 
 def _normal(rng, shape, scale=1.0):
@@ -60,23 +60,6 @@ def test_prefix_gradient_is_autodiffs(per_head, masked, gate_scale, num_position
     np.testing.assert_allclose(tangent(True), tangent(False), rtol=1e-4, atol=1e-4)
 
 
-def _temp(hooks, length: int, heads: int, dim: int) -> int:
-    """Temporary bytes of causal materialised attention's forward and backward (gradients of q, k, v and
-    the hooks' parameters) at ``[1, length, heads, dim]``."""
-    spec = jax.ShapeDtypeStruct((1, length, heads, dim), jnp.float32)
-    positions = jnp.arange(length)
-
-    def loss(q, k, v, hooks):
-        out = dot_product_attention(
-            q, k, v, query_positions=positions, key_positions=positions, encodings=hooks, causal=True,
-            implementation="materialize",
-        )  # fmt: skip
-        return out.sum()
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    return compiled(grad.lower(spec, spec, spec, hooks)).memory_analysis().temp_size_in_bytes
-
-
 def test_materialised_backward_within_one_and_a_half_times_plain():
     """At T = 1,024 with 8 heads (four stages of causal prefixes), the gradient keeps the content scores
     the blocks read and recomputes each block's gates, counts and ``q · eᵀ``, one block at a time: the
@@ -84,4 +67,6 @@ def test_materialised_backward_within_one_and_a_half_times_plain():
     block's gates, counts, weights and pairs, needed 2.6x)."""
     heads, dim = 8, 16
     hook = CoPE(_normal(np.random.default_rng(2), (1024, dim), 0.5))
-    assert _temp([hook], 1024, heads, dim) <= 1.5 * _temp([], 1024, heads, dim)
+    assert materialised_backward_temp([hook], 1024, heads, dim) <= 1.5 * materialised_backward_temp(
+        [], 1024, heads, dim
+    )

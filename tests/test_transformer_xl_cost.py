@@ -5,9 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from compiled import compiled
+from term_checks import materialised_backward_temp
 
-from posenc_jax.functional import TransformerXL, dot_product_attention
+from posenc_jax.functional import TransformerXL
 from posenc_jax.functional.core.blocks import by_causal_prefix_blocks
 from posenc_jax.functional.kernels.transformer_xl import _add_ladder_terms, _ladder_block
 
@@ -49,23 +49,6 @@ def test_ladder_terms_gradient_is_autodiffs(block_elements):
     np.testing.assert_allclose(tangent(fast), tangent(plain), rtol=1e-5, atol=1e-5)
 
 
-def _temp(hooks, length: int, heads: int, dim: int) -> int:
-    """Temporary bytes of causal materialised attention's forward and backward (gradients of q, k, v and
-    the hooks' parameters) at ``[1, length, heads, dim]``."""
-    spec = jax.ShapeDtypeStruct((1, length, heads, dim), jnp.float32)
-    positions = jnp.arange(length)
-
-    def loss(q, k, v, hooks):
-        out = dot_product_attention(
-            q, k, v, query_positions=positions, key_positions=positions, encodings=hooks, causal=True,
-            implementation="materialize",
-        )  # fmt: skip
-        return out.sum()
-
-    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
-    return compiled(grad.lower(spec, spec, spec, hooks)).memory_analysis().temp_size_in_bytes
-
-
 def test_materialised_backward_within_one_and_a_half_times_plain():
     """At T = 1,024 with 8 heads (four stages of causal prefixes, a block each), the terms' backward holds
     one block's transients at a time: the forward and backward's temporaries within 1.5x plain attention's
@@ -73,4 +56,6 @@ def test_materialised_backward_within_one_and_a_half_times_plain():
     rng = np.random.default_rng(1)
     heads, dim = 8, 16
     hook = TransformerXL(_normal(rng, (32, heads, dim)), _normal(rng, (heads, dim)), _normal(rng, (heads, dim)))
-    assert _temp([hook], 1024, heads, dim) <= 1.5 * _temp([], 1024, heads, dim)
+    assert materialised_backward_temp([hook], 1024, heads, dim) <= 1.5 * materialised_backward_temp(
+        [], 1024, heads, dim
+    )
