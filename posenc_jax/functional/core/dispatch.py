@@ -22,14 +22,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
-import numpy as np
-
 from posenc_jax.functional.core import operations
 from posenc_jax.functional.core.blockwise import DEFAULT_BLOCK_Q, check_blockwise
 from posenc_jax.functional.core.forms import declares, forms_of
 from posenc_jax.functional.core.hooks import hook_names
 from posenc_jax.functional.core.operations import current_backend
+from posenc_jax.functional.core.positions import known_indices
 
 __all__ = [
     "AUTO_TILED_FROM_LENGTH",
@@ -153,14 +151,3 @@ def plain_scores(call, normalizer, masks, dropout_rate, return_weights, position
     if positions_are_indices is None:
         return known_indices(context.query_positions, context.key_positions, q_len, k_len)
     return positions_are_indices
-
-
-def known_indices(query_positions, key_positions, q_len: int, k_len: int) -> bool:
-    """Whether the positions are concrete arrays (not traced) holding ``0..T-1`` and ``0..S-1`` in every row."""
-    for positions, length in ((query_positions, q_len), (key_positions, k_len)):
-        if positions is None or isinstance(positions, jax.core.Tracer):
-            return False
-        values = np.asarray(positions)
-        if values.shape[-1] != length or not np.array_equal(values, np.broadcast_to(np.arange(length), values.shape)):
-            return False
-    return True

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "known_indices",
     "add_position_encoding",
     "batched_positions",
     "check_embed_positions",
@@ -247,3 +248,14 @@ def add_position_encoding(x: jax.Array, pe: jax.Array) -> jax.Array:
     if pe.ndim < x.ndim:
         pe = pe.reshape((1,) * (x.ndim - pe.ndim) + pe.shape)
     return (x.astype(jnp.float32) + pe.astype(jnp.float32)).astype(x.dtype)
+
+
+def known_indices(query_positions, key_positions, q_len: int, k_len: int) -> bool:
+    """Whether the positions are concrete arrays (not traced) holding ``0..T-1`` and ``0..S-1`` in every row."""
+    for positions, length in ((query_positions, q_len), (key_positions, k_len)):
+        if positions is None or isinstance(positions, jax.core.Tracer):
+            return False
+        values = np.asarray(positions)
+        if values.shape[-1] != length or not np.array_equal(values, np.broadcast_to(np.arange(length), values.shape)):
+            return False
+    return True

@@ -44,6 +44,7 @@ from posenc_jax.functional.core.hooks import (
     with_per_call_rotations_fixed,
 )
 from posenc_jax.functional.core.operations import broadcast_to
+from posenc_jax.functional.core.positions import known_indices
 from posenc_jax.functional.core.products import content_scores, masked_value_product, value_product
 from posenc_jax.functional.core.relative import toeplitz_where_runs
 from posenc_jax.functional.core.stages import _dropout
@@ -251,8 +252,6 @@ def _sees_tiles_up_to_its_own(context: AttentionContext, hooks, lengths, blocks,
     """Whether query block i sees exactly key tiles 0..i, known while tracing: causal self-attention over
     positions that are the indices (concrete ``0..T-1``, or none given), in square tiles, one device, and no
     hook that carries sums across key tiles or shares a per-query-block table."""
-    from posenc_jax.functional.core.dispatch import known_indices  # dispatch imports blockwise, which imports this
-
     (q_len, k_len), (block_q, block_k) = lengths, blocks
     if not context.causal or ring is not None or carried or q_len != k_len or block_q != block_k:
         return False
