@@ -267,22 +267,9 @@ def cope_added_by_blocks(
     if content_scale is not None:  # the gates' logits are the content scores times this
         ratio = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
 
-    def block(start, rows: int, width: int, content=None) -> jax.Array:
-        """The term of query rows ``start ..`` for keys ``0 .. width - 1``; ``content``, their content scores."""
-        rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
-        keys_of = lambda x, axis: x if x.shape[axis] in (1, width) else jax.lax.slice_in_dim(x, 0, width, axis=axis)
-        gate_logits = None
-        if content_scale is not None:
-            gate_logits = content if ratio == 1.0 else content * jnp.float32(ratio)
-        return term(
-            rows_of(q, 1),
-            keys_of(k, 1),
-            rows_of(query_positions, 1),
-            keys_of(key_positions, 1),
-            embeddings[..., : width + 2, :],
-            mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
-            gate_logits=gate_logits,
-        )
+    block = _prefix_block(
+        term, ratio if content_scale is not None else None, q, k, query_positions, key_positions, embeddings, mask
+    )
 
     def all_keys(scores):
         return by_query_blocks(
@@ -313,11 +300,13 @@ def cope_added_by_blocks(
     )
 
 
-def _prefix_block(term: Callable, ratio: float, q, k, query_positions, key_positions, embeddings, mask):
-    """The block function of :func:`~posenc_jax.functional.core.blocks.by_causal_prefix_blocks` for CoPE's
-    term with its gates' logits read from the content scores: ``block(start, rows, width, current)``."""
+def _prefix_block(term: Callable, ratio: float | None, q, k, query_positions, key_positions, embeddings, mask):
+    """The block function of :func:`~posenc_jax.functional.core.blocks.by_causal_prefix_blocks` (and, with
+    ``width`` the keys' length, of ``by_query_blocks``) for CoPE's term: ``block(start, rows, width, current)``,
+    the term of query rows ``start ..`` for keys ``0 .. width - 1``; its gates' logits are ``current``, their
+    content scores, times ``ratio`` (None: the term computes them itself)."""
 
-    def block(start, rows: int, width: int, current) -> jax.Array:
+    def block(start, rows: int, width: int, current=None) -> jax.Array:
         rows_of = lambda x, axis: x if x.shape[axis] == 1 else jax.lax.dynamic_slice_in_dim(x, start, rows, axis=axis)
         keys_of = lambda x, axis: x if x.shape[axis] in (1, width) else jax.lax.slice_in_dim(x, 0, width, axis=axis)
         return term(
@@ -327,7 +316,7 @@ def _prefix_block(term: Callable, ratio: float, q, k, query_positions, key_posit
             keys_of(key_positions, 1),
             embeddings[..., : width + 2, :],
             mask=None if mask is None else keys_of(rows_of(mask, 2), 3),
-            gate_logits=current if ratio == 1.0 else current * jnp.float32(ratio),
+            gate_logits=None if ratio is None else current if ratio == 1.0 else current * jnp.float32(ratio),
         )
 
     return block
