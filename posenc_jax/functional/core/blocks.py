@@ -22,7 +22,12 @@ __all__ = [
     "by_query_blocks",
     "causal_prefix_stages",
     "each_stage_block",
+    "takes_causal_prefixes",
 ]
+
+# A causal term of fewer values than this is computed whole, when its scores fit in one block: its prefixes
+# would save a few hundred KiB and cost a larger program to compile (the hand-written gradient's loop).
+PREFIXES_FROM = 1 << 16
 
 
 def by_query_blocks(
@@ -150,6 +155,16 @@ def causal_prefix_stages(
         out.append((first, last, int(max(1, min(last - first, block_elements // max(1, per_row))))))
         first = last
     return out
+
+
+def takes_causal_prefixes(shape: tuple, block_elements: int) -> bool:
+    """Whether a causal self-attention term of ``shape`` ``(B, N, T, S)`` is computed by causal prefixes: where
+    its scores take more than one block of ``block_elements`` values, or it holds :data:`PREFIXES_FROM` values
+    or more (a block's prefixes then save real memory: at T = 512 with 8 heads, CoPE's fwd+bwd temporaries
+    92 -> 40 MiB)."""
+    batch, heads, q_len, k_len = shape
+    rows_per_block = block_elements // max(1, batch * heads * k_len)
+    return q_len > rows_per_block or batch * heads * q_len * k_len >= PREFIXES_FROM
 
 
 def each_stage_block(stages, make_step, carry):

@@ -38,6 +38,7 @@ from posenc_jax.functional.core.blocks import (
     by_query_blocks,
     causal_prefix_stages,
     each_stage_block,
+    takes_causal_prefixes,
 )
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
 from posenc_jax.functional.core.operations import Operation
@@ -282,7 +283,10 @@ def cope_added_by_blocks(
         )
 
     rows_per_block = block_elements // max(1, shape[0] * shape[1] * k_len)
-    small = q_len <= rows_per_block and not (callable(scores) and content_scale is not None)
+    if callable(scores) and content_scale is not None:  # the gates read the scores: prefixes save their memory
+        small = not takes_causal_prefixes((shape[0], shape[1], q_len, k_len), block_elements)
+    else:
+        small = q_len <= rows_per_block
     if not self_attention or q_len != k_len or small:
         return all_keys(make_scores())
 

@@ -44,7 +44,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from posenc_jax.functional.core.blocks import causal_prefix_stages, each_stage_block
+from posenc_jax.functional.core.blocks import causal_prefix_stages, each_stage_block, takes_causal_prefixes
 from posenc_jax.functional.core.operations import Operation
 from posenc_jax.functional.core.positions import position_difference, with_batch_axis
 from posenc_jax.functional.core.relative import (
@@ -127,7 +127,7 @@ def transformer_xl_terms(
         last_keys = jnp.all(position_difference(query_positions[:, :1], key_positions[:, :1]) == k_len - q_len)
         standard = _consecutive_rows(query_positions) & _consecutive_rows(key_positions) & last_keys
         project = lambda: project_distances(jnp.arange(k_len - 1, -1, -1), position_projection)  # S-1 .. 0
-        if make_scores is not None and q_len == k_len:
+        if make_scores is not None and q_len == k_len and takes_causal_prefixes(expected, block_elements):
             # Self-attention with the ladder's positions: each block against the keys up to its last row.
             operands = (content, shifted_q, project, sinusoids_of_keys, by_identity)
             return _ladder_by_prefixes(standard, make_scores, operands, scale=scale, block_elements=block_elements)
