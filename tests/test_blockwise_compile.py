@@ -86,11 +86,13 @@ def test_paired_blocks_agree_with_the_materialised_attention(length, block):
     positions = jnp.arange(length)
     results = []
     for implementation in ("blockwise", "materialize"):
+        # Jitted (one program each, not op by op); the positions, closed over, stay known to be the indices.
         forward = _attend(implementation, length, block, positions)
-        out = forward(q, k, v, hooks)
+        out = jax.jit(forward)(q, k, v, hooks)
         loss = lambda *args, forward=forward: jnp.sum(forward(*args) * cotangent)
-        grads = jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, hooks)
-        tangent = jax.jvp(lambda *x, forward=forward: forward(*x, hooks), (q, k, v), (cotangent,) * 3)[1]
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, hooks)
+        jvp = lambda *x, forward=forward: jax.jvp(lambda *y: forward(*y, hooks), x, (cotangent,) * 3)[1]
+        tangent = jax.jit(jvp)(q, k, v)
         results.append(jax.tree.leaves((out, grads, tangent)))
     assert float(jnp.abs(results[1][0]).max()) > 1e-2
     for got, want in zip(*results, strict=True):
