@@ -41,7 +41,7 @@ def test_softmax_weights_match_the_plain_masked_softmax(rng):
     scores = scores.at[1, :, 2].set(-jnp.inf)  # a row whose every score is -inf: uniform over the seen keys
     mask = mask.at[1, 0, 2].set(jnp.arange(9) % 2 == 0)
     scores = scores.at[0, :, 3].set(jnp.where(mask[0, 0, 3], scores[0, 0, 3], jnp.nan))  # NaN only where masked
-    want, got = _plain_softmax(scores, mask), softmax_weights(scores, mask)
+    want, got = jax.jit(_plain_softmax)(scores, mask), jax.jit(softmax_weights)(scores, mask)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     np.testing.assert_array_equal(got[0, :, 0], 0.0)
     np.testing.assert_allclose(
@@ -50,7 +50,7 @@ def test_softmax_weights_match_the_plain_masked_softmax(rng):
     assert bool((got[~np.broadcast_to(mask, got.shape)] == 0).all())  # exact zeros where masked, no selection
 
     cotangent = jnp.asarray(rng.normal(size=scores.shape), jnp.float32)
-    grad = lambda fn: jax.grad(lambda s: (fn(s, mask) * cotangent).sum())(scores)
+    grad = lambda fn: jax.jit(jax.grad(lambda s: (fn(s, mask) * cotangent).sum()))(scores)
     np.testing.assert_allclose(grad(softmax_weights), grad(_plain_softmax), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(grad(softmax_weights)[0, :, 0], 0.0)
 
@@ -316,8 +316,9 @@ def test_jvp_through_causal_attention(rng):
     pos = jnp.arange(8)
     attend = lambda q, k, v: dot_product_attention(q, k, v, query_positions=pos, key_positions=pos, causal=True)
     plain = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    out, tangent = jax.jvp(attend, (q, k, v), (dq, dk, dv))
-    want_out, want_tangent = jax.jvp(plain, (q, k, v), (dq, dk, dv))
+    jvp = jax.jit(lambda fn, *args: jax.jvp(fn, args[:3], args[3:]), static_argnums=0)  # one program each
+    out, tangent = jvp(attend, q, k, v, dq, dk, dv)
+    want_out, want_tangent = jvp(plain, q, k, v, dq, dk, dv)
     np.testing.assert_allclose(out, want_out, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(tangent, want_tangent, rtol=1e-5, atol=1e-5)
     out, tangent = jax.jit(lambda v: jax.jvp(attend, (q, k, v), (dq, dk, dv)))(v.at[0, 5, 1, 3].set(jnp.nan))
