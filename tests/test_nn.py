@@ -359,13 +359,15 @@ def test_a_cache_first_written_without_its_tables_decodes_exactly(rng):
     layer = model.blocks[0].attention
     x = jnp.asarray(rng.normal(size=(2, 6, D)), jnp.float32)
     positions = jnp.broadcast_to(jnp.arange(6), (2, 6))
-    full = layer(x, query_positions=positions, causal=True)
+    # Each call compiled whole (eagerly, the layer's every operation would compile on its own).
+    call = nnx.jit(lambda layer, x, positions, cache: layer(x, query_positions=positions, causal=True, cache=cache))
+    full = call(layer, x, positions, None)
     hook = layer._hooks()[0]
     k = layer.key(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
     v = layer.value(x[:, :4]).reshape(2, 4, layer.num_kv_heads, layer.head_dim)
     cache = layer.new_cache(2, 8).append(k, v, positions[:, :4], features=(hook.key_features(k, positions[:, :4]),))
     assert not bool(cache.tables_ready)
-    out, cache = layer(x[:, 4:], query_positions=positions[:, 4:], causal=True, cache=cache)
+    out, cache = call(layer, x[:, 4:], positions[:, 4:], cache)
     assert bool(cache.tables_ready)
     np.testing.assert_allclose(out, full[:, 4:], atol=2e-5, rtol=1e-5)
 
