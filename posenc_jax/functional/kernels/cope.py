@@ -265,12 +265,9 @@ def cope_added_by_blocks(
     # S), so the interpolation reads embeddings 0 .. S + 1 at most: the others are never gathered.
     embeddings = jnp.asarray(embeddings)[..., : min(np.shape(embeddings)[-2], k_len + 2), :]
 
-    if content_scale is not None:  # the gates' logits are the content scores times this
-        ratio = (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
-
-    block = _prefix_block(
-        term, ratio if content_scale is not None else None, q, k, query_positions, key_positions, embeddings, mask
-    )
+    # The gates' logits are the content scores times this (None: the term computes them itself).
+    ratio = None if content_scale is None else (1.0 / np.sqrt(q.shape[-1]) if scale is None else scale) / content_scale
+    block = _prefix_block(term, ratio, q, k, query_positions, key_positions, embeddings, mask)
 
     def all_keys(scores):
         return by_query_blocks(
@@ -282,16 +279,16 @@ def cope_added_by_blocks(
             reads_into=content_scale is not None,
         )
 
-    rows_per_block = block_elements // max(1, shape[0] * shape[1] * k_len)
-    if callable(scores) and content_scale is not None:  # the gates read the scores: prefixes save their memory
-        small = not takes_causal_prefixes((shape[0], shape[1], q_len, k_len), block_elements)
+    gates_read = callable(scores) and content_scale is not None  # prefixes then save the scores' memory too
+    if gates_read:
+        small = not takes_causal_prefixes(shape, block_elements)
     else:
-        small = q_len <= rows_per_block
+        small = q_len <= block_elements // max(1, shape[0] * shape[1] * k_len)
     if not self_attention or q_len != k_len or small:
         return all_keys(make_scores())
 
     increasing = jnp.all(query_positions[:, 1:] > query_positions[:, :-1])
-    if callable(scores) and content_scale is not None:
+    if gates_read:
         # One conditional, each branch making the scores itself (as by_causal_prefixes_where, and why); the
         # every-key branch rematerialised in the gradient, so it keeps no residuals where not taken.
         operands = (q, k, query_positions, key_positions, embeddings, mask)
