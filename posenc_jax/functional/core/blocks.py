@@ -160,8 +160,8 @@ def causal_prefix_stages(
 def takes_causal_prefixes(shape: tuple, block_elements: int) -> bool:
     """Whether a causal self-attention term of ``shape`` ``(B, N, T, S)`` is computed by causal prefixes: where
     its scores take more than one block of ``block_elements`` values, or it holds :data:`PREFIXES_FROM` values
-    or more (a block's prefixes then save real memory: at T = 512 with 8 heads, CoPE's fwd+bwd temporaries
-    92 -> 40 MiB)."""
+    or more (then even one block's prefixes save memory worth a larger program: the gradient's buffers shrink
+    with the keys each block reads)."""
     batch, heads, q_len, k_len = shape
     rows_per_block = block_elements // max(1, batch * heads * k_len)
     return q_len > rows_per_block or batch * heads * q_len * k_len >= PREFIXES_FROM
