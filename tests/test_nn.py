@@ -97,7 +97,10 @@ def test_prefill_then_decode_equals_full_forward(rng, name):
         return model.decode(tokens, positions, caches)
 
     caches = model.init_cache(2, 12)
-    logits, caches = model.decode(tokens[:, :5], positions[:, :5], caches, key_mask=key_mask[:, :5])  # prefill
+    prefill = nnx.jit(
+        lambda model, tokens, positions, caches, key_mask: model.decode(tokens, positions, caches, key_mask=key_mask)
+    )
+    logits, caches = prefill(model, tokens[:, :5], positions[:, :5], caches, key_mask[:, :5])
     outputs = [logits]
     for t in range(5, 9):
         logits, caches = step(model, tokens[:, t : t + 1], positions[:, t : t + 1], caches)
@@ -211,7 +214,7 @@ def test_every_encoding_trains_a_step_with_finite_gradients(rng, name):
         logits = model(tokens, jnp.arange(6), deterministic=False)
         return -jnp.mean(jax.nn.log_softmax(logits)[..., 0])
 
-    value, grads = nnx.value_and_grad(loss)(model)
+    value, grads = nnx.jit(nnx.value_and_grad(loss))(model)  # one program, not one per operation
     assert np.isfinite(float(value))
     for leaf in jax.tree_util.tree_leaves(nnx.state(grads, nnx.Param)):
         assert np.isfinite(np.asarray(leaf)).all()

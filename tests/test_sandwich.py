@@ -105,8 +105,12 @@ def test_frequencies_start_at_i_equals_one_and_end_at_one_over_base():
 # ---------------------------------------------------------------- properties
 
 
+# One compiled program per shape and setting, not one per operation (jit against eager: test_jit_equals_eager).
+_sandwich_bias = jax.jit(sandwich_bias, static_argnums=0, static_argnames="dim")
+
+
 def _bias64(num_heads, q_pos, k_pos, dim):
-    return np.asarray(sandwich_bias(num_heads, _i32(q_pos), _i32(k_pos), dim=dim), np.float64)[0]
+    return np.asarray(_sandwich_bias(num_heads, _i32(q_pos), _i32(k_pos), dim=dim), np.float64)[0]
 
 
 @pytest.mark.parametrize("dim", [8, 64, 128])
