@@ -1,6 +1,7 @@
 """Relative encodings: fast paths against the pseudocode references, any positions."""
 
 import dataclasses
+import functools
 
 import chex
 import jax
@@ -937,6 +938,7 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
 
     grad = jax.jit(jax.grad(attend, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
 
+    @functools.partial(jax.jit, static_argnums=1)
     def decode(q, joined):  # one query against the keys
         encodings = [hook if joined else TermOnly(hook)]
         return dot_product_attention(q, k, v, query_positions=qp[-1:], key_positions=kp, encodings=encodings)
@@ -949,17 +951,15 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5)
     # A KV cache's stored key sinusoids take the same path.
-    cached = hook.with_key_features(hook.key_features(k, kp))
-    out = dot_product_attention(q, k, v, query_positions=qp, key_positions=kp, encodings=[cached], causal=True)
+    attend_with = jax.jit(  # one program per call below, not one per operation
+        lambda q, k, v, hook: dot_product_attention(
+            q, k, v, query_positions=qp, key_positions=kp, encodings=[hook], causal=True
+        )
+    )
+    out = attend_with(q, k, v, hook.with_key_features(hook.key_features(k, kp)))
     np.testing.assert_allclose(out, want, atol=2e-6)
     # bfloat16 keeps the term added (the features would be rounded to bfloat16 in the product).
-    half = dot_product_attention(
-        *(x.astype(jnp.bfloat16) for x in (q, k, v)),
-        query_positions=qp,
-        key_positions=kp,
-        encodings=[hook],
-        causal=True,
-    )
+    half = attend_with(*(x.astype(jnp.bfloat16) for x in (q, k, v)), hook)
     np.testing.assert_allclose(half.astype(jnp.float32), want, atol=0.1)
 
 
