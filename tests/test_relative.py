@@ -950,12 +950,12 @@ def test_functional_relative_joined_to_the_content_product_equals_its_term_added
     np.testing.assert_allclose(got, want, atol=2e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         np.testing.assert_allclose(g, w, atol=2e-5)
-    # A KV cache's stored key sinusoids take the same path.
     attend_with = jax.jit(  # one program per call below, not one per operation
         lambda q, k, v, hook: dot_product_attention(
             q, k, v, query_positions=qp, key_positions=kp, encodings=[hook], causal=True
         )
     )
+    # A KV cache's stored key sinusoids take the same path.
     out = attend_with(q, k, v, hook.with_key_features(hook.key_features(k, kp)))
     np.testing.assert_allclose(out, want, atol=2e-6)
     # bfloat16 keeps the term added (the features would be rounded to bfloat16 in the product).

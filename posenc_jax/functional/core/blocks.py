@@ -22,6 +22,7 @@ __all__ = [
     "by_query_blocks",
     "causal_prefix_stages",
     "each_stage_block",
+    "in_one_block",
     "takes_causal_prefixes",
 ]
 
@@ -163,8 +164,14 @@ def takes_causal_prefixes(shape: tuple, block_elements: int) -> bool:
     or more (then even one block's prefixes save memory worth a larger program: the gradient's buffers shrink
     with the keys each block reads)."""
     batch, heads, q_len, k_len = shape
-    rows_per_block = block_elements // max(1, batch * heads * k_len)
-    return q_len > rows_per_block or batch * heads * q_len * k_len >= PREFIXES_FROM
+    return not in_one_block(shape, block_elements) or batch * heads * q_len * k_len >= PREFIXES_FROM
+
+
+def in_one_block(shape: tuple, block_elements: int) -> bool:
+    """Whether :func:`by_query_blocks` computes a term of ``shape`` ``(B, N, T, S)`` in one block of rows: its
+    ``T`` rows of ``B · N · S`` values each fit in ``block_elements``."""
+    batch, heads, q_len, width = shape
+    return q_len <= block_elements // max(1, batch * heads * width)
 
 
 def each_stage_block(stages, make_step, carry):

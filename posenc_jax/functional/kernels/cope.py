@@ -38,6 +38,7 @@ from posenc_jax.functional.core.blocks import (
     by_query_blocks,
     causal_prefix_stages,
     each_stage_block,
+    in_one_block,
     takes_causal_prefixes,
 )
 from posenc_jax.functional.core.masks import causal_mask, combine_masks
@@ -280,10 +281,7 @@ def cope_added_by_blocks(
         )
 
     gates_read = callable(scores) and content_scale is not None  # prefixes then save the scores' memory too
-    if gates_read:
-        small = not takes_causal_prefixes(shape, block_elements)
-    else:
-        small = q_len <= block_elements // max(1, shape[0] * shape[1] * k_len)
+    small = not takes_causal_prefixes(shape, block_elements) if gates_read else in_one_block(shape, block_elements)
     if not self_attention or q_len != k_len or small:
         return all_keys(make_scores())
 
