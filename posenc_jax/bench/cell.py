@@ -43,6 +43,7 @@ from posenc_jax.bench.evaluation import (
     evaluate,
     finetuned,
     held,
+    measure_seed,
     position_buckets,
     predict,
     sequence_mesh,
@@ -53,7 +54,7 @@ from posenc_jax.bench.settings import TaskLengths, TaskSettings
 from posenc_jax.checkpoint import Checkpointer, CheckpointError
 from posenc_jax.functional.core.normalizers import normalizer_config
 from posenc_jax.functional.core.registry import encoding_config, encoding_info
-from posenc_jax.nn import Transformer, with_encoding
+from posenc_jax.nn import Transformer
 from posenc_jax.training import fit, make_optimizer, warmup_cosine_adamw
 
 __all__ = [
@@ -281,26 +282,10 @@ def train_and_evaluate(
       kill left seeds at steps they do not share.
     """
     settings = cell.settings
-    head_dim = settings.head_dim
-    configs = encodings_for(cell.encoding, head_dim, cell.train_tokens, cell.max_tokens)
-    built = {seed: build(cell, configs, seed) for seed in seeds}
-    models = {seed: m for seed, (m, _) in built.items()}
-    optimizers = {seed: o for seed, (_, o) in built.items()}
-    # Two steps kept, so a damaged newest one falls back to the one before (same results: the
-    # data of step k depends only on (seed, k)). Each records what it is a checkpoint of.
+    configs = encodings_for(cell.encoding, settings.head_dim, cell.train_tokens, cell.max_tokens)
+    models, optimizers = _build_seeds(cell, configs, seeds)
     with contextlib.ExitStack() as stack:
-        checkpointers = {
-            seed: stack.enter_context(
-                contextlib.closing(
-                    Checkpointer(
-                        checkpoint_dir(out, fingerprint, cell.task_name, cell.label, seed),
-                        max_to_keep=2,
-                        process_local=jax.process_count() > 1,  # each host of a several-host run its own
-                    )
-                )
-            )
-            for seed in seeds
-        }
+        checkpointers = _open_checkpointers(stack, out, fingerprint, cell, seeds)
         recorded = {
             seed: {
                 "settings": fingerprint,
@@ -315,9 +300,7 @@ def train_and_evaluate(
         if len(set(start.values())) > 1:
             # No step every seed has (a kill in the middle of the first saves): they start again from
             # their initialisation, together, as an uninterrupted run trains them.
-            built = {seed: build(cell, configs, seed) for seed in seeds}
-            models = {seed: m for seed, (m, _) in built.items()}
-            optimizers = {seed: o for seed, (_, o) in built.items()}
+            models, optimizers = _build_seeds(cell, configs, seeds)
             start = dict.fromkeys(seeds, 0)
         checks = {seed: _read_checks(_checks_path(out, fingerprint, cell, seed), start[seed]) for seed in seeds}
         groups = {}
@@ -348,22 +331,7 @@ def train_and_evaluate(
                     "check_score": checks[seed][-1][1] if checks[seed] else None,
                     "protocol": settings.protocol,
                 }
-                tuned = {}  # fine-tuned models, one per variant, made when first needed
-                for variant, length in todo[seed]:
-                    model = models[seed]
-                    label = cell.label
-                    if variant is not None and variant.protocol == "finetune":
-                        if variant not in tuned:
-                            tuned[variant] = finetuned(model, cell, variant, seed)
-                        model = tuned[variant]
-                        label = variant.label
-                    elif variant is not None:
-                        tokens = cell.task.max_tokens(length)
-                        config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=head_dim)
-                        model = with_encoding(model, config)
-                        label = variant.label
-                    measured = evaluate(model, cell, seed, length)
-                    write({**_row(cell, label, seed, length, measured), **training, **(stamp or {})})
+                measure_seed(cell, seed, models[seed], todo[seed], write, {**training, **(stamp or {})})
             record["eval_seconds"] = time.perf_counter() - began
             # Beside the wall seconds, the CPU seconds this process used for the group: a cell that ran
             # beside other work on a shared machine used fewer cores per second of its wall time.
@@ -372,17 +340,26 @@ def train_and_evaluate(
         return records
 
 
-def _row(cell: Cell, label: str, seed: int, length: int, measured: dict) -> dict:
+def _build_seeds(cell: Cell, configs, seeds: list[int]) -> tuple[dict, dict]:
+    """Each seed's model and optimizer state, freshly initialised: ``(models, optimizers)`` by seed."""
+    built = {seed: build(cell, configs, seed) for seed in seeds}
+    return {seed: m for seed, (m, _) in built.items()}, {seed: o for seed, (_, o) in built.items()}
+
+
+def _open_checkpointers(stack: contextlib.ExitStack, out: pathlib.Path, fingerprint: str, cell: Cell, seeds) -> dict:
+    """Each seed's checkpointer, closed with ``stack``. Two steps kept, so a damaged newest one falls back to
+    the one before (same results: the data of step k depends only on (seed, k))."""
     return {
-        "task": cell.task_name,
-        "encoding": label,
-        "seed": seed,
-        "length": int(length),
-        "metric": cell.task.metric,
-        **measured,
-        "train_length": int(cell.lengths.train),
-        "in_distribution": bool(length <= cell.lengths.train),
-        "preset": cell.settings.preset,
+        seed: stack.enter_context(
+            contextlib.closing(
+                Checkpointer(
+                    checkpoint_dir(out, fingerprint, cell.task_name, cell.label, seed),
+                    max_to_keep=2,
+                    process_local=jax.process_count() > 1,  # each host of a several-host run its own
+                )
+            )
+        )
+        for seed in seeds
     }
 
 
@@ -451,126 +428,145 @@ def _train_group(
     }
     if first_step >= settings.steps or (stops and all(held(checks[seed], criterion) is not None for seed in group)):
         return record
-    per_dispatch = settings.steps_per_dispatch
-    if first_step % per_dispatch:
+    if first_step % settings.steps_per_dispatch:
         raise ValueError(
             f"{cell.task_name} / {cell.label}: resuming at step {first_step}, which is not a multiple of "
-            f"steps_per_dispatch={per_dispatch}; checkpoints of these settings are saved between dispatches"
+            f"steps_per_dispatch={settings.steps_per_dispatch}; checkpoints of these settings are saved between "
+            "dispatches"
         )
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
-    on_device = settings.batches == "device"
-    if on_device:
-        make_batch = DeviceBatches(cell.task, cell.lengths, settings.batch_size)
-        data, keys = seeds.replicate((make_batch.data, jnp.stack([seed_key(s) for s in group])))
-    held_out = {seed: check_batch(cell, seed) for seed in group}
-    pending = []  # the losses of the steps since the last look at them (left on the device until then)
-    looked = first_step  # the steps whose losses were looked at
-    progress = None
-    paused = 0.0  # checks and checkpoint writes, kept out of the training time
-    began = time.perf_counter()
-
-    def batches():
-        """What each call of ``step_fn`` trains on: the seeds' stacked host batches of one step,
-        or (device batches) the first step of a dispatch."""
-        if on_device:
-            yield from itertools.count(first_step, per_dispatch)
-            return
-        for step in itertools.count(first_step):
-            per_seed = [train_batch(settings, seed, step) for seed in group]
-            yield {name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]}
-
-    def learned(seed) -> bool:
-        return held(checks[seed], criterion) is not None
-
-    frozen = [stops and learned(seed) for seed in group]
-
-    def step_fn(group_, _, batch):
-        nonlocal began, progress
-        if on_device:
-            losses = group_.train(make_batch, data, keys, batch, per_dispatch, frozen)  # [steps, seeds]
-        else:
-            losses = group_.step(batch, frozen)
-        pending.append(losses)
-        if progress is None and record["compile_seconds"] == 0.0:  # the first call: its time is compilation
-            jax.block_until_ready(losses)
-            record["compile_seconds"] = time.perf_counter() - began
-            began = time.perf_counter()
-            if bar is not None:
-                progress = bar(
-                    settings.steps, first_step + per_dispatch, f"{cell.task_name} / {cell.label} / seeds {seed_list}"
-                )
-        elif progress is not None:
-            progress.update(per_dispatch)
-        return losses
-
-    def finite() -> None:
-        """Stops the cell at a non-finite loss (before it is checked or saved), naming the step."""
-        nonlocal looked
-        for loss in pending:
-            for values in np.asarray(loss).reshape(-1, len(group)):  # one row of the seeds' losses a step
-                bad = np.flatnonzero(~np.isfinite(values))
-                if bad.size:
-                    if progress is not None:
-                        progress.close()
-                    raise DivergedError(cell, [group[i] for i in bad], looked + 1, float(values[bad[0]]))
-                looked += 1
-        pending.clear()
-
-    def check(step) -> bool:
-        nonlocal paused
-        jax.block_until_ready(seeds.state)  # the steps queued so far count as training
-        finite()
-        started = time.perf_counter()
-        for i, seed in enumerate(group):
-            if frozen[i]:
-                continue  # stopped at its criterion: its state, and so its score, no longer change
-            model, _ = seeds.seed(i)
-            checks[seed].append([step, check_score(model, cell, held_out[seed], criterion)])
-            frozen[i] = stops and learned(seed)
-        paused += time.perf_counter() - started
-        if progress is not None:
-            progress.set_postfix(check=" ".join(f"{checks[seed][-1][1]:.3f}" for seed in group))
-        return all(frozen)
-
-    def save(step) -> None:
-        nonlocal paused
-        jax.block_until_ready(seeds.state)
-        finite()  # a diverged state is never saved, so a re-run resumes from finite weights
-        started = time.perf_counter()
-        for i, seed in enumerate(group):
-            # The checks first: a kill between the two leaves checks a step ahead of the newest
-            # checkpoint, which reading them up to the restored step drops.
-            save_checks(seed)
-            model, optimizer = seeds.seed(i)
-            checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
-        paused += time.perf_counter() - started
-
-    seed_list = ",".join(map(str, group))
-    # fit counts calls of step_fn: dispatches of per_dispatch steps (one step with host batches).
-    losses = fit(
-        seeds,
-        None,
-        batches(),
-        steps=settings.steps // per_dispatch,
-        start_step=first_step // per_dispatch,
-        log=None,
-        step_fn=step_fn,
-        save=lambda dispatch: save(dispatch * per_dispatch),
-        checkpoint_every=settings.checkpoint_every // per_dispatch,
-        check_every=settings.check_every // per_dispatch,
-        check=lambda dispatch: check(dispatch * per_dispatch),
-    )
-    jax.block_until_ready(seeds.state)
-    finite()
-    record["train_seconds"] = time.perf_counter() - began - paused
-    record["checkpoint_seconds"] = paused
-    record["final_loss"] = [float(x) for x in np.asarray(losses[-1]).reshape(-1, len(group))[-1]]
-    record["steps"] = {
-        seed: (held(checks[seed], criterion) if stops else None) or first_step + len(losses) * per_dispatch
-        for seed in group
-    }
-    if progress is not None:
-        progress.close()
+    run = _GroupRun(cell, group, first_step, seeds, record, checks=checks, criterion=criterion, bar=bar)
+    run.train(lambda step: run.save(step, checkpointers, recorded, save_checks))
     for i, seed in enumerate(group):
         models[seed], optimizers[seed] = seeds.seed(i)
     return record
+
+
+class _GroupRun:
+    """One group of seeds in training (:func:`_train_group`): the seeds stacked, each one's held-out batch
+    and checks, the losses not looked at yet, the progress bar, and the time spent on checks and saves
+    (kept out of the training time). Fills ``record`` as it goes."""
+
+    def __init__(self, cell, group, first_step, seeds: SeedGroup, record: dict, *, checks, criterion, bar):
+        self.cell, self.settings, self.group, self.first_step = cell, cell.settings, group, first_step
+        self.seeds, self.record, self.checks, self.criterion, self.bar = seeds, record, checks, criterion, bar
+        self.stops = self.settings.protocol == "to-criterion"
+        self.per_dispatch = self.settings.steps_per_dispatch
+        self.on_device = self.settings.batches == "device"
+        if self.on_device:
+            self.make_batch = DeviceBatches(cell.task, cell.lengths, self.settings.batch_size)
+            self.data, self.keys = seeds.replicate((self.make_batch.data, jnp.stack([seed_key(s) for s in group])))
+        self.held_out = {seed: check_batch(cell, seed) for seed in group}
+        self.pending = []  # the losses of the steps since the last look at them (left on the device until then)
+        self.looked = first_step  # the steps whose losses were looked at
+        self.progress = None
+        self.paused = 0.0  # checks and checkpoint writes, kept out of the training time
+        self.began = time.perf_counter()
+        self.frozen = [self.stops and self.learned(seed) for seed in group]
+
+    def learned(self, seed) -> bool:
+        return held(self.checks[seed], self.criterion) is not None
+
+    def batches(self):
+        """What each call of :meth:`step` trains on: the seeds' stacked host batches of one step,
+        or (device batches) the first step of a dispatch."""
+        if self.on_device:
+            yield from itertools.count(self.first_step, self.per_dispatch)
+            return
+        for step in itertools.count(self.first_step):
+            per_seed = [train_batch(self.settings, seed, step) for seed in self.group]
+            yield {name: np.stack([b[name] for b in per_seed]) for name in per_seed[0]}
+
+    def step(self, group_, _, batch):
+        """One call: a step (host batches) or a dispatch of steps (device batches); the first one's time is
+        compilation, after which the progress bar starts."""
+        if self.on_device:
+            losses = group_.train(self.make_batch, self.data, self.keys, batch, self.per_dispatch, self.frozen)
+        else:
+            losses = group_.step(batch, self.frozen)  # [seeds]; device batches: [steps, seeds]
+        self.pending.append(losses)
+        if self.progress is None and self.record["compile_seconds"] == 0.0:
+            jax.block_until_ready(losses)
+            self.record["compile_seconds"] = time.perf_counter() - self.began
+            self.began = time.perf_counter()
+            if self.bar is not None:
+                seed_list = ",".join(map(str, self.group))
+                self.progress = self.bar(
+                    self.settings.steps,
+                    self.first_step + self.per_dispatch,
+                    f"{self.cell.task_name} / {self.cell.label} / seeds {seed_list}",
+                )
+        elif self.progress is not None:
+            self.progress.update(self.per_dispatch)
+        return losses
+
+    def finite(self) -> None:
+        """Stops the cell at a non-finite loss (before it is checked or saved), naming the step."""
+        for loss in self.pending:
+            for values in np.asarray(loss).reshape(-1, len(self.group)):  # one row of the seeds' losses a step
+                bad = np.flatnonzero(~np.isfinite(values))
+                if bad.size:
+                    if self.progress is not None:
+                        self.progress.close()
+                    raise DivergedError(self.cell, [self.group[i] for i in bad], self.looked + 1, float(values[bad[0]]))
+                self.looked += 1
+        self.pending.clear()
+
+    def check(self, step) -> bool:
+        """Each seed still training scored on its held-out batch; whether every seed has stopped."""
+        jax.block_until_ready(self.seeds.state)  # the steps queued so far count as training
+        self.finite()
+        started = time.perf_counter()
+        for i, seed in enumerate(self.group):
+            if self.frozen[i]:
+                continue  # stopped at its criterion: its state, and so its score, no longer change
+            model, _ = self.seeds.seed(i)
+            self.checks[seed].append([step, check_score(model, self.cell, self.held_out[seed], self.criterion)])
+            self.frozen[i] = self.stops and self.learned(seed)
+        self.paused += time.perf_counter() - started
+        if self.progress is not None:
+            self.progress.set_postfix(check=" ".join(f"{self.checks[seed][-1][1]:.3f}" for seed in self.group))
+        return all(self.frozen)
+
+    def save(self, step, checkpointers, recorded, save_checks) -> None:
+        """Each seed's checks, then its checkpoint at ``step``."""
+        jax.block_until_ready(self.seeds.state)
+        self.finite()  # a diverged state is never saved, so a re-run resumes from finite weights
+        started = time.perf_counter()
+        for i, seed in enumerate(self.group):
+            # The checks first: a kill between the two leaves checks a step ahead of the newest
+            # checkpoint, which reading them up to the restored step drops.
+            save_checks(seed)
+            model, optimizer = self.seeds.seed(i)
+            checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
+        self.paused += time.perf_counter() - started
+
+    def train(self, save) -> None:
+        """Trains to the end (``fit`` counts calls of :meth:`step`: dispatches of ``per_dispatch`` steps, one
+        step with host batches) and records the times, the final losses and each seed's steps."""
+        per_dispatch, settings, record = self.per_dispatch, self.settings, self.record
+        losses = fit(
+            self.seeds,
+            None,
+            self.batches(),
+            steps=settings.steps // per_dispatch,
+            start_step=self.first_step // per_dispatch,
+            log=None,
+            step_fn=self.step,
+            save=lambda dispatch: save(dispatch * per_dispatch),
+            checkpoint_every=settings.checkpoint_every // per_dispatch,
+            check_every=settings.check_every // per_dispatch,
+            check=lambda dispatch: self.check(dispatch * per_dispatch),
+        )
+        jax.block_until_ready(self.seeds.state)
+        self.finite()
+        record["train_seconds"] = time.perf_counter() - self.began - self.paused
+        record["checkpoint_seconds"] = self.paused
+        record["final_loss"] = [float(x) for x in np.asarray(losses[-1]).reshape(-1, len(self.group))[-1]]
+        record["steps"] = {
+            seed: (held(self.checks[seed], self.criterion) if self.stops else None)
+            or self.first_step + len(losses) * per_dispatch
+            for seed in self.group
+        }
+        if self.progress is not None:
+            self.progress.close()

@@ -357,12 +357,20 @@ class _Catalogue(argparse.RawDescriptionHelpFormatter):
         return super()._format_text(text)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line: ``extrapolate``, ``merge``, ``probe`` and ``queue``, each with its handler."""
     import posenc_jax
 
     parser = argparse.ArgumentParser(prog="posenc-bench", description="Benchmarks of posenc_jax.")
     parser.add_argument("--version", action="version", version=f"posenc-bench (posenc_jax) {posenc_jax.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_extrapolate, _add_merge, _add_probe, _add_queue):
+        add(sub)
+    return parser
+
+
+def _add_extrapolate(sub) -> None:
+    """``extrapolate``: what to run (preset, encodings, tasks, seeds, sizes, protocol) and how (its run handling)."""
     ex = sub.add_parser(
         "extrapolate",
         help="train short, test long, for each encoding and task",
@@ -429,6 +437,12 @@ def main(argv=None) -> int:
         help="ours (the benchmark's compact task formats) or paper (the formats of the papers' code: instruction "
         "words, separators and alphabets; decoder and encoder tasks only); default: the preset's",
     )
+    _add_run_handling(ex)
+    ex.set_defaults(handler=_extrapolate)
+
+
+def _add_run_handling(ex) -> None:
+    """``extrapolate``'s output, resuming and hosts: progress, plots, checkpoints, repair, hosts, processes."""
     ex.add_argument(
         "--no-progress", action="store_true", help="no progress bars (needs no tqdm; bars show only on a terminal)"
     )
@@ -463,7 +477,10 @@ def main(argv=None) -> int:
         help="call jax.distributed.initialize() (a TPU pod slice, a GPU cluster) and take --host from its "
         "process index and count",
     )
-    ex.set_defaults(handler=_extrapolate)
+
+
+def _add_merge(sub) -> None:
+    """``merge``: host folders (or any folders of one preset's settings) joined into one."""
     mg = sub.add_parser(
         "merge",
         help="join the host folders of a run over several hosts (--host), or any results folders of one "
@@ -484,6 +501,10 @@ def main(argv=None) -> int:
         "report, instead of refusing them",
     )
     mg.set_defaults(handler=_merge)
+
+
+def _add_probe(sub) -> None:
+    """``probe``: the blind-spot probe."""
     pr = sub.add_parser(
         "probe", help="the blind-spot probe (Su 2022; Luo et al.): n identical tokens, per encoding x normaliser"
     )
@@ -501,6 +522,10 @@ def main(argv=None) -> int:
     pr.add_argument("--out", help="output folder (default results/probe)")
     pr.add_argument("--no-progress", action="store_true")
     pr.set_defaults(handler=_probe)
+
+
+def _add_queue(sub) -> None:
+    """``queue``: the accelerator queue."""
     qu = sub.add_parser(
         "queue",
         help="run the accelerator queue: pending units (a cell's seeds) in priority order, into folders under docs/",
@@ -541,6 +566,10 @@ def main(argv=None) -> int:
     qu.add_argument("--no-plots", action="store_true", help="skip the PNG plots (needs no matplotlib)")
     qu.add_argument("--no-progress", action="store_true", help="no progress bars")
     qu.set_defaults(handler=_queue)
+
+
+def main(argv=None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     try:

@@ -3,8 +3,9 @@
 :func:`evaluate` scores a trained model at one evaluation length (for text also by position
 range, :func:`position_buckets`); :func:`check_batch` and :func:`check_score` are the held-out
 checks training records its criterion from (:class:`Criterion`, :func:`held`); :func:`finetuned`
-is the short fine-tune of RoPE's scaled variants. Each takes a :class:`~posenc_jax.bench.cell.Cell`
-(``cell``): its task, its resolved settings and its lengths.
+is the short fine-tune of RoPE's scaled variants; :func:`measure_seed` writes a trained seed's rows.
+Each takes a :class:`~posenc_jax.bench.cell.Cell` (``cell``): its task, its resolved settings and its
+lengths.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "evaluate",
     "finetuned",
     "held",
+    "measure_seed",
     "position_buckets",
     "predict",
     "sequence_mesh",
@@ -138,6 +140,39 @@ def evaluate(model, cell, seed: int, length: int) -> dict:
         label: float(bits[first:end].mean()) for label, first, end in position_buckets(cell.lengths.train, length)
     }
     return {"value": float(bits.mean()), "buckets": buckets}
+
+
+def measure_seed(cell, seed: int, model, todo: list, write, fields: dict) -> None:
+    """Measures one trained seed's rows left (``todo``: ``(variant, length)`` pairs) and writes each, with
+    ``fields`` (its training record and stamp): the trained encoding, each evaluation-only variant (the
+    model with the variant's encoding), each fine-tuned one (fine-tuned once, when first needed)."""
+    tuned = {}
+    for variant, length in todo:
+        evaluated, label = model, cell.label
+        if variant is not None and variant.protocol == "finetune":
+            if variant not in tuned:
+                tuned[variant] = finetuned(model, cell, variant, seed)
+            evaluated, label = tuned[variant], variant.label
+        elif variant is not None:
+            tokens = cell.task.max_tokens(length)
+            config = variant.config(train_tokens=cell.train_tokens, eval_tokens=tokens, head_dim=cell.settings.head_dim)
+            evaluated, label = with_encoding(model, config), variant.label
+        measured = evaluate(evaluated, cell, seed, length)
+        write({**_row(cell, label, seed, length, measured), **fields})
+
+
+def _row(cell, label: str, seed: int, length: int, measured: dict) -> dict:
+    return {
+        "task": cell.task_name,
+        "encoding": label,
+        "seed": seed,
+        "length": int(length),
+        "metric": cell.task.metric,
+        **measured,
+        "train_length": int(cell.lengths.train),
+        "in_distribution": bool(length <= cell.lengths.train),
+        "preset": cell.settings.preset,
+    }
 
 
 @functools.cache

@@ -160,58 +160,8 @@ def figure(task_name: str, results: Results):
     fig.subplots_adjust(left=0.07, right=0.98, top=1 - 0.7 / fig.get_figheight(), wspace=0.12, hspace=0.32)
     for row, line_axes in enumerate(axes):
         for ax, (panel, members) in zip(line_axes, panels, strict=True):
-            for encoding in members:
-                mean, low, high = curves[encoding]
-                style = styles[encoding]
-                if not summaries[encoding].learned:
-                    ax.plot(
-                        lengths,
-                        mean,
-                        color="0.6",
-                        lw=1,
-                        ms=4,
-                        markerfacecolor="none",
-                        linestyle=":",
-                        marker=style["marker"],
-                        label=f"{encoding} (not learned)",
-                    )
-                else:
-                    ax.plot(lengths, mean, lw=1.4, ms=4, label=encoding, **style)
-                    ax.fill_between(lengths, low, high, color=style["color"], alpha=0.15, lw=0)
-                if row == 1:  # the zoomed row: mark the points above its range
-                    above = [n for n, v in zip(lengths, mean, strict=True) if v > zoom[1]]
-                    ax.plot(
-                        above,
-                        [zoom[1]] * len(above),
-                        linestyle="none",
-                        marker="^",
-                        ms=6,
-                        color=style["color"] if summaries[encoding].learned else "0.6",
-                        clip_on=False,
-                        label="_above",
-                    )
-            if "lengths" in known:
-                for name, line in (("position-only", (0, (1, 1))), ("content-only", (0, (4, 2))), ("chance", "-")):
-                    values = [known["lengths"].get(str(n), {}).get(name) for n in lengths]
-                    if all(v is not None for v in values):
-                        ax.plot(lengths, values, color="k", lw=0.8, linestyle=line, alpha=0.6, label=f"{name} baseline")
-            if best:
-                ax.axhline(
-                    best["bits_per_char"],
-                    color="k",
-                    lw=0.8,
-                    linestyle=(0, (1, 1)),
-                    alpha=0.6,
-                    label=f"best n-gram ({best['order']}-gram)",
-                )
-            ax.axvline(
-                sample["train_length"],
-                color="0.35",
-                linestyle="-.",
-                linewidth=0.8,
-                alpha=0.7,
-                label=f"training length ({sample['train_length']})",
-            )
+            _encoding_lines(ax, members, curves, styles, summaries, lengths, zoom[1] if row == 1 else None)
+            _reference_lines(ax, known, best, lengths, sample["train_length"])
             if text:
                 ax.set_xscale("log", base=2)
                 ax.set_xticks(lengths, [str(n) for n in lengths], rotation=45)
@@ -227,7 +177,74 @@ def figure(task_name: str, results: Results):
                 ax.set_xlabel(f"evaluation length ({_unit(task_name, text)})", fontsize=8)
             ax.grid(alpha=0.25)
         line_axes[0].set_ylabel(sample["metric"].replace("_", " ") + (" (lower is better)" if text else ""))
-    # Each column's legend under its bottom axes, below the tick labels and the axis label.
+    _legends_below(fig, axes)
+    fig.suptitle(f"{title(task_name)}: mean over all seeds, band = 95% interval", fontsize=10)
+    return fig
+
+
+def _encoding_lines(ax, members, curves, styles, summaries, lengths, top) -> None:
+    """Each encoding's line in one panel: learned cells as the mean with a 95% band, unlearned ones hollow,
+    grey and dotted; ``top``: the zoomed row's upper limit, past which a point is marked with ▲ (or None)."""
+    for encoding in members:
+        mean, low, high = curves[encoding]
+        style = styles[encoding]
+        if not summaries[encoding].learned:
+            ax.plot(
+                lengths,
+                mean,
+                color="0.6",
+                lw=1,
+                ms=4,
+                markerfacecolor="none",
+                linestyle=":",
+                marker=style["marker"],
+                label=f"{encoding} (not learned)",
+            )
+        else:
+            ax.plot(lengths, mean, lw=1.4, ms=4, label=encoding, **style)
+            ax.fill_between(lengths, low, high, color=style["color"], alpha=0.15, lw=0)
+        if top is not None:  # the zoomed row: mark the points above its range
+            above = [n for n, v in zip(lengths, mean, strict=True) if v > top]
+            ax.plot(
+                above,
+                [top] * len(above),
+                linestyle="none",
+                marker="^",
+                ms=6,
+                color=style["color"] if summaries[encoding].learned else "0.6",
+                clip_on=False,
+                label="_above",
+            )
+
+
+def _reference_lines(ax, known: dict, best, lengths, train_length: int) -> None:
+    """The baselines (position-only, content-only, chance; the best n-gram on text) and the training length."""
+    if "lengths" in known:
+        for name, line in (("position-only", (0, (1, 1))), ("content-only", (0, (4, 2))), ("chance", "-")):
+            values = [known["lengths"].get(str(n), {}).get(name) for n in lengths]
+            if all(v is not None for v in values):
+                ax.plot(lengths, values, color="k", lw=0.8, linestyle=line, alpha=0.6, label=f"{name} baseline")
+    if best:
+        ax.axhline(
+            best["bits_per_char"],
+            color="k",
+            lw=0.8,
+            linestyle=(0, (1, 1)),
+            alpha=0.6,
+            label=f"best n-gram ({best['order']}-gram)",
+        )
+    ax.axvline(
+        train_length,
+        color="0.35",
+        linestyle="-.",
+        linewidth=0.8,
+        alpha=0.7,
+        label=f"training length ({train_length})",
+    )
+
+
+def _legends_below(fig, axes) -> None:
+    """Each column's legend under its bottom axes, below the tick labels and the axis label."""
     renderer = fig.canvas.get_renderer()
     bottom = min(ax.xaxis.get_tightbbox(renderer).y0 for ax in axes[-1])
     for ax in axes[-1]:
@@ -241,8 +258,6 @@ def figure(task_name: str, results: Results):
             bbox_to_anchor=(0.5, below - 0.02),
             ncol=2,
         )
-    fig.suptitle(f"{title(task_name)}: mean over all seeds, band = 95% interval", fontsize=10)
-    return fig
 
 
 def plot(results: Results | str | pathlib.Path, out: pathlib.Path | None = None) -> list[pathlib.Path]:

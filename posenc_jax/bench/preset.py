@@ -210,6 +210,14 @@ class Preset:
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad setting and what to do."""
+        self._validate_names()
+        self._validate_training()
+        self._validate_lengths()
+        self._validate_formats()
+        self._validate_shapes()
+
+    def _validate_names(self) -> None:
+        """The names: encodings, tasks, seeds, normalisers and scalings, each known and named once."""
         for what, values, example in (
             ("encodings", self.encodings, "--encodings rope,alibi"),
             ("tasks", self.tasks, "--tasks counting_copy"),
@@ -241,6 +249,9 @@ class Preset:
                 f"unknown RoPE scalings {unknown} in eval_only_scalings or finetune_scalings; "
                 f"known: {', '.join(scalings)}"
             )
+
+    def _validate_training(self) -> None:
+        """The training settings: fine-tuning, steps, seeds, rates, sizes, the gate and the margins."""
         if self.finetune_steps < 0 or self.finetune_multiple < 2 or not self.finetune_learning_rate > 0:
             raise ValueError(
                 f"finetune_steps must be >= 0, finetune_multiple >= 2 and finetune_learning_rate > 0, got "
@@ -303,6 +314,9 @@ class Preset:
                 f"text_margin must be in [0, 8) bits per character, got {self.text_margin}; 0.2 is the default "
                 "(text trains until it beats the best n-gram model by this much)"
             )
+
+    def _validate_lengths(self) -> None:
+        """The lengths, the text corpus and windows, the per-task overrides (each task's settings validated too)."""
         if self.train_length not in self.eval_lengths or 1 not in self.text_multiples:
             raise ValueError(
                 f"eval lengths {self.eval_lengths} must include the training length {self.train_length}, and text "
@@ -339,6 +353,9 @@ class Preset:
                 dataclasses.replace(self.for_task(task_name), task_overrides=()).validate()
         if self.checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be >= 1, got {self.checkpoint_every}")
+
+    def _validate_formats(self) -> None:
+        """The task format, where batches are made and how many steps a dispatch runs."""
         if self.task_format not in TASK_FORMATS:
             raise ValueError(f"task_format must be one of {', '.join(TASK_FORMATS)}, got {self.task_format!r}")
         unformatted = [t for t in self.tasks if self.task_format != "ours" and t not in FORMATTED_TASKS]
@@ -376,6 +393,9 @@ class Preset:
                 f"steps_per_dispatch={k} must divide steps, check_every and checkpoint_every (checks and "
                 f"checkpoints fall between dispatches), not {', '.join(undivided)}"
             )
+
+    def _validate_shapes(self) -> None:
+        """The lengths' ranges, the model's shape and the evaluation's implementation."""
         if not 1 <= self.train_min_length <= self.train_length:
             raise ValueError(
                 f"train_min_length must be in 1..train_length ({self.train_length}), got {self.train_min_length}"

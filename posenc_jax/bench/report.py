@@ -272,6 +272,31 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
     out = pathlib.Path(out)
     preset, record = results.preset, results.record
     pipeline_check = preset.get("name") == "smoke"
+    lines = _front_matter(preset, record, pipeline_check)
+    summaries = cells(results)
+    tasks = list(dict.fromkeys(c.task for c in summaries))
+    lines += _missing_cells(record, results.rows)
+    if len(tasks) > 1 and not pipeline_check:
+        lines += [
+            "## Overview",
+            "",
+            "Beyond the training length: the mean over all seeds [95% interval]; exact match or accuracy, "
+            "higher is better; text in bits per character, lower is better. `not learned (k/n)`: the mean over all "
+            "seeds did not pass the gate at the training length (k of n seeds passed on their own).",
+            "",
+            summarize(results),
+            "",
+        ]
+    for task in tasks:
+        lines += _task_section(task, [c for c in summaries if c.task == task], results, pipeline_check, plots)
+    text = "\n".join(lines)
+    (out / "report.md").write_text(text)
+    return text
+
+
+def _front_matter(preset: dict, record: dict, pipeline_check: bool) -> list[str]:
+    """The report's title and what every table shares: the smoke preset's warning, the protocol, the corpus,
+    the devices and commits that made the rows, and what a partial merge leaves out."""
     lines = ["# Length extrapolation", ""]
     if pipeline_check:
         lines += [
@@ -302,86 +327,76 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
             f"{', '.join(record['unfinished'])}. Their cells are missing from every table.",
             "",
         ]
-    summaries = cells(results)
-    tasks = list(dict.fromkeys(c.task for c in summaries))
-    lines += _missing_cells(record, results.rows)
-    if len(tasks) > 1 and not pipeline_check:
-        lines += [
-            "## Overview",
-            "",
-            "Beyond the training length: the mean over all seeds [95% interval]; exact match or accuracy, "
-            "higher is better; text in bits per character, lower is better. `not learned (k/n)`: the mean over all "
-            "seeds did not pass the gate at the training length (k of n seeds passed on their own).",
-            "",
-            summarize(results),
-            "",
-        ]
-    for task in tasks:
-        here = [c for c in summaries if c.task == task]
-        first = here[0]
-        threshold, higher = results.threshold(task)
-        direction = "higher" if higher else "lower"
-        gate = (
-            f"all-seed mean at least {threshold}"
-            if higher
-            else f"all-seed mean below {threshold:.3f} bits per character (best n-gram less the margin)"
+    return lines
+
+
+def _task_section(task: str, here: list, results: Results, pipeline_check: bool, plots: bool) -> list[str]:
+    """One task's section: its gate, its table (with the published column where there is one), the
+    baselines, the notes its rows need, its text sections, its ordering and its plot."""
+    preset = results.preset
+    lines = []
+    first = here[0]
+    threshold, higher = results.threshold(task)
+    direction = "higher" if higher else "lower"
+    gate = (
+        f"all-seed mean at least {threshold}"
+        if higher
+        else f"all-seed mean below {threshold:.3f} bits per character (best n-gram less the margin)"
+    )
+    lines += [
+        f"## {title(task)}",
+        "",
+        f"Task `{task}`; {first.metric.replace('_', ' ')}, {direction} is better. Learned: {gate} at length "
+        f"{first.train_length}.",
+        "",
+    ]
+    published = not pipeline_check and task in PUBLISHED
+    best = "min" if not higher else "max"
+    header = (
+        f"| encoding | seeds learned | at training length ({first.train_length}) | beyond training "
+        f"(> {first.train_length}) | best seed ({best}) | steps | steps to criterion |"
+    )
+    sep = "|---|---|---|---|---|---|---|"
+    if published:
+        header += " published, test 21-40 (other protocol) |"
+        sep += "---|"
+    lines += [header, sep]
+    for c in here:
+        row = (
+            f"| {c.encoding} | {len(c.learned_seeds)}/{c.seeds} | {c.text('at_training')} | "
+            f"{c.text('extrapolation')} | {'-' if c.best is None else f'{c.best:.3f}'} | {_steps(c.steps)} | "
+            f"{_criterion(c)} |"
         )
-        lines += [
-            f"## {title(task)}",
-            "",
-            f"Task `{task}`; {first.metric.replace('_', ' ')}, {direction} is better. Learned: {gate} at length "
-            f"{first.train_length}.",
-            "",
-        ]
-        published = not pipeline_check and task in PUBLISHED
-        best = "min" if not higher else "max"
-        header = (
-            f"| encoding | seeds learned | at training length ({first.train_length}) | beyond training "
-            f"(> {first.train_length}) | best seed ({best}) | steps | steps to criterion |"
+        if published:
+            row += f" {_published_cell(task, c.encoding)} |"
+        lines.append(row)
+    lines += [*(r + (" |" if published else "") for r in _baseline_rows(task, results, first.train_length)), ""]
+    if any(c.encoding.endswith("@eval") for c in here):
+        lines.append(
+            "Rows `rope+<scaling>@eval` are the trained RoPE model evaluated with that RoPE scaling, "
+            "sized at each length (factor = test tokens / training tokens): evaluation only, no training."
         )
-        sep = "|---|---|---|---|---|---|---|"
-        if published:
-            header += " published, test 21-40 (other protocol) |"
-            sep += "---|"
-        lines += [header, sep]
-        for c in here:
-            row = (
-                f"| {c.encoding} | {len(c.learned_seeds)}/{c.seeds} | {c.text('at_training')} | "
-                f"{c.text('extrapolation')} | {'-' if c.best is None else f'{c.best:.3f}'} | {_steps(c.steps)} | "
-                f"{_criterion(c)} |"
-            )
-            if published:
-                row += f" {_published_cell(task, c.encoding)} |"
-            lines.append(row)
-        lines += [*(r + (" |" if published else "") for r in _baseline_rows(task, results, first.train_length)), ""]
-        if any(c.encoding.endswith("@eval") for c in here):
-            lines.append(
-                "Rows `rope+<scaling>@eval` are the trained RoPE model evaluated with that RoPE scaling, "
-                "sized at each length (factor = test tokens / training tokens): evaluation only, no training."
-            )
-        if any(c.encoding.endswith("@ft") for c in here):
-            multiple, steps = preset.get("finetune_multiple"), preset.get("finetune_steps")
-            lines.append(
-                f"Rows `rope+<scaling>@ft` are the trained RoPE model given that scaling for {multiple}x the training "
-                f"context and fine-tuned {steps} steps there (as Chen et al. 2023 and Peng et al. 2023 do), "
-                "then evaluated with that one scaling at every length; `rope@ft` is plain RoPE fine-tuned the same way."
-            )
-        if published:
-            lines.append(
-                f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
-                "ordering, not the numbers."
-            )
-        note = "" if pipeline_check else format_note(task, preset.get("task_format", "ours"))
-        if note:
-            lines.append(note)
-        if task == "text":
-            lines += ["", *_text_sections(task, results, here)]
-            if not pipeline_check:
-                lines.append(f"Reference shape: {TEXT_REFERENCE}")
-        lines += ["", *_ordering_lines(task, results)]
-        if plots:
-            lines.append(f"![{task}]({task}.png)")
-        lines.append("")
-    text = "\n".join(lines)
-    (out / "report.md").write_text(text)
-    return text
+    if any(c.encoding.endswith("@ft") for c in here):
+        multiple, steps = preset.get("finetune_multiple"), preset.get("finetune_steps")
+        lines.append(
+            f"Rows `rope+<scaling>@ft` are the trained RoPE model given that scaling for {multiple}x the training "
+            f"context and fine-tuned {steps} steps there (as Chen et al. 2023 and Peng et al. 2023 do), "
+            "then evaluated with that one scaling at every length; `rope@ft` is plain RoPE fine-tuned the same way."
+        )
+    if published:
+        lines.append(
+            f"Published column: {PUBLISHED_PROTOCOL}; same task, not the same protocol, so compare the "
+            "ordering, not the numbers."
+        )
+    note = "" if pipeline_check else format_note(task, preset.get("task_format", "ours"))
+    if note:
+        lines.append(note)
+    if task == "text":
+        lines += ["", *_text_sections(task, results, here)]
+        if not pipeline_check:
+            lines.append(f"Reference shape: {TEXT_REFERENCE}")
+    lines += ["", *_ordering_lines(task, results)]
+    if plots:
+        lines.append(f"![{task}]({task}.png)")
+    lines.append("")
+    return lines
