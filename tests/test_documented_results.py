@@ -331,6 +331,16 @@ def test_every_committed_run_has_the_baselines_of_its_tasks():
         assert tasks <= set(json.loads(baselines.read_text())), (run.parent, tasks)
 
 
+def test_a_run_of_the_earlier_method_is_refused_by_the_report_writer_not_half_read(tmp_path):
+    """`extrapolation-cpu-long` predates the gate (its preset has no check_every): the report writer says so
+    and writes nothing, instead of failing on a missing key (its committed report stays as written then)."""
+    from posenc_jax.bench.report import write_report
+
+    with pytest.raises(ValueError, match="'cpu-long' records no check_every: it predates the gate"):
+        write_report(ROOT / "docs" / "extrapolation-cpu-long", tmp_path, plots=False)
+    assert not (tmp_path / "report.md").exists()
+
+
 def test_every_committed_report_is_its_rows_read_now(tmp_path):
     """No committed report is left computed the old way: each is what the report writer makes of
     its rows today (`python tools/reanalyse.py` rewrites them)."""

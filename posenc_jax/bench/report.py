@@ -271,6 +271,12 @@ def write_report(results: Results | str | pathlib.Path, out: pathlib.Path | None
         results = read(results)
     out = pathlib.Path(out)
     preset, record = results.preset, results.record
+    if preset and "check_every" not in preset:
+        raise ValueError(
+            f"{out}: this run's preset {preset.get('name')!r} records no check_every: it predates the gate and the "
+            "protocols the report reads (every cell learned-first, steps to criterion), so its report.md stays as "
+            "written then; rerun the preset with the current benchmark for a report of today's reading"
+        )
     pipeline_check = preset.get("name") == "smoke"
     lines = _front_matter(preset, record, pipeline_check)
     summaries = cells(results)
