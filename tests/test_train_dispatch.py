@@ -189,8 +189,10 @@ def test_the_accelerator_presets_make_their_batches_on_the_device():
     # of theirs are resumed: the queue writes new folders.
     for name in ("paper", "colab-tpu", "gpu-text", "gpu-long", "kazemnejad-long"):
         assert PRESETS[name].batches == "device" and PRESETS[name].steps_per_dispatch > 1, name
-    for name in ("cpu", "cpu-full", "kazemnejad", "ruoss"):  # CPU runs, some in progress: host batches
+    for name in ("cpu", "cpu-full", "kazemnejad"):  # CPU runs, some in progress: host batches
         assert (PRESETS[name].batches, PRESETS[name].steps_per_dispatch) == ("host", 1), name
+    # A CPU run started after device batches existed (its fixed-budget rows are all of these settings).
+    assert (PRESETS["ruoss"].batches, PRESETS["ruoss"].steps_per_dispatch) == ("device", 50)
 
 
 MESH_SCRIPT = """
