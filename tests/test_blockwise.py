@@ -206,6 +206,37 @@ def test_transformer_xl_tiles_read_the_calls_table_where_runs(causal):
     np.testing.assert_allclose(tiled.tile_logits(q, k, gap), want, rtol=1e-5, atol=1e-5)
 
 
+def test_transformer_xl_scores_form_adds_its_rows_into_the_content_with_the_same_derivatives():
+    """The scores form on a tile of 64 query rows (two blocks of 32, each added into the content scores where
+    it lies, in place) equals the content plus the tile's terms: values, the gradients of q, k and every
+    parameter, and forward-mode tangents."""
+    config = small_config("transformer-xl")
+    params = config.init(jax.random.key(1), num_heads=N, head_dim=H, model_dim=N * H)
+    params = jax.tree.map(lambda p: p + 0.3 * jax.random.normal(jax.random.key(2), p.shape), params)
+    whole = AttentionContext.from_positions(jnp.arange(90)[None], jnp.arange(90)[None], scale=0.3, causal=True)
+    tile = whole.tile(20 + jnp.arange(64)[None], 30 + jnp.arange(6)[None])
+    q, k, cotangent = (
+        jax.random.normal(jax.random.key(i), s) for i, s in ((6, (B, 64, N, H)), (5, (B, 6, N, H)), (7, (B, N, 64, 6)))
+    )
+    content = lambda q, k: jnp.einsum("BTNH,BSNH->BNTS", q, k) * 0.3
+
+    def scores(params, q, k, form):
+        hook = config.build(params).for_tiles(whole, 64, 6)
+        if form == "scores":
+            return hook.tile_scores(q, k, tile, content)
+        return content(q, k) + hook.tile_logits(q, k, tile)
+
+    results = []
+    for form in ("scores", "logits"):
+        loss = lambda *args, form=form: jnp.sum(scores(*args, form) * cotangent)
+        grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(params, q, k)
+        tangent = jax.jvp(lambda q, k, form=form: scores(params, q, k, form), (q, k), (q[::-1], k[::-1]))[1]
+        results.append(jax.tree.leaves((scores(params, q, k, form), grads, tangent)))
+    assert float(jnp.abs(results[1][0]).max()) > 1e-2
+    for got, want in zip(*results, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["kerple-power", "fire", "cope", "shaw", "deberta", "rope", "transformer-xl"])
 def test_tile_forms_forward_mode_equals_materialising(name):
     """jax.jvp through the tiles' own forms (no context manager), on a run with tiles of every kind:

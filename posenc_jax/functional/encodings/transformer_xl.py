@@ -38,8 +38,8 @@ from posenc_jax.functional.core.positions import batched_positions, inverse_freq
 from posenc_jax.functional.core.products import key_heads_for_queries
 from posenc_jax.functional.core.registry import Source, register_encoding
 from posenc_jax.functional.encodings.sinusoidal_relative import key_sinusoids, sinusoidal_relative_logits
+from posenc_jax.functional.kernels.row_blocks import by_query_rows
 from posenc_jax.functional.kernels.transformer_xl import (
-    by_query_rows,
     tile_distance_table,
     tile_terms,
     transformer_xl_terms,
@@ -297,8 +297,16 @@ class TransformerXL:
         """One tile's terms: from the call's projected distances where the tile's positions are runs
         (:func:`~posenc_jax.functional.kernels.transformer_xl.tile_terms`: two score products' work), by
         the sinusoid identity otherwise (and without :meth:`for_tiles`'s table)."""
+        return self._tile(q, k, context)
+
+    def tile_scores(self, q, k, context: AttentionContext, content):
+        """``content(q, k) + tile_logits(q, k, context)``, the terms added into the content scores by blocks of
+        query rows where they lie (the tile's scores are the only tile-sized array)."""
+        return self._tile(q, k, context, into=content(q, k))
+
+    def _tile(self, q, k, context: AttentionContext, into=None):
         if self.tile_table is None:
-            return self.logits(q, k, context)
+            return self.logits(q, k, context) if into is None else into + self.logits(q, k, context)
         _check_params(q, self.position_projection, self.content_bias, self.position_bias, None)
         plain = dataclasses.replace(self, distance_table=None, tile_table=None)
         # The identity for any positions: the terms' plain form (not causal: no ladder to try in a tile), by
@@ -323,6 +331,7 @@ class TransformerXL:
             project=functools.partial(project_distances, base=self.base),
             scale=scale,
             identity=identity,
+            into=into,
         )
 
     def add_logits(self, scores: jax.Array, q: jax.Array, k: jax.Array, context: AttentionContext) -> jax.Array:
@@ -359,7 +368,7 @@ class TransformerXL:
     source=TRANSFORMER_XL,
     hook=TransformerXL,
     hooks=("logits",),
-    tiled=("logits", "per_call"),
+    tiled=("logits", "scores", "per_call"),
     cached=("key_term", "table", "key_features"),
     prepared=None,
     fused=("rows", "rows_from_content"),

@@ -16,7 +16,18 @@ from posenc_jax.functional.kernels import (
     pallas_dispatch,
     relative,
     relative_tiles,
+    row_blocks,
     transformer_xl,
 )
 
-__all__ = ["broadcast", "cope", "cudnn", "fire", "pallas_dispatch", "relative", "relative_tiles", "transformer_xl"]
+__all__ = [
+    "broadcast",
+    "cope",
+    "cudnn",
+    "fire",
+    "pallas_dispatch",
+    "relative",
+    "relative_tiles",
+    "row_blocks",
+    "transformer_xl",
+]

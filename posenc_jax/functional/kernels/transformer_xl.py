@@ -21,8 +21,8 @@ run time the cheaper way the positions allow:
 - tiles, for blockwise attention: ``W_R R_d`` projected once per call for every distance the
   call's tiles can need (:func:`tile_distance_table`), and each tile whose positions are runs
   scored against the ``bq + bk - 1`` of them it needs, each score moved to its key by a skew
-  of the rows (:func:`tile_terms`, :func:`skew_rows`: a slice and reshapes, whose transpose is
-  a pad), by blocks of 128 query rows: about 1.25 score products per tile of 512, where the
+  of the rows (:func:`tile_terms`; :mod:`~posenc_jax.functional.kernels.row_blocks`: a slice and
+  reshapes, whose transpose is a pad), by blocks of 128 query rows: about 1.25 score products per tile of 512, where the
   identity does ``D / H`` of them.
 
 The plain forms beside them: the identity (the encoding's, which every way falls back to),
@@ -54,11 +54,10 @@ from posenc_jax.functional.core.relative import (
     take_along_last_axis,
 )
 from posenc_jax.functional.kernels.autodiff import linear_primitives, tangent_primitive
+from posenc_jax.functional.kernels.row_blocks import add_rows, row_block, skew_rows
 
 __all__ = [
-    "by_query_rows",
     "shift_ladder_scores",
-    "skew_rows",
     "tile_distance_table",
     "tile_terms",
     "transformer_xl_terms",
@@ -465,57 +464,21 @@ def tile_distance_table(
     return top, project_distances(distances, position_projection)
 
 
-def skew_rows(x: jax.Array, cols: int) -> jax.Array:
-    """``out[..., r, c] = x[..., r, R - 1 - r + c]``: row r read from column ``R - 1 - r`` on, ``[..., R, cols]``.
-
-    ``x`` ``[..., R, R + cols - 1]``. A slice of the rows laid out flat and reshapes (no gather;
-    the transpose is a pad): row r, read at stride ``R + cols - 2``, starts ``R - 1 - r`` entries in.
-
-    Example:
-      >>> skew_rows(jnp.arange(8.0).reshape(2, 4), 3)
-      Array([[1., 2., 3.],
-             [4., 5., 6.]], dtype=float32)
-    """
-    *lead, rows, width = x.shape
-    if width != rows + cols - 1:
-        raise ValueError(f"skew_rows needs [..., R, R + cols - 1] = [..., {rows}, {rows + cols - 1}], got {x.shape}")
-    if rows == 1:
-        return x
-    flat = x.reshape(*lead, rows * width)[..., rows - 1 : rows - 1 + rows * (width - 1)]
-    return flat.reshape(*lead, rows, width - 1)[..., :cols]
-
-
-def _row_block(block_q: int) -> int:
-    """How many query rows :func:`tile_terms` scores at once: 128 (or 64, 32) where that divides a larger tile."""
-    return next((rows for rows in (128, 64, 32) if block_q > rows and block_q % rows == 0), block_q)
-
-
-def by_query_rows(rows_terms: Callable, q, query_positions) -> jax.Array:
-    """A tile's ``[B, N, bq, bk]`` from ``rows_terms(q_rows, positions_rows)`` ``[B, N, m, bk]`` of each block
-    of ``m`` query rows (as :func:`tile_terms` blocks them), one block after another.
-
-    A loop whose step's gradient computes its forward again: the terms' intermediates (the identity's
-    ``[m, N, D]`` projected queries) are a block's, not the tile's. For the identity a tile falls back on,
-    which a conditional's memory counts (the costlier branch's) though tiles of runs never take it.
-    ``q`` ``[B, bq, N, H]``; ``query_positions`` ``[B|1, bq]``.
-    """
-    block_q = q.shape[1]
-    rows = _row_block(block_q)
-    if rows == block_q:
-        return rows_terms(q, query_positions)
-    blocks = block_q // rows
-    q_rows = jnp.moveaxis(q.reshape(q.shape[0], blocks, rows, *q.shape[2:]), 1, 0)
-    positions = with_batch_axis(query_positions)
-    positions = jnp.moveaxis(positions.reshape(positions.shape[0], blocks, rows), 1, 0)
-    out = jax.lax.map(jax.checkpoint(lambda part: rows_terms(*part)), (q_rows, positions))  # [blocks, B, N, m, bk]
-    out = jnp.moveaxis(out, 0, 2)
-    return out.reshape(*out.shape[:2], block_q, out.shape[-1])
-
-
 def tile_terms(
-    content, shifted_q, query_positions, key_positions, table, *, projection, project, scale: float, identity: Callable
+    content,
+    shifted_q,
+    query_positions,
+    key_positions,
+    table,
+    *,
+    projection,
+    project,
+    scale: float,
+    identity: Callable,
+    into=None,
 ):
-    """One tile's ``scale · (content + (q_t + v)·W_R R_{t-s})``, ``[B, N, bq, bk]`` float32, from the call's table.
+    """One tile's ``scale · (content + (q_t + v)·W_R R_{t-s})``, ``[B, N, bq, bk]`` float32, from the call's table;
+    ``into + `` that where ``into`` (the tile's scores) is given, added block of rows by block of rows in place.
 
     Where the tile's positions are runs (each row counting up by one, the same offset in every
     batch row) and its distances ``highest .. highest - bq - bk + 2`` lie in ``table`` (``(top,
@@ -551,14 +514,16 @@ def tile_terms(
         & (jnp.abs(top) < _REACH)
         & jnp.all(jnp.abs(highest) < _REACH)
     )
-    rows = _row_block(block_q)
+    rows = row_block(block_q)
 
     def by_table():
         distances = highest[0] - jnp.arange(width, dtype=jnp.int32)  # the slice's, largest first
         window = _table_slice(project, projection, rows_of_table, start[0], distances)
+        if into is not None:
+            return _add_position_by_rows(into, content, shifted_q, window, block_k, rows, scale)
         return (content + _position_by_rows(shifted_q, window, block_k, rows)) * jnp.float32(scale)
 
-    return jax.lax.cond(fits, by_table, identity)
+    return jax.lax.cond(fits, by_table, identity if into is None else lambda: into + identity())
 
 
 @functools.partial(jax.checkpoint, static_argnums=(2, 3))
@@ -584,6 +549,18 @@ def _position_by_rows(shifted_q, window, block_k: int, rows: int) -> jax.Array:
     if rows == block_q:
         return block(0)
     return jnp.concatenate([block(first) for first in range(0, block_q, rows)], axis=2)
+
+
+def _add_position_by_rows(scores, content, shifted_q, window, block_k: int, rows: int, scale: float) -> jax.Array:
+    """``scores + scale · (content + (q_t + v)·W_R R_{t-s})``: :func:`_position_by_rows`'s blocks of rows each
+    added into the scores where they lie (:func:`~posenc_jax.functional.kernels.row_blocks.add_rows`: no
+    tile-sized term of their own)."""
+    block_q = shifted_q.shape[1]
+    blocks = []
+    for first in range(0, block_q, rows):  # the window's rows of this block's distances start at bq - rows - first
+        own = _position_by_rows(shifted_q[:, first : first + rows], window[block_q - rows - first :], block_k, rows)
+        blocks.append((content + own) * jnp.float32(scale))
+    return add_rows(scores, tuple(blocks))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
