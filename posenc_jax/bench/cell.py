@@ -286,6 +286,7 @@ def train_and_evaluate(
     models, optimizers = _build_seeds(cell, configs, seeds)
     with contextlib.ExitStack() as stack:
         checkpointers = _open_checkpointers(stack, out, fingerprint, cell, seeds)
+        # Each checkpoint records what it is a checkpoint of.
         recorded = {
             seed: {
                 "settings": fingerprint,
@@ -435,8 +436,8 @@ def _train_group(
             "dispatches"
         )
     seeds = SeedGroup([models[s] for s in group], [optimizers[s] for s in group], mesh=mesh)
-    run = _GroupRun(cell, group, first_step, seeds, record, checks=checks, criterion=criterion, bar=bar)
-    run.train(lambda step: run.save(step, checkpointers, recorded, save_checks))
+    saving = (checkpointers, recorded, save_checks)
+    _GroupRun(cell, group, first_step, seeds, record, saving, checks=checks, criterion=criterion, bar=bar).train()
     for i, seed in enumerate(group):
         models[seed], optimizers[seed] = seeds.seed(i)
     return record
@@ -445,10 +446,12 @@ def _train_group(
 class _GroupRun:
     """One group of seeds in training (:func:`_train_group`): the seeds stacked, each one's held-out batch
     and checks, the losses not looked at yet, the progress bar, and the time spent on checks and saves
-    (kept out of the training time). Fills ``record`` as it goes."""
+    (kept out of the training time). Fills ``record`` as it goes; ``saving``: the seeds' checkpointers, what each
+    checkpoint records, and the call that writes a seed's checks."""
 
-    def __init__(self, cell, group, first_step, seeds: SeedGroup, record: dict, *, checks, criterion, bar):
+    def __init__(self, cell, group, first_step, seeds: SeedGroup, record: dict, saving, *, checks, criterion, bar):
         self.cell, self.settings, self.group, self.first_step = cell, cell.settings, group, first_step
+        self.checkpointers, self.recorded, self.save_checks = saving
         self.seeds, self.record, self.checks, self.criterion, self.bar = seeds, record, checks, criterion, bar
         self.stops = self.settings.protocol == "to-criterion"
         self.per_dispatch = self.settings.steps_per_dispatch
@@ -528,7 +531,7 @@ class _GroupRun:
             self.progress.set_postfix(check=" ".join(f"{self.checks[seed][-1][1]:.3f}" for seed in self.group))
         return all(self.frozen)
 
-    def save(self, step, checkpointers, recorded, save_checks) -> None:
+    def save(self, step) -> None:
         """Each seed's checks, then its checkpoint at ``step``."""
         jax.block_until_ready(self.seeds.state)
         self.finite()  # a diverged state is never saved, so a re-run resumes from finite weights
@@ -536,12 +539,12 @@ class _GroupRun:
         for i, seed in enumerate(self.group):
             # The checks first: a kill between the two leaves checks a step ahead of the newest
             # checkpoint, which reading them up to the restored step drops.
-            save_checks(seed)
+            self.save_checks(seed)
             model, optimizer = self.seeds.seed(i)
-            checkpointers[seed].save(step, model, optimizer, config=recorded[seed])
+            self.checkpointers[seed].save(step, model, optimizer, config=self.recorded[seed])
         self.paused += time.perf_counter() - started
 
-    def train(self, save) -> None:
+    def train(self) -> None:
         """Trains to the end (``fit`` counts calls of :meth:`step`: dispatches of ``per_dispatch`` steps, one
         step with host batches) and records the times, the final losses and each seed's steps."""
         per_dispatch, settings, record = self.per_dispatch, self.settings, self.record
@@ -553,7 +556,7 @@ class _GroupRun:
             start_step=self.first_step // per_dispatch,
             log=None,
             step_fn=self.step,
-            save=lambda dispatch: save(dispatch * per_dispatch),
+            save=lambda dispatch: self.save(dispatch * per_dispatch),
             checkpoint_every=settings.checkpoint_every // per_dispatch,
             check_every=settings.check_every // per_dispatch,
             check=lambda dispatch: self.check(dispatch * per_dispatch),
